@@ -1,0 +1,1 @@
+"""Command-line interface: each subcommand module maps flags onto one library function."""

@@ -1,0 +1,48 @@
+"""``specdraft`` entry point.
+
+Each module listed in ``COMMAND_MODULES`` exposes ``add_parser(subparsers)``, which registers one
+subcommand and sets ``func`` (a plain function taking the parsed namespace). Library code is
+imported inside those functions so ``specdraft --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from specdraft.errors import SpecdraftError
+
+COMMAND_MODULES = [
+    "specdraft.cli.prepare",
+    "specdraft.cli.extract",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdraft", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = args.func(args)
+    except SpecdraftError as exc:
+        print(f"specdraft {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"specdraft {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

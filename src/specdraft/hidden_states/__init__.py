@@ -1,0 +1,1 @@
+"""Target hidden states: capture, the self-describing payload, storage backends and readers."""

@@ -1,0 +1,83 @@
+"""Typed configs as the single source of defaults and ``--help`` text.
+
+Each concern declares a dataclass whose fields carry ``metadata={"help": ...}``; the CLI derives
+its flags from it (``add_dataclass_arguments``) and builds the config back (``dataclass_from_args``),
+so a default lives in exactly one place. Validation belongs in the dataclass ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+C = TypeVar("C")
+
+
+def config_field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with help text (list defaults are copied per instance)."""
+    metadata = {"help": help, **kwargs.pop("metadata", {})}
+    if isinstance(default, (list, dict)):
+        value = default
+        return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata, **kwargs)
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, exclude: tuple[str, ...] = ()) -> None:
+    """Add one ``--kebab-case`` flag per field of ``cls`` (bools become ``--flag/--no-flag``)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in exclude or not f.init:
+            continue
+        tp, _ = _unwrap_optional(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = None if required else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text + ("" if required else f" (default: {default})")}
+        if required:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = argparse.SUPPRESS
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        if tp is bool:
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, **kwargs)
+        elif typing.get_origin(tp) in (list, tuple):
+            (item,) = typing.get_args(tp)[:1]
+            parser.add_argument(_flag(f.name), type=_list_parser(item), **kwargs)
+        else:
+            parser.add_argument(_flag(f.name), type=tp if tp in (int, float, str) else str, **kwargs)
+
+
+def _list_parser(item: type):
+    def parse(text: str) -> list:
+        parts = [p for p in text.split(",") if p.strip()]
+        try:
+            return [item(p.strip()) for p in parts]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {item.__name__}, got {text!r}")
+
+    return parse
+
+
+def dataclass_from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
+    """Build ``cls`` from the parsed flags; fields whose flag was not given keep their defaults."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values.update(overrides)
+    return cls(**values)
