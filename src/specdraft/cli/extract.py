@@ -1,0 +1,34 @@
+"""``specdraft extract``: store target hidden states for a prepared dataset (resumable)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specdraft.hidden_states.config import ExtractConfig
+from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "extract",
+        help="capture target hidden states for a prepared dataset",
+        description="Run the target over a prepared dataset and store the hidden states of the chosen layers "
+        "(a method preset or --layers). Rerunning resumes: verified samples are skipped, corrupt ones redone.",
+    )
+    add_dataclass_arguments(parser, ExtractConfig)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdraft.hidden_states.extract import extract_hidden_states
+
+    summary = extract_hidden_states(dataclass_from_args(ExtractConfig, args))
+    s = summary.to_dict()
+    print(
+        f"extracted {s['samples_extracted']} samples ({s['tokens_extracted']} tokens) in {s['seconds']:.1f} s "
+        f"[{s['samples_per_second']:.2f} samples/s, {s['tokens_per_second']:.0f} tokens/s, {s['bytes_per_token']:.0f} bytes/token]; "
+        f"skipped {s['samples_skipped']} already stored; store: {s['store']}"
+    )
+    print(json.dumps(s, sort_keys=True))
+    return 0

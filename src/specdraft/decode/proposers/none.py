@@ -1,0 +1,21 @@
+"""The empty proposer: plain autoregressive decoding through the speculative runtime."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specdraft.decode.config import DecodeConfig
+from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
+
+
+class NoDraftProposer(Proposer):
+    """Proposes nothing: every round verifies zero drafts, i.e. plain autoregressive decoding
+    through exactly the same runtime (the baseline speedups are measured against)."""
+
+    def propose(self, inputs: ProposalInput) -> Draft:
+        return Draft.empty(len(inputs.tokens), inputs.max_draft.device)
+
+
+@PROPOSERS.register("none")
+def build_no_draft(config: DecodeConfig, model: Any = None) -> Proposer:
+    return NoDraftProposer()

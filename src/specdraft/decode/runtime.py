@@ -1,0 +1,381 @@
+"""The speculative decoding loop over an HF causal LM: draft, verify with ONE target forward, commit.
+
+Batching without re-padding: every request is a row of one target KV cache (``DynamicCache``).
+Rows accept different numbers of drafts per round, so instead of shifting caches the runtime
+keeps a boolean *validity mask* over cache columns and passes it as the attention mask: rejected
+drafts stay in the cache as masked-out "holes", position ids are tracked per row, and trailing
+columns that no row kept are cropped away. A row's attention therefore sees exactly its own
+committed tokens at their true positions, as in an unbatched run.
+
+Round for the R active rows (each has an *anchor*: its last committed token, not yet in the cache):
+  1. the proposer drafts up to k tokens per row from the committed tokens and the target hidden
+     states of newly verified positions;
+  2. the verify policy (``scheduler.py``) may shorten each row's verify length l_r;
+  3. one target forward over [anchor, x_1..x_K] per row (K = max l_r, padding masked out);
+  4. verification (``verification.py``) commits n_r accepted drafts + 1 recovered/bonus token;
+  5. the cache keeps the anchor and accepted drafts of each row (the new last token becomes the
+     next anchor); requests stop at EOS, at ``max_new_tokens`` or at the target's context length.
+Plain autoregressive decoding is the same loop with the ``none`` proposer (zero drafts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from specdraft.decode.config import DecodeConfig
+from specdraft.decode.proposers import PROPOSERS, Draft, ProposalInput, Proposer
+from specdraft.decode.sampling import SamplingConfig, sample_from_logits, sampling_probs
+from specdraft.decode.scheduler import SchedulerConfig, StepRate, VERIFY_POLICIES, choose_verify_lengths
+from specdraft.decode.verification import VerifyOutput, verify_greedy, verify_rejection
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.capture import find_decoder
+from specdraft.hidden_states.layers import LayerSlot
+
+
+@dataclass
+class RequestOutput:
+    """One request's result: generated token ids (prompt excluded) and why generation stopped."""
+
+    tokens: list[int]
+    finish_reason: str  # "eos" | "length" (max_new_tokens) | "context" (target context full)
+
+
+@dataclass
+class DecodeMetrics:
+    """Counters of one ``generate`` call; derived rates are properties (and in ``to_json``).
+
+    A *round* is one verification of one request (a target forward serves all rows at once,
+    counted in ``target_forwards``). ``committed`` counts n + 1 per round before truncation at
+    EOS/limits, so ``tau`` is the acceptance length as the papers report it (bonus included).
+    position_drafted[j] / position_accepted[j]: rounds that verified / accepted draft j+1.
+    """
+
+    requests: int = 0
+    output_tokens: int = 0
+    rounds: int = 0
+    committed: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_forwards: int = 0
+    position_drafted: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+    ttft_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.committed / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def time_per_output_token_s(self) -> float:
+        """Decode time after the first token per later token of a request (batch-averaged)."""
+        later = self.output_tokens / max(self.requests, 1) - 1
+        return (self.wall_s - self.ttft_s) / later if later > 0 else 0.0
+
+    def record_round(self, lengths: list[int], accepted: list[int]) -> None:
+        for l, n in zip(lengths, accepted):
+            self.rounds += 1
+            self.committed += n + 1
+            self.drafted += l
+            self.accepted += n
+            for counts, upto in ((self.position_drafted, l), (self.position_accepted, n)):
+                counts.extend([0] * (upto - len(counts)))
+                for j in range(upto):
+                    counts[j] += 1
+
+    def to_json(self) -> dict[str, Any]:
+        derived = ("tau", "acceptance_rate", "position_acceptance", "tokens_per_s", "time_per_output_token_s")
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
+
+
+@dataclass
+class DecodeResult:
+    outputs: list[RequestOutput]
+    metrics: DecodeMetrics
+
+
+def build_proposer(config: DecodeConfig, model: Any) -> Proposer:
+    """The registered proposer named by ``config.drafter``."""
+    return PROPOSERS.get(config.drafter)(config, model)
+
+
+class SpeculativeDecoder:
+    """Generates with a target ``model`` (HF causal LM) and a ``proposer``; reusable across calls."""
+
+    def __init__(
+        self,
+        model: Any,
+        proposer: Proposer,
+        *,
+        config: DecodeConfig,
+        sampling: SamplingConfig,
+        scheduler: SchedulerConfig = SchedulerConfig(),
+        sps: StepRate | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ):
+        self.model = model
+        self.proposer = proposer
+        self.config = config
+        self.sampling = sampling
+        self.scheduler = scheduler
+        self.sps = sps
+        policy = VERIFY_POLICIES.get(scheduler.verify_policy)
+        if policy.needs_confidences and not proposer.provides_confidences:
+            raise SpecdraftError(
+                f"verify policy {scheduler.verify_policy!r} needs draft confidences, which the {config.drafter!r} drafter "
+                "does not produce; use --verify-policy full (or a DSpark drafter)"
+            )
+        if policy.needs_sps and sps is None:
+            raise SpecdraftError(f"verify policy {scheduler.verify_policy!r} needs the target's steps/s profile (sps)")
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.context_length = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
+        self.num_layers = int(text_config.num_hidden_layers)
+        if eos_token_ids is None:
+            eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+            eos = eos if eos is not None else getattr(text_config, "eos_token_id", None)
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
+        self.slots: tuple[LayerSlot, ...] = tuple(proposer.layer_slots)
+        for slot in self.slots:
+            slot.check(self.num_layers)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor]) -> DecodeResult:
+        """Decode every prompt (token ids) to completion as one batch."""
+        from transformers import DynamicCache
+
+        prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
+        self._check_prompts(prompts)
+        device = self.device
+        generator = torch.Generator(device=device).manual_seed(self.config.seed)
+        metrics = DecodeMetrics(requests=len(prompts))
+        start = time.perf_counter()
+
+        # Prefill, left-padded so that every row's last prompt token is the last column.
+        rows = len(prompts)
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((rows, width), dtype=torch.long)
+        valid = torch.zeros((rows, width), dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            valid[i, width - len(p) :] = True
+        ids, valid = ids.to(device), valid.to(device)
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits, captured = self._forward(ids, valid, positions, cache, logits_to_keep=1)
+        logits = logits[:, -1]
+        metrics.target_forwards += 1
+        first, _ = sample_from_logits(logits, self.sampling, generator)
+        metrics.ttft_s = time.perf_counter() - start
+
+        limits = [min(self.config.max_new_tokens, self.context_length - len(p)) if self.context_length else self.config.max_new_tokens for p in prompts]
+        state = _Rows(
+            row_ids=list(range(rows)),
+            tokens=[list(p) for p in prompts],
+            generated=[0] * rows,
+            next_pos=torch.tensor([len(p) for p in prompts], device=device),
+            new_hidden=[captured[i, width - len(p) :] for i, p in enumerate(prompts)] if captured is not None else None,
+            new_start=[0] * rows,
+        )
+        outputs: list[RequestOutput | None] = [None] * rows
+        finished = self._commit(state, [[int(t)] for t in first.tolist()], limits, outputs)
+        valid, cache = self._drop(state, finished, valid, cache)
+
+        while state.row_ids:
+            valid = self._round(state, valid, cache, limits, outputs, generator, metrics)
+            finished = [i for i, rid in enumerate(state.row_ids) if outputs[rid] is not None]
+            valid, cache = self._drop(state, finished, valid, cache)
+
+        metrics.wall_s = time.perf_counter() - start
+        final = [o for o in outputs if o is not None]
+        metrics.output_tokens = sum(len(o.tokens) for o in final)
+        return DecodeResult(outputs=final, metrics=metrics)
+
+    # -- one round ---------------------------------------------------------------------------
+
+    def _round(self, state: "_Rows", valid, cache, limits, outputs, generator, metrics: DecodeMetrics) -> torch.Tensor:
+        device = self.device
+        remaining = torch.tensor([limits[rid] - state.generated[i] for i, rid in enumerate(state.row_ids)], device=device)
+        max_draft = (remaining - 1).clamp(min=0, max=self.config.num_draft_tokens)
+
+        t0 = time.perf_counter()
+        draft = self.proposer.propose(ProposalInput(
+            row_ids=list(state.row_ids),
+            tokens=[torch.tensor(t, dtype=torch.long, device=device) for t in state.tokens],
+            new_hidden=state.new_hidden,
+            new_start=list(state.new_start),
+            max_draft=max_draft,
+            sampling=self.sampling,
+            generator=generator,
+        ))
+        lengths, draft = self._checked(draft, max_draft)
+        lengths = choose_verify_lengths(confidences=draft.confidences, lengths=lengths, config=self.scheduler, sps=self.sps)
+        width = int(lengths.max()) if lengths.numel() else 0
+        drafts = draft.tokens[:, :width]
+        t1 = time.perf_counter()
+
+        anchors = torch.tensor([t[-1] for t in state.tokens], dtype=torch.long, device=device)
+        block = torch.cat([anchors[:, None], drafts.clamp(min=0)], dim=1)
+        cols = torch.arange(width + 1, device=device)
+        block_valid = cols[None] <= lengths[:, None]
+        positions = state.next_pos[:, None] + cols[None]
+        logits, captured = self._forward(block, torch.cat([valid, block_valid], dim=1), positions, cache)
+        metrics.target_forwards += 1
+        result = self._verify(drafts, lengths, draft.probs, logits, generator)
+        metrics.draft_s += t1 - t0
+        metrics.verify_s += time.perf_counter() - t1
+
+        accepted = result.num_accepted
+        kept = int(accepted.max()) + 1
+        if kept < width + 1:
+            cache.crop(kept - (width + 1))
+        valid = torch.cat([valid, (cols[None] <= accepted[:, None])[:, :kept]], dim=1)
+        if captured is not None:
+            state.new_hidden = [captured[i, : int(n) + 1] for i, n in enumerate(accepted.tolist())]
+        state.new_start = state.next_pos.tolist()
+        state.next_pos = state.next_pos + accepted + 1
+        metrics.record_round(lengths.tolist(), accepted.tolist())
+        self._commit(state, [result.committed(i) for i in range(len(state.row_ids))], limits, outputs)
+        return valid
+
+    def _checked(self, draft: Draft, max_draft: torch.Tensor) -> tuple[torch.Tensor, Draft]:
+        rows = max_draft.shape[0]
+        if draft.tokens.dim() != 2 or draft.tokens.shape[0] != rows or draft.lengths.shape != (rows,):
+            raise SpecdraftError(
+                f"drafter {self.config.drafter!r} returned tokens {list(draft.tokens.shape)} / lengths {list(draft.lengths.shape)} for {rows} rows"
+            )
+        lengths = draft.lengths.to(max_draft.device).minimum(max_draft).clamp(min=0).minimum(torch.tensor(draft.tokens.shape[1], device=max_draft.device))
+        return lengths, draft
+
+    def _verify(self, drafts, lengths, draft_probs, logits, generator) -> VerifyOutput:
+        if self.sampling.greedy:
+            return verify_greedy(draft_tokens=drafts, draft_lengths=lengths, target_logits=logits)
+        target_probs = sampling_probs(logits, self.sampling)
+        if draft_probs is not None:
+            draft_probs = draft_probs[:, : drafts.shape[1]]
+        return verify_rejection(draft_tokens=drafts, draft_lengths=lengths, draft_probs=draft_probs, target_probs=target_probs, generator=generator)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def _commit(self, state: "_Rows", committed: list[list[int]], limits: list[int], outputs: list) -> list[int]:
+        """Append each row's committed tokens, stopping at EOS or its limit; returns finished rows."""
+        finished = []
+        for i, tokens in enumerate(committed):
+            rid = state.row_ids[i]
+            for token in tokens:
+                state.tokens[i].append(token)
+                state.generated[i] += 1
+                reason = None
+                if token in self.eos_token_ids:
+                    reason = "eos"
+                elif state.generated[i] >= limits[rid]:
+                    reason = "length" if state.generated[i] >= self.config.max_new_tokens else "context"
+                if reason:
+                    outputs[rid] = RequestOutput(tokens=state.tokens[i][len(state.tokens[i]) - state.generated[i] :], finish_reason=reason)
+                    finished.append(i)
+                    break
+        return finished
+
+    def _drop(self, state: "_Rows", finished: list[int], valid: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        if not finished:
+            return valid, cache
+        self.proposer.release([state.row_ids[i] for i in finished])
+        keep = [i for i in range(len(state.row_ids)) if i not in set(finished)]
+        state.select(keep)
+        if keep:
+            index = torch.tensor(keep, device=valid.device)
+            cache.batch_select_indices(index)
+            valid = valid[index]
+        return valid, cache
+
+    def _forward(self, ids, valid, positions, cache, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target logits [R, T', V] and, if the proposer reads features, its slots [R, T, S, D]."""
+        seen: dict[LayerSlot, torch.Tensor] = {}
+        with self._hooks(seen):
+            out = self.model(
+                input_ids=ids, attention_mask=valid.long(), position_ids=positions, cache=cache, use_cache=True, logits_to_keep=logits_to_keep
+            )
+        hidden = torch.stack([seen[s] for s in self.slots], dim=2) if self.slots else None
+        return out.logits, hidden
+
+    @contextlib.contextmanager
+    def _hooks(self, seen: dict[LayerSlot, torch.Tensor]) -> Iterator[None]:
+        """Record the proposer's layer slots (pre-hook = layer input, hook = layer output) for one forward."""
+        if not self.slots:
+            yield
+            return
+        _, layers, _ = find_decoder(self.model)
+        handles = []
+        for slot in dict.fromkeys(self.slots):
+            if slot.side == "input":
+                def pre(module, args, kwargs, slot=slot):
+                    seen[slot] = args[0] if args else kwargs["hidden_states"]
+                handles.append(layers[slot.layer].register_forward_pre_hook(pre, with_kwargs=True))
+            else:
+                def post(module, args, output, slot=slot):
+                    seen[slot] = output[0] if isinstance(output, (tuple, list)) else output
+                handles.append(layers[slot.layer].register_forward_hook(post))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        if not prompts:
+            raise SpecdraftError("no prompts to decode")
+        vocab = int(self.model.get_input_embeddings().num_embeddings)
+        for i, p in enumerate(prompts):
+            if not p:
+                raise SpecdraftError(f"prompt {i} is empty; every request needs at least one token")
+            if self.context_length and len(p) >= self.context_length:
+                raise SpecdraftError(
+                    f"prompt {i} has {len(p)} tokens but the target's context is {self.context_length} tokens "
+                    "(max_position_embeddings); shorten the prompt so at least one token can be generated"
+                )
+            if min(p) < 0 or max(p) >= vocab:
+                raise SpecdraftError(f"prompt {i} has token ids outside the target vocabulary [0, {vocab})")
+
+
+@dataclass
+class _Rows:
+    """Per-row state of the active requests, in batch order (rows leave when they finish)."""
+
+    row_ids: list[int]
+    tokens: list[list[int]]  # prompt + committed output; the last token is the anchor
+    generated: list[int]
+    next_pos: torch.Tensor  # [R] position of the anchor
+    new_hidden: list[torch.Tensor] | None  # features the proposer has not seen yet
+    new_start: list[int]
+
+    def select(self, keep: list[int]) -> None:
+        self.row_ids = [self.row_ids[i] for i in keep]
+        self.tokens = [self.tokens[i] for i in keep]
+        self.generated = [self.generated[i] for i in keep]
+        self.next_pos = self.next_pos[torch.tensor(keep, dtype=torch.long, device=self.next_pos.device)]
+        if self.new_hidden is not None:
+            self.new_hidden = [self.new_hidden[i] for i in keep]
+        self.new_start = [self.new_start[i] for i in keep]

@@ -1,0 +1,142 @@
+"""Verify-length policies, including DSpark's hardware-aware prefix scheduler (DSpark paper §3).
+
+A policy maps the drafter's per-position confidences to the number of drafts each request sends
+to the target this round. Terms, for request r and 1-based draft position j:
+
+  c_{r,j}  confidence: the drafter's estimate of P(x_j accepted | x_1..x_{j-1} accepted). It is
+           computed from x_{j-1} (DSpark's confidence head reads the Markov embedding of the
+           previous token), never from x_j itself.
+  a_{r,j}  prefix survival prod_{i<=j} c_{r,i}: the expected contribution of x_j to tau.
+  l_r      verify length: drafts x_1..x_{l_r} are verified (always a prefix).
+
+Scheduled policy: verifying lengths l gives a target forward of B = sum_r (1 + l_r) tokens and
+expected committed tokens tau = sum_r (1 + sum_{j<=l_r} a_{r,j}); maximise Theta = tau * SPS(B).
+
+  1. Start from l_r = 0 (anchor only): B = R, tau = R.
+  2. Sort every candidate (r, j) by a_{r,j} descending (ties: earlier j first). Because a is
+     non-increasing in j, each request's candidates appear in prefix order.
+  3. Take candidates one at a time, extending l_r by one while Theta strictly improves; **stop at
+     the first candidate that does not improve it**.
+
+Why the break matters (losslessness): whether x_j is verified must not depend on x_j. With the
+break, candidate (r, j) is reached only through candidates with larger survival, and those
+involve request r's tokens before x_j only (a_{r,j} reads x_{j-1}). A look-ahead rule that skips
+a non-improving candidate to take a later one would include x_j *because* a_{r,j+1}, which reads
+x_j, is high; verified drafts are then a biased selection and the output distribution shifts
+(``tests/test_scheduler.py`` measures both).
+
+Worked example (one request, c = [0.9, 0.8, 0.2], SPS flat up to 3 tokens then halved):
+  a = [0.9, 0.72, 0.144]; start B=1, tau=1, Theta=1*SPS(1).
+  take a=0.9  -> B=2, tau=1.9,   Theta=1.9*SPS(2)   improves
+  take a=0.72 -> B=3, tau=2.62,  Theta=2.62*SPS(3)  improves
+  try a=0.144 -> B=4, tau=2.764, Theta=2.764*SPS(4) = 1.38*SPS(3) < 2.62*SPS(3): stop, l = 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.registry import Registry
+from specdraft.utils.config import config_field
+
+
+class StepRate(Protocol):
+    def __call__(self, num_tokens: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many drafted tokens each request sends to the target per round."""
+
+    verify_policy: str = config_field(
+        "full", help="full = verify every draft; threshold = verify while prefix survival >= confidence_threshold; "
+        "scheduled = DSpark prefix scheduler maximising expected tokens x target steps/s (needs a drafter with confidences)",
+        metadata={"choices": ("full", "threshold", "scheduled")},
+    )
+    confidence_threshold: float = config_field(0.5, help="prefix-survival threshold of the 'threshold' verify policy, in [0, 1]")
+
+    def __post_init__(self) -> None:
+        VERIFY_POLICIES.get(self.verify_policy)  # raises naming the known policies
+        if not 0 <= self.confidence_threshold <= 1:
+            raise SpecdraftError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
+
+
+@dataclass(frozen=True)
+class VerifyPolicy:
+    """choose(survival [R, K], lengths [R], config, sps) -> verify lengths [R] (int64, <= lengths)."""
+
+    choose: Callable[[torch.Tensor, torch.Tensor, SchedulerConfig, StepRate | None], torch.Tensor]
+    needs_confidences: bool
+    needs_sps: bool
+
+
+VERIFY_POLICIES: Registry[VerifyPolicy] = Registry("verify policy")
+
+
+def prefix_survival(confidences: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """a_{r,j} = prod_{i<=j} c_{r,i} for [R, K] confidences, zero at positions >= lengths[r]."""
+    if confidences.dim() != 2 or lengths.shape != confidences.shape[:1]:
+        raise ValueError(f"confidences must be [R, K] and lengths [R], got {list(confidences.shape)} and {list(lengths.shape)}")
+    if bool(((confidences < 0) | (confidences > 1)).any()) or bool(torch.isnan(confidences).any()):
+        raise ValueError("confidences must lie in [0, 1]")
+    survival = torch.cumprod(confidences.double(), dim=1)
+    cols = torch.arange(confidences.shape[1], device=confidences.device)
+    return survival.masked_fill(cols >= lengths[:, None], 0.0)
+
+
+def schedule_prefix(survival: torch.Tensor, lengths: torch.Tensor, sps: StepRate) -> torch.Tensor:
+    """The greedy prefix scheduler with the stop-at-first-non-improvement break (see module doc)."""
+    rows, _ = survival.shape
+    values = survival.tolist()
+    caps = lengths.tolist()
+    candidates = sorted(
+        ((values[r][j], j, r) for r in range(rows) for j in range(int(caps[r]))),
+        key=lambda c: (-c[0], c[1], c[2]),
+    )
+    chosen = [0] * rows
+    batch, tau = rows, float(rows)
+    best = tau * sps(batch)
+    for a, j, r in candidates:
+        assert chosen[r] == j, "prefix order violated: confidences must be in [0, 1]"
+        theta = (tau + a) * sps(batch + 1)
+        if not theta > best:
+            break
+        chosen[r], batch, tau, best = j + 1, batch + 1, tau + a, theta
+    return torch.tensor(chosen, dtype=torch.long, device=lengths.device)
+
+
+def _verify_all(survival: torch.Tensor, lengths: torch.Tensor, config: SchedulerConfig, sps: StepRate | None) -> torch.Tensor:
+    return lengths
+
+
+def _verify_above_threshold(survival: torch.Tensor, lengths: torch.Tensor, config: SchedulerConfig, sps: StepRate | None) -> torch.Tensor:
+    # survival is non-increasing along a row, so the positions above the threshold form a prefix
+    return (survival >= config.confidence_threshold).sum(dim=1).minimum(lengths)
+
+
+def _verify_scheduled(survival: torch.Tensor, lengths: torch.Tensor, config: SchedulerConfig, sps: StepRate | None) -> torch.Tensor:
+    assert sps is not None
+    return schedule_prefix(survival, lengths, sps)
+
+
+VERIFY_POLICIES.register("full")(VerifyPolicy(_verify_all, needs_confidences=False, needs_sps=False))
+VERIFY_POLICIES.register("threshold")(VerifyPolicy(_verify_above_threshold, needs_confidences=True, needs_sps=False))
+VERIFY_POLICIES.register("scheduled")(VerifyPolicy(_verify_scheduled, needs_confidences=True, needs_sps=True))
+
+
+def choose_verify_lengths(
+    *, confidences: torch.Tensor | None, lengths: torch.Tensor, config: SchedulerConfig, sps: StepRate | None = None
+) -> torch.Tensor:
+    """Verify lengths [R] for drafts of ``lengths`` [R] with ``confidences`` [R, K] (None if the drafter has none)."""
+    policy = VERIFY_POLICIES.get(config.verify_policy)
+    if not policy.needs_confidences:
+        return lengths
+    if confidences is None:
+        raise SpecdraftError(f"verify policy {config.verify_policy!r} needs a drafter with a confidence head (DSpark); use --verify-policy full")
+    if policy.needs_sps and sps is None:
+        raise SpecdraftError(f"verify policy {config.verify_policy!r} needs a target steps/s profile (SPS table)")
+    return policy.choose(prefix_survival(confidences, lengths), lengths, config, sps)

@@ -1,0 +1,157 @@
+"""SPS(B): target forward steps per second when one forward carries B tokens.
+
+The DSpark scheduler trades expected committed tokens against the cost of a wider verify
+forward, so it needs the target's real speed curve on this device. It is measured once (a few
+seconds) and cached as JSON per target fingerprint + device + dtype under
+``<cache>/sps/`` (``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.utils.io import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+SPS_FORMAT = "specdraft-sps-v1"
+
+
+@dataclass(frozen=True)
+class SpsTable:
+    """Measured points (tokens[i], steps_per_second[i]); lookups interpolate the step *time* linearly.
+
+    Beyond the largest measured B the time is extrapolated with the last segment's slope (never
+    decreasing), so a scheduler is not told that wider forwards become free.
+    """
+
+    tokens: tuple[int, ...]
+    steps_per_second: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.steps_per_second):
+            raise SpecdraftError("an SPS table needs one steps/s value per measured token count, and at least one point")
+        if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
+            raise SpecdraftError(f"SPS token counts must be increasing and >= 1, got {list(self.tokens)}")
+        if any(not s > 0 for s in self.steps_per_second):
+            raise SpecdraftError(f"SPS values must be > 0, got {list(self.steps_per_second)}")
+
+    def __call__(self, num_tokens: int) -> float:
+        xs, times = self.tokens, [1.0 / s for s in self.steps_per_second]
+        if num_tokens <= xs[0] or len(xs) == 1:
+            return self.steps_per_second[0]
+        i = bisect.bisect_left(xs, num_tokens)
+        if i < len(xs) and xs[i] == num_tokens:
+            return self.steps_per_second[i]
+        lo, hi = (i - 1, i) if i < len(xs) else (len(xs) - 2, len(xs) - 1)
+        slope = (times[hi] - times[lo]) / (xs[hi] - xs[lo])
+        if i == len(xs):
+            slope = max(slope, 0.0)
+        return 1.0 / (times[lo] + slope * (num_tokens - xs[lo]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": list(self.tokens), "steps_per_second": list(self.steps_per_second)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "SpsTable":
+        return cls(tuple(int(t) for t in obj["tokens"]), tuple(float(s) for s in obj["steps_per_second"]))
+
+
+def default_token_counts(max_tokens: int) -> list[int]:
+    """Every B up to 16 (where small-batch kernels change speed in steps), then powers of two."""
+    counts = list(range(1, min(max_tokens, 16) + 1))
+    b = 32
+    while b <= max_tokens:
+        counts.append(b)
+        b *= 2
+    if counts[-1] != max_tokens:
+        counts.append(max_tokens)
+    return counts
+
+
+def sps_cache_path(cache_dir: Path, *, fingerprint: str, device: torch.device, dtype: torch.dtype, context_tokens: int, max_tokens: int) -> Path:
+    dtype_name = str(dtype).removeprefix("torch.")
+    return cache_dir / "sps" / f"{fingerprint}-{device.type}-{dtype_name}-ctx{context_tokens}-b{max_tokens}.json"
+
+
+@torch.no_grad()
+def measure_sps(model: Any, *, token_counts: list[int], context_tokens: int = 256, repeats: int = 3) -> SpsTable:
+    """Time one cached forward of B tokens after a ``context_tokens`` prefix, for each B (median of ``repeats``)."""
+    from transformers import DynamicCache
+
+    if context_tokens < 1 or repeats < 1 or not token_counts:
+        raise SpecdraftError("SPS profiling needs context_tokens >= 1, repeats >= 1 and at least one token count")
+    device = next(model.parameters()).device
+    vocab = int(model.config.get_text_config().vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(0, vocab, (1, context_tokens), generator=gen).to(device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=context, cache=cache, use_cache=True)
+    rates = []
+    for b in token_counts:
+        block = torch.randint(0, vocab, (1, b), generator=gen).to(device)
+        positions = torch.arange(context_tokens, context_tokens + b, device=device)[None]
+        times = []
+        for i in range(repeats + 1):  # the first run warms up kernels for this shape
+            _sync(device)
+            start = time.perf_counter()
+            model(input_ids=block, position_ids=positions, cache=cache, use_cache=True)
+            _sync(device)
+            if i:
+                times.append(time.perf_counter() - start)
+            cache.crop(-b)
+        rates.append(1.0 / statistics.median(times))
+    return SpsTable(tuple(token_counts), tuple(rates))
+
+
+def load_or_measure_sps(
+    model: Any,
+    *,
+    fingerprint: str,
+    cache_dir: Path | None = None,
+    max_tokens: int = 64,
+    context_tokens: int = 256,
+    repeats: int = 3,
+) -> SpsTable:
+    """The cached SPS table for this target + device + dtype, measuring and caching it on first use."""
+    from specdraft.targets.identity import cache_root
+
+    param = next(model.parameters())
+    path = sps_cache_path(
+        cache_dir or cache_root(), fingerprint=fingerprint, device=param.device, dtype=param.dtype,
+        context_tokens=context_tokens, max_tokens=max_tokens,
+    )
+    if path.is_file():
+        try:
+            obj = json.loads(path.read_text())
+            if obj.get("format") == SPS_FORMAT:
+                return SpsTable.from_json(obj)
+        except (OSError, ValueError, KeyError, SpecdraftError) as exc:
+            log.warning("ignoring unreadable SPS cache %s (%s); measuring again", path, exc)
+    log.info("profiling target steps/s for forwards of 1..%d tokens (once per target and device)", max_tokens)
+    table = measure_sps(model, token_counts=default_token_counts(max_tokens), context_tokens=context_tokens, repeats=repeats)
+    atomic_write_json(path, {
+        "format": SPS_FORMAT,
+        "fingerprint": fingerprint,
+        "device": str(param.device),
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "context_tokens": context_tokens,
+        "repeats": repeats,
+        **table.to_json(),
+    })
+    return table
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

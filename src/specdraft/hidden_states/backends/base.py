@@ -1,0 +1,117 @@
+"""The transport-agnostic hidden-state store interface and its registry.
+
+A backend maps a key (the sample id) to a :class:`HiddenStatePayload` and keeps one store-level
+manifest (which target, which slots, which dtype, from which dataset). Extraction, the reader and
+the trainer only talk to this interface, so the file store, Mooncake and a vLLM connector are
+interchangeable as long as they store the same payload bytes.
+
+Contract every backend keeps:
+  * ``put`` is all-or-nothing: after a crash a key is either absent or holds a complete payload.
+  * ``get`` returns a verified payload (checksums, dtypes, shapes) or raises ``SpecdraftError``
+    naming the key/location and the problem.
+
+Store manifest (written by ``specdraft extract``)::
+
+  {"format": "specdraft.hidden_state_store", "format_version": 1,
+   "target": Target.describe(), "slots": [{"layer": 1, "side": "output"}, ...], "dtype": "bfloat16",
+   "dataset": {"path": abs path, "num_samples": N, "created": ...},
+   "count": payloads stored, "complete": every selected sample is stored, "config": ExtractConfig}
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.payload import HiddenStatePayload
+from specdraft.registry import Registry
+
+STORE_FORMAT_NAME = "specdraft.hidden_state_store"
+STORE_FORMAT_VERSION = 1
+
+
+class HiddenStateBackend(ABC):
+    """Key -> payload storage. ``location`` describes where the data lives (used in messages)."""
+
+    location: str
+
+    @abstractmethod
+    def put(self, key: str, payload: HiddenStatePayload) -> int:
+        """Store ``payload`` under ``key`` atomically (replacing any old value); returns bytes stored."""
+
+    @abstractmethod
+    def get(self, key: str) -> HiddenStatePayload:
+        """The verified payload under ``key``; ``SpecdraftError`` if it is missing or corrupt."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (no error if it is absent)."""
+
+    @abstractmethod
+    def keys(self) -> list[str]:
+        """All stored keys, sorted."""
+
+    @abstractmethod
+    def read_manifest(self) -> dict | None:
+        """The store-level manifest, or ``None`` for an empty/new store."""
+
+    @abstractmethod
+    def write_manifest(self, manifest: dict) -> None:
+        """Replace the store-level manifest atomically."""
+
+    def recover(self) -> int:
+        """Discard debris of interrupted writes (e.g. temporary files); returns how many were removed.
+
+        Backends whose ``put`` leaves nothing behind on failure need not override this.
+        """
+        return 0
+
+    def close(self) -> None:
+        """Release connections/handles; the default holds none."""
+
+    def __enter__(self) -> "HiddenStateBackend":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+BACKENDS: Registry[Callable[..., HiddenStateBackend]] = Registry("hidden-state backend")
+
+
+def open_backend(name: str, location: str, **options: Any) -> HiddenStateBackend:
+    """Instantiate the backend registered as ``name`` for ``location`` (a directory, a URL...)."""
+    import specdraft.hidden_states.backends  # noqa: F401  (registers the built-in backends)
+
+    return BACKENDS.get(name)(location, **options)
+
+
+def check_store_manifest(manifest: dict, *, location: str, target_info: dict, slots: list[dict], dtype: str) -> None:
+    """Refuse to mix data: the store must have been made for this target, these slots and dtype."""
+    if manifest.get("format") != STORE_FORMAT_NAME:
+        raise SpecdraftError(f"{location}: manifest format {manifest.get('format')!r} is not {STORE_FORMAT_NAME!r}; choose another --out")
+    recorded = manifest.get("target") or {}
+    problems = []
+    for key in ("fingerprint", "tokenizer_hash"):
+        if recorded.get(key) != target_info.get(key):
+            problems.append(f"target {key} {recorded.get(key)!r} != {target_info.get(key)!r}")
+    if manifest.get("slots") != slots:
+        problems.append(f"layers {_slots_text(manifest.get('slots'))} != {_slots_text(slots)}")
+    if manifest.get("dtype") != dtype:
+        problems.append(f"dtype {manifest.get('dtype')!r} != {dtype!r}")
+    if problems:
+        raise SpecdraftError(
+            f"{location} holds hidden states of target {recorded.get('name')!r} made with other settings "
+            f"({'; '.join(problems)}); use a new --out directory or the original settings"
+        )
+
+
+def _slots_text(slots: Any) -> str:
+    try:
+        return ",".join(f"{s['side']}:{s['layer']}" for s in slots)
+    except (TypeError, KeyError):
+        return repr(slots)

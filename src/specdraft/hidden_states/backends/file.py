@@ -1,0 +1,111 @@
+"""Directory store: one ``<key>.safetensors`` payload per sample plus ``manifest.json``.
+
+Layout::
+
+    <dir>/manifest.json              store manifest (target, slots, dtype, count, dataset)
+    <dir>/<quoted key>.safetensors   one HiddenStatePayload per sample
+
+Keys are percent-quoted into file names (``a/b`` -> ``a%2Fb``; a leading dot is quoted too, so
+no key can collide with the hidden ``.<name>.*.tmp`` files of in-flight atomic writes).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.backends.base import BACKENDS, HiddenStateBackend
+from specdraft.hidden_states.payload import HiddenStatePayload
+from specdraft.utils.io import atomic_write_bytes
+
+SUFFIX = ".safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+def key_to_filename(key: str) -> str:
+    name = quote(key, safe="")
+    if name.startswith("."):
+        name = "%2E" + name[1:]
+    return name + SUFFIX
+
+
+def filename_to_key(name: str) -> str:
+    return unquote(name[: -len(SUFFIX)])
+
+
+@BACKENDS.register("file")
+class FileBackend(HiddenStateBackend):
+    def __init__(self, location: str | os.PathLike, *, create: bool = True):
+        self.root = Path(location)
+        self.location = str(self.root)
+        if self.root.exists() and not self.root.is_dir():
+            raise SpecdraftError(f"hidden-state store {self.root} exists but is not a directory")
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        elif not self.root.is_dir():
+            raise SpecdraftError(f"hidden-state store {self.root} does not exist; run `specdraft extract --out {self.root}` first")
+
+    def path(self, key: str) -> Path:
+        return self.root / key_to_filename(key)
+
+    def put(self, key: str, payload: HiddenStatePayload) -> int:
+        if payload.sample_id != key:
+            raise SpecdraftError(f"payload of sample {payload.sample_id!r} cannot be stored under key {key!r}")
+        data = payload.to_bytes()
+        _write(self.path(key), data)
+        return len(data)
+
+    def get(self, key: str) -> HiddenStatePayload:
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise SpecdraftError(f"{path}: no hidden states stored for sample {key!r}; run `specdraft extract` to (re)create them") from None
+        payload = HiddenStatePayload.from_bytes(data, source=str(path))
+        if payload.sample_id != key:
+            raise SpecdraftError(f"{path}: holds sample {payload.sample_id!r}, expected {key!r}; re-extract it")
+        return payload
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def keys(self) -> list[str]:
+        return sorted(
+            filename_to_key(p.name) for p in self.root.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(".")
+        )
+
+    def read_manifest(self) -> dict | None:
+        path = self.root / MANIFEST_FILE
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SpecdraftError(f"{path} is corrupt ({exc}); delete it and rerun `specdraft extract` to rebuild the store") from None
+
+    def write_manifest(self, manifest: dict) -> None:
+        _write(self.root / MANIFEST_FILE, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+
+    def recover(self) -> int:
+        """Delete temporary files left by a writer that was killed mid-write."""
+        removed = 0
+        for p in self.root.glob(".*.tmp"):
+            p.unlink(missing_ok=True)
+            removed += 1
+        return removed
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Atomic write whose OS errors (full disk, permissions) become one clear ``SpecdraftError``."""
+    try:
+        atomic_write_bytes(path, data)
+    except OSError as exc:
+        hint = " (disk full: free space or choose another --out)" if exc.errno == errno.ENOSPC else ""
+        raise SpecdraftError(f"cannot write {path}: {exc.strerror or exc}{hint}; no partial file was left") from exc

@@ -1,0 +1,103 @@
+"""Training-side reader: stored hidden states joined with their prepared-dataset rows.
+
+Every item is verified before it is returned: the payload's checksums/shapes/dtypes, that it was
+made for the store's target, slots and dtype, and that its token ids equal the dataset row's, so
+a drafter can never be trained on hidden states of other tokens. Storage is reached only through
+a :class:`HiddenStateBackend`, so the same reader serves files today and Mooncake later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.backends.base import STORE_FORMAT_NAME, HiddenStateBackend
+from specdraft.hidden_states.layers import LayerSlot
+
+log = logging.getLogger(__name__)
+
+
+class HiddenStateDataset(torch.utils.data.Dataset):
+    """Items: ``sample_id`` (str), ``token_ids`` [T] int64, ``loss_mask`` [T] bool,
+    ``hidden_states`` [T, S, D], ``last_hidden`` [T, D] (the store's dtype).
+
+    ``store`` is a store directory (file backend) or an open backend; ``prepared_dataset`` a
+    ``PreparedDataset`` or its directory, by default the one recorded in the store manifest.
+    Samples are the stored ones, in dataset order.
+    """
+
+    def __init__(self, store: str | os.PathLike | HiddenStateBackend, prepared_dataset: Any = None):
+        from specdraft.data.dataset import PreparedDataset
+        from specdraft.hidden_states.backends.file import FileBackend
+
+        self.backend = store if isinstance(store, HiddenStateBackend) else FileBackend(store, create=False)
+        where = self.backend.location
+        manifest = self.backend.read_manifest()
+        if manifest is None or manifest.get("format") != STORE_FORMAT_NAME:
+            raise SpecdraftError(f"{where} is not a hidden-state store (no valid manifest); run `specdraft extract --out {where}`")
+        self.manifest = manifest
+        if prepared_dataset is None:
+            prepared_dataset = (manifest.get("dataset") or {}).get("path")
+            if not prepared_dataset:
+                raise SpecdraftError(f"{where}: manifest records no dataset; pass the prepared dataset explicitly")
+        self.prepared = prepared_dataset if isinstance(prepared_dataset, PreparedDataset) else PreparedDataset(prepared_dataset)
+
+        recorded = self.prepared.target_info
+        for key in ("fingerprint", "tokenizer_hash"):
+            if recorded.get(key) != self.target_info.get(key):
+                raise SpecdraftError(
+                    f"{where} was extracted with target {self.target_info.get('name')!r} but dataset {self.prepared.directory} "
+                    f"was prepared for {recorded.get('name')!r} ({key} {self.target_info.get(key)!r} != {recorded.get(key)!r})"
+                )
+        stored = set(self.backend.keys())
+        foreign = stored.difference(self.prepared.sample_ids)
+        if foreign:
+            example = sorted(foreign)[0]
+            raise SpecdraftError(
+                f"{where} holds {len(foreign)} sample(s) not in dataset {self.prepared.directory} (e.g. {example!r}); "
+                "pass the dataset the store was extracted from"
+            )
+        self.sample_ids = [sid for sid in self.prepared.sample_ids if sid in stored]
+        if not self.sample_ids:
+            raise SpecdraftError(f"{where} holds no samples; run `specdraft extract --out {where}`")
+        if not manifest.get("complete"):
+            log.warning("%s: extraction did not finish; reading the %d samples stored so far", where, len(self.sample_ids))
+
+    @property
+    def slots(self) -> list[LayerSlot]:
+        return [LayerSlot.from_json(s) for s in self.manifest["slots"]]
+
+    @property
+    def target_info(self) -> dict:
+        return dict(self.manifest.get("target") or {})
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def __getitem__(self, i: int) -> dict:
+        sid = self.sample_ids[i]
+        payload = self.backend.get(sid)  # verifies checksums, shapes and dtypes
+        row = self.prepared[self.prepared.index_of(sid)]
+        problems = payload.mismatches(
+            fingerprint=self.target_info.get("fingerprint"), slots=self.slots, dtype=self.dtype, token_ids=row["input_ids"]
+        )
+        if problems:
+            raise SpecdraftError(
+                f"{self.backend.location}: sample {sid!r} does not match the store/dataset ({'; '.join(problems)}); "
+                "rerun `specdraft extract` to redo it"
+            )
+        return {
+            "sample_id": sid,
+            "token_ids": payload.token_ids,
+            "loss_mask": row["loss_mask"],
+            "hidden_states": payload.hidden_states,
+            "last_hidden": payload.last_hidden,
+        }

@@ -1,0 +1,193 @@
+"""``specdraft extract``: run the target over a prepared dataset and store the requested hidden states.
+
+Steps:
+  1. Open the prepared dataset and the target (the one recorded in the dataset unless given) and
+     check they belong together.
+  2. Open the store; refuse it if its manifest names another target, other slots or dtype;
+     delete debris of interrupted writes.
+  3. Resume: every sample already stored whose payload verifies (checksums, shapes, dtype, same
+     token ids) is skipped; missing, corrupt or stale ones are (re)extracted.
+  4. Capture the pending samples in length-sorted batches while an :class:`AsyncWriter` writes
+     the payloads of earlier batches; then record the final count in the store manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.backends.base import (
+    STORE_FORMAT_NAME,
+    STORE_FORMAT_VERSION,
+    HiddenStateBackend,
+    check_store_manifest,
+    open_backend,
+)
+from specdraft.hidden_states.capture import HiddenStateCapture
+from specdraft.hidden_states.config import ExtractConfig
+from specdraft.hidden_states.layers import LayerSlot
+from specdraft.hidden_states.payload import HiddenStatePayload
+from specdraft.hidden_states.writer import AsyncWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExtractSummary:
+    """What one run did; ``bytes_per_token`` is over the samples written in this run."""
+
+    store: str
+    samples_selected: int
+    samples_skipped: int
+    samples_extracted: int
+    tokens_extracted: int
+    seconds: float
+    bytes_written: int
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples_extracted / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_extracted / self.seconds if self.seconds else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_written / self.tokens_extracted if self.tokens_extracted else 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {
+            "samples_per_second": round(self.samples_per_second, 3),
+            "tokens_per_second": round(self.tokens_per_second, 1),
+            "bytes_per_token": round(self.bytes_per_token, 1),
+        }
+
+
+def extract_hidden_states(config: ExtractConfig, *, target: Any = None, progress: bool = True) -> ExtractSummary:
+    """Run steps 1-4 above; ``target`` may be passed pre-loaded (tests, notebooks)."""
+    from specdraft.data.dataset import PreparedDataset
+
+    dataset = PreparedDataset(config.dataset)
+    if target is None:
+        from specdraft.targets import load_target
+
+        name = config.target or dataset.target_info.get("name")
+        if not name:
+            raise SpecdraftError(f"{dataset.directory}/manifest.json records no target name; pass --target")
+        target = load_target(name, dtype=config.target_dtype, device=config.device)
+    dataset.check_target(target)
+    slots = config.resolve_slots(target.num_layers)
+    target_info = target.describe()
+
+    backend = open_backend(config.backend, config.out)
+    with backend:
+        manifest = _open_store_manifest(backend, config, dataset, target_info, slots)
+        removed = backend.recover()
+        if removed:
+            log.warning("%s: removed %d partial file(s) left by an interrupted run", backend.location, removed)
+
+        selected = range(min(len(dataset), config.max_samples or len(dataset)))
+        pending = [i for i in selected if not _is_stored(backend, dataset[i], target_info, slots, config.dtype)]
+        skipped = len(selected) - len(pending)
+        if skipped:
+            log.info("resuming: %d of %d samples are already stored and verified", skipped, len(selected))
+
+        start = time.perf_counter()
+        tokens, written = _extract(backend, config, dataset, pending, target, target_info, slots, progress)
+        seconds = time.perf_counter() - start
+
+        stored = set(backend.keys())
+        manifest["count"] = len(stored)
+        manifest["complete"] = all(dataset.sample_ids[i] in stored for i in selected)
+        backend.write_manifest(manifest)
+
+    return ExtractSummary(
+        store=backend.location,
+        samples_selected=len(selected),
+        samples_skipped=skipped,
+        samples_extracted=len(pending),
+        tokens_extracted=tokens,
+        seconds=round(seconds, 3),
+        bytes_written=written,
+    )
+
+
+def _extract(backend, config, dataset, pending, target, target_info, slots, progress) -> tuple[int, int]:
+    """Capture ``pending`` rows (longest first, so padding is small and OOM shows up at once)."""
+    from tqdm import tqdm
+
+    capture = HiddenStateCapture(target.model, slots)
+    lengths = dataset.lengths()
+    order = sorted(pending, key=lambda i: -int(lengths[i]))
+    tokens = 0
+    start = time.perf_counter()
+    with AsyncWriter(backend, max_pending=config.queue_size, num_threads=config.writer_threads) as writer, tqdm(
+        total=len(order), unit="sample", desc="extract", disable=not progress
+    ) as bar:
+        for lo in range(0, len(order), config.batch_size):
+            rows = [dataset[i] for i in order[lo : lo + config.batch_size]]
+            for row, (hidden, last) in zip(rows, capture([r["input_ids"] for r in rows])):
+                payload = HiddenStatePayload.create(
+                    sample_id=row["sample_id"],
+                    target_info=target_info,
+                    slots=slots,
+                    token_ids=row["input_ids"],
+                    hidden_states=hidden,
+                    last_hidden=last,
+                    dtype=config.dtype,
+                )
+                writer.submit(row["sample_id"], payload)
+                tokens += payload.num_tokens
+            bar.update(len(rows))
+            bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+    return tokens, writer.bytes_written
+
+
+def _open_store_manifest(backend: HiddenStateBackend, config: ExtractConfig, dataset, target_info: dict, slots: list[LayerSlot]) -> dict:
+    """Check an existing store against this run, or start a new one; returns the manifest to update."""
+    slots_json = [s.to_json() for s in slots]
+    existing = backend.read_manifest()
+    if existing is not None:
+        check_store_manifest(existing, location=backend.location, target_info=target_info, slots=slots_json, dtype=config.dtype)
+    elif backend.keys():
+        raise SpecdraftError(f"{backend.location} holds hidden-state files but no manifest; choose an empty --out directory")
+    manifest = {
+        "format": STORE_FORMAT_NAME,
+        "format_version": STORE_FORMAT_VERSION,
+        "target": target_info,
+        "slots": slots_json,
+        "dtype": config.dtype,
+        "dataset": {
+            "path": str(Path(dataset.directory).resolve()),
+            "num_samples": len(dataset),
+            "created": dataset.manifest.get("created"),
+        },
+        "count": len(backend.keys()),
+        "complete": False,
+        "config": dataclasses.asdict(config),
+    }
+    backend.write_manifest(manifest)
+    return manifest
+
+
+def _is_stored(backend: HiddenStateBackend, row: dict, target_info: dict, slots: list[LayerSlot], dtype: str) -> bool:
+    """True when ``row`` is stored intact and up to date; a bad payload is logged and redone."""
+    sid = row["sample_id"]
+    if not backend.exists(sid):
+        return False
+    try:
+        payload = backend.get(sid)
+    except SpecdraftError as exc:
+        log.warning("%s; extracting it again", exc)
+        return False
+    stale = payload.mismatches(fingerprint=target_info["fingerprint"], slots=slots, dtype=dtype, token_ids=row["input_ids"])
+    if stale:
+        log.warning("%s: stored sample %r is stale (%s); extracting it again", backend.location, sid, "; ".join(stale))
+        return False
+    return True

@@ -1,0 +1,222 @@
+"""The self-describing per-sample hidden-state payload, shared by every transport.
+
+One payload = one sample: three tensors plus a manifest saying exactly what they are, so a file
+(or a Mooncake object, or a vLLM connector's output) can be checked on its own, long after it was
+written, without trusting file names or side tables.
+
+Shape symbols: T = tokens in the sample, S = number of layer slots, D = target hidden size.
+
+  hidden_states  [T, S, D]  storage dtype; slot s holds ``manifest["slots"][s]``
+  token_ids      [T]        int64; the tokens the target was run on
+  last_hidden    [T, D]     storage dtype; the input of the target's final norm, so that
+                            ``lm_head(norm(last_hidden))`` rebuilds the target logits
+
+Serialised form: safetensors bytes whose metadata key ``"specdraft"`` holds the manifest JSON::
+
+  {"format": "specdraft.hidden_states", "format_version": 1, "sample_id": "...",
+   "target": {name, fingerprint, tokenizer_hash, num_layers, hidden_size, ...},
+   "slots": [{"layer": 2, "side": "input"}, ...],
+   "tensors": {"hidden_states": {"dtype": "bfloat16", "shape": [T, S, D], "sha256": "..."}, ...}}
+
+The checksum covers each tensor's raw little-endian bytes (as stored), so it can be recomputed by
+any reader that can see the tensor data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES
+from specdraft.hidden_states.layers import LayerSlot
+
+FORMAT_NAME = "specdraft.hidden_states"
+FORMAT_VERSION = 1
+METADATA_KEY = "specdraft"
+TENSOR_KEYS = ("hidden_states", "token_ids", "last_hidden")
+TARGET_KEYS = ("name", "fingerprint", "tokenizer_hash", "num_layers", "hidden_size")
+
+#: Storage dtypes by name: bfloat16 halves the bytes, float32 keeps captures bit-exact.
+STORAGE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
+_DTYPE_NAMES = {v: k for k, v in STORAGE_DTYPES.items()} | {torch.int64: "int64"}
+
+
+def storage_dtype(name: str) -> torch.dtype:
+    try:
+        return STORAGE_DTYPES[name]
+    except KeyError:
+        raise SpecdraftError(f"unknown hidden-state dtype {name!r}; choose one of: {', '.join(STORAGE_DTYPES)}") from None
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of the tensor's raw bytes (row-major), independent of how it was serialised."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest()
+
+
+def _tensor_record(t: torch.Tensor) -> dict:
+    return {"dtype": _DTYPE_NAMES.get(t.dtype, str(t.dtype)), "shape": list(t.shape), "sha256": tensor_sha256(t)}
+
+
+@dataclass
+class HiddenStatePayload:
+    """One sample's captured hidden states plus the manifest that describes (and checksums) them.
+
+    Build new payloads with :meth:`create`; :meth:`from_bytes` restores and verifies stored ones.
+    ``manifest`` is what the writer recorded; :meth:`verify` compares it against the tensors.
+    """
+
+    hidden_states: torch.Tensor
+    token_ids: torch.Tensor
+    last_hidden: torch.Tensor
+    manifest: dict = field(repr=False)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        sample_id: str,
+        target_info: dict,
+        slots: list[LayerSlot],
+        token_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        last_hidden: torch.Tensor,
+        dtype: str = "bfloat16",
+    ) -> "HiddenStatePayload":
+        """Cast to the storage dtype, move to CPU and record shapes, dtypes and checksums."""
+        store = storage_dtype(dtype)
+        tensors = {
+            "hidden_states": hidden_states.detach().to("cpu", store).contiguous(),
+            "token_ids": token_ids.detach().to("cpu", torch.int64).contiguous(),
+            "last_hidden": last_hidden.detach().to("cpu", store).contiguous(),
+        }
+        missing = [k for k in TARGET_KEYS if k not in target_info]
+        if missing:
+            raise SpecdraftError(f"target description for sample {sample_id!r} lacks {', '.join(missing)}")
+        manifest = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "sample_id": str(sample_id),
+            "target": {k: target_info[k] for k in TARGET_KEYS},
+            "slots": [s.to_json() for s in slots],
+            "tensors": {k: _tensor_record(v) for k, v in tensors.items()},
+        }
+        payload = cls(manifest=manifest, **tensors)
+        payload._check_layout(source=f"sample {sample_id!r}")
+        return payload
+
+    @property
+    def sample_id(self) -> str:
+        return self.manifest["sample_id"]
+
+    @property
+    def slots(self) -> list[LayerSlot]:
+        return [LayerSlot.from_json(s) for s in self.manifest["slots"]]
+
+    @property
+    def target_info(self) -> dict:
+        return dict(self.manifest["target"])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def dtype(self) -> str:
+        """Storage dtype name of ``hidden_states``/``last_hidden``."""
+        return self.manifest["tensors"]["hidden_states"]["dtype"]
+
+    def mismatches(self, *, fingerprint: str, slots: list[LayerSlot], dtype: str, token_ids: torch.Tensor) -> list[str]:
+        """What differs from the expected capture (empty when the payload is the one wanted)."""
+        problems = []
+        if self.target_info.get("fingerprint") != fingerprint:
+            problems.append(f"target fingerprint {self.target_info.get('fingerprint')!r} != {fingerprint!r}")
+        if self.slots != list(slots):
+            problems.append(f"slots {','.join(map(str, self.slots))} != {','.join(map(str, slots))}")
+        if self.dtype != dtype:
+            problems.append(f"dtype {self.dtype} != {dtype}")
+        if not torch.equal(self.token_ids, token_ids.to(torch.int64)):
+            problems.append("token ids differ from the dataset row")
+        return problems
+
+    def to_bytes(self) -> bytes:
+        from safetensors.torch import save
+
+        tensors = {k: getattr(self, k) for k in TENSOR_KEYS}
+        return save(tensors, metadata={METADATA_KEY: json.dumps(self.manifest, sort_keys=True)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str) -> "HiddenStatePayload":
+        """Parse and verify; ``source`` (a path or key) names the object in every error."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        try:
+            tensors = load(data)
+        except (SafetensorError, ValueError, RuntimeError) as exc:
+            raise SpecdraftError(f"{source}: not a readable safetensors payload ({exc}); it is truncated or corrupt, re-extract it") from None
+        # safetensors.torch.load drops metadata; read the header directly (8-byte length + JSON).
+        try:
+            header_len = int.from_bytes(data[:8], "little")
+            header = json.loads(data[8 : 8 + header_len])
+            manifest = json.loads(header["__metadata__"][METADATA_KEY])
+            if not isinstance(manifest, dict):
+                raise TypeError(f"manifest is a {type(manifest).__name__}, not an object")
+        except (KeyError, ValueError, TypeError) as exc:
+            raise SpecdraftError(f"{source}: safetensors metadata lacks a valid {METADATA_KEY!r} manifest ({exc}); re-extract it") from None
+        if manifest.get("format") != FORMAT_NAME or manifest.get("format_version") != FORMAT_VERSION:
+            raise SpecdraftError(
+                f"{source}: format {manifest.get('format')!r} version {manifest.get('format_version')!r} "
+                f"is not {FORMAT_NAME!r} version {FORMAT_VERSION}"
+            )
+        missing = [k for k in ("sample_id", "target", "slots", "tensors") if k not in manifest]
+        missing += [f"tensor {k!r}" for k in TENSOR_KEYS if k not in tensors]
+        if missing:
+            raise SpecdraftError(f"{source}: payload lacks {', '.join(missing)}; re-extract it")
+        payload = cls(manifest=manifest, **{k: tensors[k] for k in TENSOR_KEYS})
+        payload.verify(source=source)
+        return payload
+
+    def verify(self, *, source: str | None = None) -> None:
+        """Check every tensor's dtype, shape and checksum against the manifest, and the layout.
+
+        Raises ``SpecdraftError`` naming the sample, the tensor and what differs.
+        """
+        where = f"{source} (sample {self.sample_id!r})" if source else f"sample {self.sample_id!r}"
+        records = self.manifest.get("tensors") or {}
+        for key in TENSOR_KEYS:
+            expected = records.get(key)
+            if expected is None:
+                raise SpecdraftError(f"{where}: manifest has no record for tensor {key!r}")
+            t = getattr(self, key)
+            actual = {"dtype": _DTYPE_NAMES.get(t.dtype, str(t.dtype)), "shape": list(t.shape)}
+            for prop in ("dtype", "shape"):
+                if actual[prop] != expected.get(prop):
+                    raise SpecdraftError(f"{where}: tensor {key!r} has {prop} {actual[prop]} but the manifest says {expected.get(prop)}")
+            digest = tensor_sha256(t)
+            if digest != expected.get("sha256"):
+                raise SpecdraftError(
+                    f"{where}: tensor {key!r} checksum {digest[:12]}... does not match the manifest's "
+                    f"{str(expected.get('sha256'))[:12]}...; the data is corrupt, re-extract it"
+                )
+        self._check_layout(source=where)
+
+    def _check_layout(self, *, source: str) -> None:
+        """Shapes must agree with each other, with the slots and with the target's hidden size."""
+        s = len(self.manifest["slots"])
+        d = int(self.manifest["target"]["hidden_size"])
+        if self.token_ids.dim() != 1:
+            raise SpecdraftError(f"{source}: tensor 'token_ids' has shape {list(self.token_ids.shape)}, expected [T]")
+        t = int(self.token_ids.shape[0])
+        for key, shape in (("hidden_states", (t, s, d)), ("last_hidden", (t, d))):
+            got = tuple(getattr(self, key).shape)
+            if got != shape:
+                raise SpecdraftError(
+                    f"{source}: tensor {key!r} has shape {list(got)}, expected {list(shape)} for T={t} tokens, S={s} slots, D={d}"
+                )
+        if self.hidden_states.dtype != self.last_hidden.dtype or self.hidden_states.dtype not in _DTYPE_NAMES:
+            raise SpecdraftError(f"{source}: hidden_states/last_hidden dtypes {self.hidden_states.dtype}/{self.last_hidden.dtype} differ or are unsupported")

@@ -1,0 +1,94 @@
+"""The contract between drafter models, the trainer and the decoding runtime.
+
+Shape symbols used on every field: B batch rows, T tokens per row, S stored hidden-state slots
+(``LayerSlot``s, in manifest order), D target hidden size, V target vocabulary, K draft positions.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from specdraft.hidden_states.layers import LayerSlot
+from specdraft.registry import Registry
+
+
+@dataclass
+class DrafterBatch:
+    """One training batch built from hidden-state payloads (rows may hold several packed samples).
+
+    token_ids:   [B, T] int64  target token ids
+    loss_mask:   [B, T] bool   True where the token is a response (assistant) token
+    segment_ids: [B, T] int32  packed-sample id per token; -1 marks padding. Attention, anchors and
+                               labels never cross a segment boundary.
+    position_ids:[B, T] int64  position inside its own sample (restarts at 0 per segment)
+    aux_hidden:  [B, T, S, D]  the method's target hidden states (slots in ``layer_slots`` order)
+    last_hidden: [B, T, D]     input of the target's final norm (target logits = head(norm(.)))
+    """
+
+    token_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    segment_ids: torch.Tensor
+    position_ids: torch.Tensor
+    aux_hidden: torch.Tensor
+    last_hidden: torch.Tensor
+
+    def to(self, device: torch.device | str) -> "DrafterBatch":
+        return DrafterBatch(**{k: v.to(device) for k, v in vars(self).items()})
+
+
+@dataclass
+class TrainOutput:
+    """What one training forward returns: the scalar to minimise and metrics for the trainer to log.
+
+    loss:         []  scalar, differentiable
+    metrics:      name -> float (loss terms, ...), already detached
+    position_acc: [K] float  accuracy at draft position k (1-based k = index + 1), over valid labels
+    position_cond_acc: [K] float  accuracy at k given positions < k were all correct
+    position_count: [K] float number of supervised labels at position k (for weighted averaging)
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+    position_acc: torch.Tensor | None = None
+    position_cond_acc: torch.Tensor | None = None
+    position_count: torch.Tensor | None = None
+
+
+class DrafterModel(nn.Module, ABC):
+    """A drafter network. Frozen target pieces (embedding, LM head, final norm) are buffers or
+    ``requires_grad=False`` parameters that ``save_pretrained`` writes only where vLLM expects them."""
+
+    method: ClassVar[str]
+
+    @abstractmethod
+    def training_forward(self, batch: DrafterBatch) -> TrainOutput:
+        """Teacher-forced forward + loss over one batch."""
+
+    @abstractmethod
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``config.json`` (speculators format) + ``model.safetensors`` atomically."""
+
+    @classmethod
+    @abstractmethod
+    def from_pretrained(cls, directory: str | Path, **kwargs: Any) -> "DrafterModel":
+        """Load a checkpoint written by us or by the ``speculators`` package."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """Everything generic code needs to know about one drafter family."""
+
+    name: str
+    config_cls: type
+    model_cls: type[DrafterModel]
+    layer_slots: Callable[[int], list[LayerSlot]]  # num target layers -> slots the method reads
+    build: Callable[..., DrafterModel]  # (config, target) -> freshly initialised drafter
+
+
+METHODS: Registry[MethodSpec] = Registry("drafter method")

@@ -1,0 +1,1 @@
+"""Pieces shared by the drafter families: layers, masks, vocabularies, losses, checkpoint format."""

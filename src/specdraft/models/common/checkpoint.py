@@ -1,0 +1,116 @@
+"""The speculators/vLLM checkpoint directory: ``config.json`` + ``model.safetensors``.
+
+Writing replaces the whole directory atomically (written into a hidden sibling, then renamed),
+so a reader sees the old checkpoint or the new one, never a config from one and weights from the
+other. Reading refuses pickle formats and validates every tensor against what the model expects.
+
+Layer-id convention (``aux_hidden_state_layer_ids`` / ``eagle_aux_hidden_state_layer_ids``): we
+write the id vLLM's hidden-state extraction and speculators use, which is the HF
+``output_hidden_states`` index: ``input:i`` -> ``i`` and ``output:i`` -> ``i + 1`` (so the
+EAGLE-3 preset inputs 2, L//2, L-3 are written as-is and the DFlash preset outputs 1, 8, ... of a
+30-layer target are written 2, 9, ...). vLLM's DFlash/DSpark loaders subtract 1 again to get
+z-lab's "output of layer i" ids. Reading applies the inverse per method (EAGLE-3 ids are layer
+inputs, DFlash/DSpark ids are outputs of layer id-1), so a round trip keeps the ``LayerSlot``s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.layers import LayerSlot
+from specdraft.utils.io import atomic_write_json
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+SPECULATORS_VERSION = "0.9.0"  # the speculators format version we write and test against
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def slot_to_aux_id(slot: LayerSlot) -> int:
+    return slot.layer if slot.side == "input" else slot.layer + 1
+
+
+def aux_id_to_slot(aux_id: int, side: str) -> LayerSlot:
+    """Inverse of ``slot_to_aux_id`` for a method whose slots are all on ``side``."""
+    if side == "input":
+        return LayerSlot(aux_id, "input")
+    if aux_id < 1:
+        raise SpecdraftError(f"aux hidden-state layer id {aux_id} cannot name a layer output (ids start at 1)")
+    return LayerSlot(aux_id - 1, "output")
+
+
+def write_checkpoint(directory: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` into ``directory``, replacing it atomically."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        atomic_write_json(tmp / CONFIG_FILE, config)
+        old = None
+        if directory.exists():
+            old = directory.parent / f".{directory.name}.old-{os.getpid()}"
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def read_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a drafter directory; raise ``SpecdraftError`` for anything but config.json + safetensors."""
+    import json
+
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise SpecdraftError(f"drafter checkpoint {directory} is not a directory")
+    config_path = directory / CONFIG_FILE
+    weights_path = directory / WEIGHTS_FILE
+    if not weights_path.is_file():
+        pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise SpecdraftError(
+                f"{directory} holds pickle weights ({', '.join(pickles)}); specdraft only loads safetensors. "
+                f"Convert them to {WEIGHTS_FILE} first (e.g. with safetensors.torch.save_file)"
+            )
+        raise SpecdraftError(f"{directory} has no {WEIGHTS_FILE}")
+    if not config_path.is_file():
+        raise SpecdraftError(f"{directory} has no {CONFIG_FILE}")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SpecdraftError(f"{config_path} is not valid JSON: {exc}") from None
+    try:
+        tensors = load_file(str(weights_path))
+    except Exception as exc:  # safetensors raises its own error types
+        raise SpecdraftError(f"cannot read {weights_path}: {exc}") from None
+    return config, tensors
+
+
+def check_tensors(
+    tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, where: str, ignore: tuple[str, ...] = ()
+) -> None:
+    """Every expected tensor present with the expected shape; no unknown tensors (``ignore`` aside)."""
+    for name, ref in expected.items():
+        if name not in tensors:
+            raise SpecdraftError(f"{where}: tensor {name!r} is missing (expected shape {tuple(ref.shape)})")
+        if tuple(tensors[name].shape) != tuple(ref.shape):
+            raise SpecdraftError(
+                f"{where}: tensor {name!r} has shape {tuple(tensors[name].shape)} but config.json implies {tuple(ref.shape)}"
+            )
+    unknown = sorted(set(tensors) - set(expected) - set(ignore))
+    if unknown:
+        raise SpecdraftError(f"{where}: unexpected tensors {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; config.json and weights disagree")

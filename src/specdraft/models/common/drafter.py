@@ -1,0 +1,227 @@
+"""What every speculators-format drafter shares: frozen target pieces and checkpoint I/O.
+
+Frozen pieces copied from the target (never trained, ``requires_grad=False``):
+  ``embed_tokens``   the target's input embedding [V, D]
+  ``verifier_norm``  a copy of the target's final norm module (so Gemma-style ``1 + w`` norms stay right)
+  ``verifier_lm_head`` the target's LM head [V, D]; target logits p_t = head(norm(last_hidden))
+
+Like speculators, checkpoints never contain ``verifier_*``; whether ``embed_tokens`` is written is
+per method (EAGLE-3 writes it, DFlash/DSpark do not). Loading a checkpoint that omits what a
+method needs therefore takes ``target=``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.base import DrafterModel, METHODS
+from specdraft.models.common import checkpoint as ckpt
+from specdraft.models.common.config import DraftConfig
+
+NOT_SAVED = ("verifier_norm.", "verifier_lm_head.")
+
+
+def _frozen_linear(in_dim: int, out_dim: int) -> nn.Linear:
+    layer = nn.Linear(in_dim, out_dim, bias=False)
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+def target_pieces(target: Any) -> tuple[torch.Tensor, nn.Module, torch.Tensor]:
+    """(embedding weight [V, D], final-norm module, LM-head weight [V, D]) of an HF causal LM."""
+    model = target.model
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    norm = getattr(decoder, "norm", None)
+    if norm is None:
+        raise SpecdraftError(f"target {target.name}: cannot find its final norm (expected model.get_decoder().norm)")
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is None:
+        raise SpecdraftError(f"target {target.name}: has no output embeddings (LM head)")
+    return embed.detach(), norm, head.weight.detach()
+
+
+class SpeculatorsDrafter(DrafterModel):
+    """Base for our three families. Subclasses set the class constants and build their modules."""
+
+    config_cls: ClassVar[type[DraftConfig]]
+    architecture: ClassVar[str]  # speculators ``architectures`` entry
+    layer_model_type: ClassVar[str]  # HF model_type of ``transformer_layer_config``
+    slot_side: ClassVar[str]  # "input" (EAGLE-3) or "output" (DFlash/DSpark): aux-id convention
+    not_saved: ClassVar[tuple[str, ...]] = NOT_SAVED  # state-dict prefixes never written
+    ignored_on_load: ClassVar[tuple[str, ...]] = ("verifier_lm_head.weight", "verifier_norm.weight")
+    requires_target: ClassVar[bool] = False  # True when checkpoints lack pieces only the target has
+
+    def __init__(self, config: DraftConfig, verifier: dict | None = None):
+        super().__init__()
+        config.require_resolved()
+        self.config = config
+        self.verifier = dict(verifier or {})
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.verifier_lm_head = _frozen_linear(config.hidden_size, config.vocab_size)
+        self.verifier_norm: nn.Module | None = None
+
+    # ----- target pieces -------------------------------------------------------------------
+    def attach_target(self, target: Any) -> None:
+        """Copy the frozen target pieces in (shapes must match the config)."""
+        embed, norm, head = target_pieces(target)
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(embed.shape) != expected or tuple(head.shape) != expected:
+            raise SpecdraftError(
+                f"target {target.name}: embedding {tuple(embed.shape)} / LM head {tuple(head.shape)} do not match "
+                f"the drafter config (vocab_size, hidden_size) = {expected}"
+            )
+        dtype = self.embed_tokens.weight.dtype
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed.to(dtype))
+            self.verifier_lm_head.weight.copy_(head.to(dtype))
+        self.verifier_norm = copy.deepcopy(norm).to(dtype)
+        for p in self.verifier_norm.parameters():
+            p.requires_grad_(False)
+        self._after_attach()
+        self.verifier = {**self.verifier, **target.describe()}
+
+    def _after_attach(self) -> None:
+        """Hook: derive method pieces from the freshly copied target weights."""
+
+    def require_verifier(self) -> nn.Module:
+        if self.verifier_norm is None:
+            raise SpecdraftError(
+                f"this {self.method} drafter has no target attached; training needs the target's final norm "
+                "(load it with from_pretrained(..., target=...) or build it with MethodSpec.build)"
+            )
+        return self.verifier_norm
+
+    def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """p_t logits over the full target vocabulary: head(norm(last_hidden))."""
+        return self.verifier_lm_head(self.require_verifier()(last_hidden))
+
+    # ----- speculators config --------------------------------------------------------------
+    def transformer_layer_config(self) -> dict:
+        import transformers
+
+        c = self.config
+        cls = transformers.AutoConfig.for_model(self.layer_model_type).__class__
+        hf = cls(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            max_position_embeddings=c.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+            tie_word_embeddings=False,
+        )
+        return hf.to_dict()
+
+    def speculative_tokens(self) -> int:
+        raise NotImplementedError
+
+    def method_fields(self, aux_ids: list[int]) -> dict:
+        """The method's top-level speculators fields (``aux_ids``: see ``checkpoint.slot_to_aux_id``)."""
+        raise NotImplementedError
+
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def config_json(self) -> dict:
+        slots = self.config.slots()
+        return {
+            "speculators_model_type": self.method,
+            "speculators_version": ckpt.SPECULATORS_VERSION,
+            "architectures": [self.architecture],
+            "transformer_layer_config": self.transformer_layer_config(),
+            "draft_vocab_size": self.draft_vocab_size(),
+            "target_hidden_size": None,
+            "speculators_config": {
+                "algorithm": self.method,
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": self.speculative_tokens(),
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
+                "default_proposal_method": "greedy",
+                "verifier": {
+                    "name_or_path": self.verifier.get("path"),
+                    "architectures": list(self.verifier.get("architectures", [])),
+                },
+            },
+            **self.method_fields([ckpt.slot_to_aux_id(s) for s in slots]),
+            "specdraft": {
+                "method": self.method,
+                "config": self.config.to_json(),
+                "layer_slots": [s.to_json() for s in slots],
+                "target": {k: v for k, v in self.verifier.items()},
+            },
+        }
+
+    @classmethod
+    def config_from_speculators(cls, cfg: dict, *, where: str) -> DraftConfig:
+        """Build our config from a checkpoint that speculators (not specdraft) wrote."""
+        raise NotImplementedError
+
+    # ----- save / load ---------------------------------------------------------------------
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(self.not_saved)}
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        ckpt.write_checkpoint(directory, self.config_json(), self.saved_state())
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, *, target: Any = None, **kwargs: Any) -> "SpeculatorsDrafter":
+        """Load our own or a speculators-written checkpoint; ``target`` supplies the frozen pieces."""
+        cfg, tensors = ckpt.read_checkpoint(directory)
+        where = str(directory)
+        kind = cfg.get("speculators_model_type")
+        if kind != cls.method:
+            raise SpecdraftError(f"{where}: speculators_model_type is {kind!r}, expected {cls.method!r}")
+        ours = cfg.get("specdraft")
+        if isinstance(ours, dict) and ours.get("method") == cls.method:
+            config = cls.config_cls.from_json(ours["config"], where=where)
+            verifier = dict(ours.get("target") or {})
+            fingerprint = verifier.get("fingerprint")
+            if target is not None and fingerprint and target.fingerprint != fingerprint:
+                raise SpecdraftError(
+                    f"{where}: drafter was trained for target fingerprint {fingerprint} ({verifier.get('name')}), "
+                    f"but the given target {target.name} has fingerprint {target.fingerprint}"
+                )
+        else:
+            config = cls.config_from_speculators(cfg, where=where)
+            verifier = {"path": (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")}
+        if target is not None and config.num_target_layers is None:
+            config = dataclasses.replace(config, num_target_layers=target.num_layers)
+        if target is None and cls.requires_target:
+            raise SpecdraftError(
+                f"{where}: {cls.method} checkpoints omit the target's embedding and LM head (speculators layout); "
+                "pass target=... to load it"
+            )
+        model = cls(config, verifier=verifier)
+        expected = model.saved_state()
+        ckpt.check_tensors(tensors, expected, where=where, ignore=cls.ignored_on_load)
+        model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
+        if target is not None:
+            model.attach_target(target)
+        return model
+
+
+def load_drafter(directory: str | Path, *, target: Any = None) -> SpeculatorsDrafter:
+    """Load any drafter checkpoint, dispatching on its ``speculators_model_type``."""
+    cfg, _ = ckpt.read_checkpoint(directory)
+    kind = cfg.get("speculators_model_type")
+    if not isinstance(kind, str):
+        raise SpecdraftError(f"{directory}/config.json has no speculators_model_type; is this a drafter checkpoint?")
+    return METHODS.get(kind).model_cls.from_pretrained(directory, target=target)

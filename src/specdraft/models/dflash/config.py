@@ -1,0 +1,62 @@
+"""DFlash hyperparameters (arXiv 2602.06036; reference z-lab/dflash, vllm-project/speculators)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.common.config import DraftConfig
+from specdraft.utils.config import config_field
+
+# Reference loss-decay gammas by block size; other sizes interpolate linearly (clamped).
+GAMMA_BY_BLOCK = ((8, 4.0), (10, 5.0), (16, 7.0))
+
+
+def default_gamma(block_size: int) -> float:
+    sizes, gammas = zip(*GAMMA_BY_BLOCK)
+    return float(np.interp(block_size, sizes, gammas))
+
+
+@dataclass
+class DFlashConfig(DraftConfig):
+    method: ClassVar[str] = "dflash"
+
+    num_layers: int = config_field(5, help="number of draft decoder layers")
+    block_size: int = config_field(16, help="tokens per block: the anchor plus block_size-1 MASK slots")
+    mask_token_id: int | None = config_field(
+        None, help="token id of the MASK slots: an unused/reserved id (default: the tokenizer's pad token, else the last id)"
+    )
+    max_anchors: int = config_field(512, help="most anchors (blocks) sampled per packed sample in training")
+    loss_gamma: float | None = config_field(None, help="loss decay gamma (default: 7/5/4 for block 16/10/8, interpolated)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size < 2:
+            raise SpecdraftError(f"{self.method} config: block_size must be >= 2 (anchor + at least one MASK slot), got {self.block_size}")
+        if self.max_anchors < 1:
+            raise SpecdraftError(f"{self.method} config: max_anchors must be >= 1, got {self.max_anchors}")
+        if self.mask_token_id is not None:
+            if self.mask_token_id < 0 or (self.vocab_size is not None and self.mask_token_id >= self.vocab_size):
+                raise SpecdraftError(
+                    f"{self.method} config: mask_token_id {self.mask_token_id} is outside the vocabulary "
+                    f"0..{(self.vocab_size or 0) - 1 if self.vocab_size else '?'}; pick an unused/reserved token id"
+                )
+        if self.loss_gamma is not None and self.loss_gamma <= 0:
+            raise SpecdraftError(f"{self.method} config: loss_gamma must be > 0, got {self.loss_gamma}")
+
+    @property
+    def gamma(self) -> float:
+        return self.loss_gamma if self.loss_gamma is not None else default_gamma(self.block_size)
+
+    def _resolve_method(self, target: Any) -> dict[str, Any]:
+        if self.mask_token_id is not None:
+            return {}
+        pad = getattr(getattr(target, "tokenizer", None), "pad_token_id", None)
+        return {"mask_token_id": int(pad) if pad is not None else int(target.text_config.vocab_size) - 1}
+
+    @property
+    def resolved(self) -> bool:
+        return super().resolved and self.mask_token_id is not None

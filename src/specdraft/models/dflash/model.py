@@ -1,0 +1,262 @@
+"""DFlash drafter (arXiv 2602.06036): one parallel forward drafts a whole block.
+
+Context features = RMSNorm(fc(concat of 5 target layer outputs)). Every draft layer injects them
+as extra keys/values (k_proj/v_proj only: no query, output projection or MLP for the context);
+queries come from the block [anchor, MASK x (B-1)] at positions anchor..anchor+B-1, which attends
+to itself non-causally and to context strictly before the anchor. Embedding and LM head are the
+target's, frozen.
+
+Training packs every sampled block of a row into one sequence (``anchor_block_mask``).
+Block slot k (k = 1..B-1) at position anchor+k predicts the token at anchor+k; its loss weight
+is exp(-(k-1)/gamma). Worked example, block 4 anchored at a=10 holding token x10:
+slots [x10, M, M, M] at positions 10..13 predict x11, x12, x13 from slots 1, 2, 3.
+
+Inference: the draft cache holds only context K/V (append the newly verified positions'
+features each round); the block is run once and its K/V are never stored ("cropped").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.base import DrafterBatch, TrainOutput
+from specdraft.models.common import checkpoint as ckpt
+from specdraft.models.common.anchors import block_labels, sample_anchors
+from specdraft.models.common.chunked import chunked_rows
+from specdraft.models.common.config import shape_from_layer_config
+from specdraft.models.common.drafter import NOT_SAVED, SpeculatorsDrafter
+from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from specdraft.models.common.masks import anchor_block_mask
+from specdraft.models.common.metrics import position_metrics
+from specdraft.models.common.sampling import DraftProposal, sample_token
+from specdraft.models.dflash.config import DFlashConfig
+from specdraft.models.dflash.loss import ce_rows, position_weights, weighted_mean
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class DFlashLayer(DecoderLayer):
+    """Qwen3-style layer (q/k-norm) with KV injection from the context features."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__(
+            in_dim=c.hidden_size,
+            hidden=c.hidden_size,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            intermediate=c.intermediate_size,
+            qk_norm=True,
+            eps=c.rms_norm_eps,
+        )
+
+    def context_kv(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> KV:
+        """Context features [N, M, D] -> injected (k, v) [N, G, M, E]."""
+        return self.self_attn.project_kv(context, cos, sin)
+
+    def forward(self, x: torch.Tensor, context_kv: KV, cos, sin, mask: torch.Tensor) -> torch.Tensor:
+        """x [N, L, D] block tokens; mask [N|1, 1, L, M + L] over (context keys, block keys)."""
+        h = self.input_layernorm(x)
+        q = self.self_attn.project_q(h, cos, sin)
+        k, v = self.self_attn.project_kv(h, cos, sin)
+        keys = torch.cat([context_kv[0], k], dim=2)
+        values = torch.cat([context_kv[1], v], dim=2)
+        return self.feed_forward(x + self.self_attn.attend(q, keys, values, mask))
+
+
+@dataclass
+class ContextCache:
+    """Per-layer injected context K/V of one sequence, each [1, G, M, E]."""
+
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[2] if self.k else 0
+
+
+class DFlashDrafter(SpeculatorsDrafter):
+    method: ClassVar[str] = "dflash"
+    config_cls = DFlashConfig
+    architecture = "DFlashSpeculator"
+    layer_model_type = "qwen3"
+    slot_side = "output"
+    not_saved = NOT_SAVED + ("embed_tokens.",)
+    ignored_on_load = SpeculatorsDrafter.ignored_on_load + ("embed_tokens.weight",)
+    requires_target = True
+    sample_from_anchor: ClassVar[bool] = False  # DSpark: the anchor slot is a prediction too
+
+    def __init__(self, config: DFlashConfig, verifier: dict | None = None):
+        super().__init__(config, verifier)
+        c = config
+        self.fc = nn.Linear(len(c.slots()) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(c) for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta)
+
+    # ----- format --------------------------------------------------------------------------
+    def speculative_tokens(self) -> int:
+        return self.config.block_size if self.sample_from_anchor else self.config.block_size - 1
+
+    def method_fields(self, aux_ids: list[int]) -> dict:
+        return {
+            "block_size": self.config.block_size,
+            "aux_hidden_state_layer_ids": aux_ids,
+            "mask_token_id": self.config.mask_token_id,
+            "sample_from_anchor": self.sample_from_anchor,
+            "sliding_window_non_causal": False,
+        }
+
+    @classmethod
+    def config_fields_from_speculators(cls, cfg: dict, *, where: str) -> dict:
+        shape = shape_from_layer_config(cfg.get("transformer_layer_config") or {}, where=where)
+        if int(cfg.get("draft_vocab_size") or shape["vocab_size"]) != shape["vocab_size"]:
+            raise SpecdraftError(f"{where}: {cls.method} with a reduced draft vocabulary is not supported by specdraft")
+        if bool(cfg.get("sample_from_anchor", cls.sample_from_anchor)) != cls.sample_from_anchor:
+            raise SpecdraftError(f"{where}: sample_from_anchor={cfg.get('sample_from_anchor')} is not supported for {cls.method}")
+        ids = cfg.get("aux_hidden_state_layer_ids")
+        if not ids or cfg.get("mask_token_id") is None:
+            raise SpecdraftError(f"{where}: aux_hidden_state_layer_ids and mask_token_id are required for {cls.method}")
+        return {
+            **shape,
+            "layers": ",".join(str(ckpt.aux_id_to_slot(int(i), "output")) for i in ids),
+            "block_size": int(cfg.get("block_size", 8)),
+            "mask_token_id": int(cfg["mask_token_id"]),
+        }
+
+    @classmethod
+    def config_from_speculators(cls, cfg: dict, *, where: str) -> DFlashConfig:
+        return cls.config_cls(**cls.config_fields_from_speculators(cfg, where=where))
+
+    # ----- shared forward ------------------------------------------------------------------
+    def context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """aux [..., S, D] -> context features [..., D]."""
+        return self.hidden_norm(self.fc(aux_hidden.flatten(-2).to(self.fc.weight.dtype)))
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Post-norm hidden [..., D] -> target-vocabulary logits via the frozen target head."""
+        return self.verifier_lm_head(hidden)
+
+    def label_offsets(self) -> torch.Tensor:
+        """Row offset (from the anchor) of the token each draft slot predicts: [K]."""
+        first = 0 if self.sample_from_anchor else 1
+        return torch.arange(first, self.config.block_size) + (1 if self.sample_from_anchor else 0)
+
+    def draft_slots(self) -> slice:
+        return slice(0 if self.sample_from_anchor else 1, self.config.block_size)
+
+    def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """anchor tokens [...] -> block token ids [..., B] = [anchor, MASK, ..., MASK]."""
+        block = anchor_tokens.new_full((*anchor_tokens.shape, self.config.block_size), self.config.mask_token_id)
+        block[..., 0] = anchor_tokens
+        return block
+
+    def forward_blocks(self, batch: DrafterBatch, anchors: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced packed forward. anchors int64 [N, A] (-1 = none) -> post-norm block
+        hidden states [N, A, B, D]."""
+        b = self.config.block_size
+        n, a = anchors.shape
+        safe = anchors.clamp(min=0)
+        ctx = self.context(batch.aux_hidden)
+        cos_c, sin_c = self.rotary(batch.position_ids, ctx.dtype)
+        x = self.embed_tokens(self.block_inputs(torch.gather(batch.token_ids, 1, safe))).flatten(1, 2)
+        pos = (torch.gather(batch.position_ids, 1, safe)[..., None] + torch.arange(b, device=anchors.device)).flatten(1)
+        cos_b, sin_b = self.rotary(pos, ctx.dtype)
+        mask = anchor_block_mask(batch.segment_ids, anchors, b)
+        for layer in self.layers:
+            x = layer(x, layer.context_kv(ctx, cos_c, sin_c), cos_b, sin_b, mask)
+        return self.norm(x).view(n, a, b, -1)
+
+    def training_forward(self, batch: DrafterBatch) -> TrainOutput:
+        anchors = sample_anchors(batch.segment_ids, batch.loss_mask, max_per_segment=self.config.max_anchors)
+        return self.block_loss(batch, anchors, self.forward_blocks(batch, anchors))
+
+    def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> TrainOutput:
+        """Hard-label CE over slots 1..B-1 weighted exp(-(k-1)/gamma), normalised by the weight sum."""
+        labels, valid, _ = block_labels(batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device))
+        h = hidden[:, :, self.draft_slots()]
+
+        def rows(hr, lr):
+            logits = self.lm_logits(hr)
+            return ce_rows(logits=logits, labels=lr), logits.argmax(-1) == lr
+
+        ce_valid, ok_valid = chunked_rows(rows, h[valid], labels[valid], chunk_rows=self.config.loss_chunk_rows)
+        ce = torch.zeros(valid.shape, dtype=ce_valid.dtype, device=h.device).masked_scatter(valid, ce_valid)
+        correct = torch.zeros_like(valid).masked_scatter(valid, ok_valid)
+        weights = position_weights(valid.shape[-1], self.config.gamma, device=h.device)
+        loss = weighted_mean(ce, weights, valid)
+        acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1))
+        return TrainOutput(
+            loss=loss, metrics={"loss": float(loss.detach()), "ce": float(loss.detach())}, position_acc=acc, position_cond_acc=cond, position_count=count
+        )
+
+    # ----- inference -----------------------------------------------------------------------
+    def new_cache(self) -> ContextCache:
+        return ContextCache()
+
+    @torch.no_grad()
+    def append_context(self, cache: ContextCache, *, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append verified positions: features [n, S, D] (target aux states), positions [n]."""
+        ctx = self.context(features)[None]
+        cos, sin = self.rotary(positions[None], ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(ctx, cos, sin)
+            if len(cache.k) <= i:
+                cache.k.append(k)
+                cache.v.append(v)
+            else:
+                cache.k[i] = torch.cat([cache.k[i], k], dim=2)
+                cache.v[i] = torch.cat([cache.v[i], v], dim=2)
+
+    @torch.no_grad()
+    def block_hidden(self, cache: ContextCache, *, anchor_token: int, anchor_position: int) -> torch.Tensor:
+        """Run the block once against all cached context -> post-norm hidden [B, D]."""
+        b = self.config.block_size
+        device = self.fc.weight.device
+        x = self.embed_tokens(self.block_inputs(torch.tensor([anchor_token], device=device)))
+        cos, sin = self.rotary((anchor_position + torch.arange(b, device=device))[None], x.dtype)
+        mask = torch.ones(1, 1, b, cache.length + b, dtype=torch.bool, device=device)
+        for i, layer in enumerate(self.layers):
+            ctx_kv = (cache.k[i], cache.v[i]) if cache.k else (x.new_zeros(1, layer.self_attn.num_kv_heads, 0, layer.self_attn.head_dim),) * 2
+            x = layer(x, ctx_kv, cos, sin, mask)
+        return self.norm(x)[0]
+
+    @torch.no_grad()
+    def draft_block(
+        self,
+        cache: ContextCache,
+        *,
+        anchor_token: int,
+        anchor_position: int,
+        context_features: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> DraftProposal:
+        """Append the new context (features of the positions just verified, all < anchor_position),
+        then draft K tokens after ``anchor_token`` (the bonus/corrected token at anchor_position)."""
+        if context_features is not None and context_features.shape[0]:
+            self.append_context(cache, features=context_features, positions=context_positions)
+        hidden = self.block_hidden(cache, anchor_token=anchor_token, anchor_position=anchor_position)
+        return self.propose(hidden, anchor_token=anchor_token, temperature=temperature, generator=generator)
+
+    def propose(self, hidden: torch.Tensor, *, anchor_token: int, temperature: float, generator: torch.Generator | None) -> DraftProposal:
+        """Independent per-slot draws from slots 1..B-1."""
+        logits = self.lm_logits(hidden[self.draft_slots()])
+        drawn = [sample_token(row, temperature=temperature, generator=generator) for row in logits]
+        return DraftProposal(tokens=torch.stack([t for t, _ in drawn]), probs=torch.stack([p for _, p in drawn]))
+
+
+def build_dflash(config: DFlashConfig, target: Any, **_: Any) -> DFlashDrafter:
+    """A fresh DFlash drafter for ``target`` (frozen embedding, LM head and final norm copied in)."""
+    config = config.resolve(target)
+    model = DFlashDrafter(config, verifier=target.describe())
+    model.attach_target(target)
+    return model

@@ -1,0 +1,35 @@
+"""DSpark hyperparameters (DSpark paper; reference deepseek-ai/DeepSpec, vllm-project/speculators)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.dflash.config import DFlashConfig
+from specdraft.utils.config import config_field
+
+
+@dataclass
+class DSparkConfig(DFlashConfig):
+    method: ClassVar[str] = "dspark"
+
+    block_size: int = config_field(7, help="tokens per block; every slot (anchor included) drafts one token")
+    markov_rank: int = config_field(256, help="rank r of the Markov head W2(W1[prev token])")
+    markov_head: str = config_field("vanilla", help="Markov head variant: vanilla | gated | rnn", metadata={"choices": ["vanilla", "gated", "rnn"]})
+    confidence_head: bool = config_field(True, help="train the per-position acceptance-confidence head")
+    confidence_with_markov: bool = config_field(True, help="confidence head also reads W1[previous token]")
+    ce_weight: float = config_field(0.1, help="weight of the hard-label cross-entropy term")
+    l1_weight: float = config_field(0.9, help="weight of the ||p_d - p_t||_1 term")
+    bce_weight: float = config_field(1.0, help="weight of the confidence-head BCE term")
+    position_decay: float = config_field(4.0, help="position weights exp(-k/position_decay)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from specdraft.models.dspark.heads import MARKOV_HEADS
+
+        if self.markov_rank < 1:
+            raise SpecdraftError(f"dspark config: markov_rank must be >= 1, got {self.markov_rank}")
+        MARKOV_HEADS.get(self.markov_head)
+        if self.position_decay <= 0:
+            raise SpecdraftError(f"dspark config: position_decay must be > 0, got {self.position_decay}")

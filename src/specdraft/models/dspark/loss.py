@@ -1,0 +1,29 @@
+"""DSpark loss terms (per block position), pure functions of logits.
+
+L = ce_weight*CE(hard label) + l1_weight*||p_d - p_t||_1 + bce_weight*BCE(c_k, 1 - 0.5*||p_d - p_t||_1)
+with p_d the Markov-corrected softmax at T=1 (teacher-forced previous tokens), the BCE target
+detached, each term weighted exp(-k/decay) and normalised by the weight sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def block_terms(
+    *, draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, confidence_logits: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """draft/target logits [..., V], labels [...], confidence logits [...] -> (ce, l1, bce) each [...]."""
+    ce = F.cross_entropy(draft_logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view_as(labels)
+    l1 = (F.softmax(draft_logits.float(), -1) - F.softmax(target_logits.float(), -1)).abs().sum(-1)
+    if confidence_logits is None:
+        return ce, l1, torch.zeros_like(l1)
+    soft_accept = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
+    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_accept, reduction="none")
+    return ce, l1, bce
+
+
+def position_weights(num: int, decay: float, *, device=None) -> torch.Tensor:
+    """w_k = exp(-k/decay) for block positions k = 1..num -> [num]."""
+    return torch.exp(-torch.arange(1, num + 1, dtype=torch.float32, device=device) / decay)

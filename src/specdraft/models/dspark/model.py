@@ -1,0 +1,136 @@
+"""DSpark drafter: the DFlash backbone plus a Markov head and a confidence head.
+
+Differences from DFlash (the only ones): the anchor slot is a prediction too, so slot k
+(k = 0..B-1) at position anchor+k predicts the token at anchor+k+1 (B drafts from B inputs);
+logits_k = U_k + MarkovBias(x_{k-1}, ...) with x_0 = the anchor; c_k = sigmoid(w.[h_k; W1[x_{k-1}]] + b)
+estimates P(x_k accepted | earlier accepted). Drafting runs the backbone once, then samples the
+block left to right through the Markov head (argmax at T=0, else softmax(logits/T)); that
+corrected distribution is what rejection sampling must divide by.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.base import DrafterBatch, TrainOutput
+from specdraft.models.common.anchors import block_labels
+from specdraft.models.common.chunked import chunked_rows
+from specdraft.models.common.metrics import position_metrics
+from specdraft.models.common.sampling import DraftProposal, sample_token
+from specdraft.models.dflash.loss import weighted_mean
+from specdraft.models.dflash.model import DFlashDrafter
+from specdraft.models.dspark.config import DSparkConfig
+from specdraft.models.dspark.heads import MARKOV_HEADS, ConfidenceHead
+from specdraft.models.dspark.loss import block_terms, position_weights
+
+
+class DSparkDrafter(DFlashDrafter):
+    method: ClassVar[str] = "dspark"
+    config_cls = DSparkConfig
+    architecture = "DSparkSpeculator"
+    sample_from_anchor: ClassVar[bool] = True
+
+    def __init__(self, config: DSparkConfig, verifier: dict | None = None):
+        super().__init__(config, verifier)
+        c = config
+        self.markov_head = MARKOV_HEADS.get(c.markov_head)(vocab_size=c.vocab_size, rank=c.markov_rank, hidden_size=c.hidden_size)
+        self.confidence_head = (
+            ConfidenceHead(c.hidden_size + (c.markov_rank if c.confidence_with_markov else 0)) if c.confidence_head else None
+        )
+
+    # ----- format --------------------------------------------------------------------------
+    def method_fields(self, aux_ids: list[int]) -> dict:
+        c = self.config
+        return {
+            **super().method_fields(aux_ids),
+            "markov_rank": c.markov_rank,
+            "markov_head_type": c.markov_head,
+            "enable_confidence_head": c.confidence_head,
+            "confidence_head_with_markov": c.confidence_with_markov if c.confidence_head else False,
+        }
+
+    @classmethod
+    def config_from_speculators(cls, cfg: dict, *, where: str) -> DSparkConfig:
+        rank = int(cfg.get("markov_rank", 256))
+        if rank <= 0:
+            raise SpecdraftError(f"{where}: dspark with markov_rank {rank} (no Markov head) is not supported by specdraft")
+        return DSparkConfig(
+            **cls.config_fields_from_speculators(cfg, where=where),
+            markov_rank=rank,
+            markov_head=str(cfg.get("markov_head_type", "vanilla")),
+            confidence_head=bool(cfg.get("enable_confidence_head", True)),
+            confidence_with_markov=bool(cfg.get("confidence_head_with_markov", True)),
+        )
+
+    # ----- heads ---------------------------------------------------------------------------
+    def confidence_logits(self, hidden: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor | None:
+        if self.confidence_head is None:
+            return None
+        feats = torch.cat([hidden, prev_emb.to(hidden.dtype)], -1) if self.config.confidence_with_markov else hidden
+        return self.confidence_head(feats)
+
+    def corrected_block(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced: hidden [R, B, D], previous tokens [R, B] -> (Markov-corrected logits
+        [R, B, V], confidence logits [R, B] or None)."""
+        prev_emb = self.markov_head.prev_embeddings(prev_ids)
+        logits = self.lm_logits(hidden) + self.markov_head.block_bias(prev_emb, hidden)
+        return logits, self.confidence_logits(hidden, prev_emb)
+
+    # ----- training ------------------------------------------------------------------------
+    def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> TrainOutput:
+        c = self.config
+        norm = self.require_verifier()
+        labels, valid, pos = block_labels(batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device))
+        src = (pos - 1).clamp(min=0)  # slot k sits at anchor+k: its p_t and its previous token x_{k-1}
+        prev_ids = torch.gather(batch.token_ids, 1, src.flatten(1)).view_as(src)
+        target_h = torch.gather(batch.last_hidden, 1, src.flatten(1)[..., None].expand(-1, -1, batch.last_hidden.shape[-1]))
+        target_h = target_h.view(*src.shape, -1).to(hidden.dtype)
+        blocks = valid[..., 0]
+
+        def rows(h, prev, th, lab):
+            logits, conf = self.corrected_block(h, prev)
+            ce, l1, bce = block_terms(draft_logits=logits, target_logits=self.verifier_lm_head(norm(th)), labels=lab, confidence_logits=conf)
+            return ce, l1, bce, logits.argmax(-1) == lab
+
+        ce, l1, bce, ok = chunked_rows(
+            rows, hidden[blocks], prev_ids[blocks], target_h[blocks], labels[blocks], chunk_rows=max(1, c.loss_chunk_rows // c.block_size)
+        )
+        v = valid[blocks]
+        w = position_weights(c.block_size, c.position_decay, device=hidden.device)
+        terms = {"ce": weighted_mean(ce, w, v), "l1": weighted_mean(l1, w, v), "bce": weighted_mean(bce, w, v)}
+        loss = c.ce_weight * terms["ce"] + c.l1_weight * terms["l1"] + c.bce_weight * terms["bce"]
+        correct = torch.zeros_like(valid)
+        correct[blocks] = ok & v
+        acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1))
+        metrics = {"loss": float(loss.detach()), **{k: float(t.detach()) for k, t in terms.items()}}
+        return TrainOutput(loss=loss, metrics=metrics, position_acc=acc, position_cond_acc=cond, position_count=count)
+
+    # ----- inference -----------------------------------------------------------------------
+    def propose(self, hidden: torch.Tensor, *, anchor_token: int, temperature: float, generator: torch.Generator | None) -> DraftProposal:
+        """Left-to-right over the block: x_k ~ softmax((U_k + B_k(x_{k-1}))/T), c_k alongside."""
+        base = self.lm_logits(hidden)
+        prev = torch.tensor([anchor_token], device=hidden.device)
+        state = self.markov_head.init_state(1, hidden[:1])
+        tokens, probs, confs = [], [], []
+        for k in range(self.config.block_size):
+            prev_emb = self.markov_head.prev_embeddings(prev)
+            bias, state = self.markov_head.step(state, prev_emb, hidden[k : k + 1])
+            token, p = sample_token(base[k] + bias[0], temperature=temperature, generator=generator)
+            conf = self.confidence_logits(hidden[k : k + 1], prev_emb)
+            tokens.append(token)
+            probs.append(p)
+            if conf is not None:
+                confs.append(torch.sigmoid(conf[0]))
+            prev = token.view(1)
+        return DraftProposal(tokens=torch.stack(tokens), probs=torch.stack(probs), confidences=torch.stack(confs) if confs else None)
+
+
+def build_dspark(config: DSparkConfig, target: Any, **_: Any) -> DSparkDrafter:
+    """A fresh DSpark drafter for ``target`` (frozen embedding, LM head and final norm copied in)."""
+    config = config.resolve(target)
+    model = DSparkDrafter(config, verifier=target.describe())
+    model.attach_target(target)
+    return model

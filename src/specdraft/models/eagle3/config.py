@@ -1,0 +1,40 @@
+"""EAGLE-3 hyperparameters (arXiv 2503.01840; reference SafeAILab/EAGLE, vllm-project/speculators)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.common.config import DraftConfig
+from specdraft.utils.config import config_field
+
+
+@dataclass
+class Eagle3Config(DraftConfig):
+    method: ClassVar[str] = "eagle3"
+
+    draft_vocab_size: int = config_field(
+        32000, help="reduced draft vocabulary: the N most frequent response tokens (capped at the target vocabulary)"
+    )
+    ttt_steps: int = config_field(7, help="training-time-test unroll steps (also the number of draft tokens per round)")
+    ttt_decay: float = config_field(0.8, help="loss weight decay per unroll step: step j is weighted decay**j")
+    norm_before_residual: bool = config_field(False, help="use the normed feature as the residual of the fused layer")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_layers != 1:
+            raise SpecdraftError(f"eagle3 config: num_layers must be 1 (one fused decoder layer), got {self.num_layers}")
+        if self.ttt_steps < 1:
+            raise SpecdraftError(f"eagle3 config: ttt_steps must be >= 1, got {self.ttt_steps}")
+        if not 0 < self.ttt_decay <= 1:
+            raise SpecdraftError(f"eagle3 config: ttt_decay must be in (0, 1], got {self.ttt_decay}")
+        if self.draft_vocab_size < 1:
+            raise SpecdraftError(f"eagle3 config: draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+            raise SpecdraftError(
+                f"eagle3 config: draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}"
+            )
+
+    def _resolve_method(self, target: Any) -> dict[str, Any]:
+        return {"draft_vocab_size": min(self.draft_vocab_size, int(target.text_config.vocab_size))}

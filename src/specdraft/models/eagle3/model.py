@@ -1,0 +1,332 @@
+"""EAGLE-3 drafter (arXiv 2503.01840): fused target features + one Llama layer, autoregressive.
+
+Terms: a *feature* is what the drafter layer receives as its residual stream: at step 0 the fc
+projection of the target's 3 aux hidden states at position t, at later steps the drafter's own
+output hidden state. Pairing: feature t + embed(token t+1) -> predicts token t+2.
+
+Training-time test (TTT), step j = 0..ttt_steps-1, query position t:
+  1. input = (feature_j[t], token t+1+j) at RoPE position pos[t]+1+j (teacher-forced tokens);
+  2. attention sees step-0 keys t' <= t of its segment plus the keys at t of steps 1..j
+     (``eagle3_ttt_mask``) -- exactly what the chain sees at inference;
+  3. label = token t+2+j, soft target = p_t at position t+1+j on the draft vocabulary; loss weight
+     ttt_decay**j; supervised only where t+2+j is a response token of the same segment.
+
+Inference: ``extend`` appends the committed (accepted) positions to the draft KV cache and
+``speculate`` runs one chain step against cache + this round's draft keys, which are dropped
+at the end of the round. ``draft`` composes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.base import DrafterBatch, TrainOutput
+from specdraft.models.common import checkpoint as ckpt
+from specdraft.models.common.chunked import chunked_rows
+from specdraft.models.common.config import shape_from_layer_config
+from specdraft.models.common.drafter import SpeculatorsDrafter
+from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from specdraft.models.common.masks import eagle3_ttt_mask
+from specdraft.models.common.metrics import position_metrics
+from specdraft.models.common.sampling import DraftProposal, sample_token
+from specdraft.models.common.vocab import build_draft_vocab, check_vocab_tables, draft_ids
+from specdraft.models.eagle3.config import Eagle3Config
+from specdraft.models.eagle3.loss import soft_ce_rows, step_weights
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class Eagle3Layer(DecoderLayer):
+    """Llama layer whose attention reads concat(norm(embed), norm(feature)) (2D wide)."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__(
+            in_dim=2 * c.hidden_size,
+            hidden=c.hidden_size,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            intermediate=c.intermediate_size,
+            qk_norm=False,
+            eps=c.rms_norm_eps,
+        )
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm_before_residual = c.norm_before_residual
+
+    def forward(self, embeds, feature, cos, sin, past: KV | None, mask) -> tuple[torch.Tensor, KV]:
+        """embeds/feature [N, L, D]; past K/V [N, G, M, E] or None; mask [N|1, 1, L, M+L].
+        Returns (out [N, L, D], this call's (k, v) [N, G, L, E])."""
+        normed = self.hidden_norm(feature)
+        residual = normed if self.norm_before_residual else feature
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        q = self.self_attn.project_q(x, cos, sin)
+        k, v = self.self_attn.project_kv(x, cos, sin)
+        keys = k if past is None else torch.cat([past[0], k], dim=2)
+        values = v if past is None else torch.cat([past[1], v], dim=2)
+        h = residual + self.self_attn.attend(q, keys, values, mask)
+        return self.feed_forward(h), (k, v)
+
+
+@dataclass
+class Eagle3Cache:
+    """Draft K/V of committed positions, k/v [1, G, M, E] (None while empty)."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def kv(self) -> KV | None:
+        return None if self.k is None else (self.k, self.v)
+
+    def append(self, kv: KV) -> None:
+        self.k = kv[0] if self.k is None else torch.cat([self.k, kv[0]], dim=2)
+        self.v = kv[1] if self.v is None else torch.cat([self.v, kv[1]], dim=2)
+
+
+class Eagle3Drafter(SpeculatorsDrafter):
+    method: ClassVar[str] = "eagle3"
+    config_cls = Eagle3Config
+    architecture = "Eagle3Speculator"
+    layer_model_type = "llama"
+    slot_side = "input"
+    ignored_on_load = SpeculatorsDrafter.ignored_on_load + ("d2t", "t2d")
+
+    def __init__(self, config: Eagle3Config, verifier: dict | None = None):
+        super().__init__(config, verifier)
+        c = config
+        self.fc = nn.Linear(len(c.slots()) * c.hidden_size, c.hidden_size, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(c)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta)
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[: c.draft_vocab_size] = True
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", t2d)
+
+    @property
+    def use_draft_vocab(self) -> bool:
+        return self.config.draft_vocab_size < self.config.vocab_size
+
+    # ----- format --------------------------------------------------------------------------
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        state = super().saved_state()
+        if not self.use_draft_vocab:
+            state.pop("d2t"), state.pop("t2d")
+        return state
+
+    def draft_vocab_size(self) -> int:
+        return self.config.draft_vocab_size
+
+    def speculative_tokens(self) -> int:
+        return self.config.ttt_steps
+
+    def method_fields(self, aux_ids: list[int]) -> dict:
+        return {
+            "eagle_aux_hidden_state_layer_ids": aux_ids,
+            "norm_before_residual": self.config.norm_before_residual,
+            "norm_before_fc": False,
+            "fc_norm": False,
+            "norm_output": False,
+            "embed_requires_grad": False,
+        }
+
+    @classmethod
+    def config_from_speculators(cls, cfg: dict, *, where: str) -> Eagle3Config:
+        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+            if cfg.get(flag):
+                raise SpecdraftError(f"{where}: EAGLE-3 option {flag}=true is not supported by specdraft")
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+        if not ids:
+            raise SpecdraftError(f"{where}: eagle_aux_hidden_state_layer_ids is missing; cannot tell which target layers to read")
+        shape = shape_from_layer_config(cfg.get("transformer_layer_config") or {}, where=where)
+        layers = ",".join(str(ckpt.aux_id_to_slot(int(i), "input")) for i in ids)
+        steps = cfg["speculators_config"]["proposal_methods"][0].get("speculative_tokens", 7)
+        return Eagle3Config(
+            **shape,
+            layers=layers,
+            draft_vocab_size=int(cfg.get("draft_vocab_size") or shape["vocab_size"]),
+            ttt_steps=int(steps),
+            norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+        )
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.use_draft_vocab and "d2t" in state_dict:
+            check_vocab_tables(self.d2t, self.t2d, where="eagle3 draft vocabulary")
+        return result
+
+    # ----- building ------------------------------------------------------------------------
+    def set_draft_vocab(self, counts: torch.Tensor) -> None:
+        """Select the draft vocabulary from token counts and start the draft head from the
+        target head's rows for those tokens (the reference's initialisation)."""
+        d2t, t2d = build_draft_vocab(counts, self.config.draft_vocab_size)
+        if t2d.numel() != self.config.vocab_size:
+            raise SpecdraftError(f"token counts cover {t2d.numel()} ids but the target vocabulary has {self.config.vocab_size}")
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+            self.lm_head.weight.copy_(self.verifier_lm_head.weight[draft_ids(self.d2t)])
+
+    def draft_target_ids(self) -> torch.Tensor:
+        """[Vd] target id of each draft id."""
+        return draft_ids(self.d2t)
+
+    # ----- training ------------------------------------------------------------------------
+    def _layer(self, embeds, feature, positions, past, mask) -> tuple[torch.Tensor, KV]:
+        cos, sin = self.rotary(positions, embeds.dtype)
+        return self.layers[0](embeds, feature, cos, sin, past, mask)
+
+    def ttt_hidden(self, batch: DrafterBatch) -> list[torch.Tensor]:
+        """Teacher-forced TTT unroll: the drafter's output hidden state [N, T, D] per step."""
+        tokens, seg = batch.token_ids, batch.segment_ids
+        n, t = tokens.shape
+        idx = torch.arange(t, device=tokens.device)
+        feature = self.fc(batch.aux_hidden.flatten(2).to(self.fc.weight.dtype))
+        past: KV | None = None
+        outputs = []
+        for j in range(self.config.ttt_steps):
+            src = (idx + 1 + j).clamp(max=t - 1)
+            embeds = self.embed_tokens(tokens[:, src])
+            out, kv = self._layer(embeds, feature, batch.position_ids + 1 + j, past, eagle3_ttt_mask(seg, j))
+            past = kv if past is None else (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+            outputs.append(out)
+            feature = out
+        return outputs
+
+    def step_valid(self, batch: DrafterBatch, step: int) -> torch.Tensor:
+        """bool [N, T]: step ``step`` at position t has a label (token t+2+step, response, same segment)."""
+        seg, mask = batch.segment_ids, batch.loss_mask.bool()
+        n, t = seg.shape
+        shift = 2 + step
+        valid = torch.zeros_like(mask)
+        if shift < t:
+            valid[:, : t - shift] = (seg[:, shift:] == seg[:, :-shift]) & (seg[:, :-shift] != -1) & mask[:, shift:]
+        return valid
+
+    def training_forward(self, batch: DrafterBatch) -> TrainOutput:
+        norm = self.require_verifier()
+        tokens = batch.token_ids
+        n, t = tokens.shape
+        ids = self.draft_target_ids()
+        head = self.verifier_lm_head.weight[ids]
+
+        def rows_loss(h, target_h, labels):
+            draft_logits = self.lm_head(self.norm(h))
+            target_logits = nn.functional.linear(norm(target_h), head)
+            return soft_ce_rows(draft_logits=draft_logits, target_logits=target_logits), ids[draft_logits.argmax(-1)] == labels
+
+        weights = step_weights(self.config.ttt_steps, self.config.ttt_decay)
+        loss = torch.zeros((), device=tokens.device)
+        correct = torch.zeros(n, t, self.config.ttt_steps, dtype=torch.bool, device=tokens.device)
+        valid_all = torch.zeros_like(correct)
+        metrics: dict[str, float] = {}
+        for j, hidden in enumerate(self.ttt_hidden(batch)):
+            valid = self.step_valid(batch, j)
+            valid_all[..., j] = valid
+            if not valid.any():
+                continue
+            shift = 1 + j
+            target_h = torch.roll(batch.last_hidden, -shift, dims=1)[valid]
+            labels = torch.roll(tokens, -(shift + 1), dims=1)[valid]
+            ce, ok = chunked_rows(rows_loss, hidden[valid], target_h.to(hidden.dtype), labels, chunk_rows=self.config.loss_chunk_rows)
+            loss = loss + weights[j] * ce.mean()
+            correct[..., j][valid] = ok
+            metrics[f"loss_step{j}"] = float(ce.mean().detach())
+        acc, cond, count = position_metrics(correct.flatten(0, 1), valid_all.flatten(0, 1))
+        metrics["loss"] = float(loss.detach())
+        return TrainOutput(loss=loss, metrics=metrics, position_acc=acc, position_cond_acc=cond, position_count=count)
+
+    # ----- inference -----------------------------------------------------------------------
+    def new_cache(self) -> Eagle3Cache:
+        return Eagle3Cache()
+
+    @torch.no_grad()
+    def extend(self, cache: Eagle3Cache, *, features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Commit accepted positions. features [n, S, D] (target aux states at those positions),
+        next_tokens [n] (the token after each), positions [n]. Returns output hidden [n, D]."""
+        m, new = cache.length, features.shape[0]
+        feature = self.fc(features.flatten(1).to(self.fc.weight.dtype))[None]
+        mask = torch.cat(
+            [torch.ones(new, m, dtype=torch.bool), torch.ones(new, new, dtype=torch.bool).tril()], dim=1
+        ).to(feature.device)
+        out, kv = self._layer(self.embed_tokens(next_tokens)[None], feature, positions[None] + 1, cache.kv(), mask[None, None])
+        cache.append(kv)
+        return out[0]
+
+    @torch.no_grad()
+    def speculate(self, cache: Eagle3Cache, draft_kv: Eagle3Cache, *, hidden: torch.Tensor, token: torch.Tensor, step: int, base_position: int) -> torch.Tensor:
+        """One chain step ``step`` >= 1 from the last committed position ``base_position``:
+        feature = the previous step's output ``hidden`` [D], input ``token`` = the previous draft.
+        Sees the committed cache plus this round's ``draft_kv`` (which it extends)."""
+        past = cache.kv()
+        if draft_kv.k is not None:
+            past = (torch.cat([past[0], draft_kv.k], 2), torch.cat([past[1], draft_kv.v], 2)) if past else draft_kv.kv()
+        total = (0 if past is None else past[0].shape[2]) + 1
+        mask = torch.ones(1, 1, 1, total, dtype=torch.bool, device=hidden.device)
+        pos = torch.tensor([[base_position + 1 + step]], device=hidden.device)
+        out, kv = self._layer(self.embed_tokens(token.view(1, 1)), hidden.view(1, 1, -1), pos, past, mask)
+        draft_kv.append(kv)
+        return out[0, 0]
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> logits over the full target vocabulary (-inf outside the draft vocab)."""
+        small = self.lm_head(self.norm(hidden))
+        full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., self.draft_target_ids()] = small
+        return full
+
+    @torch.no_grad()
+    def draft(
+        self,
+        cache: Eagle3Cache,
+        *,
+        features: torch.Tensor,
+        next_tokens: torch.Tensor,
+        positions: torch.Tensor,
+        num_tokens: int | None = None,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> DraftProposal:
+        """Commit the newly accepted positions (see ``extend``), then draft ``num_tokens``
+        (default ttt_steps) tokens as a chain. The last ``next_tokens`` entry is the round's
+        bonus/corrected token; draft 1 predicts the token after it."""
+        k = num_tokens or self.config.ttt_steps
+        hidden = self.extend(cache, features=features, next_tokens=next_tokens, positions=positions)[-1]
+        base = int(positions[-1])
+        draft_kv = Eagle3Cache()
+        tokens, probs = [], []
+        for i in range(k):
+            if i:
+                hidden = self.speculate(cache, draft_kv, hidden=hidden, token=tokens[-1], step=i, base_position=base)
+            token, p = sample_token(self.draft_logits(hidden), temperature=temperature, generator=generator)
+            tokens.append(token)
+            probs.append(p)
+        return DraftProposal(tokens=torch.stack(tokens), probs=torch.stack(probs))
+
+
+def build_eagle3(config: Eagle3Config, target: Any, *, counts: torch.Tensor | None = None, **_: Any) -> Eagle3Drafter:
+    """A fresh EAGLE-3 drafter for ``target``; ``counts`` int64[V] (response-token frequencies,
+    the prepared dataset's token_counts) selects the reduced draft vocabulary."""
+    config = config.resolve(target)
+    model = Eagle3Drafter(config, verifier=target.describe())
+    model.attach_target(target)
+    if model.use_draft_vocab:
+        if counts is None:
+            raise SpecdraftError(
+                f"eagle3 draft_vocab_size {config.draft_vocab_size} < target vocabulary {config.vocab_size} needs token "
+                "counts (the prepared dataset's token_counts.safetensors)"
+            )
+        model.set_draft_vocab(counts)
+    else:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.verifier_lm_head.weight)
+    return model

@@ -1,0 +1,63 @@
+"""Resolve a target name or path to a plain HF directory and load it as a ``Target``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+from specdraft.targets.base import Target
+from specdraft.targets.embedded import DEFAULT_TARGET, EMBEDDED_TARGETS, ensure_embedded
+from specdraft.targets.identity import fingerprint, tokenizer_hash
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_target_dir(name_or_path: str = DEFAULT_TARGET) -> Path:
+    """An embedded name (converted on first use) or a local HF causal-LM directory."""
+    if name_or_path in EMBEDDED_TARGETS:
+        return ensure_embedded(name_or_path)
+    path = Path(name_or_path).expanduser()
+    embedded = ", ".join(EMBEDDED_TARGETS.names())
+    if not path.is_dir():
+        raise SpecdraftError(
+            f"target {name_or_path!r} is neither an embedded target ({embedded}) nor a local directory; "
+            f"pass an embedded name or the path of a Hugging Face model directory (config.json + *.safetensors + tokenizer)"
+        )
+    if not (path / "config.json").is_file():
+        raise SpecdraftError(f"target directory {path} has no config.json; it must be a Hugging Face causal-LM directory (embedded targets: {embedded})")
+    if not any(path.glob("*.safetensors")):
+        raise SpecdraftError(f"target directory {path} has no *.safetensors weights (specdraft never loads pickled weights)")
+    return path
+
+
+def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: str = "float32", device: str = "cpu") -> Target:
+    """Load a target causal LM (eval mode) with its tokenizer and identity hashes."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise SpecdraftError(f"dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
+    path = resolve_target_dir(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise SpecdraftError(f"cannot load the tokenizer of target {path}: {exc}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpecdraftError(f"the tokenizer in {path} has no chat template; specdraft renders conversations with it")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as exc:
+        raise SpecdraftError(f"cannot load target model {path}: {exc}") from None
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return Target(
+        name=name_or_path,
+        path=path,
+        model=model,
+        tokenizer=tokenizer,
+        fingerprint=fingerprint(path),
+        tokenizer_hash=tokenizer_hash(path),
+    )

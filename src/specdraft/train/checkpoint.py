@@ -1,0 +1,175 @@
+"""Run directories and resumable checkpoints (safetensors + JSON, never pickle).
+
+Layout of ``OUT``::
+
+    config.resolved.yaml           every value the run used (written before training starts)
+    metrics.jsonl                  one record per logged step / validation
+    checkpoints/step-N/            config.json + model.safetensors   (the drafter, speculators format)
+                                   trainer_state.safetensors          "model.<fqn>": trainable params and buffers
+                                                                      (fp32, exactly as trained);
+                                                                      "optim.<fqn>.<key>": AdamW state
+                                   trainer_state.json                 step, data position, optimizer param
+                                                                      groups, scheduler state, run identity
+    final/                         the trained drafter (config.json + model.safetensors)
+
+Every directory is built under a hidden temporary name and renamed into place, so a crash leaves
+either the previous checkpoint or the complete new one; ``trainer_state.json`` is written last and
+marks a checkpoint complete. There is no RNG state to store: every random draw of a step is
+seeded from (seed, rank, step) (``data.step_seed``), so step N+1 after a resume draws exactly what
+it would have drawn in an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.utils.io import atomic_write_json
+
+STATE_FORMAT = "specdraft.trainer_state"
+STATE_VERSION = 1
+STATE_JSON = "trainer_state.json"
+STATE_TENSORS = "trainer_state.safetensors"
+CHECKPOINTS = "checkpoints"
+FINAL = "final"
+RESOLVED_CONFIG = "config.resolved.yaml"
+METRICS = "metrics.jsonl"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+#: Fields of the run identity that must match to resume: changing them would train a different model.
+IDENTITY_KEYS = ("method", "model_config", "target_fingerprint", "slots")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces ``path`` (old content removed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.{os.getpid()}.old")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def list_checkpoints(out: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``OUT/checkpoints`` as (step, dir), oldest first."""
+    root = Path(out) / CHECKPOINTS
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            m = _STEP_DIR.match(child.name)
+            if m and (child / STATE_JSON).is_file() and (child / STATE_TENSORS).is_file():
+                found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(out: str | os.PathLike) -> Path | None:
+    found = list_checkpoints(out)
+    return found[-1][1] if found else None
+
+
+def read_state(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / STATE_JSON
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecdraftError(f"cannot read checkpoint state {path}: {exc}; delete that checkpoint directory to resume from an older one") from None
+    if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+        raise SpecdraftError(f"{path} is not a {STATE_FORMAT} v{STATE_VERSION} file (found {state.get('format')!r} v{state.get('version')!r})")
+    return state
+
+
+def check_identity(saved: dict, current: dict, *, where: Path) -> None:
+    """Refuse to resume a run whose method/model/target/layers differ from the checkpoint's."""
+    diffs = [k for k in IDENTITY_KEYS if _jsonable(saved.get(k)) != _jsonable(current.get(k))]
+    if diffs:
+        lines = "; ".join(f"{k}: checkpoint has {json.dumps(saved.get(k), sort_keys=True)}, now {json.dumps(_jsonable(current.get(k)), sort_keys=True)}" for k in diffs)
+        raise SpecdraftError(
+            f"cannot resume from {where}: the run's {', '.join(diffs)} changed ({lines}). "
+            f"Use a new --out directory, or restore the original settings to continue this run"
+        )
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def save_checkpoint(
+    directory: Path,
+    *,
+    drafter: torch.nn.Module,
+    model_state: dict[str, torch.Tensor],
+    optim_state: dict,
+    scheduler_state: dict,
+    meta: dict,
+) -> None:
+    """Write one complete checkpoint directory atomically (``trainer_state.json`` last)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {f"model.{k}": v for k, v in model_state.items()}
+    groups = []
+    for group in optim_state["param_groups"]:
+        groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()})
+    for name, state in optim_state["state"].items():
+        for key, value in state.items():
+            tensors[f"optim.{name}.{key}"] = torch.as_tensor(value)
+    tensors = {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
+    with atomic_dir(directory) as tmp:
+        drafter.save_pretrained(tmp)
+        save_file(tensors, str(tmp / STATE_TENSORS))
+        atomic_write_json(
+            tmp / STATE_JSON,
+            {
+                "format": STATE_FORMAT,
+                "version": STATE_VERSION,
+                **meta,
+                "optimizer": {"param_groups": groups},
+                "scheduler": _jsonable(scheduler_state),
+                "rng": {"scheme": "every random draw of step N on rank r is seeded from (seed, r, N)", "seed": meta["config"]["seed"]},
+            },
+        )
+
+
+def load_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(model state, optimizer state in the FQN-keyed form of ``torch.distributed.checkpoint``)."""
+    from safetensors.torch import load_file
+
+    state = read_state(directory)
+    try:
+        tensors = load_file(str(directory / STATE_TENSORS))
+    except Exception as exc:  # safetensors raises its own error types
+        raise SpecdraftError(f"cannot read {directory / STATE_TENSORS}: {exc}; delete that checkpoint directory to resume from an older one") from None
+    model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    optim_state: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if k.startswith("optim."):
+            name, _, key = k[len("optim."):].rpartition(".")
+            optim_state.setdefault(name, {})[key] = v
+    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in state["optimizer"]["param_groups"]]
+    return model, {"state": optim_state, "param_groups": groups}
+
+
+def prune_checkpoints(out: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints (``keep == 0`` keeps all)."""
+    if keep <= 0:
+        return
+    for _, path in list_checkpoints(out)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,170 @@
+"""``TrainConfig``: the one place where training defaults and ``--help`` text live.
+
+Resolution order (later wins): dataclass defaults < ``--config recipe.yaml`` < command-line flags.
+``model`` is merged per key (a recipe can set ``block_size`` and the CLI ``num_layers``). The
+resolved config, with ``model`` expanded to the method config's full field set, is written to
+``OUT/config.resolved.yaml`` so a run records every value it used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdraft.errors import SpecdraftError
+from specdraft.utils.config import config_field
+
+DTYPE_CHOICES = ("auto", "bf16", "fp32")
+PARALLEL_CHOICES = ("auto", "ddp", "fsdp")
+
+
+@dataclass
+class TrainConfig:
+    method: str | None = config_field(None, help="drafter method, a key of the METHODS registry (dspark, dflash, eagle3)")
+    target: str | None = config_field(
+        None, help="target model: an embedded name or a HF directory (default: the target recorded in the hidden-state store)"
+    )
+    data: str | None = config_field(None, help="hidden-state store directory written by `specdraft extract`")
+    out: str | None = config_field(None, help="run directory: checkpoints, metrics.jsonl, final/ (rerun to resume)")
+    model: dict = config_field(
+        {}, help="method config overrides, 'key=value,key=value' (values parsed as YAML) or a YAML mapping in the recipe"
+    )
+    lr: float = config_field(6e-4, help="peak learning rate (AdamW)")
+    weight_decay: float = config_field(0.0, help="AdamW weight decay (matrices only; norms and biases never decay)")
+    betas: list[float] = config_field([0.9, 0.95], help="AdamW betas, 'b1,b2'")
+    warmup_ratio: float = config_field(0.04, help="fraction of total steps with linear warm-up, then cosine decay")
+    min_lr_ratio: float = config_field(0.0, help="cosine floor as a fraction of the peak learning rate")
+    grad_clip: float = config_field(1.0, help="clip the global gradient norm to this value (0 = off)")
+    pack_tokens: int = config_field(2048, help="tokens per packed row; samples are packed whole, longer ones are truncated")
+    batch_rows: int = config_field(1, help="packed rows per optimizer step on each process")
+    epochs: int = config_field(1, help="passes over the training split (ignored when --max-steps is set)")
+    max_steps: int = config_field(0, help="optimizer steps to train (0 = as many as --epochs take)")
+    max_time: float = config_field(0.0, help="stop (checkpoint + final) after this many seconds of training (0 = no limit)")
+    seed: int = config_field(0, help="seed for initialisation, data order and every per-step random draw")
+    val_fraction: float = config_field(0.05, help="fraction of samples held out for validation, chosen by hashing sample ids")
+    val_max_batches: int = config_field(8, help="validation batches per evaluation (0 = the whole split)")
+    eval_interval: int = config_field(100, help="validate every N steps and at the end (0 = only at the end)")
+    checkpoint_interval: int = config_field(200, help="checkpoint every N steps and at the end (0 = only at the end)")
+    keep_checkpoints: int = config_field(2, help="keep only the newest N step checkpoints (0 = keep all)")
+    log_interval: int = config_field(1, help="append a metrics.jsonl record every N steps")
+    dtype: str = config_field(
+        "auto", help="compute dtype: bf16 autocast, fp32, or auto (bf16 on a GPU that supports it, else fp32)", metadata={"choices": DTYPE_CHOICES}
+    )
+    device: str = config_field("auto", help="torch device: auto (the local CUDA device if any, else cpu), cpu, cuda")
+    parallel: str = config_field(
+        "auto", help="multi-process strategy under torchrun: ddp, fsdp (FSDP2, GPU only) or auto (= ddp)", metadata={"choices": PARALLEL_CHOICES}
+    )
+    num_threads: int = config_field(0, help="torch CPU threads per process (0 = torch's default)")
+    dry_run: bool = config_field(False, help="build the drafter, write an initialised checkpoint and exit")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, str):
+            self.model = parse_overrides(self.model)
+        if not isinstance(self.model, dict):
+            raise SpecdraftError(f"model must be a mapping of method config overrides, got {self.model!r}")
+        self.betas = [float(b) for b in self.betas]
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise SpecdraftError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        for name in ("pack_tokens", "batch_rows", "epochs", "log_interval"):
+            if getattr(self, name) < 1:
+                raise SpecdraftError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "val_max_batches", "eval_interval", "checkpoint_interval", "keep_checkpoints", "num_threads"):
+            if getattr(self, name) < 0:
+                raise SpecdraftError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise SpecdraftError(f"lr must be a positive number, got {self.lr}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise SpecdraftError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise SpecdraftError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise SpecdraftError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise SpecdraftError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.parallel not in PARALLEL_CHOICES:
+            raise SpecdraftError(f"parallel must be one of {', '.join(PARALLEL_CHOICES)}, got {self.parallel!r}")
+        if self.max_time < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise SpecdraftError("max_time, weight_decay and grad_clip must be >= 0")
+
+    def require(self, *names: str) -> None:
+        """Fail with a message naming both ways to set each missing field."""
+        for name in names:
+            if getattr(self, name) in (None, ""):
+                flag = "--" + name.replace("_", "-")
+                raise SpecdraftError(f"{flag} is required (or set `{name}:` in the --config recipe)")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_overrides(text: str) -> dict:
+    """``"block_size=8,num_layers=2"`` or a YAML mapping ``"{block_size: 8}"`` -> dict (values via YAML)."""
+    import yaml
+
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        value = _yaml_load(text, "--model")
+        if not isinstance(value, dict):
+            raise SpecdraftError(f"--model {text!r} is not a YAML mapping")
+        return value
+    out: dict[str, Any] = {}
+    for part in text.split(","):
+        key, sep, raw = part.partition("=")
+        if not sep or not key.strip():
+            raise SpecdraftError(f"cannot parse model override {part!r}: expected key=value (e.g. --model num_layers=2,block_size=8)")
+        out[key.strip()] = yaml.safe_load(raw.strip()) if raw.strip() else None
+    return out
+
+
+def _yaml_load(text: str, where: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecdraftError(f"{where} is not valid YAML: {exc}") from None
+
+
+def load_recipe(path: str | Path) -> dict:
+    """Read a YAML recipe and check its keys are ``TrainConfig`` fields."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdraftError(f"config file {path} does not exist")
+    values = _yaml_load(path.read_text(), f"config file {path}") or {}
+    if not isinstance(values, dict):
+        raise SpecdraftError(f"config file {path} must hold a YAML mapping of TrainConfig fields, got {type(values).__name__}")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise SpecdraftError(f"config file {path}: unknown field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}")
+    return values
+
+
+def resolve_config(recipe: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
+    """Defaults < recipe file < ``overrides`` (e.g. the flags given on the command line)."""
+    values: dict[str, Any] = load_recipe(recipe) if recipe else {}
+    overrides = dict(overrides or {})
+    model = dict(values.get("model") or {})
+    if "model" in overrides:
+        cli_model = overrides.pop("model")
+        model.update(parse_overrides(cli_model) if isinstance(cli_model, str) else dict(cli_model or {}))
+    values.update(overrides)
+    values["model"] = model
+    hints = typing.get_type_hints(TrainConfig)
+    for key, value in list(values.items()):
+        # YAML 1.1 reads "6e-4" as a string and "1" as an int; both are fine for a float field.
+        if hints[key] is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise SpecdraftError(f"{key} must be a number, got {value!r}") from None
+    try:
+        return TrainConfig(**values)
+    except TypeError as exc:
+        raise SpecdraftError(f"invalid training config: {exc}") from None

@@ -1,0 +1,221 @@
+"""From stored samples to ``DrafterBatch``es: validation split, per-epoch shuffle, packing, collation.
+
+Everything here is a pure function of (sample ids, lengths, seed, epoch), so a resumed run can
+recompute exactly which batch comes next from the step number alone -- no loader state is saved.
+
+Packing ("next fit" in shuffled order): samples are laid end to end in a row of at most
+``pack_tokens`` tokens; when the next sample does not fit a new row starts. Samples are never
+split across rows (a longer one is truncated to ``pack_tokens``). Example with ``pack_tokens=8``
+and shuffled lengths 3, 4, 5, 2::
+
+    row 0: a a a b b b b -        segment_ids 0 0 0 1 1 1 1 -1   position_ids 0 1 2 0 1 2 3 0
+    row 1: c c c c c d d -        segment_ids 0 0 0 0 0 1 1 -1   position_ids 0 1 2 3 4 0 1 0
+
+Rows are grouped ``batch_rows`` at a time and padded to the longest row of their batch. With W
+processes, global batch ``i * W + r`` of an epoch goes to rank ``r`` at step ``i`` (the tail that
+does not fill every rank is dropped), so ranks see disjoint data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.layers import LayerSlot
+from specdraft.models.base import DrafterBatch
+
+log = logging.getLogger(__name__)
+
+
+class SampleSource(Protocol):
+    """What the trainer reads (``HiddenStateDataset`` is one): random access to per-sample dicts
+    ``{sample_id, token_ids [T], loss_mask [T], hidden_states [T, S, D], last_hidden [T, D]}``."""
+
+    slots: list[LayerSlot]
+    target_info: dict
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> dict: ...
+
+
+def val_fraction_of(sample_id: str) -> float:
+    """A stable pseudo-random number in [0, 1) per sample id (independent of order and seed)."""
+    digest = hashlib.sha256(sample_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def split_by_id(sample_ids: Sequence[str], val_fraction: float) -> tuple[list[int], list[int]]:
+    """Indices of (train, validation) samples; a sample's side depends only on its id."""
+    train, val = [], []
+    for i, sid in enumerate(sample_ids):
+        (val if val_fraction_of(str(sid)) < val_fraction else train).append(i)
+    return train, val
+
+
+def epoch_order(indices: Sequence[int], *, seed: int, epoch: int) -> list[int]:
+    """``indices`` shuffled by a generator seeded from (seed, epoch)."""
+    g = torch.Generator().manual_seed(_mix(seed, epoch, 0x5EED))
+    perm = torch.randperm(len(indices), generator=g).tolist()
+    return [indices[p] for p in perm]
+
+
+def pack_rows(order: Sequence[int], lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
+    """Next-fit packing of sample indices (in ``order``) into rows of at most ``pack_tokens`` tokens."""
+    rows: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i in order:
+        n = min(int(lengths[i]), pack_tokens)
+        if n <= 0:
+            continue
+        if current and used + n > pack_tokens:
+            rows.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        rows.append(current)
+    return rows
+
+
+def _mix(*values: int) -> int:
+    """Combine integers into one 63-bit seed (stable across processes and Python versions)."""
+    h = hashlib.sha256(",".join(str(int(v)) for v in values).encode()).digest()
+    return int.from_bytes(h[:8], "big") & ((1 << 63) - 1)
+
+
+def step_seed(seed: int, rank: int, step: int, kind: int = 0) -> int:
+    """The seed every random draw of (rank, step) uses: what makes resume bit-exact without saving RNG state."""
+    return _mix(seed, rank, step, kind)
+
+
+@dataclass
+class DataPlan:
+    """Which samples form which batch at every step, for one process of ``world_size``."""
+
+    sample_ids: list[str]
+    lengths: list[int]
+    train_indices: list[int]
+    val_indices: list[int]
+    pack_tokens: int
+    batch_rows: int
+    seed: int
+    world_size: int = 1
+    rank: int = 0
+    _epochs: dict[int, list[list[list[int]]]] = field(default_factory=dict, repr=False)  # only the latest epoch
+    _counts: dict[int, int] = field(default_factory=dict, repr=False)  # batches per epoch, all seen epochs
+
+    @classmethod
+    def build(cls, sample_ids: Sequence[str], lengths: Sequence[int], *, val_fraction: float, pack_tokens: int,
+              batch_rows: int, seed: int, world_size: int = 1, rank: int = 0) -> "DataPlan":
+        if len(sample_ids) != len(lengths):
+            raise ValueError("sample_ids and lengths differ in length")
+        if len(set(sample_ids)) != len(sample_ids):
+            raise SpecdraftError("the hidden-state store lists a sample id twice; re-run `specdraft extract`")
+        train, val = split_by_id(sample_ids, val_fraction)
+        plan = cls(list(map(str, sample_ids)), [int(n) for n in lengths], train, val, pack_tokens, batch_rows, seed, world_size, rank)
+        if plan.steps_in_epoch(0) == 0:
+            raise SpecdraftError(
+                f"the training split ({len(train)} samples, {sum(plan.lengths[i] for i in train)} tokens) does not fill one step "
+                f"of {batch_rows} row(s) x {world_size} process(es); add data, lower --batch-rows, or lower --val-fraction"
+            )
+        truncated = sum(1 for n in plan.lengths if n > pack_tokens)
+        if truncated:
+            log.warning("%d sample(s) are longer than pack_tokens=%d and will be truncated", truncated, pack_tokens)
+        return plan
+
+    def fingerprint(self) -> str:
+        """Identifies the training split and its lengths (a resumed run must see the same data)."""
+        h = hashlib.sha256()
+        for i in self.train_indices:
+            h.update(f"{self.sample_ids[i]}:{self.lengths[i]}\n".encode())
+        return h.hexdigest()[:16]
+
+    def global_batches(self, epoch: int) -> list[list[list[int]]]:
+        """All batches of one epoch (before splitting across ranks), each a list of rows of sample indices."""
+        if epoch not in self._epochs:
+            order = epoch_order(self.train_indices, seed=self.seed, epoch=epoch)
+            rows = pack_rows(order, self.lengths, self.pack_tokens)
+            self._epochs = {epoch: [rows[i : i + self.batch_rows] for i in range(0, len(rows) - self.batch_rows + 1, self.batch_rows)]}
+            self._counts[epoch] = len(self._epochs[epoch])
+        return self._epochs[epoch]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        if epoch not in self._counts:
+            self.global_batches(epoch)
+        return self._counts[epoch] // self.world_size
+
+    def total_steps(self, epochs: int) -> int:
+        return sum(self.steps_in_epoch(e) for e in range(epochs))
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, step within the epoch) of a global step number."""
+        epoch = 0
+        while step >= (n := self.steps_in_epoch(epoch)):
+            step -= n
+            epoch += 1
+        return epoch, step
+
+    def train_rows(self, step: int) -> list[list[int]]:
+        epoch, i = self.locate(step)
+        return self.global_batches(epoch)[i * self.world_size + self.rank]
+
+    def val_batches(self, max_batches: int = 0) -> list[list[list[int]]]:
+        """This rank's validation batches (fixed order, no shuffle)."""
+        rows = pack_rows(self.val_indices, self.lengths, self.pack_tokens)
+        batches = [rows[i : i + self.batch_rows] for i in range(0, len(rows), self.batch_rows)]
+        if max_batches:
+            batches = batches[: max_batches * self.world_size]
+        return batches[self.rank :: self.world_size]
+
+
+def select_slots(store_slots: Sequence[LayerSlot], wanted: Sequence[LayerSlot], *, where: str) -> list[int]:
+    """Positions of ``wanted`` in the store's slot list; a clear error naming what is missing."""
+    store_slots = list(store_slots)
+    missing = [s for s in wanted if s not in store_slots]
+    if missing:
+        have = ", ".join(map(str, store_slots)) or "none"
+        need = ", ".join(map(str, wanted))
+        raise SpecdraftError(
+            f"hidden-state store {where} holds layers [{have}] but this method reads [{need}] (missing {', '.join(map(str, missing))}); "
+            f"re-run `specdraft extract` with this --method"
+        )
+    return [store_slots.index(s) for s in wanted]
+
+
+def collate(rows: Sequence[Sequence[dict[str, Any]]], *, pack_tokens: int, slot_index: Sequence[int] | None = None) -> DrafterBatch:
+    """Pack per-sample dicts into one padded ``DrafterBatch`` (see the module docstring for the layout).
+
+    Hidden states are cast to float32 (autocast lowers them again where it pays off).
+    """
+    first = rows[0][0]
+    S = len(slot_index) if slot_index is not None else first["hidden_states"].shape[1]
+    D = first["last_hidden"].shape[-1]
+    lengths = [sum(min(len(item["token_ids"]), pack_tokens) for item in row) for row in rows]
+    B, T = len(rows), max(lengths)
+    token_ids = torch.zeros(B, T, dtype=torch.long)
+    loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    segment_ids = torch.full((B, T), -1, dtype=torch.int32)
+    position_ids = torch.zeros(B, T, dtype=torch.long)
+    aux_hidden = torch.zeros(B, T, S, D, dtype=torch.float32)
+    last_hidden = torch.zeros(B, T, D, dtype=torch.float32)
+    for b, row in enumerate(rows):
+        start = 0
+        for seg, item in enumerate(row):
+            n = min(len(item["token_ids"]), pack_tokens)
+            span = slice(start, start + n)
+            token_ids[b, span] = torch.as_tensor(item["token_ids"][:n], dtype=torch.long)
+            loss_mask[b, span] = torch.as_tensor(item["loss_mask"][:n]).bool()
+            segment_ids[b, span] = seg
+            position_ids[b, span] = torch.arange(n)
+            hs = item["hidden_states"][:n]
+            aux_hidden[b, span] = (hs[:, list(slot_index)] if slot_index is not None else hs).float()
+            last_hidden[b, span] = item["last_hidden"][:n].float()
+            start += n
+    return DrafterBatch(token_ids, loss_mask, segment_ids, position_ids, aux_hidden, last_hidden)

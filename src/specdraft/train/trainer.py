@@ -1,0 +1,513 @@
+"""The drafter training loop: method-agnostic, resumable bit for bit, single- or multi-process.
+
+The trainer knows drafters only through ``METHODS`` (``MethodSpec``) and ``DrafterModel.training_forward``.
+Steps of ``train``:
+
+1. Resolve the method, open the hidden-state store, load the target; check the store was made for
+   this target (fingerprint) and holds the layers the method reads.
+2. Check ``OUT``: a fresh directory, or a run whose latest checkpoint has the same identity
+   (method, model config, target, layers) -- otherwise stop before anything is written.
+3. Build the drafter (seeded), restore the checkpoint if any, wrap it for DDP/FSDP2, build AdamW and
+   the warm-up + cosine schedule, restore their state.
+4. Step: batch = f(seed, step, rank) (``data.DataPlan``); reseed every RNG from (seed, rank, step);
+   forward under autocast, backward, clip, AdamW, schedule. Log, validate and checkpoint on their
+   intervals; a SIGINT/SIGTERM or ``max_time`` ends the run with a checkpoint after the current step.
+5. At the end: validation, a last checkpoint and ``OUT/final`` (the drafter alone).
+
+Multi-process: run under ``torchrun``; the process group uses gloo on CPU and NCCL on GPU. DDP
+averages gradients. FSDP2 (``parallel: fsdp``, GPU only) shards the whole drafter as one unit via
+``fully_shard``; optimizer/model state go through ``torch.distributed.checkpoint.state_dict`` so
+checkpoints have the same layout whatever the strategy. The FSDP2 path is not exercised by CI
+(no GPU there); DDP is tested with two gloo processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, MethodSpec, TrainOutput
+from specdraft.registry import Registry
+from specdraft.train import checkpoint as ckpt
+from specdraft.train.config import TrainConfig
+from specdraft.train.data import DataPlan, SampleSource, collate, select_slots, step_seed
+from specdraft.train.metrics import MetricSums, MetricsLog, lr_factor
+
+log = logging.getLogger(__name__)
+
+EVAL_SEED_KIND = 1
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    step: int  # optimizer steps done, in total over all invocations
+    total_steps: int
+    completed: bool  # reached total_steps (final/ written)
+    stopped_by: str | None  # "signal", "max_time" or None
+    final: Path | None
+    drafter: DrafterModel | None = None  # the trained module (this process's replica)
+
+
+class _StepModule(nn.Module):
+    """Routes ``forward`` to ``training_forward`` so DDP/FSDP hooks see the call."""
+
+    def __init__(self, drafter: DrafterModel):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch: DrafterBatch) -> TrainOutput:
+        return self.drafter.training_forward(batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel strategies: how the step module is wrapped, and how the drafter is saved from it.
+
+
+@dataclass(frozen=True)
+class Strategy:
+    wrap: Callable[[nn.Module, torch.device], nn.Module]
+    save_drafter: Callable[[nn.Module, DrafterModel, Callable[[], None]], None]  # (wrapped, drafter, do_save)
+
+
+def _plain_save(wrapped: nn.Module, drafter: DrafterModel, do_save: Callable[[], None]) -> None:
+    do_save()
+
+
+def _ddp_wrap(module: nn.Module, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def _fsdp_wrap(module: nn.Module, device: torch.device) -> nn.Module:
+    if device.type != "cuda":
+        raise SpecdraftError("parallel: fsdp needs CUDA devices; use --parallel ddp on CPU")
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module)
+    return module
+
+
+def _fsdp_save(wrapped: nn.Module, drafter: DrafterModel, do_save: Callable[[], None]) -> None:
+    """Gather full parameters on every rank (a collective), let rank 0 save, then shard again."""
+    wrapped.unshard()
+    try:
+        do_save()
+    finally:
+        wrapped.reshard()
+
+
+STRATEGIES: Registry[Strategy] = Registry("parallel strategy")
+STRATEGIES.register("single")(Strategy(wrap=lambda m, d: m, save_drafter=_plain_save))
+STRATEGIES.register("ddp")(Strategy(wrap=_ddp_wrap, save_drafter=_plain_save))
+STRATEGIES.register("fsdp")(Strategy(wrap=_fsdp_wrap, save_drafter=_fsdp_save))
+
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """True on every rank if ``flag`` is true on any rank (so all ranks stop at the same step)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def _init_distributed(cfg: TrainConfig) -> tuple[_Dist, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.device == "auto":
+        device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        device = torch.device(cfg.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device(f"cuda:{local_rank}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return _Dist(rank, world, local_rank), device
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    if use_bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _reseed(value: int) -> None:
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % (2**32))
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM set a flag checked after each step; a second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopFlag":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signum
+        log.warning("received %s: saving a checkpoint after this step", signal.Signals(signum).name)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def open_store(path: str | os.PathLike) -> SampleSource:
+    """The hidden-state store at ``path`` as a ``HiddenStateDataset`` (clear error if it is not one)."""
+    from specdraft.hidden_states.dataset import HiddenStateDataset
+
+    path = Path(path)
+    if not path.is_dir():
+        raise SpecdraftError(f"--data {path} does not exist; point it at a hidden-state store written by `specdraft extract`")
+    return HiddenStateDataset(path)
+
+
+def sample_lengths(dataset: SampleSource) -> list[int]:
+    """Tokens per sample without reading hidden states (packing needs every length up front)."""
+    lengths = getattr(dataset, "lengths", None)
+    if callable(lengths):
+        return [int(n) for n in lengths()]
+    prepared = getattr(dataset, "prepared", None)
+    if prepared is not None:
+        all_lengths = prepared.lengths()
+        return [int(all_lengths[prepared.index_of(sid)]) for sid in dataset.sample_ids]
+    return [len(dataset[i]["token_ids"]) for i in range(len(dataset))]
+
+
+def token_counts(dataset: SampleSource) -> torch.Tensor | None:
+    """Response-token frequencies of the store's prepared dataset (EAGLE-3 picks its draft vocabulary from them)."""
+    prepared = getattr(dataset, "prepared", None)
+    return prepared.token_counts() if prepared is not None else getattr(dataset, "token_counts", lambda: None)()
+
+
+def drafter_slots(drafter: DrafterModel, spec: MethodSpec, num_layers: int) -> list:
+    """The layer slots the built drafter reads: its resolved config's (a ``layers`` override) or the method preset."""
+    config = getattr(drafter, "config", None)
+    return list(config.slots()) if callable(getattr(config, "slots", None)) else spec.layer_slots(num_layers)
+
+
+def build_method_config(spec: MethodSpec, overrides: dict) -> Any:
+    try:
+        return spec.config_cls(**overrides)
+    except TypeError as exc:
+        fields = ", ".join(f.name for f in dataclasses.fields(spec.config_cls)) if dataclasses.is_dataclass(spec.config_cls) else "?"
+        raise SpecdraftError(f"invalid --model override for method {spec.name!r} ({exc}); valid keys: {fields}") from None
+
+
+def _config_dict(model_cfg: Any) -> dict:
+    return dataclasses.asdict(model_cfg) if dataclasses.is_dataclass(model_cfg) else dict(vars(model_cfg))
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise SpecdraftError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / ckpt.RESOLVED_CONFIG).is_file() and not (out / ckpt.CHECKPOINTS).is_dir():
+        raise SpecdraftError(f"--out {out} is not empty and is not a specdraft training run; choose a new or empty directory")
+
+
+def _dump_yaml(path: Path, obj: dict) -> None:
+    import yaml
+
+    from specdraft.utils.io import atomic_write_bytes
+
+    atomic_write_bytes(path, yaml.safe_dump(ckpt._jsonable(obj), sort_keys=False).encode())
+
+
+def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None = None) -> TrainResult:
+    """Train (or resume training) a drafter as configured; see the module docstring.
+
+    ``target`` (a ``Target``) and ``dataset`` (a ``SampleSource``) default to loading
+    ``cfg.target`` and opening ``cfg.data``; tests pass small in-memory ones.
+    """
+    import specdraft.models  # noqa: F401  (registers the built-in methods)
+
+    cfg.require("method", "out", *(() if dataset is not None else ("data",)))
+    spec = METHODS.get(cfg.method)
+    model_cfg = build_method_config(spec, cfg.model)
+    out = Path(cfg.out)
+    _check_out_dir(out)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+
+    # 1. data and target, checked against each other and the method
+    if dataset is None:
+        dataset = open_store(cfg.data)
+    where = str(cfg.data or "(in-memory dataset)")
+    store_target = dataset.target_info
+    if target is None:
+        from specdraft.targets import load_target
+
+        target = load_target(cfg.target or store_target.get("name") or "")
+    if store_target.get("fingerprint") != target.fingerprint:
+        raise SpecdraftError(
+            f"hidden-state store {where} was extracted from target {store_target.get('name')!r} (fingerprint "
+            f"{store_target.get('fingerprint')}), not {target.name!r} (fingerprint {target.fingerprint}); "
+            f"train with the store's target or re-run `specdraft extract --target {target.name}`"
+        )
+    _reseed(cfg.seed)
+    drafter = spec.build(model_cfg, target, counts=token_counts(dataset))
+    if not isinstance(drafter, DrafterModel):
+        raise TypeError(f"METHODS[{spec.name!r}].build returned {type(drafter).__name__}, not a DrafterModel")
+    resolved_model = _config_dict(getattr(drafter, "config", model_cfg))
+    wanted = drafter_slots(drafter, spec, target.num_layers)
+    slot_index = select_slots(dataset.slots, wanted, where=where)
+    slot_index = None if slot_index == list(range(len(dataset.slots))) else slot_index
+
+    dist_, device = _init_distributed(cfg)
+    strategy_name = "fsdp" if cfg.parallel == "fsdp" else ("ddp" if dist_.world > 1 else "single")
+    strategy = STRATEGIES.get(strategy_name)
+    plan = DataPlan.build(
+        list(dataset.sample_ids), sample_lengths(dataset), val_fraction=cfg.val_fraction, pack_tokens=cfg.pack_tokens,
+        batch_rows=cfg.batch_rows, seed=cfg.seed, world_size=dist_.world, rank=dist_.rank,
+    )
+    total_steps = cfg.max_steps or plan.total_steps(cfg.epochs)
+    warmup_steps = max(1, round(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio > 0 else 0
+
+    # 2. the run directory: refuse an incompatible resume before writing anything
+    identity = {
+        "method": spec.name,
+        "model_config": ckpt._jsonable(resolved_model),
+        "target_fingerprint": target.fingerprint,
+        "slots": [str(s) for s in wanted],
+    }
+    resume_dir = ckpt.latest_checkpoint(out)
+    saved: dict | None = None
+    if resume_dir is not None:
+        saved = ckpt.read_state(resume_dir)
+        ckpt.check_identity(saved["identity"], identity, where=resume_dir)
+        if saved.get("data_fingerprint") != plan.fingerprint():
+            log.warning("the training split differs from the one %s was trained on; resuming anyway", resume_dir)
+        if saved.get("world_size") != dist_.world:
+            log.warning("resuming a %s-process run with %d process(es): the data order after step %d differs", saved.get("world_size"), dist_.world, saved["step"])
+    resolved = {**cfg.to_dict(), "model": identity["model_config"], "target": cfg.target or target.name, "data": cfg.data}
+    metrics_log = MetricsLog(out / ckpt.METRICS)
+    if dist_.main:
+        out.mkdir(parents=True, exist_ok=True)
+        _dump_yaml(out / ckpt.RESOLVED_CONFIG, resolved)
+        metrics_log.truncate_after(saved["step"] if saved else 0)
+
+    # 3. model (built above), optimizer, schedule (+ state)
+    step_module = _StepModule(drafter)
+    frozen = {f"drafter.{n}" for n, p in step_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    if saved is not None:
+        model_state, optim_state = ckpt.load_tensors(resume_dir)
+        missing = set(step_module.state_dict()) - frozen - set(model_state)
+        if missing:
+            raise SpecdraftError(f"{resume_dir / ckpt.STATE_TENSORS} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[0]}; delete that checkpoint")
+        step_module.load_state_dict(model_state, strict=False)
+    step_module.to(device)
+    wrapped = strategy.wrap(step_module, device)
+    optimizer = _build_optimizer(wrapped, cfg, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total_steps=total_steps, warmup_steps=warmup_steps, min_ratio=cfg.min_lr_ratio)
+    )
+    if saved is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        if optim_state["state"]:
+            set_optimizer_state_dict(wrapped, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+        scheduler.load_state_dict(saved["scheduler"])
+        step = int(saved["step"])
+        log.info("resuming from %s (step %d of %d)", resume_dir, step, total_steps)
+    else:
+        step = 0
+    n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    log.info("%s drafter: %.2fM trainable parameters, %d steps, %s on %s x%d", spec.name, n_train / 1e6, total_steps, strategy_name, device, dist_.world)
+
+    def save(at_step: int) -> Path:
+        path = out / ckpt.CHECKPOINTS / f"step-{at_step}"
+        model_state, optim_state = _full_states(wrapped, optimizer, frozen)
+        epoch, in_epoch = plan.locate(at_step)
+        meta = {
+            "step": at_step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": total_steps,
+            "world_size": dist_.world, "identity": identity, "data_fingerprint": plan.fingerprint(), "config": resolved,
+        }
+
+        def do_save() -> None:
+            if dist_.main:
+                ckpt.save_checkpoint(path, drafter=drafter, model_state=model_state, optim_state=optim_state,
+                                     scheduler_state=scheduler.state_dict(), meta=meta)
+                ckpt.prune_checkpoints(out, cfg.keep_checkpoints)
+
+        strategy.save_drafter(wrapped, drafter, do_save)
+        dist_.barrier()
+        return path
+
+    if cfg.dry_run:
+        if saved is None:
+            log.info("dry run: wrote %s", save(0))
+        return TrainResult(out, step, total_steps, False, None, None, drafter)
+
+    # 4. the loop
+    def evaluate(at_step: int) -> dict | None:
+        batches = plan.val_batches(cfg.val_max_batches)
+        sums = MetricSums()
+        wrapped.eval()
+        _reseed(step_seed(cfg.seed, dist_.rank, at_step, EVAL_SEED_KIND))
+        with torch.no_grad():
+            for rows in batches:
+                batch = _load_batch(dataset, rows, cfg, slot_index).to(device)
+                with _autocast(cfg, device):
+                    sums.add(wrapped(batch), int((batch.segment_ids >= 0).sum()))
+        wrapped.train()
+        sums.all_reduce()
+        if not sums.batches:
+            return None
+        record = {"split": "val", "step": at_step, **sums.summary()}
+        if dist_.main:
+            metrics_log.write(record)
+        return record
+
+    from tqdm.auto import tqdm
+
+    already_done = saved is not None and step >= total_steps
+    stopped_by = None
+    sums, window_start, window_tokens = MetricSums(), time.perf_counter(), 0
+    started = time.monotonic()
+    wrapped.train()
+    bar = tqdm(total=total_steps, initial=step, desc=f"train {spec.name}", unit="step", disable=not dist_.main, dynamic_ncols=True)
+    with _StopFlag() as stop, bar:
+        while step < total_steps:
+            batch = _load_batch(dataset, plan.train_rows(step), cfg, slot_index).to(device)
+            _reseed(step_seed(cfg.seed, dist_.rank, step))
+            lr = scheduler.get_last_lr()[0]
+            with _autocast(cfg, device):
+                output = wrapped(batch)
+            optimizer.zero_grad(set_to_none=True)
+            output.loss.backward()
+            grad_norm = _clip(wrapped, cfg.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            tokens = int((batch.segment_ids >= 0).sum())
+            sums.add(output, tokens)
+            bar.update(1)
+
+            if step % cfg.log_interval == 0 or step == total_steps:
+                sums.all_reduce()
+                elapsed = time.perf_counter() - window_start
+                epoch, _ = plan.locate(step - 1)
+                record = {"split": "train", "step": step, "epoch": epoch, "lr": lr, "grad_norm": grad_norm, **sums.summary(),
+                          "tokens": sums.tokens, "tokens_per_s": sums.tokens / max(elapsed, 1e-9), "seconds": elapsed}
+                if "anchors" in record:
+                    record["anchors_per_s"] = record["anchors"] / max(elapsed, 1e-9)
+                if dist_.main:
+                    metrics_log.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tau=f"{record.get('accept_len', 0):.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                sums, window_start = MetricSums(), time.perf_counter()
+
+            if cfg.eval_interval and step % cfg.eval_interval == 0 and step < total_steps:
+                evaluate(step)
+            timed_out = bool(cfg.max_time) and time.monotonic() - started >= cfg.max_time
+            stop_now = dist_.any(stop.signal is not None or timed_out, device)
+            if stop_now and step < total_steps:
+                stopped_by = "signal" if stop.signal is not None else "max_time"
+                save(step)
+                break
+            if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < total_steps:
+                save(step)
+
+    # 5. the end
+    final = None
+    if stopped_by is None and not already_done:
+        evaluate(step)
+        if not any(s == step for s, _ in ckpt.list_checkpoints(out)):
+            save(step)
+    if stopped_by != "signal":
+        final = out / ckpt.FINAL
+
+        def save_final() -> None:
+            if dist_.main:
+                with ckpt.atomic_dir(final) as tmp:
+                    drafter.save_pretrained(tmp)
+
+        strategy.save_drafter(wrapped, drafter, save_final)
+        dist_.barrier()
+    if stopped_by:
+        log.warning("stopped by %s at step %d of %d; rerun the same command to resume", stopped_by, step, total_steps)
+    return TrainResult(out, step, total_steps, step >= total_steps, stopped_by, final, drafter)
+
+
+def _load_batch(dataset: SampleSource, rows: list[list[int]], cfg: TrainConfig, slot_index: list[int] | None) -> DrafterBatch:
+    return collate([[dataset[i] for i in row] for row in rows], pack_tokens=cfg.pack_tokens, slot_index=slot_index)
+
+
+def _build_optimizer(module: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (norm gains and biases are not shrunk towards 0)."""
+    decay, no_decay = [], []
+    for _, p in module.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    if not decay and not no_decay:
+        raise SpecdraftError("the drafter has no trainable parameters")
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), foreach=device.type == "cuda")
+
+
+def _clip(module: nn.Module, max_norm: float) -> float | None:
+    if not max_norm:
+        return None
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _full_states(wrapped: nn.Module, optimizer: torch.optim.Optimizer, frozen: set[str]) -> tuple[dict, dict]:
+    """Unsharded, CPU copies of the trainable model state and the optimizer state (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = {k: v for k, v in get_model_state_dict(wrapped, options=options).items() if k not in frozen}
+    if not optimizer.state:
+        # Before the first step: get_optimizer_state_dict would materialise the state with a dummy
+        # step (step=1), which a resume would then wrongly count as a real update.
+        return model_state, {"state": {}, "param_groups": []}
+    return model_state, get_optimizer_state_dict(wrapped, optimizer, options=options)

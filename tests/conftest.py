@@ -1,0 +1,90 @@
+"""Shared fixtures: the converted embedded target and tiny random targets that reuse its tokenizer.
+
+``smollm2_dir`` converts the embedded GGUF once into the specdraft cache (``$SPECDRAFT_CACHE`` or
+``~/.cache/specdraft``), so CI pays the ~20 s conversion once per machine, not per test run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+TINY_FAMILIES = ("llama", "qwen3", "gemma3")
+
+
+def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "llama", num_layers: int = 6, seed: int = 0) -> Path:
+    """Save a random causal LM (hidden 64, 2 heads of 32) of ``family`` with the tokenizer from ``tokenizer_dir``."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdraft.targets.identity import TOKENIZER_FILES
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common),
+        "qwen3": lambda: transformers.Qwen3Config(**common),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**common, query_pre_attn_scalar=32, sliding_window=64),
+    }
+    config = configs[family]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted embedded SmolLM2-135M-Instruct directory (converted once per cache)."""
+    from specdraft.targets import resolve_target_dir
+
+    return resolve_target_dir("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_factory(smollm2_dir, tmp_path_factory):
+    """``make(family="llama", num_layers=6, seed=0) -> Path``: tiny random targets, built once per argument set."""
+    built: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", num_layers: int = 6, seed: int = 0) -> Path:
+        key = (family, num_layers, seed)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{family}-{num_layers}-{seed}")
+            built[key] = build_tiny_target_dir(out, smollm2_dir, family=family, num_layers=num_layers, seed=seed)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_target_factory) -> Path:
+    """A tiny random Llama (6 layers, hidden 64, 2 heads) with the SmolLM2 tokenizer and chat template."""
+    return tiny_target_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_llama_dir):
+    """A ``Target`` loaded from ``tiny_llama_dir``."""
+    from specdraft.targets import load_target
+
+    return load_target(str(tiny_llama_dir))

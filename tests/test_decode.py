@@ -1,0 +1,224 @@
+"""The speculative runtime: greedy exactness, lossless sampling end to end, features for drafters, limits."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specdraft.decode.config import DecodeConfig
+from specdraft.decode.proposers import PROPOSERS, Draft, ProposalInput, Proposer
+from specdraft.decode.proposers.ngram import prompt_lookup
+from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
+from specdraft.decode.sampling import SamplingConfig, sample, sampling_probs
+from specdraft.decode.scheduler import SchedulerConfig
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.layers import LayerSlot
+
+
+def tiny_model(vocab: int = 64, layers: int = 2, seed: int = 0, context: int = 256):
+    """A random Llama in float64, so batched/cached/uncached forwards agree far below argmax gaps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=32, max_position_embeddings=context, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    return LlamaForCausalLM(config).double().eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8], [9, 10, 11, 12, 13, 14, 15, 9, 10, 11]]
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Plain greedy decoding without any cache: the ground truth."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+class OracleProposer(Proposer):
+    """Test stub: drafts from a known continuation, corrupting each draft with probability ``miss``."""
+
+    def __init__(self, prompts, continuations, vocab: int, miss: float, seed: int = 0):
+        self.prompts, self.continuations, self.vocab, self.miss = prompts, continuations, vocab, miss
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, inputs: ProposalInput) -> Draft:
+        width = int(inputs.max_draft.max())
+        tokens = torch.zeros((len(inputs.row_ids), width), dtype=torch.long)
+        for i, rid in enumerate(inputs.row_ids):
+            done = len(inputs.tokens[i]) - len(self.prompts[rid])
+            truth = self.continuations[rid][done : done + width]
+            tokens[i, : len(truth)] = torch.tensor([t if self.rng.random() >= self.miss else (t + 1) % self.vocab for t in truth])
+        return Draft(tokens=tokens, lengths=inputs.max_draft.clone())
+
+
+def decoder(model, proposer, **config):
+    config = DecodeConfig(**{"max_new_tokens": 20, "num_draft_tokens": 4, **config})
+    return SpeculativeDecoder(model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("drafter", ["ngram", "none", "always", "never", "random"])
+def test_greedy_output_is_exactly_the_targets(model, drafter, batch):
+    prompts = PROMPTS[:batch]
+    refs = [reference_greedy(model, p, 20) for p in prompts]
+    if drafter in PROPOSERS:
+        proposer = build_proposer(DecodeConfig(drafter=drafter), model)
+    else:
+        proposer = OracleProposer(prompts, [r + [0] * 8 for r in refs], 64, miss={"always": 0.0, "never": 1.0, "random": 0.5}[drafter])
+    result = decoder(model, proposer).generate(prompts)
+    assert [o.tokens for o in result.outputs] == refs
+    assert all(o.finish_reason == "length" for o in result.outputs)
+    m = result.metrics
+    assert m.output_tokens == 20 * batch and m.requests == batch
+    if drafter == "always":
+        assert m.acceptance_rate == 1.0 and m.tau > 4  # 1 prefill token + rounds of 5 (the last one shorter)
+    if drafter in ("never", "none"):
+        assert m.accepted == 0 and m.tau == 1.0
+    if drafter == "none":
+        assert m.drafted == 0 and m.target_forwards == 20
+    assert m.committed >= m.output_tokens - batch  # the prefill token is not a round
+    assert len(m.position_acceptance) <= 4 and all(0 <= a <= 1 for a in m.position_acceptance)
+
+
+def test_eos_and_context_limits():
+    model = tiny_model(context=24)
+    ref = reference_greedy(model, PROMPTS[0], 12)
+    eos = ref[5]
+    first = ref.index(eos)
+    dec = SpeculativeDecoder(model, OracleProposer([PROMPTS[0]], [ref + [0] * 8], 64, miss=0.0), config=DecodeConfig(max_new_tokens=12),
+                             sampling=SamplingConfig(), eos_token_ids=[eos])
+    out = dec.generate([PROMPTS[0]]).outputs[0]
+    assert out.tokens == ref[: first + 1] and out.finish_reason == "eos"
+    # context 24, prompt 8: at most 16 tokens even though 100 were asked for
+    long_run = decoder(model, build_proposer(DecodeConfig(), model), max_new_tokens=100).generate([PROMPTS[0], PROMPTS[1]])
+    assert [len(o.tokens) for o in long_run.outputs] == [16, 22]
+    assert {o.finish_reason for o in long_run.outputs} == {"context"}
+
+
+def test_bad_inputs_are_clear_errors(model):
+    dec = decoder(model, build_proposer(DecodeConfig(), model))
+    with pytest.raises(SpecdraftError, match="prompt 1 has 256 tokens but the target's context is 256"):
+        dec.generate([[1, 2], [3] * 256])
+    with pytest.raises(SpecdraftError, match="prompt 0 is empty"):
+        dec.generate([[]])
+    with pytest.raises(SpecdraftError, match="outside the target vocabulary"):
+        dec.generate([[1, 64]])
+    with pytest.raises(SpecdraftError, match="max_new_tokens must be > 0"):
+        DecodeConfig(max_new_tokens=0)
+    with pytest.raises(SpecdraftError, match="num_draft_tokens"):
+        DecodeConfig(num_draft_tokens=-1)
+    with pytest.raises(SpecdraftError, match="unknown drafter 'magic'"):
+        build_proposer(DecodeConfig(drafter="magic"), model)
+    with pytest.raises(SpecdraftError, match="confidence"):
+        SpeculativeDecoder(model, build_proposer(DecodeConfig(), model), config=DecodeConfig(), sampling=SamplingConfig(),
+                           scheduler=SchedulerConfig("threshold"))
+
+
+def test_prompt_lookup():
+    ctx = torch.tensor([5, 6, 7, 9, 5, 6])
+    assert prompt_lookup(ctx, max_ngram=2, min_ngram=1, max_tokens=3).tolist() == [7, 9, 5]
+    assert prompt_lookup(ctx, max_ngram=2, min_ngram=1, max_tokens=0).tolist() == []
+    assert prompt_lookup(torch.tensor([1, 2, 3]), max_ngram=2, min_ngram=1, max_tokens=3).tolist() == []
+    # repeated text: the most recent match that still has max_tokens after it
+    loop = torch.tensor([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2])
+    assert prompt_lookup(loop, max_ngram=2, min_ngram=1, max_tokens=4).tolist() == [3, 1, 2, 3]
+    assert prompt_lookup(torch.tensor([4, 8, 4]), max_ngram=3, min_ngram=1, max_tokens=5).tolist() == [8, 4]
+
+
+class FeatureRecorder(Proposer):
+    """Stub for feature-reading drafters: records what the runtime hands over, proposes nothing useful."""
+
+    layer_slots = (LayerSlot(0, "input"), LayerSlot(1, "output"))
+
+    def __init__(self, continuations):
+        self.continuations = continuations
+        self.features: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self.released: list[int] = []
+
+    def propose(self, inputs: ProposalInput) -> Draft:
+        width = int(inputs.max_draft.max())
+        tokens = torch.zeros((len(inputs.row_ids), width), dtype=torch.long)
+        for i, rid in enumerate(inputs.row_ids):
+            self.features.setdefault(rid, []).append((inputs.new_start[i], inputs.new_hidden[i]))
+            done = len(inputs.tokens[i]) - len(PROMPTS[rid])
+            truth = self.continuations[rid][done : done + width]
+            tokens[i, : len(truth)] = torch.tensor(truth)
+            if i % 2:
+                tokens[i, 1] = (tokens[i, 1] + 1) % 64  # reject sometimes so that cropping is exercised
+        return Draft(tokens=tokens, lengths=inputs.max_draft.clone())
+
+    def release(self, row_ids):
+        self.released.extend(row_ids)
+
+
+def test_proposer_receives_target_features_of_verified_positions(model):
+    from specdraft.hidden_states.capture import HiddenStateCapture
+
+    refs = [reference_greedy(model, p, 12) for p in PROMPTS]
+    recorder = FeatureRecorder([r + [0] * 8 for r in refs])
+    result = decoder(model, recorder, max_new_tokens=12).generate(PROMPTS)
+    assert [o.tokens for o in result.outputs] == refs
+    assert sorted(recorder.released) == [0, 1, 2]
+    full = HiddenStateCapture(model, list(FeatureRecorder.layer_slots))([torch.tensor(p + r) for p, r in zip(PROMPTS, refs)])
+    for rid, chunks in recorder.features.items():
+        starts = [s for s, _ in chunks]
+        stacked = torch.cat([h for _, h in chunks])
+        # contiguous, from position 0, one feature row per position that entered the target cache
+        assert starts == [0] + list(itertools.accumulate(len(h) for _, h in chunks))[:-1]
+        assert torch.allclose(stacked, full[rid][0][: len(stacked)], atol=1e-9)
+
+
+class DistributionProposer(Proposer):
+    """Stub sampling drafter: draws k tokens i.i.d. from a fixed distribution q (through the sampling transform)."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    def propose(self, inputs: ProposalInput) -> Draft:
+        width = int(inputs.max_draft.max())
+        probs = sampling_probs(self.logits, inputs.sampling).expand(len(inputs.row_ids), width, -1)
+        return Draft(tokens=sample(probs, inputs.generator), lengths=inputs.max_draft.clone(), probs=probs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["distribution", "ngram"])
+def test_sampled_outputs_follow_the_target_distribution(drafter):
+    vocab, length, rows = 4, 4, 8000
+    model = tiny_model(vocab=vocab, layers=2, seed=3)
+    with torch.no_grad():  # sharpen the random model so that the target distribution is far from uniform
+        model.lm_head.weight.mul_(6.0)
+    sampling = SamplingConfig(temperature=0.8, top_k=3)
+    prompt = [0, 1, 2, 3, 2, 1]
+    proposer = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0], dtype=torch.float64)) if drafter == "distribution" \
+        else build_proposer(DecodeConfig(ngram_max=2), model)
+    dec = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=length, num_draft_tokens=3, seed=5), sampling=sampling,
+                             eos_token_ids=[])
+    result = dec.generate([prompt] * rows)
+    assert result.metrics.accepted > 0.1 * rows and result.metrics.accepted < result.metrics.drafted
+    observed = np.zeros(vocab**length)
+    for o in result.outputs:
+        observed[int(np.ravel_multi_index(o.tokens, [vocab] * length))] += 1
+    # exact target distribution of the 4-token continuation by enumeration
+    seqs = torch.tensor(list(itertools.product(range(vocab), repeat=length)))
+    with torch.no_grad():
+        logits = model(torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)).logits[:, len(prompt) - 1 : -1]
+    probs = sampling_probs(logits, sampling).gather(2, seqs[..., None]).squeeze(2).prod(1).numpy()
+    expected = probs / probs.sum() * rows
+    assert observed[expected == 0].sum() == 0
+    big = expected >= 5  # pool rare cells so the chi-square approximation holds
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    assert stats.chisquare(obs, exp).pvalue > 1e-3
