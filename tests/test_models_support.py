@@ -6,6 +6,7 @@ test here checks the batch builder itself.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -34,6 +35,8 @@ def make_target(*, num_layers: int = 8, vocab: int = VOCAB, seed: int = 0, kv_he
     config = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[family](**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # a random head gives near-uniform p_t; sharpen it so argmax is meaningful
+        model.lm_head.weight.mul_(40.0)
     model.config.architectures = [type(model).__name__]
     return Target(name=f"tiny-{family}", path=Path(f"/nonexistent/tiny-{family}"), model=model, tokenizer=None, fingerprint=f"fp-{seed}", tokenizer_hash="none")
 
@@ -95,6 +98,17 @@ def pad_batch(batch: DrafterBatch, extra: int) -> DrafterBatch:
         aux_hidden=pad(batch.aux_hidden, 0.0),
         last_hidden=pad(batch.last_hidden, 0.0),
     )
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Tiny models run fastest single-threaded on a shared, oversubscribed CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_make_batch_packs_segments():

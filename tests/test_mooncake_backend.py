@@ -78,6 +78,7 @@ def produce(location: str, first: int, count: int, **options) -> subprocess.Pope
     return subprocess.Popen(args)
 
 
+@pytest.mark.slow  # a producer process that imports torch
 @pytest.mark.parametrize("zero_copy", [True, False])
 def test_payloads_round_trip_across_processes(location, consumer, zero_copy):
     producer = produce(location, 0, 4, zero_copy=zero_copy)
@@ -90,6 +91,7 @@ def test_payloads_round_trip_across_processes(location, consumer, zero_copy):
     assert not reader.exists("sample/99")
 
 
+@pytest.mark.slow  # a producer process that imports torch
 def test_consumer_polling_never_sees_a_manifest_before_its_tensors(location, consumer):
     """A consumer racing a producer: whenever a manifest is visible, all its tensors already are."""
     count = 12
@@ -157,7 +159,7 @@ def test_failed_producer_publishes_error_manifest(location, consumer):
 
 def test_get_without_producer_times_out_clearly(location, store_client):
     backend = MooncakeBackend(location, client=store_client, wait_s=0.2)
-    with pytest.raises(SpecdraftError, match="no manifest appeared within 0 s"):
+    with pytest.raises(SpecdraftError, match="no manifest appeared within 0.2 s"):
         backend.get("sample/never")
 
 
@@ -211,6 +213,45 @@ def test_registered_as_a_backend():
     from specdraft.hidden_states.backends.base import BACKENDS
 
     assert BACKENDS.get("mooncake") is MooncakeBackend
+
+
+@pytest.mark.slow  # builds a tiny target and runs extract twice
+def test_extract_into_mooncake_matches_the_file_backend(location, consumer, tmp_path):
+    """``specdraft extract`` with ``--backend mooncake`` stores what the file backend stores, and resumes."""
+    import transformers
+
+    from specdraft.data.dataset import write_prepared
+    from specdraft.hidden_states.backends.file import FileBackend
+    from specdraft.hidden_states.config import ExtractConfig
+    from specdraft.hidden_states.extract import extract_hidden_states
+    from specdraft.targets.base import Target
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    model = transformers.LlamaForCausalLM(config).eval().requires_grad_(False)
+    target = Target(name="tiny", path=tmp_path, model=model, tokenizer=None, fingerprint="f" * 16, tokenizer_hash="t" * 16)
+    g = torch.Generator().manual_seed(1)
+    rows = [{"sample_id": f"sharegpt/{i}", "source": "t", "input_ids": torch.randint(0, 128, (n,), generator=g).tolist(),
+             "loss_mask": [1] * n} for i, n in enumerate((7, 12, 3))]
+    data = write_prepared(tmp_path / "data", rows, target_info=target.describe(), config={}, stats={}, vocab_size=128)
+
+    def extract(backend: str, out: str):
+        cfg = ExtractConfig(dataset=str(data), out=out, backend=backend, layers="output:1,input:3", dtype="float32")
+        return extract_hidden_states(cfg, target=target, progress=False)
+
+    extract("file", str(tmp_path / "hs"))
+    remote = location + "&segment_mb=0"  # the consumer holds the memory
+    first = extract("mooncake", remote)
+    assert (first.samples_extracted, first.samples_skipped) == (3, 0)
+    files = FileBackend(tmp_path / "hs")
+    assert consumer.keys() == files.keys() == [f"sharegpt/{i}" for i in range(3)]
+    for key in files.keys():
+        assert_same(consumer.get(key), files.get(key))
+    manifest = consumer.read_manifest()
+    assert manifest["count"] == 3 and manifest["complete"] is True
+    again = extract("mooncake", remote)
+    assert (again.samples_extracted, again.samples_skipped) == (0, 3)
 
 
 def _produce(location: str, first: int, count: int, options: dict) -> None:

@@ -28,8 +28,8 @@ from specdraft.integrations.mooncake.client import (
 )
 from specdraft.integrations.mooncake.master import PID_FILE, MooncakeMaster, free_port
 
-# Sizes straddle the 4 MiB local buffer: the 6 MiB blob takes the registered-memory path.
-BLOB_SIZES = {"tiny": 1, "small": 1000, "mid": 3 << 20, "large": 6 << 20}
+# Sizes straddle the 2 MiB byte-copy limit (half the 4 MiB buffer): 6 MiB takes the registered path.
+BLOB_SIZES = {"tiny": 1, "small": 1000, "mid": 3 << 19, "large": 6 << 20}
 
 
 def blob(name: str) -> bytes:
@@ -72,7 +72,7 @@ def test_blobs_round_trip_across_processes(master, client, clean):
     # Zero-copy into caller-owned memory (larger than the object is fine).
     out = {f"blob/{n}": np.zeros(BLOB_SIZES[n] + 7, np.uint8) for n in ("mid", "large")}
     sizes = client.get_into_arrays({**out, "blob/absent": np.zeros(4, np.uint8)})
-    assert sizes == {"blob/mid": 3 << 20, "blob/large": 6 << 20, "blob/absent": None}
+    assert sizes == {"blob/mid": 3 << 19, "blob/large": 6 << 20, "blob/absent": None}
     assert out["blob/large"][: 6 << 20].tobytes() == blob("large")
     assert client.remove([f"blob/{n}" for n in names] + ["blob/absent"]) == len(names)
 

@@ -240,3 +240,13 @@ def test_ddp_two_gloo_processes(tmp_path):
     assert not list(out.glob(".*")) and not list((out / "checkpoints").glob(".*"))  # no temporary debris
     recs = train_records(out)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]  # one writer (rank 0)
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_recipes_resolve_against_their_method(recipe):
+    import specdraft.models  # noqa: F401  (registers the methods)
+    from specdraft.models.base import METHODS
+
+    cfg = resolve_config(recipe, {})
+    assert cfg.method == recipe.stem and cfg.target == "smollm2-135m"
+    METHODS.get(cfg.method).config_cls(**cfg.model)  # every override is a field of the method config

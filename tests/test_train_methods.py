@@ -154,6 +154,38 @@ def test_ddp_two_gloo_processes_real_method(stores, tmp_path):
     assert json.loads((out / "checkpoints/step-2/trainer_state.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow
+def test_cli_recipe_with_overrides_on_a_target_directory(tiny_llama_dir, tiny_target, tmp_path, capsys):
+    """`specdraft train --config configs/dspark.yaml --target DIR ...`: recipe + flags, then the same command resumes."""
+    import json
+
+    from specdraft.cli.main import main
+    from specdraft.data.dataset import write_prepared
+    from specdraft.hidden_states.config import ExtractConfig
+    from specdraft.hidden_states.extract import extract_hidden_states
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"sample_id": f"c/{i}", "source": "t", "input_ids": torch.randint(0, 1000, (20,), generator=g).tolist(),
+             "loss_mask": [int(j >= 5) for j in range(20)]} for i in range(6)]
+    data = write_prepared(tmp_path / "data", rows, target_info=tiny_target.describe(), config={}, stats={}, vocab_size=tiny_target.vocab_size)
+    store = tmp_path / "hs"
+    extract_hidden_states(ExtractConfig(dataset=str(data), out=str(store), method="dspark", target=str(tiny_llama_dir)), progress=False)
+    root = Path(__file__).parent.parent
+    argv = ["train", "--config", str(root / "configs/dspark.yaml"), "--target", str(tiny_llama_dir), "--data", str(store),
+            "--out", str(tmp_path / "run"), "--max-steps", "2", "--pack-tokens", "40", "--val-fraction", "0",
+            "--model", "num_layers=1,max_anchors=4,markov_rank=8,intermediate_size=64", "--num-threads", "1", "--dtype", "fp32"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["completed"] and summary["step"] == 2
+    import yaml
+
+    resolved = yaml.safe_load((tmp_path / "run/config.resolved.yaml").read_text())
+    assert resolved["model"]["num_layers"] == 1 and resolved["model"]["block_size"] == 7 and resolved["model"]["markov_rank"] == 8
+    assert resolved["target"] == str(tiny_llama_dir) and resolved["lr"] == 6e-4
+    assert main(argv) == 0  # the same command again: already complete, nothing retrained
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 2
+
+
 def _ddp_main(cfg_json: str, side_dir: str) -> None:
     """torchrun entry: train on the store named in the config with ``tiny_target()``, dump this rank's weights."""
     import json

@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "specdraft.cli.extract",
     "specdraft.cli.store",
     "specdraft.cli.train",
+    "specdraft.cli.generate",
 ]
 
 

@@ -64,7 +64,7 @@ def run_status(args: argparse.Namespace) -> int:
             f"keys {m.get('master_key_count', float('nan')):.0f}, clients {m.get('master_active_clients', float('nan')):.0f}, "
             f"memory {m.get('master_allocated_bytes', 0) / 2**20:.1f}/{m.get('master_total_capacity_bytes', 0) / 2**20:.1f} MiB"
             if m
-            else f"running: pid {status['pid']}, rpc {status['host']}:{status['port']} (metrics unavailable)"
+            else f"running: pid {status['pid']} (metrics unavailable; see {status['dir']}/master.log)"
         )
     else:
         print(f"not running (no live master recorded in {status['dir']})")

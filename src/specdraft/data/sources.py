@@ -121,7 +121,7 @@ def iter_json_values(path: Path, *, allow_truncated_tail: bool = False) -> Itera
         raise SpecdraftError(f"cannot read data file {path}: {exc}") from None
     decoder = json.JSONDecoder()
     start = _skip_ws(text, 0)
-    if path.suffix == ".jsonl" or (start < len(text) and text[start] != "["):
+    if path.suffix == ".jsonl" or text[start : start + 1] != "[":
         for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit inside strings
             if line.strip():
                 try:

@@ -1,4 +1,4 @@
-"""Typed configuration of a decoding run (sampling and verify policy have their own configs)."""
+"""Typed configs of a decoding run, one per concern (kept free of torch so ``--help`` stays fast)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from specdraft.utils.config import config_field
 class DecodeConfig:
     """What to draft with and how long to generate."""
 
-    drafter: str = config_field("ngram", help="draft proposer: 'ngram' (prompt lookup) or 'none' (plain autoregressive decoding)")
+    drafter: str = config_field(
+        "ngram", help="draft proposer: ngram (prompt lookup), none (plain autoregressive decoding), or a trained eagle3 | dflash | dspark"
+    )
+    drafter_path: str = config_field("", help="checkpoint directory of a trained eagle3/dflash/dspark drafter")
     num_draft_tokens: int = config_field(4, help="k: tokens drafted per round (verified by one target forward)")
     max_new_tokens: int = config_field(128, help="stop a request after this many generated tokens")
     seed: int = config_field(0, help="seed of the sampling generator (temperature > 0)")
@@ -26,3 +29,46 @@ class DecodeConfig:
             raise SpecdraftError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise SpecdraftError(f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min}, ngram_max={self.ngram_max}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's tokens are chosen (temperature, then top-k, then top-p).
+
+    Proposers receive it and should draw with the same transform for the best acceptance; losslessness
+    only needs the exact distribution each draft came from (``Draft.probs``), whatever it was.
+    """
+
+    temperature: float = config_field(0.0, help="softmax temperature; 0 = greedy decoding (exact-match verification)")
+    top_k: int = config_field(0, help="sample only among the k most likely tokens; 0 disables top-k")
+    top_p: float = config_field(1.0, help="nucleus sampling: keep the most likely tokens up to this cumulative probability, in (0, 1]; 1 disables")
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # also rejects NaN
+            raise SpecdraftError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecdraftError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise SpecdraftError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many drafted tokens each request sends to the target per round."""
+
+    verify_policy: str = config_field(
+        "full", help="full = verify every draft; threshold = verify while prefix survival >= confidence_threshold; "
+        "scheduled = DSpark prefix scheduler maximising expected tokens x target steps/s (needs a drafter with confidences)",
+    )
+    confidence_threshold: float = config_field(0.5, help="prefix-survival threshold of the 'threshold' verify policy, in [0, 1]")
+
+    def __post_init__(self) -> None:
+        from specdraft.decode.scheduler import VERIFY_POLICIES
+
+        VERIFY_POLICIES.get(self.verify_policy)  # raises naming the known policies
+        if not 0 <= self.confidence_threshold <= 1:
+            raise SpecdraftError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")

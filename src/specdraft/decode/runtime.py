@@ -55,6 +55,7 @@ class DecodeMetrics:
     position_drafted[j] / position_accepted[j]: rounds that verified / accepted draft j+1.
     """
 
+    batches: int = 1
     requests: int = 0
     output_tokens: int = 0
     rounds: int = 0
@@ -86,10 +87,28 @@ class DecodeMetrics:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def mean_ttft_s(self) -> float:
+        """Time to first token of a batch (prefill + first sample), averaged over batches."""
+        return self.ttft_s / self.batches if self.batches else 0.0
+
+    @property
     def time_per_output_token_s(self) -> float:
-        """Decode time after the first token per later token of a request (batch-averaged)."""
-        later = self.output_tokens / max(self.requests, 1) - 1
-        return (self.wall_s - self.ttft_s) / later if later > 0 else 0.0
+        """Decode time after the first token per later token of one request (streams run in parallel)."""
+        later_per_stream = (self.output_tokens - self.requests) * self.batches / max(self.requests, 1)
+        return (self.wall_s - self.ttft_s) / later_per_stream if later_per_stream > 0 else 0.0
+
+    def merge(self, other: "DecodeMetrics") -> "DecodeMetrics":
+        """Counters and times of two ``generate`` calls added together (e.g. consecutive batches)."""
+        merged = DecodeMetrics()
+        for name, value in vars(self).items():
+            theirs = getattr(other, name)
+            if isinstance(value, list):
+                width = max(len(value), len(theirs))
+                value = [(value[j] if j < len(value) else 0) + (theirs[j] if j < len(theirs) else 0) for j in range(width)]
+            else:
+                value = value + theirs
+            setattr(merged, name, value)
+        return merged
 
     def record_round(self, lengths: list[int], accepted: list[int]) -> None:
         for l, n in zip(lengths, accepted):
@@ -103,7 +122,7 @@ class DecodeMetrics:
                     counts[j] += 1
 
     def to_json(self) -> dict[str, Any]:
-        derived = ("tau", "acceptance_rate", "position_acceptance", "tokens_per_s", "time_per_output_token_s")
+        derived = ("tau", "acceptance_rate", "position_acceptance", "tokens_per_s", "mean_ttft_s", "time_per_output_token_s")
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
 
@@ -113,9 +132,22 @@ class DecodeResult:
     metrics: DecodeMetrics
 
 
-def build_proposer(config: DecodeConfig, model: Any) -> Proposer:
-    """The registered proposer named by ``config.drafter``."""
-    return PROPOSERS.get(config.drafter)(config, model)
+def build_proposer(config: DecodeConfig, target: Any = None) -> Proposer:
+    """The registered proposer named by ``config.drafter`` (trained drafters need the ``Target``)."""
+    return PROPOSERS.get(config.drafter)(config, target)
+
+
+def decoder_for_target(
+    target: Any, *, config: DecodeConfig, sampling: SamplingConfig, scheduler: SchedulerConfig = SchedulerConfig()
+) -> "SpeculativeDecoder":
+    """A decoder for a loaded ``Target``: builds the proposer and, when the verify policy needs it,
+    the target's SPS profile (measured once per target + device, then cached)."""
+    sps = None
+    if VERIFY_POLICIES.get(scheduler.verify_policy).needs_sps:
+        from specdraft.decode.sps import load_or_measure_sps
+
+        sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint)
+    return SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=sampling, scheduler=scheduler, sps=sps)
 
 
 class SpeculativeDecoder:
@@ -147,6 +179,12 @@ class SpeculativeDecoder:
         if policy.needs_sps and sps is None:
             raise SpecdraftError(f"verify policy {scheduler.verify_policy!r} needs the target's steps/s profile (sps)")
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if "sliding_attention" in (getattr(text_config, "layer_types", None) or ()):
+            # Rejected drafts stay in the cache as masked holes, which a sliding window would count as tokens.
+            raise SpecdraftError(
+                f"{type(model).__name__} uses sliding-window attention, which the speculative runtime does not support yet; "
+                "use a target with full attention in every layer (Llama, Qwen3, ...)"
+            )
         self.context_length = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
         self.num_layers = int(text_config.num_hidden_layers)
         if eos_token_ids is None:
@@ -205,8 +243,7 @@ class SpeculativeDecoder:
         valid, cache = self._drop(state, finished, valid, cache)
 
         while state.row_ids:
-            valid = self._round(state, valid, cache, limits, outputs, generator, metrics)
-            finished = [i for i, rid in enumerate(state.row_ids) if outputs[rid] is not None]
+            valid, finished = self._round(state, valid, cache, limits, outputs, generator, metrics)
             valid, cache = self._drop(state, finished, valid, cache)
 
         metrics.wall_s = time.perf_counter() - start
@@ -216,7 +253,8 @@ class SpeculativeDecoder:
 
     # -- one round ---------------------------------------------------------------------------
 
-    def _round(self, state: "_Rows", valid, cache, limits, outputs, generator, metrics: DecodeMetrics) -> torch.Tensor:
+    def _round(self, state: "_Rows", valid, cache, limits, outputs, generator, metrics: DecodeMetrics) -> tuple[torch.Tensor, list[int]]:
+        """One draft + verify round for every active row; returns the new validity mask and the finished rows."""
         device = self.device
         remaining = torch.tensor([limits[rid] - state.generated[i] for i, rid in enumerate(state.row_ids)], device=device)
         max_draft = (remaining - 1).clamp(min=0, max=self.config.num_draft_tokens)
@@ -231,7 +269,7 @@ class SpeculativeDecoder:
             sampling=self.sampling,
             generator=generator,
         ))
-        lengths, draft = self._checked(draft, max_draft)
+        lengths = self._draft_lengths(draft, max_draft)
         lengths = choose_verify_lengths(confidences=draft.confidences, lengths=lengths, config=self.scheduler, sps=self.sps)
         width = int(lengths.max()) if lengths.numel() else 0
         drafts = draft.tokens[:, :width]
@@ -258,17 +296,16 @@ class SpeculativeDecoder:
         state.new_start = state.next_pos.tolist()
         state.next_pos = state.next_pos + accepted + 1
         metrics.record_round(lengths.tolist(), accepted.tolist())
-        self._commit(state, [result.committed(i) for i in range(len(state.row_ids))], limits, outputs)
-        return valid
+        return valid, self._commit(state, [result.committed(i) for i in range(len(state.row_ids))], limits, outputs)
 
-    def _checked(self, draft: Draft, max_draft: torch.Tensor) -> tuple[torch.Tensor, Draft]:
+    def _draft_lengths(self, draft: Draft, max_draft: torch.Tensor) -> torch.Tensor:
+        """The drafter's lengths, checked and capped at what the runtime can verify this round."""
         rows = max_draft.shape[0]
         if draft.tokens.dim() != 2 or draft.tokens.shape[0] != rows or draft.lengths.shape != (rows,):
             raise SpecdraftError(
                 f"drafter {self.config.drafter!r} returned tokens {list(draft.tokens.shape)} / lengths {list(draft.lengths.shape)} for {rows} rows"
             )
-        lengths = draft.lengths.to(max_draft.device).minimum(max_draft).clamp(min=0).minimum(torch.tensor(draft.tokens.shape[1], device=max_draft.device))
-        return lengths, draft
+        return draft.lengths.to(max_draft.device).clamp(min=0, max=draft.tokens.shape[1]).minimum(max_draft)
 
     def _verify(self, drafts, lengths, draft_probs, logits, generator) -> VerifyOutput:
         if self.sampling.greedy:

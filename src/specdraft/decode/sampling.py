@@ -8,33 +8,11 @@ greedy decoding (a point mass on the argmax); verification then uses exact match
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from specdraft.errors import SpecdraftError
-from specdraft.utils.config import config_field
+from specdraft.decode.config import SamplingConfig
 
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How tokens are chosen; applied identically to target and draft logits."""
-
-    temperature: float = config_field(0.0, help="softmax temperature; 0 = greedy decoding (exact-match verification)")
-    top_k: int = config_field(0, help="sample only among the k most likely tokens; 0 disables top-k")
-    top_p: float = config_field(1.0, help="nucleus sampling: keep the most likely tokens up to this cumulative probability, in (0, 1]; 1 disables")
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also rejects NaN
-            raise SpecdraftError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise SpecdraftError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise SpecdraftError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+__all__ = ["SamplingConfig", "sample", "sample_from_logits", "sampling_probs"]
 
 
 def sampling_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:

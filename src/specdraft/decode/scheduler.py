@@ -39,30 +39,15 @@ from typing import Callable, Protocol
 
 import torch
 
+from specdraft.decode.config import SchedulerConfig
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
-from specdraft.utils.config import config_field
+
+__all__ = ["VERIFY_POLICIES", "SchedulerConfig", "StepRate", "VerifyPolicy", "choose_verify_lengths", "prefix_survival", "schedule_prefix"]
 
 
 class StepRate(Protocol):
     def __call__(self, num_tokens: int) -> float: ...
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """How many drafted tokens each request sends to the target per round."""
-
-    verify_policy: str = config_field(
-        "full", help="full = verify every draft; threshold = verify while prefix survival >= confidence_threshold; "
-        "scheduled = DSpark prefix scheduler maximising expected tokens x target steps/s (needs a drafter with confidences)",
-        metadata={"choices": ("full", "threshold", "scheduled")},
-    )
-    confidence_threshold: float = config_field(0.5, help="prefix-survival threshold of the 'threshold' verify policy, in [0, 1]")
-
-    def __post_init__(self) -> None:
-        VERIFY_POLICIES.get(self.verify_policy)  # raises naming the known policies
-        if not 0 <= self.confidence_threshold <= 1:
-            raise SpecdraftError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
 
 
 @dataclass(frozen=True)

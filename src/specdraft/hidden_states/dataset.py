@@ -82,6 +82,11 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.sample_ids)
 
+    def lengths(self) -> list[int]:
+        """Tokens per sample, in item order, from the prepared dataset (no hidden states are read)."""
+        all_lengths = self.prepared.lengths()
+        return [int(all_lengths[self.prepared.index_of(sid)]) for sid in self.sample_ids]
+
     def __getitem__(self, i: int) -> dict:
         sid = self.sample_ids[i]
         payload = self.backend.get(sid)  # verifies checksums, shapes and dtypes

@@ -71,6 +71,8 @@ class ExtractSummary:
 
 def extract_hidden_states(config: ExtractConfig, *, target: Any = None, progress: bool = True) -> ExtractSummary:
     """Run steps 1-4 above; ``target`` may be passed pre-loaded (tests, notebooks)."""
+    from tqdm import tqdm
+
     from specdraft.data.dataset import PreparedDataset
 
     dataset = PreparedDataset(config.dataset)
@@ -93,7 +95,12 @@ def extract_hidden_states(config: ExtractConfig, *, target: Any = None, progress
             log.warning("%s: removed %d partial file(s) left by an interrupted run", backend.location, removed)
 
         selected = range(min(len(dataset), config.max_samples or len(dataset)))
-        pending = [i for i in selected if not _is_stored(backend, dataset[i], target_info, slots, config.dtype)]
+        stored_keys = set(backend.keys())
+        checking = tqdm(selected, desc="verify stored", unit="sample", disable=not progress or not stored_keys)
+        pending = [
+            i for i in checking
+            if dataset.sample_ids[i] not in stored_keys or not _is_intact(backend, dataset[i], target_info, slots, config.dtype)
+        ]
         skipped = len(selected) - len(pending)
         if skipped:
             log.info("resuming: %d of %d samples are already stored and verified", skipped, len(selected))
@@ -176,11 +183,9 @@ def _open_store_manifest(backend: HiddenStateBackend, config: ExtractConfig, dat
     return manifest
 
 
-def _is_stored(backend: HiddenStateBackend, row: dict, target_info: dict, slots: list[LayerSlot], dtype: str) -> bool:
-    """True when ``row`` is stored intact and up to date; a bad payload is logged and redone."""
+def _is_intact(backend: HiddenStateBackend, row: dict, target_info: dict, slots: list[LayerSlot], dtype: str) -> bool:
+    """True when the stored payload of ``row`` verifies and is up to date; a bad one is logged and redone."""
     sid = row["sample_id"]
-    if not backend.exists(sid):
-        return False
     try:
         payload = backend.get(sid)
     except SpecdraftError as exc:

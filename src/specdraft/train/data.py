@@ -167,11 +167,13 @@ class DataPlan:
         return self.global_batches(epoch)[i * self.world_size + self.rank]
 
     def val_batches(self, max_batches: int = 0) -> list[list[list[int]]]:
-        """This rank's validation batches (fixed order, no shuffle)."""
+        """This rank's validation batches (fixed order, no shuffle; every rank gets as many, since
+        each forward may be a collective under DDP/FSDP -- the remainder is dropped)."""
         rows = pack_rows(self.val_indices, self.lengths, self.pack_tokens)
         batches = [rows[i : i + self.batch_rows] for i in range(0, len(rows), self.batch_rows)]
         if max_batches:
             batches = batches[: max_batches * self.world_size]
+        batches = batches[: len(batches) // self.world_size * self.world_size]
         return batches[self.rank :: self.world_size]
 
 

@@ -158,6 +158,17 @@ def _init_distributed(cfg: TrainConfig) -> tuple[_Dist, torch.device]:
     return _Dist(rank, world, local_rank), device
 
 
+@contextlib.contextmanager
+def _process_group_scope() -> Any:
+    """Destroy a process group that ``train`` itself created (one the caller made is left alone)."""
+    existed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    try:
+        yield
+    finally:
+        if not existed and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def _autocast(cfg: TrainConfig, device: torch.device):
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
     if use_bf16:
@@ -265,6 +276,11 @@ def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None 
     ``target`` (a ``Target``) and ``dataset`` (a ``SampleSource``) default to loading
     ``cfg.target`` and opening ``cfg.data``; tests pass small in-memory ones.
     """
+    with _process_group_scope():
+        return _train(cfg, target, dataset)
+
+
+def _train(cfg: TrainConfig, target: Any, dataset: SampleSource | None) -> TrainResult:
     import specdraft.models  # noqa: F401  (registers the built-in methods)
 
     cfg.require("method", "out", *(() if dataset is not None else ("data",)))
@@ -323,6 +339,10 @@ def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None 
         ckpt.check_identity(saved["identity"], identity, where=resume_dir)
         if saved.get("data_fingerprint") != plan.fingerprint():
             log.warning("the training split differs from the one %s was trained on; resuming anyway", resume_dir)
+        changed = sorted(k for k, v in ckpt._jsonable(cfg.to_dict()).items()
+                         if k not in ("out", "dry_run", "target", "model") and saved["config"].get(k) != v)
+        if changed:
+            log.warning("resuming with changed settings: %s", ", ".join(f"{k} {saved['config'].get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
         if saved.get("world_size") != dist_.world:
             log.warning("resuming a %s-process run with %d process(es): the data order after step %d differs", saved.get("world_size"), dist_.world, saved["step"])
     resolved = {**cfg.to_dict(), "model": identity["model_config"], "target": cfg.target or target.name, "data": cfg.data}
@@ -408,12 +428,13 @@ def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None 
 
     already_done = saved is not None and step >= total_steps
     stopped_by = None
-    sums, window_start, window_tokens = MetricSums(), time.perf_counter(), 0
+    sums, window_seconds = MetricSums(), 0.0  # seconds spent in steps since the last record (eval/checkpoints excluded)
     started = time.monotonic()
     wrapped.train()
     bar = tqdm(total=total_steps, initial=step, desc=f"train {spec.name}", unit="step", disable=not dist_.main, dynamic_ncols=True)
     with _StopFlag() as stop, bar:
         while step < total_steps:
+            step_started = time.perf_counter()
             batch = _load_batch(dataset, plan.train_rows(step), cfg, slot_index).to(device)
             _reseed(step_seed(cfg.seed, dist_.rank, step))
             lr = scheduler.get_last_lr()[0]
@@ -427,20 +448,20 @@ def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None 
             step += 1
             tokens = int((batch.segment_ids >= 0).sum())
             sums.add(output, tokens)
+            window_seconds += time.perf_counter() - step_started
             bar.update(1)
 
             if step % cfg.log_interval == 0 or step == total_steps:
                 sums.all_reduce()
-                elapsed = time.perf_counter() - window_start
                 epoch, _ = plan.locate(step - 1)
                 record = {"split": "train", "step": step, "epoch": epoch, "lr": lr, "grad_norm": grad_norm, **sums.summary(),
-                          "tokens": sums.tokens, "tokens_per_s": sums.tokens / max(elapsed, 1e-9), "seconds": elapsed}
+                          "tokens": sums.tokens, "tokens_per_s": sums.tokens / max(window_seconds, 1e-9), "seconds": window_seconds}
                 if "anchors" in record:
-                    record["anchors_per_s"] = record["anchors"] / max(elapsed, 1e-9)
+                    record["anchors_per_s"] = record["anchors"] / max(window_seconds, 1e-9)
                 if dist_.main:
                     metrics_log.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tau=f"{record.get('accept_len', 0):.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                sums, window_start = MetricSums(), time.perf_counter()
+                sums, window_seconds = MetricSums(), 0.0
 
             if cfg.eval_interval and step % cfg.eval_interval == 0 and step < total_steps:
                 evaluate(step)

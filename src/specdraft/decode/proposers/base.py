@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -78,8 +78,8 @@ class Draft:
 class Proposer(ABC):
     """Proposes draft tokens; see the module docstring for the contract."""
 
-    layer_slots: ClassVar[tuple[LayerSlot, ...]] | tuple[LayerSlot, ...] = ()
-    provides_confidences: ClassVar[bool] = False
+    layer_slots: tuple[LayerSlot, ...] = ()  # target hidden states it reads (captured by the runtime)
+    provides_confidences: bool = False  # fills Draft.confidences (needed by the threshold/scheduled policies)
 
     @abstractmethod
     def propose(self, inputs: ProposalInput) -> Draft:
@@ -90,6 +90,6 @@ class Proposer(ABC):
 
 
 ProposerFactory = Callable[..., Proposer]
-"""``factory(config: DecodeConfig, model) -> Proposer``."""
+"""``factory(config: DecodeConfig, target: Target | None) -> Proposer`` (model-free proposers accept None)."""
 
 PROPOSERS: Registry[ProposerFactory] = Registry("drafter")

@@ -62,5 +62,5 @@ class NgramProposer(Proposer):
 
 
 @PROPOSERS.register("ngram")
-def build_ngram(config: DecodeConfig, model: Any = None) -> Proposer:
+def build_ngram(config: DecodeConfig, target: Any = None) -> Proposer:
     return NgramProposer(max_ngram=config.ngram_max, min_ngram=config.ngram_min)

@@ -17,5 +17,5 @@ class NoDraftProposer(Proposer):
 
 
 @PROPOSERS.register("none")
-def build_no_draft(config: DecodeConfig, model: Any = None) -> Proposer:
+def build_no_draft(config: DecodeConfig, target: Any = None) -> Proposer:
     return NoDraftProposer()

@@ -206,7 +206,7 @@ class MooncakeBackend(HiddenStateBackend):
         record = self._read_record(key, wait_s=self.config.wait_s)
         if record is None:
             raise SpecdraftError(
-                f"{self._where(key)}: no manifest appeared within {self.config.wait_s:.0f} s; is a producer writing this "
+                f"{self._where(key)}: no manifest appeared within {self.config.wait_s:g} s; is a producer writing this "
                 f"namespace to master {self.config.client.master}? (raise wait_s to wait longer)"
             )
         if record.get("status") != "ok":

@@ -15,8 +15,9 @@ Facts this relies on (checked against mooncake-transfer-engine-non-cuda 0.3.13.p
     into back-pressure: the put waits for consumers to free space.
   * ``get``/``is_exist`` take a read lease (master flag ``--default_kv_lease_ttl``, 10 s by
     default) during which ``remove`` answers -706; removal is retried until the lease expires.
-  * Byte copies go through the client's local buffer (``buffer_mb``); a blob or batch larger than
-    it fails with -600, so larger blobs are sent from temporarily registered memory instead.
+  * Byte copies go through the client's local buffer (``buffer_mb``); a blob or batch that does not
+    fit fails with -600, so batches are capped at half the buffer and larger blobs are sent from
+    temporarily registered memory instead.
 
 One client per process and master (:func:`shared_client`): the transfer engine is heavyweight
 (listening sockets, a registered buffer, a heartbeat thread), so loader threads share it; a forked
@@ -171,7 +172,9 @@ class MooncakeClient:
             )
         self._replicate = module.ReplicateConfig()
         self._replicate.with_hard_pin = config.hard_pin
-        self._buffer_bytes = config.buffer_mb << 20
+        # The local buffer's allocator loses space to alignment and fragmentation: a batch filling
+        # it completely fails with -600, so byte copies use at most half of it per call.
+        self._batch_bytes = (config.buffer_mb << 20) // 2
         self._closed = False
         self._lock = threading.Lock()  # guards close(); data calls are thread-safe in the C++ client
 
@@ -182,7 +185,7 @@ class MooncakeClient:
         self.put_many({key: data})
 
     def put_many(self, items: Mapping[str, Any]) -> None:
-        """Store several blobs; byte copies are batched up to the local buffer size.
+        """Store several blobs; byte copies are batched up to half the local buffer.
 
         Not atomic across keys: on an error some keys may be stored (callers that need
         all-or-nothing, like the hidden-state backend, remove them again).
@@ -193,11 +196,11 @@ class MooncakeClient:
             arr = _as_uint8(data)
             if arr.nbytes == 0:
                 raise SpecdraftError(f"Mooncake cannot store empty blobs ({key!r})")
-            if arr.nbytes > self._buffer_bytes:
+            if arr.nbytes > self._batch_bytes:
                 large[key] = arr
             else:
                 small.append((key, arr))
-        for chunk in _chunks_by_size(small, self._buffer_bytes):
+        for chunk in _chunks_by_size(small, self._batch_bytes):
             keys = [k for k, _ in chunk]
             self._retry_full(keys, lambda: self._store.upsert_batch(keys, [a for _, a in chunk], self._replicate))
         if large:
@@ -233,8 +236,8 @@ class MooncakeClient:
                 delay = min(delay * 2, 0.5)
                 continue
             hint = {
-                NO_AVAILABLE_HANDLE: f"the store stayed full for {self.config.full_timeout_s:.0f} s: consumers must delete "
-                "what they read, or more memory must be contributed (segment_mb)",
+                NO_AVAILABLE_HANDLE: f"the store stayed full (or no client contributed memory) for {self.config.full_timeout_s:g} s: "
+                "consumers must delete what they read, or more memory must be contributed (segment_mb > 0)",
             }.get(rc, "see the client log above for the cause")
             raise SpecdraftError(f"Mooncake put of {_keys_text(keys)} failed ({error_name(rc)}); {hint}")
 
@@ -323,7 +326,7 @@ class MooncakeClient:
                 )
             if leased and time.monotonic() >= deadline:
                 raise SpecdraftError(
-                    f"Mooncake remove of {_keys_text(leased)}: a read lease was still held after {self.config.lease_timeout_s:.0f} s; "
+                    f"Mooncake remove of {_keys_text(leased)}: a read lease was still held after {self.config.lease_timeout_s:g} s; "
                     "raise lease_timeout_s or start the master with a shorter --lease-ttl-ms"
                 )
             pending = leased

@@ -195,6 +195,8 @@ def master_status(run_dir: str | os.PathLike) -> dict:
     if state is None:
         return {"running": False, "dir": str(run_dir)}
     status = {"running": True, "dir": str(run_dir), **state}
+    if "host" not in state:  # state file lost or corrupt: the pid is all we know
+        return status | {"accepting": False, "metrics": {}}
     status["accepting"] = _accepts(state["host"], state["port"])
     status["metrics"] = read_metrics(state["host"], state["metrics_port"])
     return status

@@ -1,0 +1,81 @@
+"""``specdraft generate``: speculative decoding with a target and a drafter, with speed metrics."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfig
+from specdraft.utils.config import add_dataclass_arguments, config_field, dataclass_from_args
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Where the prompts come from and which target runs them."""
+
+    target: str = config_field("smollm2-135m", help="embedded target name or a local Hugging Face model directory")
+    dtype: str = config_field("float32", help="target weights dtype: float32 | bfloat16 | float16")
+    device: str = config_field("cpu", help="torch device of target and drafter, e.g. cpu or cuda")
+    prompt: str = config_field("", help="one user message (rendered with the target's chat template)")
+    prompts_file: str = config_field("", help="text file with one user message per line (blank lines skipped)")
+    batch_size: int = config_field(1, help="requests decoded together in one batch")
+    threads: int = config_field(0, help="torch CPU threads (0 = torch's default)")
+    metrics_out: str = config_field("", help="write the metrics (and the generated texts) to this JSON file")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate with speculative decoding and report tau / tokens per second",
+                                   description=__doc__.splitlines()[0])
+    for cls in (GenerateConfig, DecodeConfig, SamplingConfig, SchedulerConfig):
+        add_dataclass_arguments(parser, cls)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from specdraft.decode.runtime import decoder_for_target
+    from specdraft.errors import SpecdraftError
+    from specdraft.targets import load_target
+    from specdraft.utils.io import atomic_write_json
+
+    job = dataclass_from_args(GenerateConfig, args)
+    config, sampling, scheduler = (dataclass_from_args(c, args) for c in (DecodeConfig, SamplingConfig, SchedulerConfig))
+    if job.batch_size < 1:
+        raise SpecdraftError(f"--batch-size must be >= 1, got {job.batch_size}")
+    messages = [job.prompt] if job.prompt else []
+    if job.prompts_file:
+        try:
+            messages += [line.strip() for line in Path(job.prompts_file).read_text().splitlines() if line.strip()]
+        except OSError as exc:
+            raise SpecdraftError(f"cannot read --prompts-file {job.prompts_file}: {exc}") from None
+    if not messages:
+        raise SpecdraftError("nothing to generate: pass --prompt TEXT or --prompts-file FILE")
+    if job.threads:
+        torch.set_num_threads(job.threads)
+
+    target = load_target(job.target, dtype=job.dtype, device=job.device)
+    decoder = decoder_for_target(target, config=config, sampling=sampling, scheduler=scheduler)
+    tok = target.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages]
+    texts, metrics = [], None
+    for start in range(0, len(prompts), job.batch_size):
+        result = decoder.generate(prompts[start : start + job.batch_size])
+        metrics = result.metrics if metrics is None else metrics.merge(result.metrics)
+        for message, out in zip(messages[start:], result.outputs):
+            text = tok.decode(out.tokens, skip_special_tokens=True)
+            texts.append({"prompt": message, "output": text, "tokens": len(out.tokens), "finish_reason": out.finish_reason})
+            print(f"### {message}\n{text}\n")
+    summary = metrics.to_json()
+    print(
+        f"drafter={config.drafter} requests={metrics.requests} tokens={metrics.output_tokens} tau={metrics.tau:.3f} "
+        f"acceptance={metrics.acceptance_rate:.3f} tok/s={metrics.tokens_per_s:.2f} ttft={metrics.mean_ttft_s * 1000:.0f}ms "
+        f"tpot={metrics.time_per_output_token_s * 1000:.1f}ms"
+    )
+    if job.metrics_out:
+        atomic_write_json(job.metrics_out, {"target": target.describe(), "decode": vars(config), "sampling": vars(sampling),
+                                            "scheduler": vars(scheduler), "metrics": summary, "outputs": texts})
+        print(f"wrote {job.metrics_out}")
+    return 0

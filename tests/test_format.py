@@ -1,0 +1,217 @@
+"""The speculators/vLLM checkpoint layout: config.json fields, tensor names, round trips, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdraft.errors import SpecdraftError
+from specdraft.models import METHODS, load_drafter
+from specdraft.models.common.vocab import build_draft_vocab
+from specdraft.models.dflash.config import DFlashConfig, default_gamma
+from specdraft.models.dspark.config import DSparkConfig
+from test_models_support import VOCAB, make_batch, make_target, single_thread
+
+SMALL = {
+    "eagle3": {"draft_vocab_size": 40, "ttt_steps": 3},
+    "dflash": {"block_size": 4, "num_layers": 2},
+    "dspark": {"block_size": 4, "num_layers": 2, "markov_rank": 16, "markov_head": "gated"},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+def _build(method, target, **overrides):
+    spec = METHODS.get(method)
+    torch.manual_seed(0)
+    model = spec.build(spec.config_cls(**{**SMALL[method], **overrides}), target, counts=torch.arange(VOCAB, dtype=torch.int64))
+    with torch.no_grad():  # move every trainable weight away from its initial value
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def _outputs(model, batch):
+    with torch.no_grad():
+        if model.method == "eagle3":
+            return torch.stack(model.ttt_hidden(batch)), model.draft_logits(model.ttt_hidden(batch)[0])
+        hidden = model.forward_blocks(batch, torch.tensor([[5, 9]]))
+        return hidden, model.lm_logits(hidden)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
+def test_round_trip_gives_equal_outputs(tmp_path, target, method):
+    model = _build(method, target)
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = METHODS.get(method).model_cls.from_pretrained(tmp_path / "ckpt", target=target)
+    assert loaded.config == model.config
+    batch = make_batch(target, method, count=1, length=14)
+    for a, b in zip(_outputs(model, batch), _outputs(loaded, batch)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if method == "dspark":
+        out_a = model.draft_block(model.new_cache(), context_features=batch.aux_hidden[0, :6], context_positions=batch.position_ids[0, :6], anchor_token=3, anchor_position=6)
+        out_b = loaded.draft_block(loaded.new_cache(), context_features=batch.aux_hidden[0, :6], context_positions=batch.position_ids[0, :6], anchor_token=3, anchor_position=6)
+        assert torch.equal(out_a.tokens, out_b.tokens) and torch.equal(out_a.confidences, out_b.confidences)
+    assert type(load_drafter(tmp_path / "ckpt", target=target)) is type(model)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_eagle3_layout(tmp_path, target):
+    model = _build("eagle3", target)
+    model.save_pretrained(tmp_path / "e")
+    cfg = json.loads((tmp_path / "e/config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+    assert cfg["transformer_layer_config"]["model_type"] == "llama"
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 40
+    # EAGLE-3 reads the *inputs* of layers 2, L//2, L-3 (L = 8): vLLM ids are the HF indices.
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["specdraft"]["layer_slots"] == [{"layer": 2, "side": "input"}, {"layer": 4, "side": "input"}, {"layer": 5, "side": "input"}]
+    spec_cfg = cfg["speculators_config"]
+    assert spec_cfg["algorithm"] == "eagle3" and spec_cfg["default_proposal_method"] == "greedy"
+    assert spec_cfg["proposal_methods"][0] == {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    assert spec_cfg["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["specdraft"]["target"]["fingerprint"] == target.fingerprint
+    tensors = load_file(str(tmp_path / "e/model.safetensors"))
+    assert tensors["d2t"].dtype == torch.int64 and tensors["d2t"].shape == (40,)
+    assert tensors["t2d"].dtype == torch.bool and tensors["t2d"].shape == (VOCAB,)
+    assert tensors["lm_head.weight"].shape == (40, 64) and tensors["embed_tokens.weight"].shape == (VOCAB, 64)
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape == (64, 128)  # q/k/v read 2D
+    assert tensors["fc.weight"].shape == (64, 3 * 64)
+    assert {"layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight", "norm.weight"} <= set(tensors)
+    assert not any(k.startswith("verifier_") for k in tensors)
+    # d2t offsets map draft ids to target ids; t2d marks the same ids.
+    ids = torch.arange(40) + tensors["d2t"]
+    assert torch.equal(torch.nonzero(tensors["t2d"]).flatten(), ids)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_block_drafter_layout(tmp_path, target, method):
+    model = _build(method, target)
+    model.save_pretrained(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d/config.json").read_text())
+    assert cfg["architectures"] == [{"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}[method]]
+    assert cfg["transformer_layer_config"]["model_type"] == "qwen3"
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
+    # Outputs of layers 1..5 (L = 8) are HF indices 2..6; vLLM subtracts 1 again for DFlash.
+    assert cfg["aux_hidden_state_layer_ids"] == [2, 3, 4, 5, 6]
+    assert cfg["block_size"] == 4 and cfg["mask_token_id"] == VOCAB - 1
+    assert cfg["sample_from_anchor"] is (method == "dspark")
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == (4 if method == "dspark" else 3)
+    tensors = load_file(str(tmp_path / "d/model.safetensors"))
+    assert "embed_tokens.weight" not in tensors and "lm_head.weight" not in tensors  # the target's own
+    assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight", "norm.weight"} <= set(tensors)
+    if method == "dspark":
+        assert cfg["markov_rank"] == 16 and cfg["markov_head_type"] == "gated"
+        assert cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is True
+        assert tensors["markov_head.markov_w1.weight"].shape == (VOCAB, 16)
+        assert tensors["markov_head.markov_w2.weight"].shape == (VOCAB, 16)
+        assert tensors["markov_head.gate_proj.weight"].shape == (16, 64 + 16)
+        assert tensors["confidence_head.proj.weight"].shape == (1, 64 + 16)
+
+
+def test_config_errors():
+    with pytest.raises(SpecdraftError, match="block_size"):
+        DFlashConfig(block_size=1)
+    with pytest.raises(SpecdraftError, match="mask_token_id 96 is outside the vocabulary"):
+        DFlashConfig(vocab_size=96, mask_token_id=96)
+    with pytest.raises(SpecdraftError, match="mask_token_id -1"):
+        DSparkConfig(mask_token_id=-1)
+    with pytest.raises(SpecdraftError, match="unknown markov head"):
+        DSparkConfig(markov_head="lstm")
+    with pytest.raises(SpecdraftError, match="num_layers must be 1"):
+        METHODS.get("eagle3").config_cls(num_layers=2)
+    assert default_gamma(16) == 7.0 and default_gamma(10) == 5.0 and default_gamma(8) == 4.0 and default_gamma(12) == pytest.approx(5 + 2 / 6 * 2)
+
+
+def test_eagle3_reduced_vocab_needs_counts(target):
+    spec = METHODS.get("eagle3")
+    with pytest.raises(SpecdraftError, match="token counts"):
+        spec.build(spec.config_cls(draft_vocab_size=10), target)
+
+
+def test_build_draft_vocab_top_n():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7], dtype=torch.int64)
+    d2t, t2d = build_draft_vocab(counts, 3)
+    assert (torch.arange(3) + d2t).tolist() == [2, 3, 5]
+    assert t2d.tolist() == [False, False, True, True, False, True]
+    with pytest.raises(SpecdraftError, match="draft_vocab_size 7"):
+        build_draft_vocab(counts, 7)
+
+
+@pytest.fixture
+def saved(tmp_path, target):
+    model = _build("dflash", target)
+    model.save_pretrained(tmp_path / "c")
+    return tmp_path / "c"
+
+
+def test_missing_and_misshapen_tensors_are_named(saved, target):
+    cls = METHODS.get("dflash").model_cls
+    tensors = load_file(str(saved / "model.safetensors"))
+    del tensors["layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(saved / "model.safetensors"))
+    with pytest.raises(SpecdraftError, match="'layers.1.mlp.up_proj.weight' is missing"):
+        cls.from_pretrained(saved, target=target)
+    tensors["layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, str(saved / "model.safetensors"))
+    with pytest.raises(SpecdraftError, match=r"'layers.1.mlp.up_proj.weight' has shape \(3, 3\)"):
+        cls.from_pretrained(saved, target=target)
+
+
+def test_config_weight_disagreement_is_reported(saved, target):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["specdraft"]["config"]["num_layers"] = 3
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecdraftError, match="'layers.2."):
+        METHODS.get("dflash").model_cls.from_pretrained(saved, target=target)
+
+
+def test_refuses_pickle_and_wrong_kind(saved, target, tmp_path):
+    (saved / "model.safetensors").rename(saved / "pytorch_model.bin")
+    with pytest.raises(SpecdraftError, match="pickle weights \\(pytorch_model.bin\\)"):
+        load_drafter(saved, target=target)
+    (saved / "pytorch_model.bin").rename(saved / "model.safetensors")
+    with pytest.raises(SpecdraftError, match="speculators_model_type is 'dflash', expected 'eagle3'"):
+        METHODS.get("eagle3").model_cls.from_pretrained(saved, target=target)
+    with pytest.raises(SpecdraftError, match="pass target="):
+        load_drafter(saved)
+    with pytest.raises(SpecdraftError, match="fingerprint"):
+        load_drafter(saved, target=make_target(seed=1))
+    with pytest.raises(SpecdraftError, match="not a directory"):
+        load_drafter(tmp_path / "nope")
+
+
+def test_save_replaces_directory_atomically(saved, target):
+    model = METHODS.get("dflash").model_cls.from_pretrained(saved, target=target)
+    with torch.no_grad():
+        model.norm.weight.fill_(2.0)
+    model.save_pretrained(saved)
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["c"]
+    assert torch.all(load_file(str(saved / "model.safetensors"))["norm.weight"] == 2.0)
+
+
+def test_eagle3_loads_for_inference_without_target(tmp_path, target):
+    model = _build("eagle3", target)
+    model.save_pretrained(tmp_path / "e")
+    loaded = load_drafter(tmp_path / "e")
+    batch = make_batch(target, "eagle3", count=1, length=10)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.ttt_hidden(batch)[0], model.ttt_hidden(batch)[0])
+    with pytest.raises(SpecdraftError, match="no target attached"):
+        loaded.training_forward(batch)
+    assert dataclasses.replace(loaded.config) == model.config

@@ -1,0 +1,107 @@
+"""Training forwards: packing never leaks across segments, and tiny drafters overfit a few samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.models import METHODS, DrafterBatch
+from test_models_support import VOCAB, make_batch, make_target, pad_batch, single_thread
+
+SMALL = {
+    "eagle3": {"draft_vocab_size": 64, "ttt_steps": 3},
+    "dflash": {"block_size": 4, "num_layers": 1},
+    "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 16},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+def _build(method, target, **overrides):
+    spec = METHODS.get(method)
+    torch.manual_seed(0)
+    data = make_batch(target, method, count=4, length=24)
+    counts = torch.bincount(data.token_ids.flatten(), minlength=VOCAB)
+    return spec.build(spec.config_cls(**{**SMALL[method], **overrides}), target, counts=counts)
+
+
+def _split(batch: DrafterBatch, length: int) -> DrafterBatch:
+    """Undo 2-way packing: row r's two segments become rows 2r and 2r+1."""
+    return DrafterBatch(**{k: v.reshape(v.shape[0] * 2, length, *v.shape[2:]) for k, v in vars(batch).items()})
+
+
+def test_eagle3_packing_and_padding_do_not_leak(target):
+    model = _build("eagle3", target)
+    packed = make_batch(target, "eagle3", count=4, length=12, pack=2)
+    separate = _split(packed, 12)
+    separate.segment_ids = torch.zeros_like(separate.segment_ids)
+    with torch.no_grad():
+        a = model.ttt_hidden(pad_batch(packed, 3))
+        b = model.ttt_hidden(separate)
+    for j, (step_a, step_b) in enumerate(zip(a, b)):
+        # Compare where step j's input token t+1+j lies inside the sample (elsewhere it is unused).
+        keep = 12 - 1 - j
+        torch.testing.assert_close(step_a[:, :24].reshape(4, 12, -1)[:, :keep], step_b[:, :keep], atol=1e-5, rtol=1e-5)
+    out_p, out_s = model.training_forward(pad_batch(packed, 3)), model.training_forward(separate)
+    torch.testing.assert_close(out_p.loss, out_s.loss, atol=1e-5, rtol=1e-5)
+    assert out_p.position_count.tolist() == out_s.position_count.tolist()
+    # step j at t is supervised iff t+2+j is a response token (rows 4..11) of the same sample:
+    # t in [2-j, 9-j], 8 positions per sample for j <= 2
+    assert out_s.position_count.tolist() == [32.0, 32.0, 32.0]
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_block_forward_packing_does_not_leak(target, method):
+    model = _build(method, target)
+    packed = make_batch(target, method, count=2, length=12, pack=2)
+    separate = _split(packed, 12)
+    with torch.no_grad():
+        a = model.forward_blocks(pad_batch(packed, 2), torch.tensor([[5, 8, 12 + 4, 12 + 9]]))[0]
+        b = model.forward_blocks(separate, torch.tensor([[5, 8], [4, 9]]))
+    torch.testing.assert_close(a, b.flatten(0, 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_block_labels_stop_at_segment_and_prompt(target, method):
+    model = _build(method, target)
+    batch = make_batch(target, method, count=2, length=12, pack=2)
+    out = model.block_loss(batch, torch.tensor([[9, 12 + 4]]), model.forward_blocks(batch, torch.tensor([[9, 12 + 4]])))
+    # anchor 9 of sample 0: labels at rows 10, 11 exist, 12 is the next sample -> cut there.
+    k = model.label_offsets().numel()
+    expected = [1 + 1 if i < 2 else 1 for i in range(k)] if method == "dflash" else [2 if i < 2 else 1 for i in range(k)]
+    assert out.position_count.tolist() == [float(x) for x in expected]
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,steps", [("eagle3", 150), ("dflash", 120), ("dspark", 250)])
+def test_tiny_drafter_overfits(target, method, steps):
+    model = _build(method, target, **({"ttt_steps": 4} if method == "eagle3" else {}))
+    batch = make_batch(target, method, count=4, length=24, pack=2)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert not any(p is model.embed_tokens.weight or p is model.verifier_lm_head.weight for p in params)
+    frozen = model.verifier_lm_head.weight.clone()
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    first = None
+    torch.manual_seed(0)
+    for _ in range(steps):
+        out = model.training_forward(batch)
+        first = first if first is not None else float(out.loss.detach())
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    with torch.no_grad():
+        out = model.training_forward(batch)
+    assert float(out.loss) < 0.5 * first
+    assert float(out.position_acc[0]) > 0.9, out.position_acc
+    assert out.position_cond_acc.shape == out.position_acc.shape == out.position_count.shape
+    assert torch.equal(frozen, model.verifier_lm_head.weight)
