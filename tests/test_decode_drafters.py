@@ -108,3 +108,15 @@ def test_incremental_features_give_the_same_drafts_as_one_shot(target, checkpoin
     proposer.propose = propose
     SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[]).generate(PROMPTS)
     assert len(checked) > len(PROMPTS) and sum(checked) > 0
+
+
+@pytest.mark.slow
+def test_decoder_for_target_profiles_sps_for_the_scheduler(target, checkpoints, tmp_path, monkeypatch):
+    from specdraft.decode.runtime import decoder_for_target
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    config = DecodeConfig(drafter="dspark", drafter_path=str(checkpoints["dspark"]), max_new_tokens=10, num_draft_tokens=3)
+    dec = decoder_for_target(target, config=config, sampling=SamplingConfig(), scheduler=SchedulerConfig("scheduled"))
+    assert dec.sps is not None and len(list((tmp_path / "sps").glob(f"{target.fingerprint}-cpu-float32-*.json"))) == 1
+    result = dec.generate(PROMPTS[:2])
+    assert [o.tokens for o in result.outputs] == [reference_greedy(target.model, p, 10) for p in PROMPTS[:2]]

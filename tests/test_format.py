@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -214,4 +213,19 @@ def test_eagle3_loads_for_inference_without_target(tmp_path, target):
         torch.testing.assert_close(loaded.ttt_hidden(batch)[0], model.ttt_hidden(batch)[0])
     with pytest.raises(SpecdraftError, match="no target attached"):
         loaded.training_forward(batch)
-    assert dataclasses.replace(loaded.config) == model.config
+    assert loaded.config == model.config
+
+
+def test_batch_with_wrong_slots_is_refused(target):
+    model = _build("dflash", target)
+    batch = make_batch(target, "eagle3", count=1, length=10)  # 3 slots, DFlash reads 5
+    with pytest.raises(SpecdraftError, match="reads 5 hidden-state slots"):
+        model.training_forward(batch)
+
+
+def test_mask_token_checked_against_target_vocab(target):
+    spec = METHODS.get("dflash")
+    with pytest.raises(SpecdraftError, match=f"mask_token_id {VOCAB} is outside the vocabulary 0..{VOCAB - 1}"):
+        spec.build(DFlashConfig(mask_token_id=VOCAB, num_layers=1, block_size=3), target)
+    with pytest.raises(SpecdraftError, match="hidden_size 32 differs from the target's 64"):
+        spec.build(DFlashConfig(hidden_size=32), target)

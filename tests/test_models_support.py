@@ -118,6 +118,6 @@ def test_make_batch_packs_segments():
     assert batch.aux_hidden.shape == (2, 24, 5, 64)
     assert batch.segment_ids[0].tolist() == [0] * 12 + [1] * 12
     assert batch.position_ids[0, 12] == 0
-    # Greedy data: the target's own argmax at t is token t+1.
+    # Greedy data: after the random 4-token prompt, the target's own argmax at t is token t+1.
     logits = target.model.lm_head(target.model.get_decoder().norm(batch.last_hidden))
-    assert torch.equal(logits[0, :11].argmax(-1), batch.token_ids[0, 1:12])
+    assert torch.equal(logits[0, 3:11].argmax(-1), batch.token_ids[0, 4:12])

@@ -105,3 +105,53 @@ def test_tiny_drafter_overfits(target, method, steps):
     assert float(out.position_acc[0]) > 0.9, out.position_acc
     assert out.position_cond_acc.shape == out.position_acc.shape == out.position_count.shape
     assert torch.equal(frozen, model.verifier_lm_head.weight)
+
+
+def test_block_labels_stop_at_first_invalid_label():
+    from specdraft.models.common.anchors import block_labels
+
+    tokens = torch.arange(10)[None]
+    seg = torch.zeros(1, 10, dtype=torch.int32)
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)  # a non-response token at 4
+    labels, valid, _ = block_labels(tokens, seg, mask, torch.tensor([[2, 6, -1]]), torch.arange(1, 4))
+    assert labels[0, 0].tolist() == [3, 4, 5]
+    assert valid[0].tolist() == [[True, False, False], [True, True, True], [False, False, False]]
+
+
+def test_sample_anchors_respects_segments_and_limit():
+    from specdraft.models.common.anchors import candidate_anchors, sample_anchors
+
+    seg = torch.tensor([[0] * 8 + [1] * 8 + [-1] * 2], dtype=torch.int32)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1] * 2 + [0, 0]], dtype=torch.bool)
+    ok = candidate_anchors(seg, mask)
+    assert torch.nonzero(ok[0]).flatten().tolist() == [2, 3, 4, 5, 6, 10, 11, 12, 13, 14]
+    anchors = sample_anchors(seg, mask, max_per_segment=3, generator=torch.Generator().manual_seed(0))
+    chosen = anchors[0][anchors[0] >= 0]
+    assert chosen.numel() == 6 and bool(ok[0, chosen].all()) and chosen.tolist() == sorted(chosen.tolist())
+    assert int((chosen < 8).sum()) == 3
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dspark"])
+def test_loss_chunking_changes_nothing(target, method):
+    whole = _build(method, target, loss_chunk_rows=0)
+    chunked = _build(method, target, loss_chunk_rows=5)
+    batch = make_batch(target, method, count=2, length=16)
+    torch.manual_seed(3)
+    out_w = whole.training_forward(batch)
+    torch.manual_seed(3)
+    out_c = chunked.training_forward(batch)
+    torch.testing.assert_close(out_w.loss, out_c.loss)
+    out_w.loss.backward()
+    out_c.loss.backward()
+    torch.testing.assert_close(whole.fc.weight.grad, chunked.fc.weight.grad)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
+def test_batch_without_response_tokens_backpropagates_zero(target, method):
+    model = _build(method, target)
+    batch = make_batch(target, method, count=2, length=10)
+    batch.loss_mask[:] = False
+    out = model.training_forward(batch)
+    assert float(out.loss.detach()) == 0.0 and out.position_count.sum() == 0
+    out.loss.backward()  # a labelless packed row must not crash the trainer
+    assert model.fc.weight.grad is not None and not model.fc.weight.grad.any()

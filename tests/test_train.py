@@ -117,6 +117,36 @@ def test_sigterm_subprocess_leaves_resumable_checkpoint(tmp_path):
     assert [r["step"] for r in train_records(out)][-3:] == [stopped, stopped + 1, stopped + 2]
 
 
+@pytest.mark.slow
+def test_sigkill_subprocess_then_rerun_equals_uninterrupted(reference, tmp_path):
+    """A hard kill (no chance to save) mid-run; the rerun resumes from the last periodic checkpoint."""
+    out = tmp_path / "run"
+    cfg = toy_config(out, max_steps=12, checkpoint_interval=3)
+    proc = subprocess.Popen([sys.executable, str(TESTS / "test_train_toy.py"), json.dumps(cfg.to_dict()), "", "0.05"], cwd=TESTS,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(ckpt.list_checkpoints(out)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed_at = ckpt.list_checkpoints(out)[-1][0]
+    assert 0 < killed_at < 12 and not (out / "final").exists()
+    result = train(toy_config(out, max_steps=12, checkpoint_interval=3), target=ToyTarget(), dataset=ToyStore())
+    assert result.completed and not list((out / "checkpoints").glob(".*"))  # debris of the killed write is gone
+    # the reference checkpoints every 4 steps, this run every 3: checkpointing must not change the result
+    assert_same_weights(reference / "final", out / "final")
+
+
+def test_keep_checkpoints_prunes_old_ones(tmp_path):
+    train(toy_config(tmp_path, max_steps=8, checkpoint_interval=2, keep_checkpoints=2), target=ToyTarget(), dataset=ToyStore())
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [6, 8]
+
+
 def test_other_target_store_is_refused(tmp_path):
     with pytest.raises(SpecdraftError, match=r"extracted from target .*fingerprint"):
         train(toy_config(tmp_path / "run"), target=ToyTarget(), dataset=ToyStore(fingerprint="someoneelse"))

@@ -3,7 +3,7 @@
 The toy drafter uses dropout and a random anchor subset (so every step draws random numbers, as
 DFlash/DSpark do), has a frozen parameter (like a drafter's copy of the target embedding) and
 predicts K tokens ahead inside each packed segment. Run as a script it trains on the toy store
-(used by the SIGTERM and torchrun tests): ``python tests/test_train_toy.py '<TrainConfig JSON>' [SEEN_DIR]``.
+(used by the SIGTERM and torchrun tests): ``python tests/test_train_toy.py '<TrainConfig JSON>' [SEEN_DIR [READ_DELAY_S]]``.
 """
 
 from __future__ import annotations
@@ -115,8 +115,10 @@ class ToyTarget:
 class ToyStore:
     """In-memory ``SampleSource`` with deterministic random samples of varied lengths."""
 
-    def __init__(self, n: int = 24, *, slots=None, fingerprint: str = "toyfp0001", hidden_size: int = 8, seed: int = 0):
+    def __init__(self, n: int = 24, *, slots=None, fingerprint: str = "toyfp0001", hidden_size: int = 8, seed: int = 0,
+                 read_delay: float = 0.0):
         g = torch.Generator().manual_seed(seed)
+        self.read_delay = read_delay  # seconds per item read: slows a subprocess run down enough to kill it mid-run
         self.slots = list(slots if slots is not None else toy_slots(6))
         self.target_info = {"name": "toy-target", "fingerprint": fingerprint, "num_layers": 6, "hidden_size": hidden_size}
         self.sample_ids = [f"s{i:03d}" for i in range(n)]
@@ -136,6 +138,10 @@ class ToyStore:
 
     def __getitem__(self, i: int) -> dict:
         self.seen.add(self.sample_ids[i])
+        if self.read_delay:
+            import time
+
+            time.sleep(self.read_delay)
         return self.items[i]
 
     def lengths(self) -> list[int]:
@@ -181,9 +187,9 @@ def main(argv: list[str]) -> int:
 
     logging.basicConfig(level=logging.INFO)
     cfg = TrainConfig(**json.loads(argv[0]))
-    store = ToyStore()
+    store = ToyStore(read_delay=float(argv[2]) if len(argv) > 2 else 0.0)
     result = train(cfg, target=ToyTarget(), dataset=store)
-    if len(argv) > 1:  # where to record the ids this process read
+    if len(argv) > 1 and argv[1]:  # where to record the ids this process read
         Path(argv[1], f"seen-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(sorted(store.seen)))
     print(json.dumps({"step": result.step, "stopped_by": result.stopped_by, "completed": result.completed}), flush=True)
     return 0

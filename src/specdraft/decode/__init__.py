@@ -1,0 +1,9 @@
+"""Lossless speculative decoding: verification maths, draft proposers, the runtime loop, and the
+DSpark verify-length scheduler.
+
+Modules: ``config`` (typed configs), ``sampling`` (the shared sampling transform),
+``verification`` (greedy / rejection-sampling verification as pure functions), ``proposers``
+(``Proposer`` interface + ``PROPOSERS`` registry: ngram, none, eagle3, dflash, dspark),
+``scheduler`` (verify policies), ``sps`` (target steps/s profile), ``runtime`` (the loop).
+Kept import-light: nothing here imports torch until a submodule is used.
+"""

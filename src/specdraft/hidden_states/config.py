@@ -12,6 +12,8 @@ from specdraft.utils.config import config_field
 #: Names of the dtypes hidden states can be stored in (see ``payload.STORAGE_DTYPES``).
 STORAGE_DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DEFAULT_PRESET = "dspark"
+#: Engines that can run the target for extraction (``extract.EXTRACT_ENGINES`` holds the functions).
+ENGINE_NAMES = ("hf", "vllm")
 
 
 @dataclass
@@ -37,6 +39,14 @@ class ExtractConfig:
     backend: str = config_field("file", help="storage backend (registered name)")
     queue_size: int = config_field(8, help="payloads that may wait for the writer before capture blocks")
     writer_threads: int = config_field(1, help="background threads serialising and writing payloads")
+    engine: str = config_field(
+        "hf",
+        help="what runs the target: hf (transformers, in this process) or vllm (a private vLLM server from "
+        ".venv-vllm whose connector writes the store; --batch-size requests are in flight at once)",
+        metadata={"choices": list(ENGINE_NAMES)},
+    )
+    vllm_python: str | None = config_field(None, help="python of the vLLM environment (default: .venv-vllm/bin/python)")
+    vllm_args: str = config_field("", help="extra vLLM api_server flags for --engine vllm, e.g. '--enforce-eager'")
 
     def __post_init__(self) -> None:
         if self.method is not None and self.layers is not None:

@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.backends.base import (
@@ -33,6 +33,7 @@ from specdraft.hidden_states.config import ExtractConfig
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.payload import HiddenStatePayload
 from specdraft.hidden_states.writer import AsyncWriter
+from specdraft.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ def extract_hidden_states(config: ExtractConfig, *, target: Any = None, progress
             log.info("resuming: %d of %d samples are already stored and verified", skipped, len(selected))
 
         start = time.perf_counter()
-        tokens, written = _extract(backend, config, dataset, pending, target, target_info, slots, progress)
+        engine = EXTRACT_ENGINES.get(config.engine)
+        tokens, written = engine(backend, config, dataset, pending, target, target_info, slots, progress)
         seconds = time.perf_counter() - start
 
         stored = set(backend.keys())
@@ -125,6 +127,19 @@ def extract_hidden_states(config: ExtractConfig, *, target: Any = None, progress
     )
 
 
+#: ``--engine`` name -> fn(backend, config, dataset, pending, target, target_info, slots, progress)
+#: -> (tokens, bytes written). Every engine fills the store with the same payloads.
+EXTRACT_ENGINES: Registry[Callable[..., tuple[int, int]]] = Registry("extraction engine")
+
+
+@EXTRACT_ENGINES.register("vllm")
+def _extract_vllm(*args: Any) -> tuple[int, int]:
+    from specdraft.integrations.vllm.extract import extract_with_vllm
+
+    return extract_with_vllm(*args)
+
+
+@EXTRACT_ENGINES.register("hf")
 def _extract(backend, config, dataset, pending, target, target_info, slots, progress) -> tuple[int, int]:
     """Capture ``pending`` rows (longest first, so padding is small and OOM shows up at once)."""
     from tqdm import tqdm

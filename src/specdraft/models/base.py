@@ -88,7 +88,8 @@ class MethodSpec:
     config_cls: type
     model_cls: type[DrafterModel]
     layer_slots: Callable[[int], list[LayerSlot]]  # num target layers -> slots the method reads
-    build: Callable[..., DrafterModel]  # (config, target) -> freshly initialised drafter
+    build: Callable[..., DrafterModel]  # (config, target, *, counts=None) -> drafter with the target's frozen pieces
+    # (counts: int64[V] response-token frequencies; EAGLE-3 picks its draft vocabulary from them)
 
 
 METHODS: Registry[MethodSpec] = Registry("drafter method")

@@ -167,6 +167,23 @@ def load_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return model, {"state": optim_state, "param_groups": groups}
 
 
+def remove_debris(out: Path) -> int:
+    """Delete temporary directories left by writes that a hard kill interrupted; returns how many."""
+    removed = 0
+    for parent in (out, out / CHECKPOINTS):
+        if parent.is_dir():
+            for child in parent.iterdir():
+                name = child.name
+                if not (name.startswith(".") and (name.endswith((".tmp", ".old")) or ".old-" in name)):
+                    continue
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
 def prune_checkpoints(out: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` checkpoints (``keep == 0`` keeps all)."""
     if keep <= 0:

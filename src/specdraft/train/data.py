@@ -34,8 +34,13 @@ log = logging.getLogger(__name__)
 
 class SampleSource(Protocol):
     """What the trainer reads (``HiddenStateDataset`` is one): random access to per-sample dicts
-    ``{sample_id, token_ids [T], loss_mask [T], hidden_states [T, S, D], last_hidden [T, D]}``."""
+    ``{sample_id, token_ids [T], loss_mask [T], hidden_states [T, S, D], last_hidden [T, D]}``.
 
+    Packing needs every sample's length up front without reading hidden states: a source offers
+    ``lengths()`` or a ``prepared`` dataset (``PreparedDataset.lengths()``); see ``trainer.sample_lengths``.
+    """
+
+    sample_ids: list[str]
     slots: list[LayerSlot]
     target_info: dict
 

@@ -349,6 +349,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource | None) -> Train
     metrics_log = MetricsLog(out / ckpt.METRICS)
     if dist_.main:
         out.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_debris(out)
         _dump_yaml(out / ckpt.RESOLVED_CONFIG, resolved)
         metrics_log.truncate_after(saved["step"] if saved else 0)
 

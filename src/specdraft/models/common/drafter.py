@@ -100,6 +100,16 @@ class SpeculatorsDrafter(DrafterModel):
             )
         return self.verifier_norm
 
+    def check_batch(self, batch: Any) -> None:
+        """The payload must carry this drafter's hidden-state slots: aux_hidden [N, T, S, D]."""
+        want = (len(self.config.slots()), self.config.hidden_size)
+        got = tuple(batch.aux_hidden.shape[2:])
+        if batch.aux_hidden.dim() != 4 or got != want:
+            raise SpecdraftError(
+                f"{self.method} drafter reads {want[0]} hidden-state slots ({self.config.layers}) of width {want[1]}, "
+                f"but the batch's aux_hidden has shape {tuple(batch.aux_hidden.shape)}; extract the method's layers"
+            )
+
     def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """p_t logits over the full target vocabulary: head(norm(last_hidden))."""
         return self.verifier_lm_head(self.require_verifier()(last_hidden))
@@ -165,7 +175,7 @@ class SpeculatorsDrafter(DrafterModel):
                 "method": self.method,
                 "config": self.config.to_json(),
                 "layer_slots": [s.to_json() for s in slots],
-                "target": {k: v for k, v in self.verifier.items()},
+                "target": dict(self.verifier),
             },
         }
 

@@ -20,6 +20,33 @@ def default_gamma(block_size: int) -> float:
     return float(np.interp(block_size, sizes, gammas))
 
 
+def default_mask_token(target: Any) -> int:
+    """An id the target never produces in chat, for the MASK slots.
+
+    1. an embedding row beyond the tokenizer (V > len(tokenizer)): the last row;
+    2. else the highest special added token that is not bos/eos/pad/unk and does not appear in the
+       chat template (SmolLM2: 16 ``<empty_output>``; its pad token is ``<|im_end|>``, a real token);
+    3. a target without a tokenizer (tests): the last id.
+    """
+    vocab = int(target.text_config.vocab_size)
+    tok = getattr(target, "tokenizer", None)
+    if tok is None or len(tok) < vocab:
+        return vocab - 1
+    busy = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id}
+    template = str(getattr(tok, "chat_template", "") or "")
+    spare = [
+        i
+        for i, added in tok.added_tokens_decoder.items()
+        if getattr(added, "special", True) and i not in busy and i < vocab and str(added) not in template
+    ]
+    if not spare:
+        raise SpecdraftError(
+            f"target {target.name}: no unused special token to serve as the DFlash/DSpark MASK token; "
+            "choose one with --mask-token-id"
+        )
+    return max(spare)
+
+
 @dataclass
 class DFlashConfig(DraftConfig):
     method: ClassVar[str] = "dflash"
@@ -27,7 +54,7 @@ class DFlashConfig(DraftConfig):
     num_layers: int = config_field(5, help="number of draft decoder layers")
     block_size: int = config_field(16, help="tokens per block: the anchor plus block_size-1 MASK slots")
     mask_token_id: int | None = config_field(
-        None, help="token id of the MASK slots: an unused/reserved id (default: the tokenizer's pad token, else the last id)"
+        None, help="token id of the MASK slots, an unused/reserved id (default: see default_mask_token)"
     )
     max_anchors: int = config_field(512, help="most anchors (blocks) sampled per packed sample in training")
     loss_gamma: float | None = config_field(None, help="loss decay gamma (default: 7/5/4 for block 16/10/8, interpolated)")
@@ -54,8 +81,7 @@ class DFlashConfig(DraftConfig):
     def _resolve_method(self, target: Any) -> dict[str, Any]:
         if self.mask_token_id is not None:
             return {}
-        pad = getattr(getattr(target, "tokenizer", None), "pad_token_id", None)
-        return {"mask_token_id": int(pad) if pad is not None else int(target.text_config.vocab_size) - 1}
+        return {"mask_token_id": default_mask_token(target)}
 
     @property
     def resolved(self) -> bool:

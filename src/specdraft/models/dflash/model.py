@@ -145,12 +145,13 @@ class DFlashDrafter(SpeculatorsDrafter):
         return self.verifier_lm_head(hidden)
 
     def label_offsets(self) -> torch.Tensor:
-        """Row offset (from the anchor) of the token each draft slot predicts: [K]."""
-        first = 0 if self.sample_from_anchor else 1
-        return torch.arange(first, self.config.block_size) + (1 if self.sample_from_anchor else 0)
+        """Row offset from the anchor of the token each draft slot predicts: [K] = 1..K
+        (DFlash: slot k predicts anchor+k; DSpark: slot k-1 predicts anchor+k)."""
+        return torch.arange(1, self.speculative_tokens() + 1)
 
     def draft_slots(self) -> slice:
-        return slice(0 if self.sample_from_anchor else 1, self.config.block_size)
+        """The block slots that draft tokens: the last K of B."""
+        return slice(self.config.block_size - self.speculative_tokens(), self.config.block_size)
 
     def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """anchor tokens [...] -> block token ids [..., B] = [anchor, MASK, ..., MASK]."""
@@ -161,6 +162,7 @@ class DFlashDrafter(SpeculatorsDrafter):
     def forward_blocks(self, batch: DrafterBatch, anchors: torch.Tensor) -> torch.Tensor:
         """Teacher-forced packed forward. anchors int64 [N, A] (-1 = none) -> post-norm block
         hidden states [N, A, B, D]."""
+        self.check_batch(batch)
         b = self.config.block_size
         n, a = anchors.shape
         safe = anchors.clamp(min=0)

@@ -22,7 +22,7 @@ class DSparkConfig(DFlashConfig):
     ce_weight: float = config_field(0.1, help="weight of the hard-label cross-entropy term")
     l1_weight: float = config_field(0.9, help="weight of the ||p_d - p_t||_1 term")
     bce_weight: float = config_field(1.0, help="weight of the confidence-head BCE term")
-    position_decay: float = config_field(4.0, help="position weights exp(-k/position_decay)")
+    loss_gamma: float | None = config_field(4.0, help="position weights exp(-k/loss_gamma) over block positions k = 1..B")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -31,5 +31,3 @@ class DSparkConfig(DFlashConfig):
         if self.markov_rank < 1:
             raise SpecdraftError(f"dspark config: markov_rank must be >= 1, got {self.markov_rank}")
         MARKOV_HEADS.get(self.markov_head)
-        if self.position_decay <= 0:
-            raise SpecdraftError(f"dspark config: position_decay must be > 0, got {self.position_decay}")

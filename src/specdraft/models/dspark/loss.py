@@ -2,7 +2,7 @@
 
 L = ce_weight*CE(hard label) + l1_weight*||p_d - p_t||_1 + bce_weight*BCE(c_k, 1 - 0.5*||p_d - p_t||_1)
 with p_d the Markov-corrected softmax at T=1 (teacher-forced previous tokens), the BCE target
-detached, each term weighted exp(-k/decay) and normalised by the weight sum.
+detached, each term weighted exp(-k/gamma) and normalised by the weight sum.
 """
 
 from __future__ import annotations
@@ -24,6 +24,6 @@ def block_terms(
     return ce, l1, bce
 
 
-def position_weights(num: int, decay: float, *, device=None) -> torch.Tensor:
-    """w_k = exp(-k/decay) for block positions k = 1..num -> [num]."""
-    return torch.exp(-torch.arange(1, num + 1, dtype=torch.float32, device=device) / decay)
+def position_weights(num: int, gamma: float, *, device=None) -> torch.Tensor:
+    """w_k = exp(-k/gamma) for block positions k = 1..num -> [num]."""
+    return torch.exp(-torch.arange(1, num + 1, dtype=torch.float32, device=device) / gamma)

@@ -99,7 +99,7 @@ class DSparkDrafter(DFlashDrafter):
             rows, hidden[blocks], prev_ids[blocks], target_h[blocks], labels[blocks], chunk_rows=max(1, c.loss_chunk_rows // c.block_size)
         )
         v = valid[blocks]
-        w = position_weights(c.block_size, c.position_decay, device=hidden.device)
+        w = position_weights(c.block_size, c.gamma, device=hidden.device)
         terms = {"ce": weighted_mean(ce, w, v), "l1": weighted_mean(l1, w, v), "bce": weighted_mean(bce, w, v)}
         loss = c.ce_weight * terms["ce"] + c.l1_weight * terms["l1"] + c.bce_weight * terms["bce"]
         correct = torch.zeros_like(valid)

@@ -187,8 +187,9 @@ class Eagle3Drafter(SpeculatorsDrafter):
 
     def ttt_hidden(self, batch: DrafterBatch) -> list[torch.Tensor]:
         """Teacher-forced TTT unroll: the drafter's output hidden state [N, T, D] per step."""
+        self.check_batch(batch)
         tokens, seg = batch.token_ids, batch.segment_ids
-        n, t = tokens.shape
+        t = tokens.shape[1]
         idx = torch.arange(t, device=tokens.device)
         feature = self.fc(batch.aux_hidden.flatten(2).to(self.fc.weight.dtype))
         past: KV | None = None
@@ -205,7 +206,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
     def step_valid(self, batch: DrafterBatch, step: int) -> torch.Tensor:
         """bool [N, T]: step ``step`` at position t has a label (token t+2+step, response, same segment)."""
         seg, mask = batch.segment_ids, batch.loss_mask.bool()
-        n, t = seg.shape
+        t = seg.shape[1]
         shift = 2 + step
         valid = torch.zeros_like(mask)
         if shift < t:
@@ -225,11 +226,13 @@ class Eagle3Drafter(SpeculatorsDrafter):
             return soft_ce_rows(draft_logits=draft_logits, target_logits=target_logits), ids[draft_logits.argmax(-1)] == labels
 
         weights = step_weights(self.config.ttt_steps, self.config.ttt_decay)
-        loss = torch.zeros((), device=tokens.device)
+        hiddens = self.ttt_hidden(batch)
+        # Start from a graph-connected zero: a batch without labels still backpropagates (zeros).
+        loss = hiddens[-1].sum() * 0.0
         correct = torch.zeros(n, t, self.config.ttt_steps, dtype=torch.bool, device=tokens.device)
         valid_all = torch.zeros_like(correct)
         metrics: dict[str, float] = {}
-        for j, hidden in enumerate(self.ttt_hidden(batch)):
+        for j, hidden in enumerate(hiddens):
             valid = self.step_valid(batch, j)
             valid_all[..., j] = valid
             if not valid.any():

