@@ -1,0 +1,1 @@
+"""Evaluation: prompt suites, side-by-side speculative vs autoregressive runs, reports and plots."""

@@ -46,7 +46,7 @@ class ExtractConfig:
         metadata={"choices": list(ENGINE_NAMES)},
     )
     vllm_python: str | None = config_field(None, help="python of the vLLM environment (default: .venv-vllm/bin/python)")
-    vllm_args: str = config_field("", help="extra vLLM api_server flags for --engine vllm, e.g. '--enforce-eager'")
+    vllm_args: str = config_field("", help="extra vLLM api_server flags for --engine vllm, e.g. --vllm-args='--enforce-eager'")
 
     def __post_init__(self) -> None:
         if self.method is not None and self.layers is not None:

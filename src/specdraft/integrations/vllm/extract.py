@@ -114,7 +114,7 @@ def extract_with_vllm(backend, config, dataset, pending, target, target_info, sl
 
 
 def _check_stored(backend, row: dict, target_info: dict, slots: list[LayerSlot], dtype: str, server: Any) -> tuple[int, int]:
-    """Read the payload the server wrote, verify it, return (tokens, tensor bytes)."""
+    """Read the payload the server wrote, verify it, return (tokens, bytes stored)."""
     sid = row["sample_id"]
     try:
         payload = backend.get(sid)
@@ -123,5 +123,4 @@ def _check_stored(backend, row: dict, target_info: dict, slots: list[LayerSlot],
     stale = payload.mismatches(fingerprint=target_info["fingerprint"], slots=slots, dtype=dtype, token_ids=row["input_ids"])
     if stale:
         raise SpecdraftError(f"{backend.location}: sample {sid!r} written by the vLLM server does not match the request: {'; '.join(stale)}")
-    nbytes = sum(t.numel() * t.element_size() for t in (payload.hidden_states, payload.token_ids, payload.last_hidden))
-    return payload.num_tokens, nbytes
+    return payload.num_tokens, len(payload.to_bytes())  # serialisation is deterministic: the bytes put stored

@@ -1,0 +1,28 @@
+"""``specdraft eval``: drafters vs plain autoregressive decoding, side by side, with a report."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdraft.decode.config import SamplingConfig, SchedulerConfig
+from specdraft.eval.config import EvalConfig
+from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval", help="measure tau, tokens/s and speed-up of drafters against autoregressive decoding",
+        description=__doc__.splitlines()[0],
+    )
+    for cls in (EvalConfig, SamplingConfig, SchedulerConfig):
+        add_dataclass_arguments(parser, cls)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdraft.eval.runner import run_eval
+
+    config = dataclass_from_args(EvalConfig, args)
+    report = run_eval(config, dataclass_from_args(SamplingConfig, args), dataclass_from_args(SchedulerConfig, args))
+    print(f"report: {config.out}/report.json ({report['num_prompts']} prompts, {report['wall_s']:.0f} s)")
+    return 0

@@ -1,0 +1,41 @@
+"""Typed config of ``specdraft eval`` (torch-free so ``--help`` stays fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdraft.errors import SpecdraftError
+from specdraft.utils.config import config_field
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What to compare, on which prompts, at which concurrency levels."""
+
+    out: str = config_field(help="run directory: report.json, report.md and PNG plots are written here")
+    target: str = config_field("smollm2-135m", help="embedded target name or a local Hugging Face model directory")
+    drafters: list[str] = config_field(
+        ["ngram"], help="comma-separated drafters compared against plain autoregressive decoding: 'ngram' "
+        "(prompt lookup, no training) and/or checkpoint directories (method read from their config.json)"
+    )
+    suite: str = config_field("quick", help="prompt suite: mtbench | humaneval | translation | quick (ignored with --prompts)")
+    prompts: str = config_field("", help="JSONL prompt file ('prompt' or 'messages' per line, optional 'id'/'domain')")
+    limit_per_domain: int = config_field(0, help="use at most this many prompts per domain (0 = all)")
+    max_new_tokens: int = config_field(64, help="tokens generated per prompt")
+    num_draft_tokens: int = config_field(4, help="k: drafted tokens per round for chain drafters (block drafters use their block size)")
+    concurrency: list[int] = config_field([1], help="comma-separated numbers of requests decoded together, e.g. 1,2,4")
+    dtype: str = config_field("float32", help="target weights dtype: float32 | bfloat16")
+    device: str = config_field("cpu", help="torch device, e.g. cpu or cuda")
+    threads: int = config_field(0, help="torch CPU threads (0 = torch's default)")
+    seed: int = config_field(0, help="sampling seed (temperature > 0)")
+    plots: bool = config_field(True, help="write PNG plots (needs matplotlib)")
+
+    def __post_init__(self) -> None:
+        if not self.drafters:
+            raise SpecdraftError("--drafters needs at least one drafter (e.g. ngram or a checkpoint directory)")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise SpecdraftError(f"--concurrency values must be >= 1, got {self.concurrency}")
+        if self.max_new_tokens < 1:
+            raise SpecdraftError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.limit_per_domain < 0:
+            raise SpecdraftError(f"--limit-per-domain must be >= 0, got {self.limit_per_domain}")

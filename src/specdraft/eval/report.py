@@ -1,0 +1,128 @@
+"""Turning an eval report into files a person reads: JSON, a Markdown table, PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from specdraft.utils.io import atomic_path, atomic_write_bytes, atomic_write_json
+
+
+def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (drafter, concurrency) with the figures users compare."""
+    rows = []
+    for run in report["runs"]:
+        m = run["overall"]
+        rows.append({
+            "drafter": run["drafter"],
+            "concurrency": run["concurrency"],
+            "tau": m["tau"],
+            "accept_rate": m["acceptance_rate"],
+            "tok_per_s": m["tokens_per_s"],
+            "speedup": run["speedup"],
+            "ttft_ms": m["mean_ttft_s"] * 1000,
+            "tpot_ms": m["time_per_output_token_s"] * 1000,
+            "identical": run["identical_to_autoregressive"],
+        })
+    return rows
+
+
+def _fmt(value: Any, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec) if isinstance(value, float) else str(value)
+
+
+def render_tables(report: dict[str, Any]) -> str:
+    """Markdown: the overall table, then tau per domain (first concurrency level)."""
+    n = report["num_prompts"]
+    lines = [
+        f"# specdraft eval — target {report['target']['name']}, {n} prompts, "
+        f"max {report['config']['max_new_tokens']} new tokens, temperature {report['sampling']['temperature']}",
+        "",
+        "| drafter | concurrency | tau | acceptance | tok/s | speed-up | TTFT ms | TPOT ms | identical to AR |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in summary_rows(report):
+        identical = "-" if r["identical"] is None else f"{r['identical']}/{n}"
+        lines.append(
+            f"| {r['drafter']} | {r['concurrency']} | {_fmt(r['tau'])} | {_fmt(r['accept_rate'])} | {_fmt(r['tok_per_s'])} "
+            f"| {_fmt(r['speedup'])}x | {_fmt(r['ttft_ms'], '.0f')} | {_fmt(r['tpot_ms'], '.1f')} | {identical} |"
+        )
+    first = report["config"]["concurrency"][0]
+    runs = [r for r in report["runs"] if r["concurrency"] == first]
+    domains = sorted({d for r in runs for d in r["per_domain"]})
+    lines += ["", f"tau per domain (concurrency {first}):", "",
+              "| drafter | " + " | ".join(domains) + " |", "| --- |" + " ---: |" * len(domains)]
+    for r in runs:
+        cells = [_fmt(r["per_domain"][d]["tau"]) if d in r["per_domain"] else "-" for d in domains]
+        lines.append(f"| {r['drafter']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out: Path, *, plots: bool = True) -> list[Path]:
+    """Write report.json, report.md and (optionally) plots; print the tables. Returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "report.json", report)
+    tables = render_tables(report)
+    atomic_write_bytes(out / "report.md", tables.encode())
+    print(tables)
+    written = [out / "report.json", out / "report.md"]
+    if plots:
+        written += write_plots(report, out)
+    return written
+
+
+def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
+    """tau per domain per drafter; per-position acceptance; throughput vs concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    first = report["config"]["concurrency"][0]
+    runs = [r for r in report["runs"] if r["concurrency"] == first and r["drafter"] != "autoregressive"]
+    domains = sorted({d for r in runs for d in r["per_domain"]})
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(domains) + 2), 4))
+    width = 0.8 / max(len(runs), 1)
+    for j, r in enumerate(runs):
+        xs = [i + j * width for i in range(len(domains))]
+        ax.bar(xs, [r["per_domain"].get(d, {}).get("tau", 0.0) for d in domains], width, label=r["drafter"])
+    ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(domains))], domains, rotation=30, ha="right")
+    ax.set_ylabel("acceptance length tau (bonus incl.)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.legend()
+    ax.set_title("tau per domain")
+    paths.append(_save(fig, out / "tau_per_domain.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        acc = r["overall"]["position_acceptance"]
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=r["drafter"])
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(draft k accepted | verified)")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    ax.set_title("per-position acceptance")
+    paths.append(_save(fig, out / "position_acceptance.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in dict.fromkeys(r["drafter"] for r in report["runs"]):
+        points = sorted((r["concurrency"], r["overall"]["tokens_per_s"]) for r in report["runs"] if r["drafter"] == label)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    ax.set_title("throughput vs concurrency")
+    paths.append(_save(fig, out / "throughput_vs_concurrency.png"))
+    return paths
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

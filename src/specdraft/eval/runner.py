@@ -1,0 +1,174 @@
+"""Side-by-side evaluation: each drafter against plain autoregressive decoding of the same target, in the
+same runtime, on the same prompts, batch by batch (so machine load hits both alike).
+
+Prompts are grouped by domain before batching, so every batch is single-domain and per-domain
+metrics are exact even at concurrency > 1. Speed-up = drafter tokens/s / autoregressive tokens/s at
+the same concurrency. At temperature 0 the report also says whether every output was identical
+to the autoregressive one (it must be: verification is exact).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfig
+from specdraft.errors import SpecdraftError
+from specdraft.eval.config import EvalConfig
+from specdraft.eval.suites import EvalPrompt, load_prompts
+
+AUTOREGRESSIVE = "autoregressive"
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    label: str  # how the drafter is named in tables and plots
+    decode: DecodeConfig
+
+
+def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, seed: int) -> DrafterSpec:
+    """'ngram' / 'none', or a checkpoint directory whose config.json names its method."""
+    from specdraft.decode.proposers import PROPOSERS
+
+    common = {"num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "seed": seed}
+    path = Path(text)
+    if path.is_dir():
+        config_path = path / "config.json"
+        try:
+            method = json.loads(config_path.read_text())["speculators_model_type"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise SpecdraftError(f"drafter {text}: cannot read 'speculators_model_type' from {config_path} ({exc})") from None
+        PROPOSERS.get(method)
+        return DrafterSpec(f"{method}:{path.name}", DecodeConfig(drafter=method, drafter_path=str(path), **common))
+    if text in ("ngram", "none"):
+        return DrafterSpec(AUTOREGRESSIVE if text == "none" else text, DecodeConfig(drafter=text, **common))
+    raise SpecdraftError(f"drafter {text!r} is neither 'ngram' nor a checkpoint directory")
+
+
+@dataclass
+class RunRecord:
+    """Metrics of one drafter at one concurrency: overall and per domain (DecodeMetrics.to_json dicts)."""
+
+    drafter: str
+    concurrency: int
+    overall: dict[str, Any]
+    per_domain: dict[str, dict[str, Any]] = field(default_factory=dict)
+    speedup: float | None = None  # tokens/s over autoregressive at the same concurrency
+    identical_to_autoregressive: int | None = None  # prompts whose output equals the AR output (greedy only)
+
+
+def _render(target: Any, prompt: EvalPrompt) -> list[int]:
+    ids = target.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)
+
+
+def _batches(prompts: list[EvalPrompt], size: int) -> list[list[int]]:
+    """Indices into ``prompts`` grouped into single-domain batches of at most ``size``."""
+    by_domain: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_domain.setdefault(prompt.domain, []).append(i)
+    return [idx[s : s + size] for idx in by_domain.values() for s in range(0, len(idx), size)]
+
+
+def run_eval(
+    config: EvalConfig,
+    sampling: SamplingConfig = SamplingConfig(),
+    scheduler: SchedulerConfig = SchedulerConfig(),
+    *,
+    target: Any = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the comparison and write ``report.json`` (+ ``report.md`` and plots) under ``config.out``."""
+    import torch
+    from tqdm import tqdm
+
+    from specdraft.decode.runtime import decoder_for_target
+    from specdraft.eval.report import write_report
+    from specdraft.targets import load_target
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    prompts = load_prompts(
+        None if config.prompts else config.suite, config.prompts or None, config.limit_per_domain or None
+    )
+    if target is None:
+        target = load_target(config.target, dtype=config.dtype, device=config.device)
+    specs = [resolve_drafter("none", num_draft_tokens=0, max_new_tokens=config.max_new_tokens, seed=config.seed)]
+    specs += [resolve_drafter(d, num_draft_tokens=config.num_draft_tokens, max_new_tokens=config.max_new_tokens, seed=config.seed)
+              for d in config.drafters]
+    if len({s.label for s in specs}) != len(specs):
+        raise SpecdraftError(f"--drafters names the same drafter twice: {config.drafters}")
+    # Verify policies other than 'full' need draft confidences; autoregressive and ngram always verify all.
+    decoders = {
+        s.label: decoder_for_target(target, config=s.decode, sampling=sampling,
+                                    scheduler=scheduler if s.decode.drafter not in ("none", "ngram") else SchedulerConfig())
+        for s in specs
+    }
+    token_ids = [_render(target, p) for p in prompts]
+    warmup = token_ids[0][-16:]
+    for decoder in decoders.values():  # first calls pay one-off costs (allocator, lazy init)
+        decoder.generate([warmup])
+
+    outputs: dict[int, dict[str, dict[str, Any]]] = {c: {label: {} for label in decoders} for c in config.concurrency}
+    records: list[RunRecord] = []
+    total = sum(len(_batches(prompts, c)) for c in config.concurrency) * len(decoders)
+    bar = tqdm(total=total, desc="eval", unit="batch", disable=not progress)
+    started = time.perf_counter()
+    for concurrency in config.concurrency:
+        merged: dict[str, Any] = {label: None for label in decoders}
+        domain_metrics: dict[str, dict[str, Any]] = {label: {} for label in decoders}
+        for batch in _batches(prompts, concurrency):
+            domain = prompts[batch[0]].domain
+            for label, decoder in decoders.items():
+                result = decoder.generate([token_ids[i] for i in batch])
+                merged[label] = result.metrics if merged[label] is None else merged[label].merge(result.metrics)
+                previous = domain_metrics[label].get(domain)
+                domain_metrics[label][domain] = result.metrics if previous is None else previous.merge(result.metrics)
+                for i, out in zip(batch, result.outputs):
+                    outputs[concurrency][label][i] = {"tokens": out.tokens, "finish_reason": out.finish_reason}
+                bar.update(1)
+                bar.set_postfix(drafter=label, c=concurrency)
+        baseline = merged[AUTOREGRESSIVE]
+        for label in decoders:
+            metrics = merged[label]
+            same = None
+            if sampling.greedy:
+                same = sum(outputs[concurrency][label][i]["tokens"] == outputs[concurrency][AUTOREGRESSIVE][i]["tokens"]
+                           for i in range(len(prompts)))
+            records.append(RunRecord(
+                drafter=label,
+                concurrency=concurrency,
+                overall=metrics.to_json(),
+                per_domain={d: m.to_json() for d, m in sorted(domain_metrics[label].items())},
+                speedup=metrics.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else None,
+                identical_to_autoregressive=same,
+            ))
+    bar.close()
+
+    per_prompt = []
+    for i, prompt in enumerate(prompts):
+        entry = {**prompt.to_json(), "prompt_tokens": len(token_ids[i]), "outputs": {}}
+        for concurrency in config.concurrency:
+            for label in decoders:
+                out = outputs[concurrency][label][i]
+                text = target.tokenizer.decode(out["tokens"], skip_special_tokens=True)
+                entry["outputs"].setdefault(label, {})[str(concurrency)] = {**out, "text": text}
+        per_prompt.append(entry)
+    report = {
+        "format": "specdraft.eval_report",
+        "format_version": 1,
+        "target": target.describe(),
+        "config": asdict(config),
+        "sampling": asdict(sampling),
+        "scheduler": asdict(scheduler),
+        "drafters": {s.label: asdict(s.decode) for s in specs},
+        "num_prompts": len(prompts),
+        "wall_s": time.perf_counter() - started,
+        "runs": [asdict(r) for r in records],
+        "prompts": per_prompt,
+    }
+    write_report(report, Path(config.out), plots=config.plots)
+    return report

@@ -1,0 +1,80 @@
+import json
+
+import pytest
+
+from specdraft.cli.main import main
+from specdraft.decode.config import SamplingConfig
+from specdraft.errors import SpecdraftError
+from specdraft.eval.config import EvalConfig
+from specdraft.eval.runner import resolve_drafter, run_eval
+
+
+def _prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [
+        {"prompt": "Count: one two three one two three one two", "domain": "repeat"},
+        {"prompt": "Say hello.", "domain": "chat"},
+        {"prompt": "List colours: red green blue red green blue", "domain": "repeat"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_eval_compares_drafter_with_autoregressive(tmp_path, tiny_target):
+    out = tmp_path / "eval"
+    config = EvalConfig(out=str(out), prompts=str(_prompt_file(tmp_path)), drafters=["ngram"], max_new_tokens=12,
+                        concurrency=[1, 2], threads=1)
+    report = run_eval(config, SamplingConfig(), target=tiny_target, progress=False)
+    runs = {(r["drafter"], r["concurrency"]): r for r in report["runs"]}
+    assert set(runs) == {("autoregressive", 1), ("autoregressive", 2), ("ngram", 1), ("ngram", 2)}
+    for run in runs.values():
+        assert run["identical_to_autoregressive"] == 3  # greedy verification is exact
+        assert set(run["per_domain"]) == {"repeat", "chat"}
+        assert run["overall"]["requests"] == 3
+    assert runs[("autoregressive", 1)]["overall"]["tau"] == pytest.approx(1.0)
+    assert runs[("ngram", 1)]["overall"]["tau"] >= 1.0
+    assert runs[("ngram", 1)]["speedup"] > 0
+    prompt = report["prompts"][0]
+    assert prompt["outputs"]["ngram"]["1"]["tokens"] == prompt["outputs"]["autoregressive"]["1"]["tokens"]
+    assert isinstance(prompt["outputs"]["ngram"]["2"]["text"], str)
+    for name in ("report.json", "report.md", "tau_per_domain.png", "position_acceptance.png", "throughput_vs_concurrency.png"):
+        assert (out / name).stat().st_size > 0
+    assert json.loads((out / "report.json").read_text())["num_prompts"] == 3
+    assert "| ngram | 1 |" in (out / "report.md").read_text()
+
+
+def test_eval_sampling_reports_no_identity_check(tmp_path, tiny_target):
+    config = EvalConfig(out=str(tmp_path / "e"), prompts=str(_prompt_file(tmp_path)), max_new_tokens=6, plots=False, threads=1)
+    report = run_eval(config, SamplingConfig(temperature=0.8, top_p=0.9), target=tiny_target, progress=False)
+    assert all(r["identical_to_autoregressive"] is None for r in report["runs"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"concurrency": [0]}, "concurrency"),
+        ({"drafters": []}, "at least one drafter"),
+        ({"max_new_tokens": 0}, "max-new-tokens"),
+    ],
+)
+def test_eval_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(SpecdraftError, match=message):
+        EvalConfig(out="x", **kwargs)
+
+
+def test_drafter_must_be_ngram_or_checkpoint(tmp_path):
+    with pytest.raises(SpecdraftError, match="neither 'ngram' nor a checkpoint"):
+        resolve_drafter(str(tmp_path / "missing"), num_draft_tokens=4, max_new_tokens=8, seed=0)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    with pytest.raises(SpecdraftError, match="speculators_model_type"):
+        resolve_drafter(str(tmp_path / "ckpt"), num_draft_tokens=4, max_new_tokens=8, seed=0)
+
+
+def test_eval_cli_errors_are_clear(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["eval", "--out", str(tmp_path / "o"), "--prompts", str(empty), "--target", "/nonexistent/model"]) == 2
+    assert "holds no prompts" in capsys.readouterr().err
+    assert main(["eval", "--out", str(tmp_path / "o"), "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
