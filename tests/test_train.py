@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,8 +79,6 @@ def test_resume_from_periodic_checkpoint_and_dry_run(reference, tmp_path):
     # a "kill" right after the step-8 checkpoint: later checkpoints and the final drafter never got written
     train(toy_config(out), target=ToyTarget(), dataset=ToyStore())
     for name in ("checkpoints/step-12", "final"):
-        import shutil
-
         shutil.rmtree(out / name)
     resumed = train(toy_config(out), target=ToyTarget(), dataset=ToyStore())
     assert resumed.completed
@@ -250,26 +248,35 @@ def test_cli_reports_bad_data_dir(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
-def test_ddp_two_gloo_processes(tmp_path):
-    out = tmp_path / "run"
-    cfg = toy_config(out, max_steps=4, checkpoint_interval=2, batch_rows=1).to_dict()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def torchrun_toy(cfg: dict, side_dir: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(TESTS / "test_train_toy.py"), json.dumps(cfg), str(tmp_path)],
-        cwd=TESTS, env=env, capture_output=True, text=True, timeout=300,
+         str(TESTS / "test_train_toy.py"), json.dumps(cfg), str(side_dir)],
+        cwd=TESTS, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_gloo_processes_disjoint_data_rank0_writes_exact_resume(parallel, tmp_path):
+    out = tmp_path / "run"
+    cfg = toy_config(out, max_steps=4, checkpoint_interval=2, batch_rows=1, parallel=parallel).to_dict()
+    torchrun_toy(cfg, tmp_path)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
-    assert (out / "final/model.safetensors").is_file()
     state = json.loads((out / "checkpoints/step-4/trainer_state.json").read_text())
     assert state["world_size"] == 2
     seen = [set(json.loads((tmp_path / f"seen-{r}.json").read_text())) for r in range(2)]
     assert seen[0] and seen[1] and not seen[0] & seen[1]
     assert not list(out.glob(".*")) and not list((out / "checkpoints").glob(".*"))  # no temporary debris
-    recs = train_records(out)
-    assert [r["step"] for r in recs] == [1, 2, 3, 4]  # one writer (rank 0)
+    assert [r["step"] for r in train_records(out)] == [1, 2, 3, 4]  # one writer (rank 0)
+
+    # lose everything after step 2, rerun: the 2-process resume reproduces the weights bit for bit
+    shutil.copytree(out / "final", tmp_path / "first-final")
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoints/step-4")
+    torchrun_toy(cfg, tmp_path)
+    assert_same_weights(tmp_path / "first-final", out / "final")
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)

@@ -6,6 +6,7 @@ tiny random Llama (hidden 64, 2 heads of 32, 6 layers), one engine at a time, st
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,88 @@ def test_vllm_extraction_equals_hf_extraction(tiny_target, tmp_path):
     # Resume: every sample verifies, so no server is started and nothing is redone.
     again = extract_hidden_states(vllm_config, target=tiny_target, progress=False)
     assert (again.samples_skipped, again.samples_extracted) == (len(LENGTHS), 0)
+
+
+def test_parse_spec_decode_metrics_sums_counters():
+    from specdraft.integrations.vllm.metrics import parse_spec_decode_metrics
+
+    text = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 10.0',
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="target"} 1.7e+09',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="target"} 30.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="target"} 12.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="1"} 4.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="0"} 8.0',
+        'vllm:num_requests_running{engine="0"} 1.0',
+    ])  # fmt: skip
+    c = parse_spec_decode_metrics(text)
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, c.accepted_per_position) == (10, 30, 12, (8, 4))
+    assert c.acceptance_rate == pytest.approx(0.4) and c.mean_accepted_length == pytest.approx(2.2)
+    delta = c - parse_spec_decode_metrics(text.replace("10.0", "4.0"))
+    assert (delta.num_drafts, delta.num_accepted_tokens) == (6, 0)
+
+
+def write_speculators_config(directory: Path, method: str, tokens: int = 4) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = {"speculators_model_type": method, "speculators_config": {"proposal_methods": [{"speculative_tokens": tokens}],
+                                                                     "verifier": {"name_or_path": "smollm2-135m"}}}
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return directory
+
+
+def test_serve_refuses_dspark_on_the_cpu_runner(tmp_path):
+    from specdraft.errors import SpecdraftError
+    from specdraft.integrations.vllm.serve import DrafterInfo, ServeConfig, drafter_server, read_drafter_info
+
+    ckpt = write_speculators_config(tmp_path / "dspark", "dspark", tokens=6)
+    assert read_drafter_info(ckpt) == DrafterInfo("dspark", 6, "smollm2-135m")
+    with pytest.raises(SpecdraftError, match="vLLM-CPU runner cannot serve.*specdraft generate"):
+        drafter_server(ServeConfig(drafter=str(ckpt)))
+    with pytest.raises(SpecdraftError, match="no speculators_model_type"):
+        read_drafter_info(write_speculators_config(tmp_path / "bad", None))
+
+
+def varied_tiny_target(directory: Path, tokenizer_dir: Path):
+    """A tiny random Llama whose weights are scaled x8 so greedy text varies (the default init repeats one token)."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import build_tiny_target_dir
+    from specdraft.targets import load_target
+
+    build_tiny_target_dir(directory, tokenizer_dir, seed=3)
+    weights = directory / "model.safetensors"
+    tensors = {k: (v * 8 if v.dim() == 2 else v).contiguous() for k, v in load_file(weights).items()}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return load_target(str(directory))
+
+
+@pytest.mark.slow
+def test_vllm_serves_eagle3_drafter_with_target_greedy_outputs(smollm2_dir, tmp_path):
+    """A random EAGLE-3 drafter written by specdraft: vLLM loads it, drafts, and greedy text is the target's."""
+    from specdraft.integrations.vllm.engine import complete
+    from specdraft.integrations.vllm.metrics import read_spec_decode_metrics
+    from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_drafter_info
+    from specdraft.models import METHODS
+    from specdraft.models.eagle3.config import Eagle3Config
+
+    target = varied_tiny_target(tmp_path / "target", smollm2_dir)
+    torch.manual_seed(0)
+    drafter = METHODS.get("eagle3").build(Eagle3Config(layers="input:1,input:3,input:4", draft_vocab_size=10**6, ttt_steps=3), target)
+    drafter.save_pretrained(tmp_path / "eagle3")
+    assert read_drafter_info(tmp_path / "eagle3").num_speculative_tokens == 3
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.vocab_size, (n,), generator=g).tolist() for n in (12, 20)]
+    n_new = 16
+    expected = [target.model.generate(torch.tensor([p]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    assert any(len(set(e)) > 4 for e in expected)  # the check below is not about a repeated token
+
+    config = ServeConfig(drafter=str(tmp_path / "eagle3"), vllm_args=f"{EAGER} --dtype float32 --max-model-len 128")
+    with drafter_server(config, log_path=tmp_path / "vllm.log") as server:
+        before = read_spec_decode_metrics(server.url)
+        got = [complete(server.url, p, max_tokens=n_new, ignore_eos=True, return_token_ids=True)["choices"][0]["token_ids"] for p in prompts]
+        used = read_spec_decode_metrics(server.url) - before
+    assert got == expected
+    assert used.num_drafts > 0 and used.num_draft_tokens == 3 * used.num_drafts

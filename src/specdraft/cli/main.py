@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "specdraft.cli.store",
     "specdraft.cli.train",
     "specdraft.cli.generate",
+    "specdraft.cli.serve",
     "specdraft.cli.eval",
 ]
 

@@ -20,7 +20,7 @@ class DecodeConfig:
     max_new_tokens: int = config_field(128, help="stop a request after this many generated tokens")
     seed: int = config_field(0, help="seed of the sampling generator (temperature > 0)")
     ngram_max: int = config_field(3, help="ngram drafter: longest context suffix looked up earlier in the context")
-    ngram_min: int = config_field(1, help="ngram drafter: shortest suffix tried before giving up for this round")
+    ngram_min: int = config_field(2, help="ngram drafter: shortest suffix tried before giving up for this round (1-gram matches are mostly wrong)")
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:

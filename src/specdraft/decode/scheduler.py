@@ -52,9 +52,12 @@ class StepRate(Protocol):
 
 @dataclass(frozen=True)
 class VerifyPolicy:
-    """choose(survival [R, K], lengths [R], config, sps) -> verify lengths [R] (int64, <= lengths)."""
+    """choose(survival [R, K] | None, lengths [R], config, sps) -> verify lengths [R] (int64, <= lengths).
 
-    choose: Callable[[torch.Tensor, torch.Tensor, SchedulerConfig, StepRate | None], torch.Tensor]
+    survival is None only for policies that do not need confidences (and drafters without them).
+    """
+
+    choose: Callable[[torch.Tensor | None, torch.Tensor, SchedulerConfig, StepRate | None], torch.Tensor]
     needs_confidences: bool
     needs_sps: bool
 
@@ -94,7 +97,7 @@ def schedule_prefix(survival: torch.Tensor, lengths: torch.Tensor, sps: StepRate
     return torch.tensor(chosen, dtype=torch.long, device=lengths.device)
 
 
-def _verify_all(survival: torch.Tensor, lengths: torch.Tensor, config: SchedulerConfig, sps: StepRate | None) -> torch.Tensor:
+def _verify_all(survival: torch.Tensor | None, lengths: torch.Tensor, config: SchedulerConfig, sps: StepRate | None) -> torch.Tensor:
     return lengths
 
 
@@ -118,10 +121,9 @@ def choose_verify_lengths(
 ) -> torch.Tensor:
     """Verify lengths [R] for drafts of ``lengths`` [R] with ``confidences`` [R, K] (None if the drafter has none)."""
     policy = VERIFY_POLICIES.get(config.verify_policy)
-    if not policy.needs_confidences:
-        return lengths
-    if confidences is None:
+    if policy.needs_confidences and confidences is None:
         raise SpecdraftError(f"verify policy {config.verify_policy!r} needs a drafter with a confidence head (DSpark); use --verify-policy full")
     if policy.needs_sps and sps is None:
         raise SpecdraftError(f"verify policy {config.verify_policy!r} needs a target steps/s profile (SPS table)")
-    return policy.choose(prefix_survival(confidences, lengths), lengths, config, sps)
+    survival = prefix_survival(confidences, lengths) if confidences is not None else None
+    return policy.choose(survival, lengths, config, sps)

@@ -56,7 +56,7 @@ class TrainConfig:
     )
     device: str = config_field("auto", help="torch device: auto (the local CUDA device if any, else cpu), cpu, cuda")
     parallel: str = config_field(
-        "auto", help="multi-process strategy under torchrun: ddp, fsdp (FSDP2, GPU only) or auto (= ddp)", metadata={"choices": PARALLEL_CHOICES}
+        "auto", help="multi-process strategy under torchrun: ddp, fsdp (FSDP2 fully_shard; meant for GPUs) or auto (= ddp)", metadata={"choices": PARALLEL_CHOICES}
     )
     num_threads: int = config_field(0, help="torch CPU threads per process (0 = torch's default)")
     dry_run: bool = config_field(False, help="build the drafter, write an initialised checkpoint and exit")

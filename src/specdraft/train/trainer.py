@@ -15,15 +15,17 @@ Steps of ``train``:
 5. At the end: validation, a last checkpoint and ``OUT/final`` (the drafter alone).
 
 Multi-process: run under ``torchrun``; the process group uses gloo on CPU and NCCL on GPU. DDP
-averages gradients. FSDP2 (``parallel: fsdp``, GPU only) shards the whole drafter as one unit via
-``fully_shard``; optimizer/model state go through ``torch.distributed.checkpoint.state_dict`` so
-checkpoints have the same layout whatever the strategy. The FSDP2 path is not exercised by CI
-(no GPU there); DDP is tested with two gloo processes.
+averages gradients. FSDP2 (``parallel: fsdp``) shards the whole drafter as one unit via
+``fully_shard`` -- meant for GPUs, and it also runs on CPU with gloo, which is how the tests cover
+it (2 processes, resume included); it has not been run on a GPU here. Optimizer/model state go
+through ``torch.distributed.checkpoint.state_dict`` so checkpoints have the same layout whatever
+the strategy (a DDP run can be resumed as FSDP and vice versa).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -81,11 +83,9 @@ class _StepModule(nn.Module):
 @dataclass(frozen=True)
 class Strategy:
     wrap: Callable[[nn.Module, torch.device], nn.Module]
-    save_drafter: Callable[[nn.Module, DrafterModel, Callable[[], None]], None]  # (wrapped, drafter, do_save)
-
-
-def _plain_save(wrapped: nn.Module, drafter: DrafterModel, do_save: Callable[[], None]) -> None:
-    do_save()
+    # Sharded parameters cannot go through ``save_pretrained``: rank 0 then keeps an unsharded CPU
+    # replica of the drafter and loads the gathered full state into it before each save.
+    save_via_replica: bool = False
 
 
 def _ddp_wrap(module: nn.Module, device: torch.device) -> nn.Module:
@@ -95,27 +95,16 @@ def _ddp_wrap(module: nn.Module, device: torch.device) -> nn.Module:
 
 
 def _fsdp_wrap(module: nn.Module, device: torch.device) -> nn.Module:
-    if device.type != "cuda":
-        raise SpecdraftError("parallel: fsdp needs CUDA devices; use --parallel ddp on CPU")
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(module)
+    fully_shard(module)  # one unit: drafters are small; per-layer units would need method knowledge
     return module
 
 
-def _fsdp_save(wrapped: nn.Module, drafter: DrafterModel, do_save: Callable[[], None]) -> None:
-    """Gather full parameters on every rank (a collective), let rank 0 save, then shard again."""
-    wrapped.unshard()
-    try:
-        do_save()
-    finally:
-        wrapped.reshard()
-
-
 STRATEGIES: Registry[Strategy] = Registry("parallel strategy")
-STRATEGIES.register("single")(Strategy(wrap=lambda m, d: m, save_drafter=_plain_save))
-STRATEGIES.register("ddp")(Strategy(wrap=_ddp_wrap, save_drafter=_plain_save))
-STRATEGIES.register("fsdp")(Strategy(wrap=_fsdp_wrap, save_drafter=_fsdp_save))
+STRATEGIES.register("single")(Strategy(wrap=lambda m, d: m))
+STRATEGIES.register("ddp")(Strategy(wrap=_ddp_wrap))
+STRATEGIES.register("fsdp")(Strategy(wrap=_fsdp_wrap, save_via_replica=True))
 
 
 @dataclass
@@ -362,6 +351,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource | None) -> Train
         if missing:
             raise SpecdraftError(f"{resume_dir / ckpt.STATE_TENSORS} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[0]}; delete that checkpoint")
         step_module.load_state_dict(model_state, strict=False)
+    replica = copy.deepcopy(drafter).cpu() if strategy.save_via_replica and dist_.main else None
     step_module.to(device)
     wrapped = strategy.wrap(step_module, device)
     optimizer = _build_optimizer(wrapped, cfg, device)
@@ -381,22 +371,26 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource | None) -> Train
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     log.info("%s drafter: %.2fM trainable parameters, %d steps, %s on %s x%d", spec.name, n_train / 1e6, total_steps, strategy_name, device, dist_.world)
 
+    def savable(model_state: dict[str, torch.Tensor]) -> DrafterModel:
+        """The module to call ``save_pretrained`` on (rank 0 only)."""
+        if replica is None:
+            return drafter
+        prefix = "drafter."
+        replica.load_state_dict({k[len(prefix):]: v for k, v in model_state.items() if k.startswith(prefix)}, strict=False)
+        return replica
+
     def save(at_step: int) -> Path:
         path = out / ckpt.CHECKPOINTS / f"step-{at_step}"
-        model_state, optim_state = _full_states(wrapped, optimizer, frozen)
+        model_state, optim_state = _full_states(wrapped, optimizer, frozen)  # a collective: every rank calls it
         epoch, in_epoch = plan.locate(at_step)
         meta = {
             "step": at_step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": total_steps,
             "world_size": dist_.world, "identity": identity, "data_fingerprint": plan.fingerprint(), "config": resolved,
         }
-
-        def do_save() -> None:
-            if dist_.main:
-                ckpt.save_checkpoint(path, drafter=drafter, model_state=model_state, optim_state=optim_state,
-                                     scheduler_state=scheduler.state_dict(), meta=meta)
-                ckpt.prune_checkpoints(out, cfg.keep_checkpoints)
-
-        strategy.save_drafter(wrapped, drafter, do_save)
+        if dist_.main:
+            ckpt.save_checkpoint(path, drafter=savable(model_state), model_state=model_state, optim_state=optim_state,
+                                 scheduler_state=scheduler.state_dict(), meta=meta)
+            ckpt.prune_checkpoints(out, cfg.keep_checkpoints)
         dist_.barrier()
         return path
 
@@ -483,13 +477,12 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource | None) -> Train
             save(step)
     if stopped_by != "signal":
         final = out / ckpt.FINAL
-
-        def save_final() -> None:
-            if dist_.main:
-                with ckpt.atomic_dir(final) as tmp:
-                    drafter.save_pretrained(tmp)
-
-        strategy.save_drafter(wrapped, drafter, save_final)
+        module = drafter
+        if strategy.save_via_replica:
+            module = savable(_full_states(wrapped, optimizer, frozen)[0])  # a collective: every rank calls it
+        if dist_.main:
+            with ckpt.atomic_dir(final) as tmp:
+                module.save_pretrained(tmp)
         dist_.barrier()
     if stopped_by:
         log.warning("stopped by %s at step %d of %d; rerun the same command to resume", stopped_by, step, total_steps)

@@ -20,8 +20,9 @@ Facts this relies on (checked against mooncake-transfer-engine-non-cuda 0.3.13.p
     temporarily registered memory instead.
 
 One client per process and master (:func:`shared_client`): the transfer engine is heavyweight
-(listening sockets, a registered buffer, a heartbeat thread), so loader threads share it; a forked
-child gets a fresh one because the parent's sockets and threads do not survive ``fork``.
+(listening sockets, a registered buffer, a heartbeat thread), so loader threads share it. The
+engine does not survive ``fork``: a child forked from a process that holds a client hangs when it
+uses or creates one, so worker processes must be started with ``spawn``.
 """
 
 from __future__ import annotations
@@ -388,11 +389,17 @@ _CLIENTS_LOCK = threading.Lock()
 
 
 def shared_client(config: MooncakeClientConfig) -> MooncakeClient:
-    """The process-wide client for ``config`` (created on first use, recreated after ``fork``)."""
+    """The process-wide client for ``config`` (created on first use; refused in a forked child)."""
     key = astuple(config)
     with _CLIENTS_LOCK:
+        if any(pid != os.getpid() for pid, _ in _CLIENTS.values()):
+            raise SpecdraftError(
+                "this process was forked from one that holds a Mooncake client, and Mooncake's transfer engine does "
+                "not survive fork (it would hang); start worker processes with 'spawn' "
+                "(e.g. DataLoader(..., multiprocessing_context='spawn'))"
+            )
         entry = _CLIENTS.get(key)
-        if entry is None or entry[0] != os.getpid() or entry[1]._closed:
+        if entry is None or entry[1]._closed:
             entry = (os.getpid(), MooncakeClient(config))
             _CLIENTS[key] = entry
         return entry[1]

@@ -25,10 +25,11 @@ CONNECTOR_MODULE = "specdraft.integrations.vllm.connector"
 CONNECTOR_CLASS = "SpecdraftHiddenStatesConnector"
 SERVED_NAME = "target"
 
-#: vLLM-CPU knobs that make a small engine start in seconds; the caller's environment wins.
+#: vLLM-CPU knobs (ignored by GPU builds): an in-process engine core that starts in seconds, OpenMP
+#: on every core with none reserved, and a 1 GiB KV cache. The caller's environment wins.
 CPU_ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
 }
@@ -96,6 +97,7 @@ class VllmServer:
         *,
         python: str | None = None,
         port: int | None = None,
+        host: str = "127.0.0.1",
         log_path: str | os.PathLike | None = None,
         startup_timeout: float = 600.0,
     ):
@@ -103,7 +105,8 @@ class VllmServer:
         self.args = list(args or [])
         self.python = find_vllm_python(python)
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
         self.log_path = Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"specdraft-vllm-{self.port}.log"
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
@@ -112,7 +115,7 @@ class VllmServer:
         return [
             str(self.python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--served-model-name", SERVED_NAME,
-            "--host", "127.0.0.1", "--port", str(self.port), *self.args,
+            "--host", self.host, "--port", str(self.port), *self.args,
         ]  # fmt: skip
 
     def start(self) -> "VllmServer":
@@ -120,16 +123,23 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:  # a failed start or Ctrl-C must not leave an engine behind
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise SpecdraftError(f"vLLM server exited with code {self.process.returncode} while starting:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    return self
+                    return
             except (urllib.error.URLError, OSError):
                 time.sleep(1.0)
-        self.stop()
         raise SpecdraftError(f"vLLM server did not become healthy within {self.startup_timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:

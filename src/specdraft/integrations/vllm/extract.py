@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import shlex
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -74,9 +75,8 @@ def extraction_args(*, store: str, backend: str, dtype: str, target_dtype: str, 
 
 
 def extract_with_vllm(backend, config, dataset, pending, target, target_info, slots, progress) -> tuple[int, int]:
-    """Steps 1-3 for the ``pending`` rows; returns (tokens, payload bytes) like the HF engine."""
-    from tqdm import tqdm
-
+    """Steps 1-3 for the ``pending`` rows; returns (tokens, bytes stored) like the HF engine."""
+    start = time.perf_counter()
     if config.device != "cpu":
         log.info("--device %s is ignored with --engine vllm: the vLLM build decides where the target runs", config.device)
     lengths = dataset.lengths()
@@ -89,24 +89,32 @@ def extract_with_vllm(backend, config, dataset, pending, target, target_info, sl
         backend=config.backend, dtype=config.dtype, target_dtype=config.target_dtype, target_info=target_info,
         slots=slots, max_model_len=max_len, max_num_seqs=config.batch_size,
     ) + shlex.split(config.vllm_args)  # fmt: skip
+    with VllmServer(target.path, args, python=config.vllm_python) as server:
+        log.info("vLLM server up in %.1f s (log: %s)", time.perf_counter() - start, server.log_path)
+        return send_samples(server, backend, dataset, order, target_info=target_info, slots=slots, dtype=config.dtype,
+                            concurrency=config.batch_size, progress=progress)
+
+
+def send_samples(server: VllmServer, backend, dataset, rows: list[int], *, target_info: dict, slots: list[LayerSlot], dtype: str,
+                 concurrency: int, progress: bool = False) -> tuple[int, int]:
+    """Steps 2-3 against a running extraction server; returns (tokens, bytes stored)."""
+    from tqdm import tqdm
+
+    def one(i: int) -> tuple[int, int]:
+        row = dataset[i]
+        ids = [int(t) for t in row["input_ids"]]
+        answer = complete(server.url, ids, max_tokens=1, kv_transfer_params={SAMPLE_ID: row["sample_id"]})
+        key = (answer.get("kv_transfer_params") or {}).get(KEY)
+        if key != row["sample_id"]:
+            raise SpecdraftError(
+                f"vLLM server did not store sample {row['sample_id']!r} (answer kv_transfer_params: "
+                f"{answer.get('kv_transfer_params')}); server log {server.log_path}:\n{server.log_tail()}"
+            )
+        return _check_stored(backend, row, target_info, slots, dtype, server)
+
     tokens = written = 0
-    with VllmServer(target.path, args, python=config.vllm_python) as server, ThreadPoolExecutor(config.batch_size) as pool, tqdm(
-        total=len(order), unit="sample", desc="extract (vllm)", disable=not progress
-    ) as bar:
-
-        def one(i: int) -> tuple[int, int]:
-            row = dataset[i]
-            ids = [int(t) for t in row["input_ids"]]
-            answer = complete(server.url, ids, max_tokens=1, kv_transfer_params={SAMPLE_ID: row["sample_id"]})
-            key = (answer.get("kv_transfer_params") or {}).get(KEY)
-            if key != row["sample_id"]:
-                raise SpecdraftError(
-                    f"vLLM server did not store sample {row['sample_id']!r} (answer kv_transfer_params: "
-                    f"{answer.get('kv_transfer_params')}); server log {server.log_path}:\n{server.log_tail()}"
-                )
-            return _check_stored(backend, row, target_info, slots, config.dtype, server)
-
-        for n_tokens, n_bytes in pool.map(one, order):
+    with ThreadPoolExecutor(concurrency) as pool, tqdm(total=len(rows), unit="sample", desc="extract (vllm)", disable=not progress) as bar:
+        for n_tokens, n_bytes in pool.map(one, rows):
             tokens += n_tokens
             written += n_bytes
             bar.update(1)

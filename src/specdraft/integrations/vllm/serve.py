@@ -1,0 +1,90 @@
+"""Serve a specdraft drafter checkpoint with vLLM's OpenAI server (``specdraft serve``).
+
+Everything vLLM needs is read from the checkpoint's speculators ``config.json``: the method
+(``speculators_model_type``, which is also vLLM's ``--speculative-config`` method name), the
+number of draft tokens per round (``proposal_methods[0].speculative_tokens``) and the target
+(``specdraft.target.path``, else ``speculators_config.verifier.name_or_path``).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+from specdraft.integrations.vllm.engine import VllmServer, find_vllm_python
+from specdraft.utils.config import config_field
+
+#: Methods whose proposer the vLLM-CPU model runner lacks (it has ngram, draft_model, eagle3, dflash).
+CPU_UNSUPPORTED_METHODS = frozenset({"dspark"})
+
+
+@dataclass
+class ServeConfig:
+    drafter: str = config_field(help="drafter checkpoint directory (speculators format, written by specdraft train)")
+    target: str | None = config_field(None, help="target name or HF directory; default: the target recorded in the checkpoint")
+    port: int | None = config_field(None, help="port on 127.0.0.1; default: a free one")
+    host: str = config_field("127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
+    num_speculative_tokens: int | None = config_field(None, help="draft tokens per round; default: the checkpoint's")
+    vllm_python: str | None = config_field(None, help="python of the vLLM environment (default: .venv-vllm/bin/python)")
+    vllm_args: str = config_field("", help="extra vLLM api_server flags, e.g. --vllm-args='--max-model-len 4096'")
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    method: str
+    num_speculative_tokens: int
+    target: str | None
+
+
+def read_drafter_info(directory: str | Path) -> DrafterInfo:
+    """What vLLM needs to know about a checkpoint, from its ``config.json`` only (no torch)."""
+    path = Path(directory) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecdraftError(f"{path}: cannot read the drafter config ({exc}); pass a checkpoint directory written by `specdraft train`") from None
+    method = cfg.get("speculators_model_type")
+    if not isinstance(method, str):
+        raise SpecdraftError(f"{path} has no speculators_model_type; is {directory} a drafter checkpoint?")
+    spec = cfg.get("speculators_config") or {}
+    proposals = spec.get("proposal_methods") or [{}]
+    tokens = proposals[0].get("speculative_tokens")
+    if not isinstance(tokens, int) or tokens < 1:
+        raise SpecdraftError(f"{path}: speculators_config.proposal_methods[0].speculative_tokens is {tokens!r}, expected an integer >= 1")
+    target = (cfg.get("specdraft") or {}).get("target", {}).get("path") or (spec.get("verifier") or {}).get("name_or_path")
+    return DrafterInfo(method=method, num_speculative_tokens=tokens, target=target)
+
+
+def is_cpu_build(python: Path) -> bool:
+    """True when the vLLM in ``python``'s environment is the ``vllm-cpu`` distribution (checked without importing vLLM)."""
+    probe = "import importlib.metadata as m\ntry:\n m.version('vllm-cpu'); print(1)\nexcept m.PackageNotFoundError:\n print(0)"
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=False)
+    return out.stdout.strip() == "1"
+
+
+def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmServer:
+    """An unstarted :class:`VllmServer` running the target with ``config.drafter`` as its speculator."""
+    from specdraft.targets import resolve_target_dir
+
+    info = read_drafter_info(config.drafter)
+    python = find_vllm_python(config.vllm_python)
+    if info.method in CPU_UNSUPPORTED_METHODS and is_cpu_build(python):
+        raise SpecdraftError(
+            f"{config.drafter} is a {info.method} drafter, which the vLLM-CPU runner cannot serve "
+            f"(it supports eagle3 and dflash); on this machine decode with specdraft's built-in runtime: "
+            f"`specdraft generate --target {config.target or info.target} --drafter {info.method} --drafter-path {config.drafter}`"
+        )
+    target = config.target or info.target
+    if not target:
+        raise SpecdraftError(f"{config.drafter}/config.json records no target; pass --target")
+    speculative = {
+        "method": info.method,
+        "model": str(Path(config.drafter).resolve()),
+        "num_speculative_tokens": config.num_speculative_tokens or info.num_speculative_tokens,
+    }
+    args = ["--speculative-config", json.dumps(speculative), *shlex.split(config.vllm_args)]
+    return VllmServer(resolve_target_dir(target), args, python=config.vllm_python, port=config.port, host=config.host, log_path=log_path)
