@@ -68,7 +68,9 @@ def main() -> None:
             seconds = time.perf_counter() - start
 
         hf_store = FileBackend(tmp / "hf")
-        max_diff = max(float((hf_store.get(k).hidden_states.float() - store.get(k).hidden_states.float()).abs().max()) for k in store.keys())
+        pairs = [(hf_store.get(k), store.get(k)) for k in store.keys()]
+        diffs = [(a.hidden_states.float() - b.hidden_states.float()).abs() for a, b in pairs]
+        scale = max(float(a.hidden_states.float().abs().max()) for a, _ in pairs)
 
     result = {
         "target": args.target, "slots": [str(s) for s in slots], "dtype": args.dtype, "batch_size": args.batch_size,
@@ -76,7 +78,8 @@ def main() -> None:
         "hf": {"seconds": hf.seconds, "samples_per_s": round(hf.samples_per_second, 3), "tokens_per_s": round(hf.tokens_per_second, 1)},
         "vllm": {"startup_seconds": round(startup, 1), "seconds": round(seconds, 3), "samples_per_s": round(len(rows) / seconds, 3),
                  "tokens_per_s": round(tokens / seconds, 1), "bytes_per_token": round(nbytes / tokens, 1)},
-        "max_abs_diff_hidden_states": max_diff,
+        "hidden_states_vs_hf": {"max_abs_diff": max(float(d.max()) for d in diffs), "max_abs_value": scale,
+                                "mean_abs_diff": sum(float(d.mean()) for d in diffs) / len(diffs)},
     }  # fmt: skip
     print(json.dumps(result, indent=2))
     if args.json:

@@ -237,3 +237,16 @@ def test_cli_prepare_regenerate_on_embedded_target(tmp_path, smollm2_dir, capsys
     for item in ds:
         n = int(item["loss_mask"].sum())
         assert 1 <= n <= 16 and item["loss_mask"][-n:].all()  # the reply is the masked tail
+
+
+def test_threads_option_sets_torch_threads(tmp_path, tiny_llama_dir):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        _prepare(tmp_path, tiny_llama_dir, [TOKENIZED_ROW], threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SpecdraftError, match="--threads"):
+        PrepareConfig(out="x", threads=-1)

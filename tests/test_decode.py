@@ -195,19 +195,27 @@ def test_proposer_receives_target_features_of_verified_positions(model):
 
 
 class DistributionProposer(Proposer):
-    """Stub sampling drafter: draws k tokens i.i.d. from a fixed distribution q (through the sampling transform)."""
+    """Stub sampling drafter: draws k tokens i.i.d. from a fixed distribution q (through the sampling
+    transform); with ``confidence`` [V] it also reports c_j = confidence[x_{j-1}] like DSpark's head."""
 
-    def __init__(self, logits: torch.Tensor):
+    def __init__(self, logits: torch.Tensor, confidence: torch.Tensor | None = None):
         self.logits = logits
+        self.confidence = confidence
+        self.provides_confidences = confidence is not None
 
     def propose(self, inputs: ProposalInput) -> Draft:
         width = int(inputs.max_draft.max())
         probs = sampling_probs(self.logits, inputs.sampling).expand(len(inputs.row_ids), width, -1)
-        return Draft(tokens=sample(probs, inputs.generator), lengths=inputs.max_draft.clone(), probs=probs)
+        tokens = sample(probs, inputs.generator)
+        confidences = None
+        if self.confidence is not None:
+            anchors = torch.stack([t[-1] for t in inputs.tokens])
+            confidences = self.confidence[torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)]
+        return Draft(tokens=tokens, lengths=inputs.max_draft.clone(), probs=probs, confidences=confidences)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["distribution", "ngram"])
+@pytest.mark.parametrize("drafter", ["distribution", "ngram", "scheduled"])
 def test_sampled_outputs_follow_the_target_distribution(drafter):
     vocab, length, rows = 4, 4, 8000
     model = tiny_model(vocab=vocab, layers=2, seed=3)
@@ -215,12 +223,24 @@ def test_sampled_outputs_follow_the_target_distribution(drafter):
         model.lm_head.weight.mul_(6.0)
     sampling = SamplingConfig(temperature=0.8, top_k=3)
     prompt = [0, 1, 2, 3, 2, 1]
-    proposer = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0], dtype=torch.float64)) if drafter == "distribution" \
-        else build_proposer(DecodeConfig(ngram_max=2))
+    draft_logits = torch.tensor([2.0, 0.0, 1.0, -1.0], dtype=torch.float64)
+    scheduler, sps = SchedulerConfig(), None
+    if drafter == "ngram":
+        proposer = build_proposer(DecodeConfig(ngram_min=1, ngram_max=2))
+    elif drafter == "distribution":
+        proposer = DistributionProposer(draft_logits)
+    else:  # DSpark-style: verify lengths chosen by the prefix scheduler from token-dependent confidences
+        proposer = DistributionProposer(draft_logits, confidence=torch.tensor([0.9, 0.2, 0.6, 0.4], dtype=torch.float64))
+        # flat (memory-bound) up to 2.5 tokens per request, then slower: the scheduler spends the
+        # budget on the most likely drafts across all requests and stops at the knee
+        budget = int(2.5 * rows)
+        scheduler, sps = SchedulerConfig("scheduled"), lambda tokens: 1.0 if tokens <= budget else 1.0 / (1.0 + (tokens - budget) / 500)
     dec = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=length, num_draft_tokens=3, seed=5), sampling=sampling,
-                             eos_token_ids=[])
+                             scheduler=scheduler, sps=sps, eos_token_ids=[])
     result = dec.generate([prompt] * rows)
     assert result.metrics.accepted > 0.1 * rows and result.metrics.accepted < result.metrics.drafted
+    if drafter == "scheduled":
+        assert 0 < result.metrics.drafted < 0.9 * 3 * result.metrics.rounds, "the scheduler should shorten some verify lengths"
     observed = np.zeros(vocab**length)
     for o in result.outputs:
         observed[int(np.ravel_multi_index(o.tokens, [vocab] * length))] += 1

@@ -254,7 +254,8 @@ def torchrun_toy(cfg: dict, side_dir: Path) -> None:
          str(TESTS / "test_train_toy.py"), json.dumps(cfg), str(side_dir)],
         cwd=TESTS, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
+    assert proc.returncode == 0, "\n".join(errors[:40]) + "\n" + proc.stderr[-3000:]
 
 
 @pytest.mark.slow

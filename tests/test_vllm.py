@@ -6,7 +6,11 @@ tiny random Llama (hidden 64, 2 heads of 32, 6 layers), one engine at a time, st
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,7 @@ from specdraft.hidden_states.config import ExtractConfig
 from specdraft.hidden_states.extract import extract_hidden_states
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.integrations.vllm.extract import capture_plan
+from specdraft.integrations.vllm.serve import DrafterInfo
 from specdraft.utils.config import dataclass_from_args
 
 LENGTHS = (9, 17, 5, 33)
@@ -103,7 +108,7 @@ def write_speculators_config(directory: Path, method: str, tokens: int = 4) -> P
 
 def test_serve_refuses_dspark_on_the_cpu_runner(tmp_path):
     from specdraft.errors import SpecdraftError
-    from specdraft.integrations.vllm.serve import DrafterInfo, ServeConfig, drafter_server, read_drafter_info
+    from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_drafter_info
 
     ckpt = write_speculators_config(tmp_path / "dspark", "dspark", tokens=6)
     assert read_drafter_info(ckpt) == DrafterInfo("dspark", 6, "smollm2-135m")
@@ -127,32 +132,66 @@ def varied_tiny_target(directory: Path, tokenizer_dir: Path):
     return load_target(str(directory))
 
 
+DRAFTERS = {  # method -> (config class path, config kwargs); random weights, 3 draft tokens per round
+    "eagle3": ("specdraft.models.eagle3.config:Eagle3Config", dict(layers="input:1,input:3,input:4", draft_vocab_size=10**6, ttt_steps=3)),
+    "dflash": ("specdraft.models.dflash.config:DFlashConfig", dict(layers="output:1,output:3", num_layers=1, block_size=4)),
+}
+
+
+@contextlib.contextmanager
+def cli_server(drafter: Path, vllm_args: str):
+    """``specdraft serve`` in a subprocess; yields the URL it prints, then stops it with Ctrl-C (SIGINT)."""
+    process = subprocess.Popen([sys.executable, "-m", "specdraft.cli.main", "serve", str(drafter), f"--vllm-args={vllm_args}"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("serving "):
+                yield line.split(" on ")[1].split()[0].removesuffix("/v1")
+                break
+        else:
+            pytest.fail("specdraft serve exited before serving:\n" + "".join(lines))
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 130
+
+
 @pytest.mark.slow
-def test_vllm_serves_eagle3_drafter_with_target_greedy_outputs(smollm2_dir, tmp_path):
-    """A random EAGLE-3 drafter written by specdraft: vLLM loads it, drafts, and greedy text is the target's."""
+@pytest.mark.parametrize(("method", "via_cli"), [("eagle3", False), ("dflash", True)])
+def test_vllm_serves_drafter_with_target_greedy_outputs(method, via_cli, smollm2_dir, tmp_path):
+    """A random drafter written by specdraft: vLLM loads it, drafts every round, and greedy text is the target's.
+    One case goes through the library, the other through the ``specdraft serve`` command."""
+    import importlib
+
     from specdraft.integrations.vllm.engine import complete
     from specdraft.integrations.vllm.metrics import read_spec_decode_metrics
     from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_drafter_info
     from specdraft.models import METHODS
-    from specdraft.models.eagle3.config import Eagle3Config
 
     target = varied_tiny_target(tmp_path / "target", smollm2_dir)
+    module, _, name = DRAFTERS[method][0].partition(":")
+    config_cls = getattr(importlib.import_module(module), name)
     torch.manual_seed(0)
-    drafter = METHODS.get("eagle3").build(Eagle3Config(layers="input:1,input:3,input:4", draft_vocab_size=10**6, ttt_steps=3), target)
-    drafter.save_pretrained(tmp_path / "eagle3")
-    assert read_drafter_info(tmp_path / "eagle3").num_speculative_tokens == 3
+    METHODS.get(method).build(config_cls(**DRAFTERS[method][1]), target).save_pretrained(tmp_path / method)
+    assert read_drafter_info(tmp_path / method) == DrafterInfo(method, 3, str(tmp_path / "target"))
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.vocab_size, (n,), generator=g).tolist() for n in (12, 20)]
     n_new = 16
     expected = [target.model.generate(torch.tensor([p]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)[0, len(p):].tolist()
                 for p in prompts]
-    assert any(len(set(e)) > 4 for e in expected)  # the check below is not about a repeated token
+    assert all(len(set(e)) > 4 for e in expected)  # the check below is not about one repeated token
 
-    config = ServeConfig(drafter=str(tmp_path / "eagle3"), vllm_args=f"{EAGER} --dtype float32 --max-model-len 128")
-    with drafter_server(config, log_path=tmp_path / "vllm.log") as server:
-        before = read_spec_decode_metrics(server.url)
-        got = [complete(server.url, p, max_tokens=n_new, ignore_eos=True, return_token_ids=True)["choices"][0]["token_ids"] for p in prompts]
-        used = read_spec_decode_metrics(server.url) - before
+    vllm_args = f"{EAGER} --dtype float32 --max-model-len 128"
+    if via_cli:
+        serving = cli_server(tmp_path / method, vllm_args)
+    else:
+        serving = drafter_server(ServeConfig(drafter=str(tmp_path / method), vllm_args=vllm_args))  # started by `with`
+    with serving as server:
+        url = server if via_cli else server.url
+        before = read_spec_decode_metrics(url)
+        got = [complete(url, p, max_tokens=n_new, ignore_eos=True, return_token_ids=True)["choices"][0]["token_ids"] for p in prompts]
+        used = read_spec_decode_metrics(url) - before
     assert got == expected
     assert used.num_drafts > 0 and used.num_draft_tokens == 3 * used.num_drafts

@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "specdraft.cli.prepare",
     "specdraft.cli.extract",
     "specdraft.cli.store",
+    "specdraft.cli.serve_hidden_states",
     "specdraft.cli.train",
     "specdraft.cli.generate",
     "specdraft.cli.serve",

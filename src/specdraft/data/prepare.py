@@ -49,6 +49,7 @@ class PrepareConfig:
     batch_size: int = config_field(8, help="with --regenerate: prompts generated together (left-padded)")
     seed: int = config_field(0, help="with --regenerate and temperature > 0: base seed (batch i uses seed + i)")
     device: str = config_field("cpu", help="torch device for the target")
+    threads: int = config_field(0, help="torch CPU threads (0 = torch's default); 1 is ~4x faster on a busy shared CPU")
 
     def __post_init__(self) -> None:
         checks = [
@@ -57,6 +58,7 @@ class PrepareConfig:
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
             ("temperature", self.temperature >= 0, ">= 0"),
             ("batch_size", self.batch_size >= 1, ">= 1"),
+            ("threads", self.threads >= 0, ">= 0"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -100,6 +102,10 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     from specdraft.targets import load_target
 
     started = time.perf_counter()
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
     target = load_target(config.target, device=config.device)
     tokenizer = target.tokenizer
     eot_ids = end_of_turn_ids(tokenizer, getattr(target.model, "generation_config", None))

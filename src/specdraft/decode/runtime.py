@@ -240,11 +240,11 @@ class SpeculativeDecoder:
         )
         outputs: list[RequestOutput | None] = [None] * rows
         finished = self._commit(state, [[int(t)] for t in first.tolist()], limits, outputs)
-        valid, cache = self._drop(state, finished, valid, cache)
+        valid = self._drop(state, finished, valid, cache)
 
         while state.row_ids:
             valid, finished = self._round(state, valid, cache, limits, outputs, generator, metrics)
-            valid, cache = self._drop(state, finished, valid, cache)
+            valid = self._drop(state, finished, valid, cache)
 
         metrics.wall_s = time.perf_counter() - start
         final = [o for o in outputs if o is not None]
@@ -336,17 +336,19 @@ class SpeculativeDecoder:
                     break
         return finished
 
-    def _drop(self, state: "_Rows", finished: list[int], valid: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+    def _drop(self, state: "_Rows", finished: list[int], valid: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Remove finished rows from the batch (state, target cache, validity mask, proposer state)."""
         if not finished:
-            return valid, cache
+            return valid
         self.proposer.release([state.row_ids[i] for i in finished])
-        keep = [i for i in range(len(state.row_ids)) if i not in set(finished)]
+        done = set(finished)
+        keep = [i for i in range(len(state.row_ids)) if i not in done]
         state.select(keep)
         if keep:
             index = torch.tensor(keep, device=valid.device)
             cache.batch_select_indices(index)
             valid = valid[index]
-        return valid, cache
+        return valid
 
     def _forward(self, ids, valid, positions, cache, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target logits [R, T', V] and, if the proposer reads features, its slots [R, T, S, D]."""

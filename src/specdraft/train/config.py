@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES
+from specdraft.hidden_states.online import DATA_MODES
 from specdraft.utils.config import config_field
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
@@ -28,7 +30,24 @@ class TrainConfig:
     target: str | None = config_field(
         None, help="target model: an embedded name or a HF directory (default: the target recorded in the hidden-state store)"
     )
-    data: str | None = config_field(None, help="hidden-state store directory written by `specdraft extract`")
+    data: str | None = config_field(
+        None, help="hidden-state store directory written by `specdraft extract` (hybrid mode: the local cache of requested samples)"
+    )
+    data_mode: str = config_field(
+        "offline",
+        help="where hidden states come from: offline (the --data store), online (requested from --producers, streamed "
+        "through --store and deleted after use) or hybrid (samples in --data are read locally, others requested and cached there)",
+        metadata={"choices": DATA_MODES.names()},
+    )
+    dataset: str | None = config_field(None, help="online/hybrid: the prepared dataset whose samples are requested")
+    producers: list[str] = config_field([], help="online/hybrid: producer URLs 'http://HOST:PORT,...' (`specdraft serve-hidden-states`)")
+    producer_token: str | None = config_field(None, help="online/hybrid: the bearer token the producers were started with")
+    store: str | None = config_field(
+        None, help="online/hybrid: where producers write, a shared directory or mooncake://HOST:PORT/NS?admin=HOST:PORT (trainers hold the memory)"
+    )
+    stream_dtype: str = config_field("bfloat16", help="online/hybrid: storage dtype requested from the producers", metadata={"choices": list(STORAGE_DTYPE_NAMES)})
+    prefetch: int = config_field(8, help="online/hybrid: sample requests kept in flight ahead of training")
+    request_timeout: float = config_field(120.0, help="online/hybrid: seconds before an unanswered request goes to another producer")
     out: str | None = config_field(None, help="run directory: checkpoints, metrics.jsonl, final/ (rerun to resume)")
     model: dict = config_field(
         {}, help="method config overrides, 'key=value,key=value' (values parsed as YAML) or a YAML mapping in the recipe"
@@ -69,7 +88,11 @@ class TrainConfig:
         self.betas = [float(b) for b in self.betas]
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise SpecdraftError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        for name in ("pack_tokens", "batch_rows", "epochs", "log_interval"):
+        DATA_MODES.get(self.data_mode)  # an unknown name raises with the list of modes
+        self.producers = [p.strip() for p in self.producers if p.strip()]
+        if self.request_timeout <= 0:
+            raise SpecdraftError(f"request_timeout must be > 0, got {self.request_timeout}")
+        for name in ("pack_tokens", "batch_rows", "epochs", "log_interval", "prefetch"):
             if getattr(self, name) < 1:
                 raise SpecdraftError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "val_max_batches", "eval_interval", "checkpoint_interval", "keep_checkpoints", "num_threads"):

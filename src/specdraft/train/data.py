@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -47,6 +47,49 @@ class SampleSource(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> dict: ...
+
+
+@runtime_checkable
+class PrefetchingSource(Protocol):
+    """A source that reads ahead (``hidden_states.online.StreamingSource``): the trainer tells it the
+    order of the indices it will read (``training_order``) and closes it at the end."""
+
+    def start(self, order: Iterable[int]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def open_sample_source(cfg: Any) -> SampleSource:
+    """The source ``cfg.data_mode`` names (``hidden_states.online.DATA_MODES``); online/hybrid modes request
+    the layer slots of ``cfg.method`` (its ``layers`` override, else its preset) and log delivered ids in ``OUT``."""
+    from pathlib import Path
+
+    import specdraft.models  # noqa: F401  (registers the built-in methods)
+    from specdraft.hidden_states.layers import parse_slots
+    from specdraft.hidden_states.online import DATA_MODES, SourceOptions
+    from specdraft.models.base import METHODS
+
+    def slots(num_layers: int) -> list[LayerSlot]:
+        layers = (cfg.model or {}).get("layers")
+        return parse_slots(layers, num_layers) if layers else METHODS.get(cfg.method).layer_slots(num_layers)
+
+    options = SourceOptions(
+        data=cfg.data, dataset=cfg.dataset, producers=list(cfg.producers), store=cfg.store, slots=slots, dtype=cfg.stream_dtype,
+        prefetch=cfg.prefetch, token=cfg.producer_token, timeout_s=cfg.request_timeout,
+        delivery_log=str(Path(cfg.out) / DELIVERY_LOG) if cfg.out else None,
+    )
+    return DATA_MODES.get(cfg.data_mode)(options)
+
+
+#: Run-directory file where streaming sources append each delivered sample id (JSON lines).
+DELIVERY_LOG = "delivered.jsonl"
+
+
+def training_order(plan: "DataPlan", start_step: int, total_steps: int) -> Iterator[int]:
+    """Sample indices in the order training steps ``start_step..total_steps-1`` read them (for prefetching)."""
+    for step in range(start_step, total_steps):
+        for row in plan.train_rows(step):
+            yield from row
 
 
 def val_fraction_of(sample_id: str) -> float:

@@ -46,7 +46,16 @@ from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, MethodSpe
 from specdraft.registry import Registry
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.config import TrainConfig
-from specdraft.train.data import DataPlan, SampleSource, collate, select_slots, step_seed
+from specdraft.train.data import (
+    DataPlan,
+    PrefetchingSource,
+    SampleSource,
+    collate,
+    open_sample_source,
+    select_slots,
+    step_seed,
+    training_order,
+)
 from specdraft.train.metrics import MetricSums, MetricsLog, lr_factor
 
 log = logging.getLogger(__name__)
@@ -198,16 +207,6 @@ class _StopFlag:
 # ---------------------------------------------------------------------------------------------
 
 
-def open_store(path: str | os.PathLike) -> SampleSource:
-    """The hidden-state store at ``path`` as a ``HiddenStateDataset`` (clear error if it is not one)."""
-    from specdraft.hidden_states.dataset import HiddenStateDataset
-
-    path = Path(path)
-    if not path.is_dir():
-        raise SpecdraftError(f"--data {path} does not exist; point it at a hidden-state store written by `specdraft extract`")
-    return HiddenStateDataset(path)
-
-
 def sample_lengths(dataset: SampleSource) -> list[int]:
     """Tokens per sample without reading hidden states (packing needs every length up front)."""
     lengths = getattr(dataset, "lengths", None)
@@ -263,16 +262,22 @@ def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None 
     """Train (or resume training) a drafter as configured; see the module docstring.
 
     ``target`` (a ``Target``) and ``dataset`` (a ``SampleSource``) default to loading
-    ``cfg.target`` and opening ``cfg.data``; tests pass small in-memory ones.
+    ``cfg.target`` and opening the source ``cfg.data_mode`` names (``data.open_sample_source``);
+    tests pass small in-memory ones.
     """
-    with _process_group_scope():
+    with _process_group_scope(), contextlib.ExitStack() as cleanup:
+        if dataset is None:
+            cfg.require("method", "out")
+            dataset = open_sample_source(cfg)
+            if isinstance(dataset, PrefetchingSource):
+                cleanup.callback(dataset.close)  # streaming sources delete what they still hold in the store
         return _train(cfg, target, dataset)
 
 
-def _train(cfg: TrainConfig, target: Any, dataset: SampleSource | None) -> TrainResult:
+def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     import specdraft.models  # noqa: F401  (registers the built-in methods)
 
-    cfg.require("method", "out", *(() if dataset is not None else ("data",)))
+    cfg.require("method", "out")
     spec = METHODS.get(cfg.method)
     model_cfg = build_method_config(spec, cfg.model)
     out = Path(cfg.out)
@@ -281,8 +286,6 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource | None) -> Train
         torch.set_num_threads(cfg.num_threads)
 
     # 1. data and target, checked against each other and the method
-    if dataset is None:
-        dataset = open_store(cfg.data)
     where = str(cfg.data or "(in-memory dataset)")
     store_target = dataset.target_info
     if target is None:
@@ -424,13 +427,18 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource | None) -> Train
     already_done = saved is not None and step >= total_steps
     stopped_by = None
     sums, window_seconds = MetricSums(), 0.0  # seconds spent in steps since the last record (eval/checkpoints excluded)
+    fetch_seconds = 0.0  # of which reading samples (waiting for them, when they are streamed)
+    if isinstance(dataset, PrefetchingSource):
+        dataset.start(training_order(plan, step, total_steps))
     started = time.monotonic()
     wrapped.train()
     bar = tqdm(total=total_steps, initial=step, desc=f"train {spec.name}", unit="step", disable=not dist_.main, dynamic_ncols=True)
     with _StopFlag() as stop, bar:
         while step < total_steps:
             step_started = time.perf_counter()
-            batch = _load_batch(dataset, plan.train_rows(step), cfg, slot_index).to(device)
+            items = [[dataset[i] for i in row] for row in plan.train_rows(step)]
+            fetch_seconds += time.perf_counter() - step_started
+            batch = collate(items, pack_tokens=cfg.pack_tokens, slot_index=slot_index).to(device)
             _reseed(step_seed(cfg.seed, dist_.rank, step))
             lr = scheduler.get_last_lr()[0]
             with _autocast(cfg, device):
@@ -450,13 +458,14 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource | None) -> Train
                 sums.all_reduce()
                 epoch, _ = plan.locate(step - 1)
                 record = {"split": "train", "step": step, "epoch": epoch, "lr": lr, "grad_norm": grad_norm, **sums.summary(),
-                          "tokens": sums.tokens, "tokens_per_s": sums.tokens / max(window_seconds, 1e-9), "seconds": window_seconds}
+                          "tokens": sums.tokens, "tokens_per_s": sums.tokens / max(window_seconds, 1e-9), "seconds": window_seconds,
+                          "fetch_fraction": fetch_seconds / max(window_seconds, 1e-9)}
                 if "anchors" in record:
                     record["anchors_per_s"] = record["anchors"] / max(window_seconds, 1e-9)
                 if dist_.main:
                     metrics_log.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tau=f"{record.get('accept_len', 0):.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                sums, window_seconds = MetricSums(), 0.0
+                sums, window_seconds, fetch_seconds = MetricSums(), 0.0, 0.0
 
             if cfg.eval_interval and step % cfg.eval_interval == 0 and step < total_steps:
                 evaluate(step)

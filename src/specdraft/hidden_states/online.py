@@ -1,0 +1,468 @@
+"""Online and hybrid training data: hidden states requested from producer services while training runs.
+
+Three data modes, dispatched by name through ``DATA_MODES`` (each opener takes ``SourceOptions``):
+
+  offline  the existing hidden-state store (``HiddenStateDataset``) -- nothing is requested.
+  online   every sample is requested from a producer (``service.py``), read back through the
+           transport backend (Mooncake or a shared directory), verified, and deleted from the
+           transport once it is in memory. Nothing is kept.
+  hybrid   like online, but a sample already in the local file store (``data``) is read from
+           there, and a requested one is written there, so a later epoch or run reads it locally.
+
+``StreamingSource`` has the item interface of ``HiddenStateDataset`` (``sample_id``,
+``token_ids``, ``loss_mask``, ``hidden_states``, ``last_hidden``). Prefetching: ``start(order)``
+hands it the indices the consumer will ask for, in order; it keeps ``prefetch`` of them in flight
+on a thread pool, so ``source[i]`` returns at once when producers keep up. An index asked for out
+of that order (validation) is fetched synchronously. ``stats()`` reports the fetch-time fraction:
+seconds the consumer spent waiting inside ``__getitem__`` / seconds since ``start``.
+
+Faults: a producer that refuses the connection, times out or answers 5xx is marked down and the
+request goes to another producer under a fresh key (a late write of the abandoned key is deleted
+at ``close``). A payload that fails verification is deleted and requested once more, then
+reported. ``close`` deletes whatever is still in flight or abandoned, so the transport is left
+empty (waiting up to ``CLEANUP_WAIT_S`` for objects a killed producer left half-written). Each delivered sample id is appended to ``delivery_log`` (JSON lines) when one is given.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+from urllib.parse import urlsplit
+
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.layers import LayerSlot
+from specdraft.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+#: How long ``close`` keeps retrying deletes the store refuses. A producer killed mid-write leaves
+#: objects Mooncake will not remove (-703 REPLICA_IS_NOT_READY) until its master discards the
+#: unfinished put (``--put_start_discard_timeout_sec``, 30 s by default).
+CLEANUP_WAIT_S = 60.0
+
+
+class ProducerUnavailable(Exception):
+    """A producer did not serve a request (down, timed out, or failed internally); try another."""
+
+    def __init__(self, url: str, message: str):
+        super().__init__(message)
+        self.url = url
+
+
+class ProducerClient:
+    """Spreads extraction requests over several producer URLs (least in-flight first).
+
+    A producer that fails is skipped for ``down_s`` seconds, then tried again.
+    """
+
+    def __init__(self, urls: Iterable[str], *, token: str | None = None, timeout_s: float = 120.0, down_s: float = 30.0):
+        self.urls = [u.rstrip("/") for u in urls]
+        if not self.urls:
+            raise SpecdraftError("no producer URLs given; pass --producers http://HOST:PORT[,http://HOST:PORT...]")
+        for url in self.urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise SpecdraftError(f"producer URL {url!r} is not http://HOST:PORT")
+        self.token = token
+        self.timeout_s = timeout_s
+        self.down_s = down_s
+        self._lock = threading.Lock()
+        self._inflight = {u: 0 for u in self.urls}
+        self._down: dict[str, tuple[float, str]] = {}  # url -> (since, reason)
+        self._order = itertools.count()
+
+    def _call(self, url: str, path: str, body: dict | None, timeout: float) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST")
+        request.add_header("Content-Type", "application/json")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                message = json.loads(exc.read()).get("error", "")
+            except (ValueError, AttributeError):
+                message = exc.reason
+            if exc.code >= 500:
+                raise ProducerUnavailable(url, f"{url} answered {exc.code}: {message}") from None
+            raise SpecdraftError(f"producer {url} refused the request ({exc.code}): {message}") from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:  # refused, reset, timed out, garbage
+            reason = getattr(exc, "reason", exc)
+            raise ProducerUnavailable(url, f"{url} is unreachable ({reason})") from None
+
+    def health(self, url: str) -> dict:
+        return self._call(url, "/health", None, timeout=min(self.timeout_s, 10.0))
+
+    def describe_target(self) -> dict:
+        """The target all reachable producers serve (they must agree)."""
+        infos, errors = {}, []
+        for url in self.urls:
+            try:
+                infos[url] = self.health(url)["target"]
+            except ProducerUnavailable as exc:
+                errors.append(str(exc))
+                self._mark_down(url, str(exc))
+        if not infos:
+            raise SpecdraftError(f"no producer is reachable: {'; '.join(errors)}; start them with `specdraft serve-hidden-states`")
+        fingerprints = {info["fingerprint"] for info in infos.values()}
+        if len(fingerprints) > 1:
+            listing = ", ".join(f"{u}: {i['name']} ({i['fingerprint']})" for u, i in infos.items())
+            raise SpecdraftError(f"the producers serve different targets ({listing}); every producer must run the same target")
+        return next(iter(infos.values()))
+
+    def _mark_down(self, url: str, reason: str) -> None:
+        with self._lock:
+            self._down[url] = (time.monotonic(), reason)
+
+    def _pick(self, avoid: set[str]) -> str:
+        with self._lock:
+            now = time.monotonic()
+            for url, (since, _) in list(self._down.items()):
+                if now - since >= self.down_s:
+                    del self._down[url]
+            live = [u for u in self.urls if u not in self._down]
+            if not live:
+                reasons = "; ".join(reason for _, reason in self._down.values())
+                raise SpecdraftError(f"every producer failed ({reasons}); restart them (`specdraft serve-hidden-states`) and resume")
+            fresh = [u for u in live if u not in avoid] or live
+            tie = next(self._order)
+            url = min(fresh, key=lambda u: (self._inflight[u], (self.urls.index(u) - tie) % len(self.urls)))
+            self._inflight[url] += 1
+            return url
+
+    def extract(self, body: dict, *, avoid: set[str] = frozenset()) -> tuple[str, dict]:
+        """Send one request to a live producer (preferring ones not in ``avoid``); returns (url, reply).
+
+        ``ProducerUnavailable`` marks that producer down; the caller retries with a new key.
+        """
+        url = self._pick(set(avoid))
+        try:
+            return url, self._call(url, "/extract", body, timeout=self.timeout_s)
+        except ProducerUnavailable as exc:
+            self._mark_down(url, str(exc))
+            raise
+        finally:
+            with self._lock:
+                self._inflight[url] -= 1
+
+
+@dataclass
+class SourceOptions:
+    """Everything a data-mode opener may need (``TrainConfig`` is where the defaults live)."""
+
+    data: str | None  # offline: the store to read; hybrid: the local file cache
+    dataset: str | None  # prepared dataset (online/hybrid): sample ids, tokens, loss masks
+    producers: list[str]
+    store: str | None  # transport location: a directory (file backend) or mooncake://...
+    slots: Callable[[int], list[LayerSlot]] | None  # target layer count -> slots to request
+    dtype: str = "bfloat16"
+    prefetch: int = 8
+    token: str | None = None
+    timeout_s: float = 120.0
+    delivery_log: str | None = None
+
+
+DATA_MODES: Registry[Callable[[SourceOptions], Any]] = Registry("data mode")
+
+
+@DATA_MODES.register("offline")
+def open_offline(options: SourceOptions) -> Any:
+    from specdraft.hidden_states.dataset import HiddenStateDataset
+
+    if not options.data:
+        raise SpecdraftError("--data is required (or set `data:` in the --config recipe)")
+    path = Path(options.data)
+    if not path.is_dir():
+        raise SpecdraftError(f"--data {path} does not exist; point it at a hidden-state store written by `specdraft extract`")
+    return HiddenStateDataset(path)
+
+
+@DATA_MODES.register("online")
+def open_online(options: SourceOptions) -> "StreamingSource":
+    return StreamingSource.open(options, cache=None)
+
+
+@DATA_MODES.register("hybrid")
+def open_hybrid(options: SourceOptions) -> "StreamingSource":
+    from specdraft.hidden_states.backends.file import FileBackend
+
+    if not options.data:
+        raise SpecdraftError("hybrid mode needs --data: the local hidden-state directory that caches requested samples")
+    return StreamingSource.open(options, cache=FileBackend(options.data))
+
+
+def backend_name(location: str) -> str:
+    """A location's URL scheme names its backend (``mooncake://...``); a plain path is the file backend."""
+    from specdraft.hidden_states.backends import BACKENDS
+
+    scheme = urlsplit(location).scheme
+    return scheme if scheme in BACKENDS else "file"
+
+
+class StreamingSource:
+    """Online/hybrid sample source; see the module docstring. Close it (or use ``with``) to clean up."""
+
+    def __init__(self, *, prepared: Any, client: ProducerClient, transport: Any, target_info: dict, slots: list[LayerSlot],
+                 dtype: str = "bfloat16", prefetch: int = 8, cache: Any = None, delivery_log: str | None = None):
+        if prefetch < 1:
+            raise SpecdraftError(f"prefetch must be >= 1, got {prefetch}")
+        self.prepared = prepared
+        self.client = client
+        self.transport = transport
+        self.cache = cache
+        self._target_info = dict(target_info)
+        self.slots = list(slots)
+        self.dtype = dtype
+        self.prefetch = prefetch
+        self.sample_ids = list(prepared.sample_ids)
+        self.delivered: list[str] = []
+        self.counters = collections.Counter()  # requests, retries, refetches, cache_hits
+        self._nonce = uuid.uuid4().hex[:8]
+        self._keys = itertools.count()
+        self._lock = threading.Lock()
+        self._live_keys: set[str] = set()  # issued, not yet deleted
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="specdraft-prefetch")
+        self._order: Iterator[int] | None = None
+        self._window: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
+        self._started: float | None = None
+        self._wait_s = 0.0
+        self._delivery_log = Path(delivery_log) if delivery_log else None
+        self._log_file: Any = None  # opened on the first delivery (the run directory may not exist before)
+        self._closed = False
+        if cache is not None:
+            self._init_cache()
+
+    @classmethod
+    def open(cls, options: SourceOptions, *, cache: Any) -> "StreamingSource":
+        from specdraft.data.dataset import PreparedDataset
+        from specdraft.hidden_states.backends import open_backend
+
+        if not options.dataset:
+            raise SpecdraftError("online/hybrid data needs --dataset: the prepared dataset whose samples are requested")
+        if not options.store:
+            raise SpecdraftError("online/hybrid data needs --store: where producers write (a shared directory or mooncake://HOST:PORT/NS)")
+        if options.slots is None:
+            raise SpecdraftError("online/hybrid data needs the layer slots to request")
+        prepared = PreparedDataset(options.dataset)
+        client = ProducerClient(options.producers, token=options.token, timeout_s=options.timeout_s)
+        target_info = client.describe_target()
+        recorded = prepared.target_info
+        if recorded.get("fingerprint") != target_info.get("fingerprint"):
+            raise SpecdraftError(
+                f"dataset {prepared.directory} was prepared for target {recorded.get('name')!r} (fingerprint {recorded.get('fingerprint')}) "
+                f"but the producers serve {target_info.get('name')!r} (fingerprint {target_info.get('fingerprint')})"
+            )
+        slots = options.slots(int(target_info["num_layers"]))
+        transport = open_backend(backend_name(options.store), options.store)
+        return cls(prepared=prepared, client=client, transport=transport, target_info=target_info, slots=slots,
+                   dtype=options.dtype, prefetch=options.prefetch, cache=cache, delivery_log=options.delivery_log)
+
+    # -- the HiddenStateDataset interface ---------------------------------------------------------
+
+    @property
+    def target_info(self) -> dict:
+        return dict(self._target_info)
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def lengths(self) -> list[int]:
+        return [int(n) for n in self.prepared.lengths()]
+
+    def __getitem__(self, index: int) -> dict:
+        if self._closed:
+            raise SpecdraftError("the streaming data source is closed")
+        started = time.perf_counter()
+        if self._window and self._window[0][0] == index:
+            _, future = self._window.popleft()
+            self._top_up()
+            item = future.result()
+        else:
+            item = self._fetch(index)
+        self._wait_s += time.perf_counter() - started
+        if self._started is None:
+            self._started = started
+        self.delivered.append(item["sample_id"])
+        if self._delivery_log is not None:
+            if self._log_file is None:
+                self._delivery_log.parent.mkdir(parents=True, exist_ok=True)
+                self._log_file = open(self._delivery_log, "a")
+            self._log_file.write(json.dumps({"sample_id": item["sample_id"]}) + "\n")
+            self._log_file.flush()
+        return item
+
+    # -- prefetching ------------------------------------------------------------------------------
+
+    def start(self, order: Iterable[int]) -> None:
+        """Prefetch ``order`` (the indices the consumer will read next, in that order)."""
+        self._order = iter(order)
+        self._started = time.perf_counter()
+        self._wait_s = 0.0
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while self._order is not None and len(self._window) < self.prefetch:
+            index = next(self._order, None)
+            if index is None:
+                self._order = None
+                return
+            self._window.append((index, self._pool.submit(self._fetch, index)))
+
+    def stats(self) -> dict:
+        elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
+        return {"delivered": len(self.delivered), "wait_s": self._wait_s, "elapsed_s": elapsed,
+                "fetch_fraction": self._wait_s / elapsed if elapsed > 0 else 0.0, **dict(self.counters)}
+
+    # -- one sample -------------------------------------------------------------------------------
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counters[name] += 1
+
+    def _new_key(self, sample_id: str) -> str:
+        key = f"{sample_id}#{self._nonce}-{next(self._keys)}"
+        with self._lock:
+            self._live_keys.add(key)
+        return key
+
+    def _drop(self, key: str) -> None:
+        self.transport.delete(key)
+        with self._lock:
+            self._live_keys.discard(key)
+
+    def _fetch(self, index: int) -> dict:
+        from specdraft.hidden_states.payload import HiddenStatePayload
+
+        sid = self.sample_ids[index]
+        row = self.prepared[self.prepared.index_of(sid)]
+        if self.cache is not None and self.cache.exists(sid):
+            try:
+                payload = self.cache.get(sid)
+                self._check(payload, row, where=f"{self.cache.location} sample {sid!r}")
+                self._count("cache_hits")
+                return self._item(sid, row, payload)
+            except SpecdraftError as exc:
+                log.warning("%s; requesting it from a producer instead", exc)
+        body = {"token_ids": row["input_ids"].tolist(), "slots": [s.to_json() for s in self.slots], "dtype": self.dtype,
+                "target_fingerprint": self._target_info["fingerprint"]}
+        corrupt: str | None = None
+        while True:
+            key, url = self._request(body, sid)
+            try:
+                payload = self.transport.get(key)  # verifies checksums, shapes and dtypes
+                self._check(payload, row, where=f"{self.transport.location} key {key!r} from {url}")
+            except SpecdraftError as exc:
+                self._drop(key)
+                if corrupt is not None:
+                    raise SpecdraftError(f"sample {sid!r} arrived corrupt twice: first {corrupt}; then {exc}") from None
+                corrupt = str(exc)
+                self._count("refetches")
+                log.warning("%s; requesting sample %r again", exc, sid)
+                continue
+            self._drop(key)
+            break
+        payload = HiddenStatePayload(manifest={**payload.manifest, "sample_id": sid}, hidden_states=payload.hidden_states,
+                                     token_ids=payload.token_ids, last_hidden=payload.last_hidden)
+        if self.cache is not None:
+            self.cache.put(sid, payload)
+        return self._item(sid, row, payload)
+
+    def _request(self, body: dict, sid: str) -> tuple[str, str]:
+        """Ask producers until one stores the sample; a failed attempt's key is abandoned (cleaned at close)."""
+        tried: set[str] = set()
+        while True:
+            key = self._new_key(sid)
+            try:
+                self._count("requests")
+                url, _ = self.client.extract({**body, "key": key}, avoid=tried)
+                return key, url
+            except ProducerUnavailable as exc:
+                self._count("retries")
+                tried.add(exc.url)
+                log.warning("%s; sending sample %r to another producer", exc, sid)
+
+    def _check(self, payload: Any, row: dict, *, where: str) -> None:
+        problems = payload.mismatches(fingerprint=self._target_info["fingerprint"], slots=self.slots, dtype=self.dtype,
+                                      token_ids=row["input_ids"])
+        if problems:
+            raise SpecdraftError(f"{where} is not the requested sample: {'; '.join(problems)}")
+
+    @staticmethod
+    def _item(sid: str, row: dict, payload: Any) -> dict:
+        return {"sample_id": sid, "token_ids": payload.token_ids, "loss_mask": row["loss_mask"],
+                "hidden_states": payload.hidden_states, "last_hidden": payload.last_hidden}
+
+    # -- cache and cleanup ------------------------------------------------------------------------
+
+    def _init_cache(self) -> None:
+        """Make the local cache a valid store for later offline training (refuse one made for other settings)."""
+        from specdraft.hidden_states.backends.base import STORE_FORMAT_NAME, STORE_FORMAT_VERSION, check_store_manifest
+
+        slots_json = [s.to_json() for s in self.slots]
+        existing = self.cache.read_manifest()
+        if existing is not None:
+            check_store_manifest(existing, location=self.cache.location, target_info=self._target_info, slots=slots_json, dtype=self.dtype)
+            return
+        self.cache.write_manifest({
+            "format": STORE_FORMAT_NAME, "format_version": STORE_FORMAT_VERSION, "target": self._target_info,
+            "slots": slots_json, "dtype": self.dtype, "count": 0, "complete": False,
+            "dataset": {"path": str(Path(self.prepared.directory).resolve()), "num_samples": len(self.prepared),
+                        "created": self.prepared.manifest.get("created")},
+        })
+
+    def close(self) -> None:
+        """Stop prefetching, then delete every key still in the transport (in flight or abandoned)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._order = None
+        for _, future in self._window:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        self._window.clear()
+        with self._lock:
+            leftover = sorted(self._live_keys)
+        deadline = time.monotonic() + CLEANUP_WAIT_S
+        while leftover:
+            failed = {}
+            for key in leftover:
+                try:
+                    self._drop(key)
+                except SpecdraftError as exc:
+                    failed[key] = exc
+            leftover = sorted(failed)
+            if leftover and time.monotonic() >= deadline:
+                log.warning("%d key(s) could not be deleted from %s within %g s, e.g. %s", len(leftover), self.transport.location,
+                            CLEANUP_WAIT_S, failed[leftover[0]])
+                break
+            if leftover:
+                time.sleep(1.0)
+        if self.cache is not None:
+            manifest = self.cache.read_manifest()
+            stored = set(self.cache.keys())
+            manifest["count"] = len(stored)
+            manifest["complete"] = all(sid in stored for sid in self.sample_ids)
+            self.cache.write_manifest(manifest)
+        self.transport.close()
+        if self._log_file is not None:
+            self._log_file.close()
+
+    def __enter__(self) -> "StreamingSource":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

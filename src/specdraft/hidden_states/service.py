@@ -1,0 +1,353 @@
+"""A hidden-state producer service: a process that holds the target and extracts on request.
+
+Why a service: in online training the target runs on inference nodes and the trainer only names
+the samples it wants next. A producer answers ``POST /extract`` by running the target on the
+given token ids, writing the payload to a hidden-state backend (Mooncake, or a shared directory)
+under the requested key, and replying with that key only once the write has landed, so the
+consumer can fetch it at once.
+
+Protocol (JSON over HTTP, ``Authorization: Bearer TOKEN`` when the service has a token)::
+
+  GET  /health   -> 200 {"status": "ok", "target": Target.describe(), "backend", "max_batch",
+                         "requests", "batches", "largest_batch"}
+  POST /extract  {"key": "s/1#ab-0", "token_ids": [1, 2, ...],
+                  "slots": [{"layer": 1, "side": "output"}, ...],
+                  "dtype": "bfloat16",              (optional; storage dtype)
+                  "target_fingerprint": "..."}      (optional; refused with 409 if it differs)
+                 -> 200 {"key", "bytes", "num_tokens"}
+  errors         -> 4xx/5xx {"error": "what is wrong and what to do"}
+                    400 malformed request, 401 bad/missing token, 404 unknown path,
+                    409 other target, 413 body too large, 500 extraction/storage failed
+
+Batching: HTTP handler threads only validate and enqueue; one worker thread owns the model. It
+takes the first queued request, waits up to ``batch_wait_ms`` for more (at most ``max_batch``),
+runs them as right-padded batches (one per distinct slot list and dtype) and writes each payload.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES
+from specdraft.hidden_states.layers import LayerSlot
+from specdraft.targets.loading import DTYPES as TARGET_DTYPES
+from specdraft.utils.config import config_field
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_CHARS = 512
+
+
+@dataclass
+class ServiceConfig:
+    target: str = config_field(help="target name or HF model directory the producer runs")
+    backend: str = config_field(help="hidden-state backend payloads are written to (registered name: file, mooncake)")
+    store: str = config_field(
+        help="backend location: a directory shared with the trainer (file) or mooncake://HOST:PORT/NS?segment_mb=0&... "
+        "(producers should contribute no memory: segment_mb=0)"
+    )
+    host: str = config_field("127.0.0.1", help="address to bind; anything but loopback requires --token")
+    port: int = config_field(8700, help="TCP port (0 = any free port; the chosen URL is printed)")
+    token: str | None = config_field(None, help="bearer token clients must send (Authorization: Bearer TOKEN)")
+    max_batch: int = config_field(8, help="most queued requests run as one forward pass")
+    batch_wait_ms: float = config_field(5.0, help="how long the worker waits for more requests to fill a batch")
+    max_tokens: int = config_field(32768, help="longest accepted request (tokens)")
+    target_dtype: str = config_field("float32", help="dtype the target runs in", metadata={"choices": list(TARGET_DTYPES)})
+    device: str = config_field("cpu", help="device the target runs on (cpu, cuda, cuda:1, ...)")
+    num_threads: int = config_field(0, help="torch CPU threads (0 = torch's default)")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise SpecdraftError(f"--port {self.port} is not a TCP port (0-65535)")
+        for name in ("max_batch", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.batch_wait_ms < 0 or self.num_threads < 0:
+            raise SpecdraftError("--batch-wait-ms and --num-threads must be >= 0")
+        if not self.token and not is_loopback(self.host):
+            raise SpecdraftError(
+                f"--host {self.host} is reachable from other machines: pass --token SECRET (clients send it as a bearer token) "
+                "or bind 127.0.0.1"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class RequestError(Exception):
+    """A request the service refuses; ``status`` is the HTTP code sent back with the message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Job:
+    key: str
+    token_ids: Any  # LongTensor [T]
+    slots: tuple[LayerSlot, ...]
+    dtype: str
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict | None = None
+    error: RequestError | None = None
+
+
+class HiddenStateService:
+    """The producer: ``start()`` serves in background threads, ``close()`` stops; also a context manager.
+
+    ``target`` and ``backend`` may be passed pre-built (tests); otherwise they are loaded from the config.
+    """
+
+    def __init__(self, config: ServiceConfig, *, target: Any = None, backend: Any = None):
+        from specdraft.hidden_states.backends import open_backend
+
+        self.config = config
+        if config.num_threads:
+            import torch
+
+            torch.set_num_threads(config.num_threads)
+        if target is None:
+            from specdraft.targets import load_target
+
+            target = load_target(config.target, dtype=config.target_dtype, device=config.device)
+        self.target = target
+        self.target_info = target.describe()
+        self.backend = backend if backend is not None else open_backend(config.backend, config.store)
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._stats = {"requests": 0, "batches": 0, "largest_batch": 0}
+        self._stats_lock = threading.Lock()
+        self._server = ThreadingHTTPServer((config.host, config.port), _handler_class(self))
+        self._server.daemon_threads = True
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def health(self) -> dict:
+        with self._stats_lock:
+            stats = dict(self._stats)
+        return {"status": "ok", "target": self.target_info, "backend": self.config.backend, "max_batch": self.config.max_batch, **stats}
+
+    def start(self) -> "HiddenStateService":
+        self._threads = [
+            threading.Thread(target=self._worker, name="specdraft-producer-worker", daemon=True),
+            threading.Thread(target=self._server.serve_forever, name="specdraft-producer-http", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        log.info("serving hidden states of %s at %s -> %s", self.target_info["name"], self.url, self.config.store)
+        return self
+
+    def close(self) -> None:
+        """Stop accepting, finish queued requests, release the backend."""
+        if self._closing:
+            return
+        self._closing = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout=60)
+        self.backend.close()
+
+    def __enter__(self) -> "HiddenStateService":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- request handling (HTTP threads) ----------------------------------------------------------
+
+    def check_auth(self, header: str | None) -> None:
+        if not self.config.token:
+            return
+        scheme, _, given = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.config.token.encode()):
+            raise RequestError(401, "missing or wrong bearer token: send 'Authorization: Bearer TOKEN' with the producer's --token")
+
+    def submit(self, body: Any) -> dict:
+        """Validate one request, queue it and wait until its payload is stored."""
+        job = self._parse(body)
+        if self._closing:
+            raise RequestError(503, "the producer is shutting down; send the request to another producer")
+        self._queue.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result  # type: ignore[return-value]
+
+    def _parse(self, body: Any) -> _Job:
+        import torch
+
+        if not isinstance(body, dict):
+            raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        unknown = sorted(set(body) - {"key", "token_ids", "slots", "dtype", "target_fingerprint"})
+        if unknown:
+            raise RequestError(400, f"unknown field(s) {', '.join(unknown)}; send key, token_ids, slots[, dtype, target_fingerprint]")
+        key = body.get("key")
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS or not key.isprintable():
+            raise RequestError(400, f"'key' must be a non-empty printable string of at most {MAX_KEY_CHARS} characters, got {key!r:.80}")
+        wanted_fp = body.get("target_fingerprint")
+        if wanted_fp is not None and wanted_fp != self.target_info["fingerprint"]:
+            raise RequestError(
+                409,
+                f"this producer serves target {self.target_info['name']!r} (fingerprint {self.target_info['fingerprint']}), "
+                f"the request wants fingerprint {wanted_fp!r}; point the client at producers of its target",
+            )
+        ids = body.get("token_ids")
+        vocab = int(self.target_info["vocab_size"])
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise RequestError(400, "'token_ids' must be a non-empty list of integers")
+        if len(ids) > self.config.max_tokens:
+            raise RequestError(400, f"{len(ids)} tokens exceed this producer's --max-tokens {self.config.max_tokens}")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(400, f"token id {bad} is outside the target's vocabulary (0..{vocab - 1})")
+        raw_slots = body.get("slots")
+        if not isinstance(raw_slots, list) or not raw_slots:
+            raise RequestError(400, "'slots' must be a non-empty list of {\"layer\": int, \"side\": \"input\"|\"output\"}")
+        slots = []
+        for obj in raw_slots:
+            try:
+                slot = LayerSlot(int(obj["layer"]), obj["side"])
+                slot.check(int(self.target_info["num_layers"]))
+            except SpecdraftError as exc:
+                raise RequestError(400, f"slot {obj!r}: {exc}") from None
+            except (KeyError, TypeError, ValueError):
+                raise RequestError(400, f"slot {obj!r:.80} is not {{\"layer\": int, \"side\": \"input\"|\"output\"}}") from None
+            slots.append(slot)
+        dtype = body.get("dtype", "bfloat16")
+        if dtype not in STORAGE_DTYPE_NAMES:
+            raise RequestError(400, f"dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPE_NAMES)}")
+        return _Job(key=key, token_ids=torch.tensor(ids, dtype=torch.long), slots=tuple(slots), dtype=dtype)
+
+    # -- the worker (owns the model) --------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            deadline = time.monotonic() + self.config.batch_wait_ms / 1000
+            stop = False
+            while len(batch) < self.config.max_batch:
+                try:
+                    job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if job is None:
+                    stop = True
+                    break
+                batch.append(job)
+            with self._stats_lock:
+                self._stats["requests"] += len(batch)
+                self._stats["batches"] += 1
+                self._stats["largest_batch"] = max(self._stats["largest_batch"], len(batch))
+            groups: dict[tuple, list[_Job]] = {}
+            for job in batch:
+                groups.setdefault((job.slots, job.dtype), []).append(job)
+            for (slots, dtype), jobs in groups.items():
+                self._run(list(slots), dtype, jobs)
+            if stop:
+                return
+
+    def _run(self, slots: list[LayerSlot], dtype: str, jobs: list[_Job]) -> None:
+        from specdraft.hidden_states.capture import HiddenStateCapture
+        from specdraft.hidden_states.payload import HiddenStatePayload
+
+        try:
+            outputs = HiddenStateCapture(self.target.model, slots)([j.token_ids for j in jobs])
+        except Exception as exc:  # noqa: BLE001 - reported to every waiting client
+            log.exception("extraction of %d request(s) failed", len(jobs))
+            for job in jobs:
+                job.error = RequestError(500, f"extraction failed on the producer: {type(exc).__name__}: {exc}")
+                job.done.set()
+            return
+        for job, (hidden, last) in zip(jobs, outputs):
+            try:
+                payload = HiddenStatePayload.create(
+                    sample_id=job.key, target_info=self.target_info, slots=slots, token_ids=job.token_ids,
+                    hidden_states=hidden, last_hidden=last, dtype=dtype,
+                )
+                nbytes = self.backend.put(job.key, payload)
+                job.result = {"key": job.key, "bytes": nbytes, "num_tokens": payload.num_tokens}
+            except Exception as exc:  # noqa: BLE001 - reported to the waiting client
+                log.warning("storing %r in %s failed: %s", job.key, self.backend.location, exc)
+                job.error = RequestError(500, f"storing {job.key!r} in {self.backend.location} failed: {exc}")
+            job.done.set()
+
+
+def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
+    max_body = 64 + 16 * service.config.max_tokens + 64 * 1024  # ids as JSON text plus slots and key
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+            log.debug("%s %s", self.address_string(), format % args)
+
+        def _send(self, status: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _guard(self, fn) -> None:
+            try:
+                service.check_auth(self.headers.get("Authorization"))
+                self._send(200, fn())
+            except RequestError as exc:
+                self.close_connection = True
+                self._send(exc.status, {"error": str(exc)})
+
+        def do_GET(self) -> None:  # noqa: N802 - stdlib name
+            if self.path != "/health":
+                self.close_connection = True
+                self._send(404, {"error": f"no such endpoint {self.path!r}; use GET /health or POST /extract"})
+                return
+            self._guard(service.health)
+
+        def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            if self.path != "/extract":
+                self.close_connection = True
+                self._send(404, {"error": f"no such endpoint {self.path!r}; use GET /health or POST /extract"})
+                return
+            self._guard(self._extract)
+
+        def _extract(self) -> dict:
+            length = self.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                raise RequestError(411, "send the JSON body with a Content-Length header")
+            if int(length) > max_body:
+                raise RequestError(413, f"request body of {length} bytes exceeds {max_body} (--max-tokens {service.config.max_tokens})")
+            raw = self.rfile.read(int(length))
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise RequestError(400, f"the request body is not valid JSON ({exc})") from None
+            return service.submit(body)
+
+    return Handler

@@ -1,0 +1,142 @@
+"""Online training end to end on loopback: a Mooncake master, two producer processes, the trainer.
+
+Producers are separate processes (``specdraft serve-hidden-states``, i.e. spawned, never forked) with
+``segment_mb=0``; the trainer's process holds the store memory. Kept lean: a 6-layer random Llama,
+14 short samples, a 1-layer DFlash drafter, one epoch.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from specdraft.hidden_states.capture import HiddenStateCapture
+from specdraft.hidden_states.layers import spread_output_slots
+from specdraft.integrations.mooncake.master import MooncakeMaster
+from specdraft.train.config import TrainConfig
+from specdraft.train.data import DELIVERY_LOG, open_sample_source
+from specdraft.train.trainer import train
+from test_online import make_prepared
+
+pytestmark = pytest.mark.slow  # producer processes load torch and a target
+NUM = 14
+DFLASH = {"num_layers": 1, "block_size": 4, "max_anchors": 8, "intermediate_size": 64}
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    with MooncakeMaster(dir=str(tmp_path_factory.mktemp("mooncake")), port=0, lease_ttl_ms=300) as m:
+        yield m
+
+
+def location(master, namespace: str, **options) -> str:
+    admin = f"{master.state['host']}:{master.state['metrics_port']}"
+    query = "&".join(f"{k}={v}" for k, v in {"admin": admin, **options}.items())
+    return f"mooncake://{master.address}/{namespace}?{query}"
+
+
+class Producers:
+    """``count`` producer processes on free loopback ports; their URLs are read from the ready line."""
+
+    def __init__(self, target_dir, store: str, count: int, log_dir):
+        self.procs = []
+        self.urls = []
+        for i in range(count):
+            log = open(log_dir / f"producer-{i}.log", "w")
+            cmd = [sys.executable, "-m", "specdraft.cli.main", "serve-hidden-states", "--target", str(target_dir), "--backend",
+                   "mooncake", "--store", store, "--port", "0", "--num-threads", "1", "--max-batch", "4"]
+            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True))
+        for proc in self.procs:
+            line = proc.stdout.readline()
+            assert line, f"a producer exited before it was ready (see {log_dir})"
+            self.urls.append(json.loads(line)["url"])
+
+    def kill(self, i: int) -> None:
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait(timeout=30)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_target, tmp_path_factory):
+    return make_prepared(tmp_path_factory.mktemp("prepared") / "data", tiny_target, num=NUM, seed=3)
+
+
+def config(tmp_path, prepared, master, namespace, producers, tiny_llama_dir, **kw) -> TrainConfig:
+    values = dict(method="dflash", target=str(tiny_llama_dir), out=str(tmp_path / "run"), model=DFLASH, data_mode="online",
+                  dataset=str(prepared), producers=producers.urls, store=location(master, namespace, segment_mb=64, buffer_mb=8),
+                  stream_dtype="float32", prefetch=4, pack_tokens=48, batch_rows=1, val_fraction=0.0, eval_interval=0,
+                  checkpoint_interval=0, dtype="fp32", num_threads=1, seed=1)
+    values.update(kw)
+    return TrainConfig(**values)
+
+
+def delivered(out) -> list[str]:
+    return [json.loads(line)["sample_id"] for line in (out / DELIVERY_LOG).read_text().splitlines()]
+
+
+def test_online_training_with_two_producers(master, prepared, tiny_llama_dir, tiny_target, tmp_path):
+    with_producers = Producers(tiny_llama_dir, location(master, "e2e", segment_mb=0), 2, tmp_path)
+    try:
+        cfg = config(tmp_path, prepared, master, "e2e", with_producers, tiny_llama_dir)
+        # what the trainer will receive equals a local capture of the same tokens
+        with open_sample_source(cfg) as source:
+            slots = spread_output_slots(tiny_target.num_layers)
+            assert source.slots == slots
+            capture = HiddenStateCapture(tiny_target.model, slots)
+            for i in (0, 5):
+                item = source[i]
+                hidden, last = capture([item["token_ids"]])[0]
+                torch.testing.assert_close(item["hidden_states"], hidden, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(item["last_hidden"], last, rtol=1e-5, atol=1e-5)
+        os.remove(tmp_path / "run" / DELIVERY_LOG)
+        result = train(cfg)
+    finally:
+        with_producers.close()
+    assert result.completed and result.step == result.total_steps > 1
+    counts = collections.Counter(delivered(tmp_path / "run"))
+    assert set(counts.values()) == {1} and len(counts) == NUM  # one epoch: every sample exactly once
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["fetch_fraction"] <= 1.0 for r in records if r["split"] == "train")
+    assert master.metrics()["master_key_count"] == 0  # nothing left in the store
+
+
+def test_killing_a_producer_mid_run_loses_no_sample(master, prepared, tiny_llama_dir, tmp_path):
+    with_producers = Producers(tiny_llama_dir, location(master, "fault", segment_mb=0), 2, tmp_path)
+    try:
+        cfg = config(tmp_path, prepared, master, "fault", with_producers, tiny_llama_dir, prefetch=6)
+        source = open_sample_source(cfg)
+
+        def kill_after_three() -> None:
+            deadline = time.monotonic() + 300
+            while len(source.delivered) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with_producers.kill(1)
+
+        killer = threading.Thread(target=kill_after_three)
+        killer.start()
+        with source:
+            result = train(cfg, dataset=source)
+        killer.join()
+    finally:
+        with_producers.close()
+    assert result.completed
+    assert source.counters["retries"] >= 1
+    assert sorted(source.delivered) == sorted(f"on/{i}" for i in range(NUM))  # exactly once each
+    assert delivered(tmp_path / "run") == source.delivered
+    assert master.metrics()["master_key_count"] == 0
