@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "specdraft.cli.generate",
     "specdraft.cli.serve",
     "specdraft.cli.eval",
+    "specdraft.cli.calibrate",
 ]
 
 

@@ -23,6 +23,9 @@ class DSparkConfig(DFlashConfig):
     l1_weight: float = config_field(0.9, help="weight of the ||p_d - p_t||_1 term")
     bce_weight: float = config_field(1.0, help="weight of the confidence-head BCE term")
     loss_gamma: float | None = config_field(4.0, help="position weights exp(-k/loss_gamma) over block positions k = 1..B")
+    confidence_temperatures: list[float] = config_field(
+        [], help="per-position confidence temperatures from Sequential Temperature Scaling (`specdraft calibrate`); empty = uncalibrated"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -31,3 +34,8 @@ class DSparkConfig(DFlashConfig):
         if self.markov_rank < 1:
             raise SpecdraftError(f"dspark config: markov_rank must be >= 1, got {self.markov_rank}")
         MARKOV_HEADS.get(self.markov_head)
+        temps = self.confidence_temperatures
+        if temps and (len(temps) != self.block_size or not all(t > 0 for t in temps)):
+            raise SpecdraftError(
+                f"dspark config: confidence_temperatures must hold block_size={self.block_size} positive values, got {temps}"
+            )

@@ -16,7 +16,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import DrafterBatch, TrainOutput
-from specdraft.models.common.anchors import block_labels
+from specdraft.models.common.anchors import block_labels, sample_anchors
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import DraftProposal, sample_token
@@ -80,15 +80,27 @@ class DSparkDrafter(DFlashDrafter):
         return logits, self.confidence_logits(hidden, prev_emb)
 
     # ----- training ------------------------------------------------------------------------
-    def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> TrainOutput:
-        c = self.config
-        norm = self.require_verifier()
+    def teacher_forced_blocks(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Gather, for every valid block, what its positions are scored against.
+
+        Returns (N valid blocks, B slots): ``hidden`` [N,B,D], ``prev_ids`` [N,B] (x_{k-1}, teacher-forced),
+        ``target_hidden`` [N,B,D] (final-norm input at the predicted position's context), ``labels`` [N,B],
+        ``valid`` [N,B] (supervision stops at the first invalid label) and ``blocks`` [R,A] (which anchors
+        were valid, to scatter results back).
+        """
         labels, valid, pos = block_labels(batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device))
         src = (pos - 1).clamp(min=0)  # slot k sits at anchor+k: its p_t and its previous token x_{k-1}
         prev_ids = torch.gather(batch.token_ids, 1, src.flatten(1)).view_as(src)
         target_h = torch.gather(batch.last_hidden, 1, src.flatten(1)[..., None].expand(-1, -1, batch.last_hidden.shape[-1]))
         target_h = target_h.view(*src.shape, -1).to(hidden.dtype)
         blocks = valid[..., 0]
+        return {"hidden": hidden[blocks], "prev_ids": prev_ids[blocks], "target_hidden": target_h[blocks],
+                "labels": labels[blocks], "valid": valid[blocks], "blocks": blocks, "all_valid": valid}
+
+    def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> TrainOutput:
+        c = self.config
+        norm = self.require_verifier()
+        tf = self.teacher_forced_blocks(batch, anchors, hidden)
 
         def rows(h, prev, th, lab):
             logits, conf = self.corrected_block(h, prev)
@@ -96,17 +108,43 @@ class DSparkDrafter(DFlashDrafter):
             return ce, l1, bce, logits.argmax(-1) == lab
 
         ce, l1, bce, ok = chunked_rows(
-            rows, hidden[blocks], prev_ids[blocks], target_h[blocks], labels[blocks], chunk_rows=max(1, c.loss_chunk_rows // c.block_size)
+            rows, tf["hidden"], tf["prev_ids"], tf["target_hidden"], tf["labels"], chunk_rows=max(1, c.loss_chunk_rows // c.block_size)
         )
-        v = valid[blocks]
+        v = tf["valid"]
         w = position_weights(c.block_size, c.gamma, device=hidden.device)
         terms = {"ce": weighted_mean(ce, w, v), "l1": weighted_mean(l1, w, v), "bce": weighted_mean(bce, w, v)}
         loss = c.ce_weight * terms["ce"] + c.l1_weight * terms["l1"] + c.bce_weight * terms["bce"]
+        valid = tf["all_valid"]
         correct = torch.zeros_like(valid)
-        correct[blocks] = ok & v
+        correct[tf["blocks"]] = ok & v
         acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1))
         metrics = {"loss": float(loss.detach()), **{k: float(t.detach()) for k, t in terms.items()}}
         return TrainOutput(loss=loss, metrics=metrics, position_acc=acc, position_cond_acc=cond, position_count=count)
+
+    @torch.no_grad()
+    def confidence_records(self, batch: DrafterBatch, *, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Raw confidence logits and what actually happened, per block position, for calibration.
+
+        Returns [N, B] tensors: ``logits`` (uncalibrated confidence logits), ``greedy_accept`` (1 where the
+        draft argmax equals the target argmax: acceptance under greedy verification), ``soft_accept``
+        (1 - 0.5*||p_d - p_t||_1: acceptance probability under rejection sampling at T=1), ``valid``.
+        """
+        if self.confidence_head is None:
+            raise SpecdraftError("this dspark drafter has no confidence head (enable_confidence_head is false); nothing to calibrate")
+        norm = self.require_verifier()
+        anchors = sample_anchors(batch.segment_ids, batch.loss_mask, max_per_segment=self.config.max_anchors, generator=generator)
+        tf = self.teacher_forced_blocks(batch, anchors, self.forward_blocks(batch, anchors))
+
+        def rows(h, prev, th):
+            logits, conf = self.corrected_block(h, prev)
+            target_logits = self.verifier_lm_head(norm(th))
+            l1 = (torch.softmax(logits.float(), -1) - torch.softmax(target_logits.float(), -1)).abs().sum(-1)
+            return conf.float(), (logits.argmax(-1) == target_logits.argmax(-1)).float(), (1 - 0.5 * l1).clamp(0, 1)
+
+        conf, greedy, soft = chunked_rows(
+            rows, tf["hidden"], tf["prev_ids"], tf["target_hidden"], chunk_rows=max(1, self.config.loss_chunk_rows // self.config.block_size)
+        )
+        return {"logits": conf, "greedy_accept": greedy, "soft_accept": soft, "valid": tf["valid"]}
 
     # ----- inference -----------------------------------------------------------------------
     def propose(self, hidden: torch.Tensor, *, anchor_token: int, temperature: float, generator: torch.Generator | None) -> DraftProposal:
@@ -120,6 +158,8 @@ class DSparkDrafter(DFlashDrafter):
             bias, state = self.markov_head.step(state, prev_emb, hidden[k : k + 1])
             token, p = sample_token(base[k] + bias[0], temperature=temperature, generator=generator)
             conf = self.confidence_logits(hidden[k : k + 1], prev_emb)
+            if conf is not None and self.config.confidence_temperatures:
+                conf = conf / self.config.confidence_temperatures[k]
             tokens.append(token)
             probs.append(p)
             if conf is not None:

@@ -1,0 +1,92 @@
+"""``specdraft calibrate``: fit a DSpark drafter's confidence temperatures on held-out hidden states.
+
+The held-out samples are the trainer's validation split (same id hashing and ``val_fraction``),
+so calibration never sees data the drafter was trained on. The temperatures are stored in the
+checkpoint's config (``specdraft.config.confidence_temperatures``) and the fit statistics in
+``calibration.json`` beside it; the checkpoint directory is replaced atomically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdraft.errors import SpecdraftError
+from specdraft.utils.config import config_field
+
+ACCEPT_MODES = {"greedy": "greedy_accept", "sampling": "soft_accept"}
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    drafter: str = config_field(help="DSpark checkpoint directory to calibrate (rewritten in place unless --out is given)")
+    data: str = config_field(help="hidden-state store written by `specdraft extract` (its validation split is used)")
+    out: str = config_field("", help="write the calibrated checkpoint here instead of overwriting --drafter")
+    target: str = config_field("", help="target model (default: the one recorded in the hidden-state store)")
+    mode: str = config_field(
+        "greedy", help="acceptance to calibrate for: greedy (argmax match) or sampling (1 - 0.5*L1 at T=1)",
+        metadata={"choices": sorted(ACCEPT_MODES)},
+    )
+    val_fraction: float = config_field(0.05, help="fraction of samples held out, chosen by hashing ids exactly as `specdraft train` does")
+    max_samples: int = config_field(256, help="use at most this many held-out samples")
+    pack_tokens: int = config_field(2048, help="tokens per packed row while scoring")
+    seed: int = config_field(0, help="seed of the anchor sampling")
+
+    def __post_init__(self) -> None:
+        if self.mode not in ACCEPT_MODES:
+            raise SpecdraftError(f"--mode must be one of {sorted(ACCEPT_MODES)}, got {self.mode!r}")
+        if not 0 < self.val_fraction <= 1:
+            raise SpecdraftError(f"--val-fraction must be in (0, 1], got {self.val_fraction}")
+        if self.max_samples < 1 or self.pack_tokens < 2:
+            raise SpecdraftError("--max-samples must be >= 1 and --pack-tokens >= 2")
+
+
+def calibrate(config: CalibrateConfig, *, target: Any = None, progress: bool = True) -> dict:
+    """Fit and store the temperatures; returns the statistics written to ``calibration.json``."""
+    import dataclasses
+
+    import torch
+    from tqdm import tqdm
+
+    from specdraft.hidden_states.dataset import HiddenStateDataset
+    from specdraft.models.common.drafter import load_drafter
+    from specdraft.models.dspark.calibration import sequential_temperature_scaling
+    from specdraft.targets import load_target
+    from specdraft.train.data import collate, pack_rows, select_slots, split_by_id
+    from specdraft.utils.io import atomic_write_json
+
+    dataset = HiddenStateDataset(config.data)
+    if target is None:
+        target = load_target(config.target or dataset.target_info["name"])
+    drafter = load_drafter(config.drafter, target=target).eval()
+    if not hasattr(drafter, "confidence_records"):
+        raise SpecdraftError(f"{config.drafter}: a {drafter.method} drafter has no confidence head; only dspark drafters are calibrated")
+    slot_index = select_slots(dataset.slots, drafter.config.slots(), where=config.data)
+    _, held_out = split_by_id(dataset.sample_ids, config.val_fraction)
+    if not held_out:
+        raise SpecdraftError(
+            f"{config.data}: no sample falls in the held-out split (val_fraction {config.val_fraction} of "
+            f"{len(dataset.sample_ids)} samples); raise --val-fraction"
+        )
+    held_out = held_out[: config.max_samples]
+    lengths = dataset.lengths()  # indexed by sample index
+    rows = pack_rows(held_out, lengths, config.pack_tokens)
+    generator = torch.Generator().manual_seed(config.seed)
+    parts: dict[str, list[torch.Tensor]] = {}
+    for row in tqdm(rows, desc="calibrate", unit="row", disable=not progress):
+        batch = collate([[dataset[i] for i in row]], pack_tokens=config.pack_tokens, slot_index=slot_index)
+        for key, value in drafter.confidence_records(batch, generator=generator).items():
+            parts.setdefault(key, []).append(value.cpu())
+    records = {k: torch.cat(v) for k, v in parts.items()}
+    if records["valid"].numel() == 0 or not records["valid"][:, 0].any():
+        raise SpecdraftError(f"{config.data}: the held-out samples contain no response tokens to calibrate on")
+    result = sequential_temperature_scaling(
+        logits=records["logits"], accept=records[ACCEPT_MODES[config.mode]], valid=records["valid"].bool()
+    )
+    drafter.config = dataclasses.replace(drafter.config, confidence_temperatures=result.temperatures)
+    out = Path(config.out or config.drafter)
+    drafter.save_pretrained(out)
+    stats = {"mode": config.mode, "samples": len(held_out), "blocks": int(records["valid"][:, 0].sum()), **result.to_json()}
+    atomic_write_json(out / "calibration.json", stats)
+    return stats
