@@ -101,11 +101,15 @@ def bench_trainer(target, prepared, store: str, urls: list[str], out: Path, args
     result = train(cfg, target=target)
     seconds = time.perf_counter() - start
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["split"] == "train"][1:]  # the first step waits for the pipeline to fill
-    fetch = sum(r["fetch_fraction"] * r["seconds"] for r in steps) / max(sum(r["seconds"] for r in steps), 1e-9)
-    return {"producers": len(urls), "steps": result.step, "seconds": round(seconds, 2),
-            "steps_per_s": round(result.step / seconds, 3), "fetch_fraction_after_step_1": round(fetch, 3),
-            "first_step_s": round(records[0]["seconds"], 2)}
+    train_records = [r for r in records if r["split"] == "train"]
+
+    def fraction(rs: list[dict]) -> float:
+        return round(sum(r["fetch_fraction"] * r["seconds"] for r in rs) / max(sum(r["seconds"] for r in rs), 1e-9), 3)
+
+    return {"producers": len(urls), "steps": result.step, "seconds": round(seconds, 2), "steps_per_s": round(result.step / seconds, 3),
+            "fetch_fraction": fraction(train_records),
+            "fetch_fraction_after_step_1": fraction(train_records[1:]),  # the first step waits for the pipeline to fill
+            "first_step_s": round(train_records[0]["seconds"], 2)}
 
 
 def main() -> None:
@@ -159,9 +163,9 @@ def main() -> None:
     print(f"{'delivery':32} {'samples/s':>10} {'MB/s':>8}")
     for name, r in results["delivery"].items():
         print(f"{name:32} {r['samples_per_s']:>10} {r['MB_per_s']:>8}")
-    print(f"{'trainer (mooncake)':32} {'steps/s':>10} {'fetch fraction':>15}")
+    print(f"{'trainer (mooncake)':32} {'steps/s':>10} {'fetch fraction':>15} {'after step 1':>13}")
     for r in results["trainer"]:
-        print(f"{str(r['producers']) + ' producer(s)':32} {r['steps_per_s']:>10} {r['fetch_fraction_after_step_1']:>15}")
+        print(f"{str(r['producers']) + ' producer(s)':32} {r['steps_per_s']:>10} {r['fetch_fraction']:>15} {r['fetch_fraction_after_step_1']:>13}")
     print(json.dumps(results))
 
 

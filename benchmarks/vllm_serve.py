@@ -35,7 +35,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", required=True, help="drafter checkpoint directory (eagle3 or dflash on vLLM-CPU)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default: %(default)s)")
-    parser.add_argument("--vllm-args", default="--max-model-len 1024", help="extra vLLM api_server flags (default: %(default)s)")
+    parser.add_argument("--requests", type=int, default=len(PROMPTS), help=f"requests per server, at most {len(PROMPTS)} (default: %(default)s)")
+    parser.add_argument("--vllm-args", default="--max-model-len 1024 --dtype float32", help="extra vLLM api_server flags (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="also write the JSON result here")
     args = parser.parse_args()
 
@@ -47,7 +48,7 @@ def main() -> None:
     info = read_drafter_info(args.drafter)
     target = load_target(info.target)
     prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-               for p in PROMPTS]
+               for p in PROMPTS[: args.requests]]
     prompts = [list(p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p) for p in prompts]
     result: dict = {"target": info.target, "drafter": args.drafter, "method": info.method, "max_tokens": args.max_tokens,
                     "requests": len(prompts), "vllm_args": args.vllm_args}

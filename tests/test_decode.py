@@ -201,7 +201,7 @@ class DistributionProposer(Proposer):
     def __init__(self, logits: torch.Tensor, confidence: torch.Tensor | None = None):
         self.logits = logits
         self.confidence = confidence
-        self.provides_confidences = confidence is not None
+        self.provides_confidences = self.confidences_calibrated = confidence is not None
 
     def propose(self, inputs: ProposalInput) -> Draft:
         width = int(inputs.max_draft.max())

@@ -21,7 +21,8 @@ from test_models_support import VOCAB, make_target
 SMALL = {
     "eagle3": {"draft_vocab_size": VOCAB},
     "dflash": {"block_size": 4, "num_layers": 1},
-    "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 16},
+    "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 16, "confidence_temperatures": [1.5, 1.2, 1.0, 0.8]},
+    "dspark-uncalibrated": {"block_size": 4, "num_layers": 1, "markov_rank": 16},
 }
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
 
@@ -35,7 +36,7 @@ def target():
 def checkpoints(target, tmp_path_factory):
     out = {}
     for method, overrides in SMALL.items():
-        spec = METHODS.get(method)
+        spec = METHODS.get(method.split("-")[0])
         torch.manual_seed(1)
         drafter = spec.build(spec.config_cls(**overrides), target, counts=torch.arange(VOCAB, dtype=torch.int64))
         out[method] = tmp_path_factory.mktemp(method)
@@ -79,6 +80,13 @@ def test_drafter_checkpoint_errors(target, checkpoints):
         config = DecodeConfig(drafter="dflash", drafter_path=str(checkpoints["dflash"]))
         SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(),
                            scheduler=SchedulerConfig("scheduled"), sps=SpsTable((1,), (1.0,)))
+    config = DecodeConfig(drafter="dspark", drafter_path=str(checkpoints["dspark-uncalibrated"]))
+    with pytest.raises(SpecdraftError, match="not calibrated.*specdraft calibrate"):
+        SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(),
+                           scheduler=SchedulerConfig("scheduled"), sps=SpsTable((1,), (1.0,)))
+    # the threshold policy only compares confidences with a user-chosen level: no calibration required
+    SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(),
+                       scheduler=SchedulerConfig("threshold"))
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])

@@ -176,3 +176,14 @@ def test_mismatched_target_and_missing_options(prepared, transport, producers, t
         DATA_MODES.get("streaming")
     with DATA_MODES.get("online")(options(prepared, transport, [producers[0].url])) as source:
         assert isinstance(source, StreamingSource)
+
+
+def test_train_config_data_mode_fields():
+    from specdraft.train.config import TrainConfig
+
+    cfg = TrainConfig(data_mode="online", producers=[" http://127.0.0.1:1 ", ""], prefetch=2)
+    assert cfg.producers == ["http://127.0.0.1:1"]
+    with pytest.raises(SpecdraftError, match="unknown data mode 'streamed'; choose one of: hybrid, offline, online"):
+        TrainConfig(data_mode="streamed")
+    with pytest.raises(SpecdraftError, match="prefetch must be >= 1"):
+        TrainConfig(prefetch=0)

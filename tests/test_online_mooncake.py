@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from specdraft.cli.main import main
 from specdraft.hidden_states.capture import HiddenStateCapture
 from specdraft.hidden_states.layers import spread_output_slots
 from specdraft.integrations.mooncake.master import MooncakeMaster
@@ -90,7 +91,8 @@ def delivered(out) -> list[str]:
     return [json.loads(line)["sample_id"] for line in (out / DELIVERY_LOG).read_text().splitlines()]
 
 
-def test_online_training_with_two_producers(master, prepared, tiny_llama_dir, tiny_target, tmp_path):
+def test_online_training_with_two_producers(master, prepared, tiny_llama_dir, tiny_target, tmp_path, capsys):
+    """`specdraft train --data-mode online --producers URL1,URL2 --store mooncake://...`"""
     with_producers = Producers(tiny_llama_dir, location(master, "e2e", segment_mb=0), 2, tmp_path)
     try:
         cfg = config(tmp_path, prepared, master, "e2e", with_producers, tiny_llama_dir)
@@ -105,10 +107,16 @@ def test_online_training_with_two_producers(master, prepared, tiny_llama_dir, ti
                 torch.testing.assert_close(item["hidden_states"], hidden, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(item["last_hidden"], last, rtol=1e-5, atol=1e-5)
         os.remove(tmp_path / "run" / DELIVERY_LOG)
-        result = train(cfg)
+        argv = ["train", "--method", "dflash", "--target", str(tiny_llama_dir), "--out", str(tmp_path / "run"), "--data-mode", "online",
+                "--dataset", str(prepared), "--producers", ",".join(with_producers.urls), "--store", cfg.store,
+                "--stream-dtype", "float32", "--prefetch", "4", "--model", "num_layers=1,block_size=4,max_anchors=8,intermediate_size=64",
+                "--pack-tokens", "48", "--val-fraction", "0", "--eval-interval", "0", "--checkpoint-interval", "0", "--dtype", "fp32",
+                "--num-threads", "1"]
+        assert main(argv) == 0
     finally:
         with_producers.close()
-    assert result.completed and result.step == result.total_steps > 1
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["completed"] and result["step"] == result["total_steps"] > 1
     counts = collections.Counter(delivered(tmp_path / "run"))
     assert set(counts.values()) == {1} and len(counts) == NUM  # one epoch: every sample exactly once
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
@@ -140,3 +148,29 @@ def test_killing_a_producer_mid_run_loses_no_sample(master, prepared, tiny_llama
     assert sorted(source.delivered) == sorted(f"on/{i}" for i in range(NUM))  # exactly once each
     assert delivered(tmp_path / "run") == source.delivered
     assert master.metrics()["master_key_count"] == 0
+
+
+def test_a_master_restart_stops_training_with_a_clear_error(tiny_llama_dir, tiny_target, tmp_path):
+    from specdraft.errors import SpecdraftError
+    from specdraft.hidden_states.layers import LayerSlot
+    from specdraft.hidden_states.online import DATA_MODES, SourceOptions
+    from specdraft.integrations.mooncake.master import free_port
+
+    data = make_prepared(tmp_path / "data", tiny_target, num=4)
+    port = free_port()
+    first = MooncakeMaster(dir=str(tmp_path / "m1"), port=port, lease_ttl_ms=300).__enter__()
+    with_producers = None
+    try:
+        with_producers = Producers(tiny_llama_dir, location(first, "restart", segment_mb=0), 1, tmp_path)
+        options = SourceOptions(data=None, dataset=str(data), producers=with_producers.urls, slots=lambda n: [LayerSlot(1, "output")],
+                                store=location(first, "restart", segment_mb=32, buffer_mb=8, wait_s=5), prefetch=1, timeout_s=30)
+        with DATA_MODES.get("online")(options) as source:
+            assert source[0]["sample_id"] == "on/0"
+            first.__exit__()
+            with MooncakeMaster(dir=str(tmp_path / "m2"), port=port, lease_ttl_ms=300):
+                with pytest.raises(SpecdraftError, match=r"every producer failed .*storing .*RPC_FAIL.*Mooncake master restart"):
+                    source[1]
+    finally:
+        if with_producers is not None:
+            with_producers.close()
+        first.__exit__()

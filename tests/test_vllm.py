@@ -24,6 +24,8 @@ from specdraft.hidden_states.extract import extract_hidden_states
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.integrations.vllm.extract import capture_plan
 from specdraft.integrations.vllm.serve import DrafterInfo
+from specdraft.models.dflash.config import DFlashConfig
+from specdraft.models.eagle3.config import Eagle3Config
 from specdraft.utils.config import dataclass_from_args
 
 LENGTHS = (9, 17, 5, 33)
@@ -132,9 +134,9 @@ def varied_tiny_target(directory: Path, tokenizer_dir: Path):
     return load_target(str(directory))
 
 
-DRAFTERS = {  # method -> (config class path, config kwargs); random weights, 3 draft tokens per round
-    "eagle3": ("specdraft.models.eagle3.config:Eagle3Config", dict(layers="input:1,input:3,input:4", draft_vocab_size=10**6, ttt_steps=3)),
-    "dflash": ("specdraft.models.dflash.config:DFlashConfig", dict(layers="output:1,output:3", num_layers=1, block_size=4)),
+DRAFTERS = {  # method -> config of a random drafter with 3 draft tokens per round
+    "eagle3": lambda: Eagle3Config(layers="input:1,input:3,input:4", draft_vocab_size=10**6, ttt_steps=3),
+    "dflash": lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4),
 }
 
 
@@ -153,8 +155,12 @@ def cli_server(drafter: Path, vllm_args: str):
         else:
             pytest.fail("specdraft serve exited before serving:\n" + "".join(lines))
     finally:
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 130
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)  # `specdraft serve` stops its vLLM engine and exits 130
+            try:
+                assert process.wait(timeout=60) == 130
+            finally:
+                process.kill()
 
 
 @pytest.mark.slow
@@ -162,18 +168,14 @@ def cli_server(drafter: Path, vllm_args: str):
 def test_vllm_serves_drafter_with_target_greedy_outputs(method, via_cli, smollm2_dir, tmp_path):
     """A random drafter written by specdraft: vLLM loads it, drafts every round, and greedy text is the target's.
     One case goes through the library, the other through the ``specdraft serve`` command."""
-    import importlib
-
     from specdraft.integrations.vllm.engine import complete
     from specdraft.integrations.vllm.metrics import read_spec_decode_metrics
     from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_drafter_info
     from specdraft.models import METHODS
 
     target = varied_tiny_target(tmp_path / "target", smollm2_dir)
-    module, _, name = DRAFTERS[method][0].partition(":")
-    config_cls = getattr(importlib.import_module(module), name)
     torch.manual_seed(0)
-    METHODS.get(method).build(config_cls(**DRAFTERS[method][1]), target).save_pretrained(tmp_path / method)
+    METHODS.get(method).build(DRAFTERS[method](), target).save_pretrained(tmp_path / method)
     assert read_drafter_info(tmp_path / method) == DrafterInfo(method, 3, str(tmp_path / "target"))
 
     g = torch.Generator().manual_seed(0)

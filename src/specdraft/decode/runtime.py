@@ -176,6 +176,12 @@ class SpeculativeDecoder:
                 f"verify policy {scheduler.verify_policy!r} needs draft confidences, which the {config.drafter!r} drafter "
                 "does not produce; use --verify-policy full (or a DSpark drafter)"
             )
+        if policy.needs_calibration and not proposer.confidences_calibrated:
+            raise SpecdraftError(
+                f"verify policy {scheduler.verify_policy!r} reads the drafter's confidences as acceptance probabilities, "
+                f"but this {config.drafter} checkpoint is not calibrated; run `specdraft calibrate --drafter "
+                f"{config.drafter_path or 'DIR'} --data HIDDEN_STATES` first"
+            )
         if policy.needs_sps and sps is None:
             raise SpecdraftError(f"verify policy {scheduler.verify_policy!r} needs the target's steps/s profile (sps)")
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

@@ -60,6 +60,7 @@ class VerifyPolicy:
     choose: Callable[[torch.Tensor | None, torch.Tensor, SchedulerConfig, StepRate | None], torch.Tensor]
     needs_confidences: bool
     needs_sps: bool
+    needs_calibration: bool = False  # treats confidences as probabilities, so they must be calibrated
 
 
 VERIFY_POLICIES: Registry[VerifyPolicy] = Registry("verify policy")
@@ -113,7 +114,7 @@ def _verify_scheduled(survival: torch.Tensor, lengths: torch.Tensor, config: Sch
 
 VERIFY_POLICIES.register("full")(VerifyPolicy(_verify_all, needs_confidences=False, needs_sps=False))
 VERIFY_POLICIES.register("threshold")(VerifyPolicy(_verify_above_threshold, needs_confidences=True, needs_sps=False))
-VERIFY_POLICIES.register("scheduled")(VerifyPolicy(_verify_scheduled, needs_confidences=True, needs_sps=True))
+VERIFY_POLICIES.register("scheduled")(VerifyPolicy(_verify_scheduled, needs_confidences=True, needs_sps=True, needs_calibration=True))
 
 
 def choose_verify_lengths(

@@ -137,7 +137,11 @@ class ProducerClient:
             live = [u for u in self.urls if u not in self._down]
             if not live:
                 reasons = "; ".join(reason for _, reason in self._down.values())
-                raise SpecdraftError(f"every producer failed ({reasons}); restart them (`specdraft serve-hidden-states`) and resume")
+                raise SpecdraftError(
+                    f"every producer failed ({reasons}). If they are down, restart them (`specdraft serve-hidden-states`); if they "
+                    "report storage errors (e.g. RPC_FAIL after a Mooncake master restart, which loses every object), fix the "
+                    "store, restart the producers, then rerun training to resume from its last checkpoint"
+                )
             fresh = [u for u in live if u not in avoid] or live
             tie = next(self._order)
             url = min(fresh, key=lambda u: (self._inflight[u], (self.urls.index(u) - tie) % len(self.urls)))

@@ -382,7 +382,11 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         replica.load_state_dict({k[len(prefix):]: v for k, v in model_state.items() if k.startswith(prefix)}, strict=False)
         return replica
 
+    last_saved = int(saved["step"]) if saved is not None else -1  # the newest checkpoint's step
+
     def save(at_step: int) -> Path:
+        nonlocal last_saved
+        last_saved = at_step
         path = out / ckpt.CHECKPOINTS / f"step-{at_step}"
         model_state, optim_state = _full_states(wrapped, optimizer, frozen)  # a collective: every rank calls it
         epoch, in_epoch = plan.locate(at_step)
@@ -482,8 +486,8 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     final = None
     if stopped_by is None and not already_done:
         evaluate(step)
-        if not any(s == step for s, _ in ckpt.list_checkpoints(out)):
-            save(step)
+        if last_saved != step:  # decided from this process's own record: every rank must agree, and
+            save(step)  # rank 0 may already be writing while a slower rank would look at the disk
     if stopped_by != "signal":
         final = out / ckpt.FINAL
         module = drafter

@@ -21,10 +21,11 @@ from specdraft.errors import SpecdraftError
 class DrafterProposer(Proposer):
     """Shared per-request loop: one drafter call per row, stacked into a ``Draft``."""
 
-    def __init__(self, drafter: Any, *, provides_confidences: bool = False):
+    def __init__(self, drafter: Any, *, provides_confidences: bool = False, confidences_calibrated: bool = False):
         self.drafter = drafter.eval()
         self.layer_slots = tuple(drafter.config.slots())
         self.provides_confidences = provides_confidences
+        self.confidences_calibrated = confidences_calibrated
         self.caches: dict[int, Any] = {}
 
     @abstractmethod
@@ -123,4 +124,8 @@ def build_dflash(config: DecodeConfig, target: Any) -> Proposer:
 @PROPOSERS.register("dspark")
 def build_dspark(config: DecodeConfig, target: Any) -> Proposer:
     drafter = load_checkpoint(config, target)
-    return BlockDrafterProposer(drafter, provides_confidences=drafter.confidence_head is not None)
+    return BlockDrafterProposer(
+        drafter,
+        provides_confidences=drafter.confidence_head is not None,
+        confidences_calibrated=bool(drafter.config.confidence_temperatures),
+    )
