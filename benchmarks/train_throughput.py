@@ -2,7 +2,7 @@
 
 Builds (once, under --work) a small prepared ShareGPT dataset for the target and hidden-state
 stores with each method's layer preset, then trains every method for --steps steps from its recipe
-in ``configs/`` (checkpoints off) and reports the median over the steps after the first (warm-up)
+in ``specdraft/recipes/`` (checkpoints off) and reports the median over the steps after the first (warm-up)
 of the per-step rates the trainer logs to metrics.jsonl.
 
     .venv/bin/python benchmarks/train_throughput.py --work runs/bench-train --steps 6 --threads 2
@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def ensure_stores(work: Path, target: str, samples: int, methods: list[str]) -> dict[str, Path]:
@@ -51,7 +50,7 @@ def measure(method: str, store: Path, out: Path, args: argparse.Namespace) -> di
     shutil.rmtree(out, ignore_errors=True)
     overrides = {"data": str(store), "out": str(out), "max_steps": args.steps, "checkpoint_interval": 0, "eval_interval": 0,
                  "val_fraction": 0.0, "num_threads": args.threads, "dtype": args.dtype, "pack_tokens": args.pack_tokens}
-    cfg = resolve_config(ROOT / "configs" / f"{method}.yaml", overrides)
+    cfg = resolve_config(method, overrides)
     started = time.perf_counter()
     train(cfg)
     wall = time.perf_counter() - started

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The main job on the embedded default target (SmolLM2-135M-Instruct): see README.
+# The main job on the embedded default target (SmolLM2-135M-Instruct): `specdraft quickstart`
+# (prepare + regenerate, extract, train a DSpark drafter within the budget, calibrate, evaluate
+# against autoregressive decoding and ngram). Extra arguments go to the quickstart, e.g. --budget 30.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/bootstrap.sh
-out="${1:-runs/main}"
-.venv/bin/specdraft prepare --data sharegpt --max-samples 32 --regenerate --max-new-tokens 96 --out "$out/data"
-.venv/bin/specdraft extract --dataset "$out/data" --method dspark --out "$out/hidden_states"
+exec .venv/bin/specdraft quickstart "$@"

@@ -78,3 +78,10 @@ def test_eval_cli_errors_are_clear(tmp_path, capsys):
     assert "holds no prompts" in capsys.readouterr().err
     assert main(["eval", "--out", str(tmp_path / "o"), "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_drafter_policy_suffix(tmp_path):
+    spec = resolve_drafter("ngram@full", num_draft_tokens=4, max_new_tokens=8, seed=0)
+    assert spec.label == "ngram@full" and spec.verify_policy == "full"
+    with pytest.raises(SpecdraftError, match="unknown verify policy"):
+        resolve_drafter("ngram@sometimes", num_draft_tokens=4, max_new_tokens=8, seed=0)

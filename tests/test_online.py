@@ -10,11 +10,12 @@ import torch
 
 from specdraft.data.dataset import write_prepared
 from specdraft.errors import SpecdraftError
-from specdraft.hidden_states.backends.file import FileBackend
 from specdraft.hidden_states.capture import HiddenStateCapture
 from specdraft.hidden_states.dataset import HiddenStateDataset
 from specdraft.hidden_states.layers import LayerSlot
-from specdraft.hidden_states.online import DATA_MODES, SourceOptions, StreamingSource
+from specdraft.data.dataset import PreparedDataset
+from specdraft.hidden_states.backends.file import FileBackend
+from specdraft.hidden_states.online import DATA_MODES, ProducerClient, SourceOptions, StreamingSource
 from specdraft.hidden_states.service import HiddenStateService, ServiceConfig
 
 SLOTS = [LayerSlot(1, "output"), LayerSlot(4, "output")]
@@ -99,11 +100,26 @@ def test_requests_to_a_producer_that_died_go_to_another(prepared, transport, pro
     doomed = HiddenStateService(ServiceConfig(target="tiny", backend="file", store=str(transport), port=0),
                                 target=producers[1].target).start()  # producers[1] gets no requests here
     with DATA_MODES.get("online")(options(prepared, transport, [doomed.url, dead_url(), producers[0].url])) as source:
-        assert set(source.client._down) == {source.client.urls[1]}  # found dead when the source opened
+        assert set(source.client.unavailable()) == {source.client.urls[1]}  # found dead when the source opened
         doomed.close()
         source.start(range(NUM))
         assert [source[i]["sample_id"] for i in range(NUM)] == [f"on/{i}" for i in range(NUM)]
         assert source.counters["retries"] >= 1 and source.counters["requests"] == NUM + source.counters["retries"]
+    assert stored_files(transport) == []
+
+
+def test_a_producer_that_does_not_answer_times_out_and_is_bypassed(prepared, transport, producers):
+    with socket.socket() as silent:  # accepts connections (kernel backlog) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        hung = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        client = ProducerClient([hung, producers[0].url], timeout_s=1.0)
+        with StreamingSource(prepared=PreparedDataset(prepared), client=client, transport=FileBackend(transport),
+                             target_info=producers[0].target_info, slots=SLOTS, dtype="float32", prefetch=2) as source:
+            source.start(range(4))
+            assert [source[i]["sample_id"] for i in range(4)] == [f"on/{i}" for i in range(4)]
+            assert source.counters["retries"] >= 1
+            assert "timed out" in client.unavailable()[hung]
     assert stored_files(transport) == []
 
 

@@ -156,7 +156,7 @@ def test_ddp_two_gloo_processes_real_method(stores, tmp_path):
 
 @pytest.mark.slow
 def test_cli_recipe_with_overrides_on_a_target_directory(tiny_llama_dir, tiny_target, tmp_path, capsys):
-    """`specdraft train --config configs/dspark.yaml --target DIR ...`: recipe + flags, then the same command resumes."""
+    """`specdraft train --config dspark --target DIR ...`: recipe + flags, then the same command resumes."""
     import json
 
     from specdraft.cli.main import main
@@ -170,8 +170,7 @@ def test_cli_recipe_with_overrides_on_a_target_directory(tiny_llama_dir, tiny_ta
     data = write_prepared(tmp_path / "data", rows, target_info=tiny_target.describe(), config={}, stats={}, vocab_size=tiny_target.vocab_size)
     store = tmp_path / "hs"
     extract_hidden_states(ExtractConfig(dataset=str(data), out=str(store), method="dspark", target=str(tiny_llama_dir)), progress=False)
-    root = Path(__file__).parent.parent
-    argv = ["train", "--config", str(root / "configs/dspark.yaml"), "--target", str(tiny_llama_dir), "--data", str(store),
+    argv = ["train", "--config", "dspark", "--target", str(tiny_llama_dir), "--data", str(store),
             "--out", str(tmp_path / "run"), "--max-steps", "2", "--pack-tokens", "40", "--val-fraction", "0",
             "--model", "num_layers=1,max_anchors=4,markov_rank=8,intermediate_size=64", "--num-threads", "1", "--dtype", "fp32"]
     assert main(argv) == 0

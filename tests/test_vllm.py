@@ -39,6 +39,31 @@ def test_capture_plan_maps_slots_to_vllm_ids():
     assert capture_plan([LayerSlot(5, "output")], 6) == ([6], [0], 0)
 
 
+def test_extraction_args_configure_capture_and_connector():
+    from specdraft.integrations.vllm.extract import extraction_args
+
+    target = {"name": "t", "fingerprint": "f", "tokenizer_hash": "h", "num_layers": 6, "hidden_size": 64}
+    slots = [LayerSlot(1, "output"), LayerSlot(0, "input")]
+    args = extraction_args(store="/s", backend="file", dtype="float32", target_dtype="float32", target_info=target, slots=slots,
+                           max_model_len=40, max_num_seqs=4)
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 6]}}}
+    assert transfer["kv_connector_module_path"] == "specdraft.integrations.vllm.connector"
+    extra = transfer["kv_connector_extra_config"]
+    assert (extra["slot_rows"], extra["last_row"], extra["slots"]) == ([1, 0], 2, [s.to_json() for s in slots])
+    assert "--no-enable-prefix-caching" in args  # every prompt token is computed (and captured) per request
+
+
+def test_missing_vllm_environment_says_how_to_make_it(tmp_path):
+    from specdraft.errors import SpecdraftError
+    from specdraft.integrations.vllm.engine import find_vllm_python
+
+    with pytest.raises(SpecdraftError, match="scripts/bootstrap.sh"):
+        find_vllm_python(str(tmp_path / "nope" / "python"))
+
+
 def test_extract_cli_accepts_vllm_engine():
     args = build_parser().parse_args(["extract", "--dataset", "d", "--out", "o", "--engine", "vllm", f"--vllm-args={EAGER}"])
     config = dataclass_from_args(ExtractConfig, args)

@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "specdraft.cli.serve",
     "specdraft.cli.eval",
     "specdraft.cli.calibrate",
+    "specdraft.cli.quickstart",
 ]
 
 

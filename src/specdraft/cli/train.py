@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "specdraft.cli.main train ..."
         ),
     )
-    parser.add_argument("--config", default=None, help="YAML recipe with TrainConfig fields (flags given here win)")
+    parser.add_argument("--config", default=None, help="recipe: a packaged name (dspark, dflash, eagle3) or a YAML file of TrainConfig fields (flags given here win)")
     add_dataclass_arguments(parser, TrainConfig)
     parser.set_defaults(func=run)
 

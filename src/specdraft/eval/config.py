@@ -16,7 +16,8 @@ class EvalConfig:
     target: str = config_field("smollm2-135m", help="embedded target name or a local Hugging Face model directory")
     drafters: list[str] = config_field(
         ["ngram"], help="comma-separated drafters compared against plain autoregressive decoding: 'ngram' "
-        "(prompt lookup, no training) and/or checkpoint directories (method read from their config.json)"
+        "(prompt lookup, no training) and/or checkpoint directories (method read from their config.json); "
+        "append '@POLICY' to set one drafter's verify policy, e.g. DIR@scheduled"
     )
     suite: str = config_field("quick", help="prompt suite: mtbench | humaneval | translation | quick (ignored with --prompts)")
     prompts: str = config_field("", help="JSONL prompt file ('prompt' or 'messages' per line, optional 'id'/'domain')")

@@ -9,6 +9,7 @@ to the autoregressive one (it must be: verification is exact).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,25 +28,33 @@ AUTOREGRESSIVE = "autoregressive"
 class DrafterSpec:
     label: str  # how the drafter is named in tables and plots
     decode: DecodeConfig
+    verify_policy: str | None = None  # None: the run's --verify-policy (trained drafters) or 'full'
 
 
 def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, seed: int) -> DrafterSpec:
-    """'ngram' / 'none', or a checkpoint directory whose config.json names its method."""
+    """'ngram' / 'none', or a checkpoint directory whose config.json names its method, optionally
+    followed by '@POLICY' to pick that drafter's verify policy (e.g. 'runs/x/final@scheduled')."""
     from specdraft.decode.proposers import PROPOSERS
+    from specdraft.decode.scheduler import VERIFY_POLICIES
 
     common = {"num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "seed": seed}
-    path = Path(text)
+    name, _, policy = text.partition("@")
+    if policy:
+        VERIFY_POLICIES.get(policy)
+    suffix = f"@{policy}" if policy else ""
+    path = Path(name)
     if path.is_dir():
         config_path = path / "config.json"
         try:
             method = json.loads(config_path.read_text())["speculators_model_type"]
         except (OSError, ValueError, KeyError) as exc:
-            raise SpecdraftError(f"drafter {text}: cannot read 'speculators_model_type' from {config_path} ({exc})") from None
+            raise SpecdraftError(f"drafter {name}: cannot read 'speculators_model_type' from {config_path} ({exc})") from None
         PROPOSERS.get(method)
-        return DrafterSpec(f"{method}:{path.name}", DecodeConfig(drafter=method, drafter_path=str(path), **common))
-    if text in ("ngram", "none"):
-        return DrafterSpec(AUTOREGRESSIVE if text == "none" else text, DecodeConfig(drafter=text, **common))
-    raise SpecdraftError(f"drafter {text!r} is neither 'ngram' nor a checkpoint directory")
+        decode = DecodeConfig(drafter=method, drafter_path=str(path), **common)
+        return DrafterSpec(f"{method}:{path.name}{suffix}", decode, policy or None)
+    if name in ("ngram", "none"):
+        return DrafterSpec((AUTOREGRESSIVE if name == "none" else name) + suffix, DecodeConfig(drafter=name, **common), policy or None)
+    raise SpecdraftError(f"drafter {name!r} is neither 'ngram' nor a checkpoint directory")
 
 
 @dataclass
@@ -58,6 +67,14 @@ class RunRecord:
     per_domain: dict[str, dict[str, Any]] = field(default_factory=dict)
     speedup: float | None = None  # tokens/s over autoregressive at the same concurrency
     identical_to_autoregressive: int | None = None  # prompts whose output equals the AR output (greedy only)
+
+
+def _scheduler_for(spec: DrafterSpec, default: SchedulerConfig) -> SchedulerConfig:
+    """The drafter's own '@policy', else the run's policy for trained drafters; ngram and autoregressive
+    decoding have no confidences, so they verify every draft unless told otherwise."""
+    if spec.verify_policy is not None:
+        return dataclasses.replace(default, verify_policy=spec.verify_policy)
+    return default if spec.decode.drafter not in ("none", "ngram") else SchedulerConfig()
 
 
 def _render(target: Any, prompt: EvalPrompt) -> list[int]:
@@ -101,12 +118,8 @@ def run_eval(
               for d in config.drafters]
     if len({s.label for s in specs}) != len(specs):
         raise SpecdraftError(f"--drafters names the same drafter twice: {config.drafters}")
-    # Verify policies other than 'full' need draft confidences; autoregressive and ngram always verify all.
-    decoders = {
-        s.label: decoder_for_target(target, config=s.decode, sampling=sampling,
-                                    scheduler=scheduler if s.decode.drafter not in ("none", "ngram") else SchedulerConfig())
-        for s in specs
-    }
+    decoders = {s.label: decoder_for_target(target, config=s.decode, sampling=sampling, scheduler=_scheduler_for(s, scheduler))
+                for s in specs}
     token_ids = [_render(target, p) for p in prompts]
     warmup = token_ids[0][-16:]
     for decoder in decoders.values():  # first calls pay one-off costs (allocator, lazy init)

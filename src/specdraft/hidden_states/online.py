@@ -20,7 +20,9 @@ Faults: a producer that refuses the connection, times out or answers 5xx is mark
 request goes to another producer under a fresh key (a late write of the abandoned key is deleted
 at ``close``). A payload that fails verification is deleted and requested once more, then
 reported. ``close`` deletes whatever is still in flight or abandoned, so the transport is left
-empty (waiting up to ``CLEANUP_WAIT_S`` for objects a killed producer left half-written). Each delivered sample id is appended to ``delivery_log`` (JSON lines) when one is given.
+empty (retrying for up to ``cleanup_wait_s`` deletes the store refuses, e.g. objects a killed
+producer left half-written). Each delivered sample id is appended to ``delivery_log`` (JSON
+lines) when one is given, so a run can prove every sample was delivered exactly once.
 """
 
 from __future__ import annotations
@@ -123,6 +125,11 @@ class ProducerClient:
             listing = ", ".join(f"{u}: {i['name']} ({i['fingerprint']})" for u, i in infos.items())
             raise SpecdraftError(f"the producers serve different targets ({listing}); every producer must run the same target")
         return next(iter(infos.values()))
+
+    def unavailable(self) -> dict[str, str]:
+        """Producers currently skipped, with the reason each failed."""
+        with self._lock:
+            return {url: reason for url, (_, reason) in self._down.items()}
 
     def _mark_down(self, url: str, reason: str) -> None:
         with self._lock:
@@ -247,6 +254,7 @@ class StreamingSource:
         self._delivery_log = Path(delivery_log) if delivery_log else None
         self._log_file: Any = None  # opened on the first delivery (the run directory may not exist before)
         self._closed = False
+        self.cleanup_wait_s = CLEANUP_WAIT_S
         if cache is not None:
             self._init_cache()
 
@@ -440,7 +448,7 @@ class StreamingSource:
         self._window.clear()
         with self._lock:
             leftover = sorted(self._live_keys)
-        deadline = time.monotonic() + CLEANUP_WAIT_S
+        deadline = time.monotonic() + self.cleanup_wait_s
         while leftover:
             failed = {}
             for key in leftover:
@@ -451,7 +459,7 @@ class StreamingSource:
             leftover = sorted(failed)
             if leftover and time.monotonic() >= deadline:
                 log.warning("%d key(s) could not be deleted from %s within %g s, e.g. %s", len(leftover), self.transport.location,
-                            CLEANUP_WAIT_S, failed[leftover[0]])
+                            self.cleanup_wait_s, failed[leftover[0]])
                 break
             if leftover:
                 time.sleep(1.0)

@@ -169,9 +169,21 @@ def load_recipe(path: str | Path) -> dict:
     return values
 
 
+def recipe_path(name_or_path: str | Path) -> Path:
+    """A packaged recipe by name (``dspark``, ``dflash``, ``eagle3``: ``specdraft/recipes/NAME.yaml``) or a YAML path."""
+    packaged = Path(__file__).resolve().parent.parent / "recipes" / f"{name_or_path}.yaml"
+    if packaged.is_file():
+        return packaged
+    path = Path(name_or_path)
+    if not path.is_file():
+        names = sorted(p.stem for p in packaged.parent.glob("*.yaml"))
+        raise SpecdraftError(f"recipe {str(name_or_path)!r} is neither a packaged recipe ({', '.join(names)}) nor a YAML file")
+    return path
+
+
 def resolve_config(recipe: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
-    """Defaults < recipe file < ``overrides`` (e.g. the flags given on the command line)."""
-    values: dict[str, Any] = load_recipe(recipe) if recipe else {}
+    """Defaults < recipe (packaged name or file) < ``overrides`` (e.g. the flags given on the command line)."""
+    values: dict[str, Any] = load_recipe(recipe_path(recipe)) if recipe else {}
     overrides = dict(overrides or {})
     model = dict(values.get("model") or {})
     if "model" in overrides:

@@ -85,7 +85,11 @@ class MetricSums:
             self.acc, self.cond, self.count = flat[o : o + k], flat[o + k : o + 2 * k], flat[o + 2 * k :]
 
     def summary(self) -> dict[str, Any]:
-        """Means per batch for losses; label-weighted position accuracies and their tau estimate."""
+        """Means per batch for losses; label-weighted position accuracies and their tau estimate.
+
+        ``anchors`` = supervised labels at draft position 1: one per block for DFlash/DSpark, one per
+        supervised token for EAGLE-3 (its step-0 predictions).
+        """
         n = max(1, self.batches)
         out: dict[str, Any] = {"loss": self.loss / n, **{k: v / n for k, v in sorted(self.terms.items())}}
         if self.count is not None:

@@ -23,7 +23,7 @@ HF path, through any registered backend, and writes it *in the step that complet
      client never sees a key before its write landed; a failed write is logged and the key is
      simply absent from the store, which the client checks.
 
-``kv_connector_extra_config`` (written by :func:`specdraft.integrations.vllm.engine.kv_transfer_config`)::
+``kv_connector_extra_config`` (written by :func:`specdraft.integrations.vllm.extract.extraction_args`)::
 
   {"store": location, "backend": "file", "dtype": "bfloat16", "target": Target.describe(),
    "slots": [{"layer": 1, "side": "output"}, ...], "slot_rows": [r, ...], "last_row": r}

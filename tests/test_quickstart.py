@@ -1,0 +1,58 @@
+"""`specdraft quickstart` end to end on a tiny random target (the real target runs in scripts/main.sh)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdraft.cli.main import main
+from specdraft.errors import SpecdraftError
+from specdraft.quickstart import QuickstartConfig
+
+TINY_RECIPE = """\
+method: dspark
+model: {num_layers: 1, block_size: 4, markov_rank: 16, max_anchors: 8, intermediate_size: 64}
+pack_tokens: 256
+val_fraction: 0.3
+eval_interval: 0
+checkpoint_interval: 0
+dtype: fp32
+"""
+
+
+@pytest.mark.slow
+def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsys):
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_RECIPE)
+    run = tmp_path / "run"
+    argv = ["quickstart", "--out", str(run), "--target", str(tiny_llama_dir), "--recipe", str(recipe), "--samples", "6",
+            "--max-new-tokens", "8", "--regen-batch-size", "6", "--budget", "1.5", "--eval-reserve", "1",
+            "--eval-max-new-tokens", "6", "--threads", "1"]
+    assert main(argv) == 0
+    journal = json.loads((run / "quickstart.json").read_text())
+    stages = journal["stages"]
+    assert set(stages) == {"prepare", "extract", "size-training", "train", "calibrate", "eval"}
+    assert all(s["status"] == "done" for s in stages.values())
+    assert stages["train"]["steps"] == stages["size-training"]["steps"] >= 8
+    assert len(json.loads((run / "train" / "final" / "config.json").read_text())["specdraft"]["config"]["confidence_temperatures"]) == 4
+    report = json.loads((run / "eval" / "report.json").read_text())
+    labels = {r["drafter"] for r in report["runs"]}
+    assert labels == {"autoregressive", "ngram", "dspark:final", "dspark:final@scheduled"}
+    assert all(r["identical_to_autoregressive"] == report["num_prompts"] for r in report["runs"])
+    assert (run / "eval" / "tau_per_domain.png").is_file()
+    out = capsys.readouterr().out
+    assert "| dspark:final@scheduled | 1 |" in out and "report:" in out
+
+    # A rerun skips every finished stage and only redoes the comparison.
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for stage in ("prepare", "extract", "size-training", "train", "calibrate"):
+        assert f"[quickstart] {stage}: done earlier, skipped" in out
+
+
+def test_quickstart_config_errors():
+    with pytest.raises(SpecdraftError, match="must exceed --eval-reserve"):
+        QuickstartConfig(budget=5, eval_reserve=6)
+    with pytest.raises(SpecdraftError, match="--samples must be >= 1"):
+        QuickstartConfig(samples=0)
