@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from specdraft.cli.main import main
 from specdraft.errors import SpecdraftError
 from specdraft.models.dspark.calibration import expected_calibration_error, sequential_temperature_scaling
 from specdraft.models.dspark.config import DSparkConfig

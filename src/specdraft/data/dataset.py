@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -27,6 +25,7 @@ import numpy as np
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.utils.io import atomic_dir
 
 FORMAT_NAME = "specdraft.prepared"
 FORMAT_VERSION = 1
@@ -107,31 +106,14 @@ def write_prepared(
         "vocab_size": int(vocab_size),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
-    try:
+    with atomic_dir(directory) as tmp:
         pq.write_table(table, tmp / DATA_FILE)
         save_file({"counts": torch.from_numpy(counts)}, str(tmp / COUNTS_FILE))
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         for name in (DATA_FILE, COUNTS_FILE, MANIFEST_FILE):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        _replace_dir(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return directory
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst``; an existing ``dst`` is swapped out first, then deleted."""
-    if dst.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
-        os.replace(dst, old / dst.name)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
 
 
 class PreparedDataset:

@@ -21,19 +21,17 @@ it would have drawn in an uninterrupted run.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.utils.io import atomic_write_json
+from specdraft.utils.io import atomic_dir, atomic_write_json  # noqa: F401  (atomic_dir re-exported for the trainer)
 
 STATE_FORMAT = "specdraft.trainer_state"
 STATE_VERSION = 1
@@ -47,26 +45,6 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 #: Fields of the run identity that must match to resume: changing them would train a different model.
 IDENTITY_KEYS = ("method", "model_config", "target_fingerprint", "slots")
-
-
-@contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces ``path`` (old content removed)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        yield tmp
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.{os.getpid()}.old")
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def list_checkpoints(out: str | os.PathLike) -> list[tuple[int, Path]]:

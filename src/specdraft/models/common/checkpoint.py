@@ -16,15 +16,13 @@ inputs, DFlash/DSpark ids are outputs of layer id-1), so a round trip keeps the 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
-from specdraft.utils.io import atomic_write_json
+from specdraft.utils.io import atomic_dir, atomic_write_json
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -50,21 +48,9 @@ def write_checkpoint(directory: str | os.PathLike, config: dict, tensors: dict[s
     from safetensors.torch import save_file
 
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
-    try:
+    with atomic_dir(directory) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         atomic_write_json(tmp / CONFIG_FILE, config)
-        old = None
-        if directory.exists():
-            old = directory.parent / f".{directory.name}.old-{os.getpid()}"
-            os.replace(directory, old)
-        os.replace(tmp, directory)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return directory
 
 
