@@ -25,7 +25,6 @@ from specdraft.train.trainer import train
 from test_train_toy import SignalAfterReads, ToyStore, ToyTarget, toy_config
 
 TESTS = Path(__file__).parent
-ROOT = TESTS.parent
 
 
 def weights(directory: Path) -> dict[str, torch.Tensor]:
