@@ -85,3 +85,11 @@ def test_drafter_policy_suffix(tmp_path):
     assert spec.label == "ngram@full" and spec.verify_policy == "full"
     with pytest.raises(SpecdraftError, match="unknown verify policy"):
         resolve_drafter("ngram@sometimes", num_draft_tokens=4, max_new_tokens=8, seed=0)
+
+
+def test_verify_length_histogram_from_position_counts():
+    from specdraft.eval.report import verify_length_histogram
+
+    # 5 rounds: two verified 0 drafts, one verified 1, two verified 3
+    metrics = {"rounds": 5, "position_drafted": [3, 2, 2]}
+    assert verify_length_histogram(metrics) == [2, 1, 0, 2]

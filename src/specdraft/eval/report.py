@@ -8,6 +8,14 @@ from typing import Any
 from specdraft.utils.io import atomic_path, atomic_write_bytes, atomic_write_json
 
 
+def verify_length_histogram(metrics: dict[str, Any]) -> list[int]:
+    """Rounds that verified exactly l drafts, for l = 0..K, from the per-position verified counts
+    (``position_drafted[j]`` counts rounds that verified draft j+1, i.e. rounds with l > j)."""
+    verified = list(metrics["position_drafted"])
+    at_least = [metrics["rounds"], *verified, 0]
+    return [at_least[l] - at_least[l + 1] for l in range(len(verified) + 1)]
+
+
 def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (drafter, concurrency) with the figures users compare."""
     rows = []
@@ -18,6 +26,7 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             "concurrency": run["concurrency"],
             "tau": m["tau"],
             "accept_rate": m["acceptance_rate"],
+            "verify_len": m["drafted"] / m["rounds"] if m["rounds"] else 0.0,
             "tok_per_s": m["tokens_per_s"],
             "speedup": run["speedup"],
             "ttft_ms": m["mean_ttft_s"] * 1000,
@@ -38,13 +47,13 @@ def render_tables(report: dict[str, Any]) -> str:
         f"# specdraft eval — target {report['target']['name']}, {n} prompts, "
         f"max {report['config']['max_new_tokens']} new tokens, temperature {report['sampling']['temperature']}",
         "",
-        "| drafter | concurrency | tau | acceptance | tok/s | speed-up | TTFT ms | TPOT ms | identical to AR |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| drafter | concurrency | tau | acceptance | mean verify len | tok/s | speed-up | TTFT ms | TPOT ms | identical to AR |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in summary_rows(report):
         identical = "-" if r["identical"] is None else f"{r['identical']}/{n}"
         lines.append(
-            f"| {r['drafter']} | {r['concurrency']} | {_fmt(r['tau'])} | {_fmt(r['accept_rate'])} | {_fmt(r['tok_per_s'])} "
+            f"| {r['drafter']} | {r['concurrency']} | {_fmt(r['tau'])} | {_fmt(r['accept_rate'])} | {_fmt(r['verify_len'])} | {_fmt(r['tok_per_s'])} "
             f"| {_fmt(r['speedup'])}x | {_fmt(r['ttft_ms'], '.0f')} | {_fmt(r['tpot_ms'], '.1f')} | {identical} |"
         )
     first = report["config"]["concurrency"][0]
@@ -55,6 +64,11 @@ def render_tables(report: dict[str, Any]) -> str:
     for r in runs:
         cells = [_fmt(r["per_domain"][d]["tau"]) if d in r["per_domain"] else "-" for d in domains]
         lines.append(f"| {r['drafter']} | " + " | ".join(cells) + " |")
+    lines += ["", f"verify lengths chosen per round (concurrency {first}; rounds that verified exactly l drafts):", ""]
+    for r in runs:
+        if r["drafter"] != "autoregressive":
+            hist = verify_length_histogram(r["overall"])
+            lines.append(f"- {r['drafter']}: " + ", ".join(f"l={l}: {n}" for l, n in enumerate(hist) if n))
     return "\n".join(lines) + "\n"
 
 
