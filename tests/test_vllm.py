@@ -220,5 +220,35 @@ def test_vllm_serves_drafter_with_target_greedy_outputs(method, via_cli, smollm2
         before = read_spec_decode_metrics(url)
         got = [complete(url, p, max_tokens=n_new, ignore_eos=True, return_token_ids=True)["choices"][0]["token_ids"] for p in prompts]
         used = read_spec_decode_metrics(url) - before
+        if not via_cli:
+            _eval_endpoint_and_runtime(url, target, tmp_path / method, tmp_path)
     assert got == expected
     assert used.num_drafts > 0 and used.num_draft_tokens == 3 * used.num_drafts
+
+
+def _eval_endpoint_and_runtime(url: str, target, drafter: Path, tmp_path: Path) -> None:
+    """`specdraft eval --endpoint` against the server, and the built-in runtime with the same drafter on
+    the same prompts: identical greedy outputs, and acceptance lengths that agree."""
+    import json
+
+    from specdraft.decode.config import SamplingConfig
+    from specdraft.eval.config import EvalConfig
+    from specdraft.eval.endpoint import run_endpoint_eval
+    from specdraft.eval.runner import run_eval
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n"
+                               for text, d in [("Name three colours.", "a"), ("Count to five.", "b"), ("Say hi.", "b")]))
+    common = dict(prompts=str(prompts), target=str(target.path), max_new_tokens=12, num_draft_tokens=3, plots=False)
+    served = run_endpoint_eval(EvalConfig(out=str(tmp_path / "eval-endpoint"), endpoint=url, **common), SamplingConfig(),
+                               tokenizer=target.tokenizer, progress=False)
+    local = run_eval(EvalConfig(out=str(tmp_path / "eval-local"), drafters=[str(drafter)], **common), SamplingConfig(),
+                     target=target, progress=False)
+    served_run = served["runs"][0]
+    local_run = next(r for r in local["runs"] if r["drafter"] != "autoregressive")
+    assert served_run["overall"]["rounds"] > 0 and set(served_run["per_domain"]) == {"a", "b"}
+    for entry_served, entry_local in zip(served["prompts"], local["prompts"]):
+        assert entry_served["outputs"][served_run["drafter"]]["1"]["tokens"] == entry_local["outputs"]["autoregressive"]["1"]["tokens"]
+    # Both engines verify the same drafter's 3-token chains against the same target: same acceptance.
+    assert served_run["overall"]["tau"] == pytest.approx(local_run["overall"]["tau"], abs=0.15)
+    assert (tmp_path / "eval-endpoint" / "report.md").is_file()

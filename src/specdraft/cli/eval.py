@@ -20,9 +20,14 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdraft.eval.runner import run_eval
-
     config = dataclass_from_args(EvalConfig, args)
-    report = run_eval(config, dataclass_from_args(SamplingConfig, args), dataclass_from_args(SchedulerConfig, args))
+    if config.endpoint:
+        from specdraft.eval.endpoint import run_endpoint_eval
+
+        report = run_endpoint_eval(config, dataclass_from_args(SamplingConfig, args))
+    else:
+        from specdraft.eval.runner import run_eval
+
+        report = run_eval(config, dataclass_from_args(SamplingConfig, args), dataclass_from_args(SchedulerConfig, args))
     print(f"report: {config.out}/report.json ({report['num_prompts']} prompts, {report['wall_s']:.0f} s)")
     return 0

@@ -30,6 +30,10 @@ class EvalConfig:
     threads: int = config_field(0, help="torch CPU threads (0 = torch's default)")
     seed: int = config_field(0, help="sampling seed (temperature > 0)")
     plots: bool = config_field(True, help="write PNG plots (needs matplotlib)")
+    endpoint: str = config_field(
+        "", help="benchmark a running OpenAI-compatible vLLM server at this URL (e.g. from `specdraft serve`) instead of "
+        "the built-in runtime; acceptance is read from its /metrics and --drafters is ignored"
+    )
 
     def __post_init__(self) -> None:
         if not self.drafters:
