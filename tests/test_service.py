@@ -95,6 +95,12 @@ def test_unknown_path_and_client_errors(service):
         client.extract({**body("b", [1]), "slots": [{"layer": 99, "side": "input"}]})
 
 
+def test_a_busy_port_is_a_clear_error(service, tiny_target):
+    port = int(service.url.rsplit(":", 1)[1])
+    with pytest.raises(SpecdraftError, match=f"cannot listen on 127.0.0.1:{port}.*another --port"):
+        HiddenStateService(ServiceConfig(target="t", backend="file", store=service.config.store, port=port), target=tiny_target)
+
+
 def test_non_loopback_bind_requires_a_token():
     with pytest.raises(SpecdraftError, match="--token"):
         ServiceConfig(target="t", backend="file", store="x", host="0.0.0.0")

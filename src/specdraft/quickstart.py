@@ -38,6 +38,10 @@ class QuickstartConfig:
     max_new_tokens: int = config_field(128, help="tokens per regenerated answer")
     regen_batch_size: int = config_field(16, help="prompts regenerated together")
     recipe: str = config_field(METHOD, help="training recipe: a packaged recipe name (dspark, dflash, eagle3) or a YAML file")
+    pack_tokens: int = config_field(
+        512, help="tokens per training step; small steps give more optimizer updates within a CPU budget"
+    )
+    max_anchors: int = config_field(16, help="blocks drafted per sample per step (each costs a full-vocabulary LM head)")
     eval_prompts_per_domain: int = config_field(1, help="held-out prompts per domain in the final comparison")
     eval_max_new_tokens: int = config_field(64, help="tokens generated per eval prompt")
     eval_reserve: float = config_field(6.0, help="minutes of the budget kept for calibration and the final comparison")
@@ -46,7 +50,8 @@ class QuickstartConfig:
     def __post_init__(self) -> None:
         if self.budget <= self.eval_reserve:
             raise SpecdraftError(f"--budget ({self.budget} min) must exceed --eval-reserve ({self.eval_reserve} min)")
-        for name in ("samples", "max_new_tokens", "regen_batch_size", "eval_prompts_per_domain", "eval_max_new_tokens"):
+        for name in ("samples", "max_new_tokens", "regen_batch_size", "eval_prompts_per_domain", "eval_max_new_tokens",
+                     "pack_tokens", "max_anchors"):
             if getattr(self, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 
@@ -128,7 +133,8 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     recipe = recipe_path(config.recipe)
 
     def train_config(**overrides: Any):
-        values = {"data": str(states), "out": str(train_dir), "num_threads": config.threads, **overrides}
+        values = {"data": str(states), "out": str(train_dir), "num_threads": config.threads, "pack_tokens": config.pack_tokens,
+                  "model": {"max_anchors": config.max_anchors}, **overrides}
         return resolve_config(recipe, values)
 
     def probe() -> dict:

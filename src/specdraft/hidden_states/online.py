@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 
 
 #: How long ``close`` keeps retrying deletes the store refuses. A producer killed mid-write leaves
-#: objects Mooncake will not remove (-703 REPLICA_IS_NOT_READY) until its master discards the
-#: unfinished put (``--put_start_discard_timeout_sec``, 30 s by default).
+#: objects Mooncake will not remove (-703 REPLICA_IS_NOT_READY) until its master releases the
+#: unfinished put (``mooncake_master --put_start_release_timeout_sec``, 600 s by default).
 CLEANUP_WAIT_S = 60.0
 
 

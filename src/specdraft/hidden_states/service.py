@@ -133,7 +133,10 @@ class HiddenStateService:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._stats = {"requests": 0, "batches": 0, "largest_batch": 0}
         self._stats_lock = threading.Lock()
-        self._server = ThreadingHTTPServer((config.host, config.port), _handler_class(self))
+        try:
+            self._server = ThreadingHTTPServer((config.host, config.port), _handler_class(self))
+        except OSError as exc:
+            raise SpecdraftError(f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}); choose another --port (0 = any free port)") from None
         self._server.daemon_threads = True
         self._threads: list[threading.Thread] = []
         self._closing = False

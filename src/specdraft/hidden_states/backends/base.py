@@ -63,6 +63,18 @@ class HiddenStateBackend(ABC):
     def write_manifest(self, manifest: dict) -> None:
         """Replace the store-level manifest atomically."""
 
+    def stored_size(self, payload: HiddenStatePayload) -> int:
+        """Bytes ``put`` reports for ``payload``, for a payload another process put (vLLM extraction)."""
+        return len(payload.to_bytes())
+
+    def producer_location(self) -> str:
+        """The location another process (e.g. a vLLM engine's connector) opens to write into this store.
+
+        A producer process may exit before the data is read, so it must not hold data itself
+        (Mooncake: no memory segment); backends where that matters override this.
+        """
+        return self.location
+
     def recover(self) -> int:
         """Discard debris of interrupted writes (e.g. temporary files); returns how many were removed.
 

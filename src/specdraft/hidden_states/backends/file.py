@@ -49,6 +49,9 @@ class FileBackend(HiddenStateBackend):
         elif not self.root.is_dir():
             raise SpecdraftError(f"hidden-state store {self.root} does not exist; run `specdraft extract --out {self.root}` first")
 
+    def producer_location(self) -> str:
+        return str(self.root.resolve())  # the producer may run in another working directory
+
     def path(self, key: str) -> Path:
         return self.root / key_to_filename(key)
 

@@ -21,6 +21,10 @@ tensors. If writing fails, the producer removes what it wrote and publishes an e
 so a waiting consumer fails at once with the producer's reason instead of timing out. The consumer
 fetches the tensors straight into freshly allocated tensors (registered memory, no extra copy),
 verifies checksums with :meth:`HiddenStatePayload.verify`, and may delete the sample after reading.
+Mooncake 0.3.13.post1 never frees an object's old allocation when an upsert gives it another size
+(verified), so the store manifest is removed before it is rewritten. Sample tensors are still
+upserted, because a put must replace the debris of a killed producer, which Mooncake refuses to
+remove (-703); re-putting a sample with another length leaks its old allocation.
 
 ``keys()``: Mooncake's client API cannot list keys, and a shared key index would need an atomic
 read-modify-write that Mooncake lacks. ``keys()`` therefore asks the master's admin HTTP server
@@ -40,7 +44,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 import torch
@@ -146,6 +150,15 @@ class MooncakeBackend(HiddenStateBackend):
     def _where(self, key: str) -> str:
         return f"{self.location} sample {key!r}"
 
+    def stored_size(self, payload: HiddenStatePayload) -> int:
+        return sum(int(getattr(payload, name).nbytes) for name in TENSOR_KEYS)  # as put counts them
+
+    def producer_location(self) -> str:
+        """This location with ``segment_mb=0``: objects must not live in a producer that may exit first."""
+        parts = urlsplit(self.location)
+        query = [(k, v) for k, v in parse_qsl(parts.query) if k != "segment_mb"] + [("segment_mb", "0")]
+        return urlunsplit(parts._replace(query=urlencode(query, safe=":,")))
+
     # -- producer --------------------------------------------------------------------------------
 
     def put(self, key: str, payload: HiddenStatePayload) -> int:
@@ -173,7 +186,7 @@ class MooncakeBackend(HiddenStateBackend):
             "nbytes": {name: int(arrays[tensor_keys[name]].nbytes) for name in TENSOR_KEYS},
         }
         self.client.put(manifest_key, json.dumps(record, sort_keys=True).encode())
-        return sum(record["nbytes"].values())
+        return self.stored_size(payload)
 
     def publish_error(self, key: str, message: str) -> None:
         """Remove ``key``'s tensor objects and publish an error manifest, so consumers fail fast with ``message``."""
@@ -288,6 +301,11 @@ class MooncakeBackend(HiddenStateBackend):
             raise SpecdraftError(f"{self.location}: the store manifest object is corrupt ({exc}); delete it and rerun `specdraft extract`") from None
 
     def write_manifest(self, manifest: dict) -> None:
+        """Remove, then put: Mooncake 0.3.13.post1 never frees the old allocation when an upsert
+        changes an object's size (verified), and the count in the manifest changes its size. A
+        reader racing this rewrite sees no manifest and fails loudly; extraction rewrites it only
+        at its start and end."""
+        self.delete_manifest()
         self.client.put(self._store_manifest_key(), json.dumps(manifest, indent=2, sort_keys=True).encode())
 
     def delete_manifest(self) -> None:

@@ -405,13 +405,16 @@ def shared_client(config: MooncakeClientConfig) -> MooncakeClient:
         return entry[1]
 
 
-def close_shared_clients() -> None:
-    """Close this process's shared clients (their segments and the objects in them go away)."""
+def close_shared_clients(master: str | None = None) -> None:
+    """Close this process's shared clients, or only those of ``master`` (HOST:PORT); their segments
+    and the objects in them go away. Close them before their master stops: a client left without
+    its master retries the connection for tens of seconds when the process exits."""
     with _CLIENTS_LOCK:
-        for pid, client in _CLIENTS.values():
-            if pid == os.getpid():
-                client.close()
-        _CLIENTS.clear()
+        for key, (pid, client) in list(_CLIENTS.items()):
+            if master is None or client.config.master == master:
+                if pid == os.getpid():
+                    client.close()
+                del _CLIENTS[key]
 
 
 atexit.register(close_shared_clients)

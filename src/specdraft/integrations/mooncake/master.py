@@ -273,5 +273,8 @@ class MooncakeMaster:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        from specdraft.integrations.mooncake.client import close_shared_clients
+
+        close_shared_clients(master=self.address)
         stop_master(self.config.dir)
         self.state = None

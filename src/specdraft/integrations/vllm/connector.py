@@ -28,7 +28,8 @@ HF path, through any registered backend, and writes it *in the step that complet
   {"store": location, "backend": "file", "dtype": "bfloat16", "target": Target.describe(),
    "slots": [{"layer": 1, "side": "output"}, ...], "slot_rows": [r, ...], "last_row": r}
 
-``slot_rows[s]``/``last_row`` index the captured layer ids (the fake layer's heads).
+``slot_rows[s]``/``last_row`` index the captured layer ids (the fake layer's heads). ``store`` is
+the store's ``producer_location()`` (for Mooncake: ``segment_mb=0``, the engine holds no data).
 """
 
 from __future__ import annotations
@@ -171,6 +172,11 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_cache = kv_caches[layers[0]]
         if self._kv_cache.shape[2] != self._block_size:
             raise ValueError(f"hidden-state block size {self._kv_cache.shape[2]} != expected {self._block_size}")
+        from specdraft.hidden_states.backends.base import open_backend
+
+        # Open the store now, so an unreachable one (e.g. a Mooncake master) stops the engine at
+        # start-up with the backend's message instead of failing every request.
+        self._backend = open_backend(self._backend_name, self._store)
 
     def start_load_kv(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -220,11 +226,8 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return out
 
     def _write(self, order: SaveOrder, rows: torch.Tensor) -> None:
-        from specdraft.hidden_states.backends.base import open_backend
         from specdraft.hidden_states.payload import HiddenStatePayload
 
-        if self._backend is None:
-            self._backend = open_backend(self._backend_name, self._store)
         payload = HiddenStatePayload.create(
             sample_id=order.sample_id,
             target_info=self._target,

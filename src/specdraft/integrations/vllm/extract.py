@@ -20,7 +20,6 @@ import logging
 import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from specdraft.errors import SpecdraftError
@@ -85,7 +84,7 @@ def extract_with_vllm(backend, config, dataset, pending, target, target_info, sl
         return 0, 0
     max_len = int(max(int(lengths[i]) for i in order)) + 1  # + the one generated token
     args = extraction_args(
-        store=str(Path(backend.location).resolve()) if Path(backend.location).exists() else backend.location,
+        store=backend.producer_location(),
         backend=config.backend, dtype=config.dtype, target_dtype=config.target_dtype, target_info=target_info,
         slots=slots, max_model_len=max_len, max_num_seqs=config.batch_size,
     ) + shlex.split(config.vllm_args)  # fmt: skip
@@ -131,4 +130,4 @@ def _check_stored(backend, row: dict, target_info: dict, slots: list[LayerSlot],
     stale = payload.mismatches(fingerprint=target_info["fingerprint"], slots=slots, dtype=dtype, token_ids=row["input_ids"])
     if stale:
         raise SpecdraftError(f"{backend.location}: sample {sid!r} written by the vLLM server does not match the request: {'; '.join(stale)}")
-    return payload.num_tokens, len(payload.to_bytes())  # serialisation is deterministic: the bytes put stored
+    return payload.num_tokens, backend.stored_size(payload)
