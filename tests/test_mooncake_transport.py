@@ -248,3 +248,10 @@ def _produce(master_address: str) -> None:
 if __name__ == "__main__":
     assert sys.argv[1] == "produce", sys.argv
     _produce(sys.argv[2])
+
+
+def test_master_config_orders_put_timeouts():
+    from specdraft.integrations.mooncake.master import MasterConfig
+
+    with pytest.raises(SpecdraftError, match="put-discard-timeout-s"):
+        MasterConfig(put_discard_timeout_s=40, put_release_timeout_s=30)

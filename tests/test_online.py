@@ -159,6 +159,31 @@ def test_corrupt_payload_is_refetched_once_then_reported(prepared, transport, pr
     assert stored_files(transport) == []
 
 
+class RefusingTransport:
+    """Refuses the first ``times`` deletes (as Mooncake does for objects of an unfinished put)."""
+
+    def __init__(self, backend, times: int):
+        self.backend, self.times = backend, times
+
+    def delete(self, key):
+        if self.times > 0:
+            self.times -= 1
+            raise SpecdraftError(f"{key}: -703 REPLICA_IS_NOT_READY")
+        self.backend.delete(key)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+def test_deletes_the_store_refuses_are_retried_at_close(prepared, transport, producers):
+    source = DATA_MODES.get("online")(options(prepared, transport, [producers[0].url], prefetch=1))
+    source.transport = RefusingTransport(source.transport, 3)
+    with source:
+        assert [source[i]["sample_id"] for i in range(2)] == ["on/0", "on/1"]
+        assert len(stored_files(transport)) == 2  # read, but their deletes were refused
+    assert stored_files(transport) == []
+
+
 def test_hybrid_caches_requested_samples_for_offline_use(prepared, transport, producers, tmp_path):
     cache = tmp_path / "cache"
     opts = options(prepared, transport, [p.url for p in producers], data=str(cache))

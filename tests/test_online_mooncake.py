@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -196,10 +197,27 @@ def _killing_a_producer(master, prepared, tiny_llama_dir, tmp_path):
     assert master.metrics()["master_key_count"] == 0
 
 
-def test_a_master_restart_stops_training_with_a_clear_error(tiny_llama_dir, tiny_target, tmp_path):
+def consume_across_restart(options_json: str) -> None:
+    """Child process (a trainer's data side): read sample 0, wait for the test to restart the master, read sample 1.
+
+    A child, because Mooncake's client can crash natively (SIGSEGV) when used after its master restarted.
+    """
     from specdraft.errors import SpecdraftError
     from specdraft.hidden_states.layers import LayerSlot
     from specdraft.hidden_states.online import DATA_MODES, SourceOptions
+
+    values = json.loads(options_json)
+    source = DATA_MODES.get("online")(SourceOptions(**values, slots=lambda n: [LayerSlot(1, "output")]))
+    print("got", source[0]["sample_id"], flush=True)
+    sys.stdin.readline()
+    try:
+        source[1]
+    except SpecdraftError as exc:
+        print("error:", exc, flush=True)
+    os._exit(0)
+
+
+def test_a_master_restart_stops_training_with_a_clear_error(tiny_llama_dir, tiny_target, tmp_path):
     from specdraft.integrations.mooncake.master import free_port
 
     data = make_prepared(tmp_path / "data", tiny_target, num=4)
@@ -208,16 +226,20 @@ def test_a_master_restart_stops_training_with_a_clear_error(tiny_llama_dir, tiny
     with_producers = None
     try:
         with_producers = Producers(tiny_llama_dir, location(first, "restart", segment_mb=0), 1, tmp_path)
-        options = SourceOptions(data=None, dataset=str(data), producers=with_producers.urls, slots=lambda n: [LayerSlot(1, "output")],
-                                store=location(first, "restart", segment_mb=32, buffer_mb=8, wait_s=5), prefetch=1, timeout_s=30)
-        with DATA_MODES.get("online")(options) as source:
-            source.cleanup_wait_s = 0  # the lost objects cannot be deleted: do not retry
-            assert source[0]["sample_id"] == "on/0"
-            first.__exit__()
-            with MooncakeMaster(dir=str(tmp_path / "m2"), port=port, lease_ttl_ms=300):
-                with pytest.raises(SpecdraftError, match=r"every producer failed .*storing .*RPC_FAIL.*Mooncake master restart"):
-                    source[1]
+        options = dict(data=None, dataset=str(data), producers=with_producers.urls, prefetch=1, timeout_s=30,
+                       store=location(first, "restart", segment_mb=32, buffer_mb=8, wait_s=5))
+        code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_online_mooncake as t; t.consume_across_restart(sys.argv[1])"
+        consumer = subprocess.Popen([sys.executable, "-c", code, json.dumps(options)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True)
+        assert consumer.stdout.readline().strip() == "got on/0"
+        first.__exit__()
+        with MooncakeMaster(dir=str(tmp_path / "m2"), port=port, lease_ttl_ms=300):
+            consumer.stdin.write("go\n")
+            consumer.stdin.flush()
+            out, _ = consumer.communicate(timeout=120)
+        assert re.match(r"error: every producer failed .*storing .*RPC_FAIL.*Mooncake master restart", out), out
     finally:
         if with_producers is not None:
             with_producers.close()
-        first.__exit__()
+        if first.state is not None:
+            first.__exit__()

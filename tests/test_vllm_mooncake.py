@@ -16,7 +16,6 @@ from specdraft.hidden_states.backends.base import open_backend
 from specdraft.hidden_states.backends.mooncake import MooncakeBackend, parse_location
 from specdraft.hidden_states.config import ExtractConfig
 from specdraft.hidden_states.extract import extract_hidden_states
-from specdraft.integrations.mooncake.client import close_shared_clients
 from specdraft.integrations.mooncake.master import MooncakeMaster, free_port
 from test_vllm import EAGER, SLOTS
 
@@ -50,6 +49,20 @@ def test_unreachable_master_fails_before_vllm_starts(tiny_target, tmp_path):
                            layers=SLOTS, dtype="float32", vllm_python=str(tmp_path / "no-vllm"))
     with pytest.raises(SpecdraftError, match="Mooncake master at 127.0.0.1:.* is unreachable"):
         extract_hidden_states(config, target=tiny_target, progress=False)
+
+
+def test_engine_start_failure_names_the_connector_error(tmp_path):
+    """A connector that cannot open its store stops vLLM at start-up (checked by hand with a real engine, see
+    docs/multinode.md); its SpecdraftError, buried under vLLM's own traceback, leads the message."""
+    from specdraft.integrations.vllm.engine import VllmServer
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n"
+                    "echo '(EngineCore pid=1) ERROR 11-29 [core.py:1] specdraft.errors.SpecdraftError: Mooncake master at 127.0.0.1:9 is unreachable'\n"
+                    + "echo '  File \"x.py\", line 1, in f'\n" * 40 + "echo 'RuntimeError: Engine core initialization failed.'\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(SpecdraftError, match=r"code 1 while starting: specdraft\.errors\.SpecdraftError: Mooncake master at 127\.0\.0\.1:9 is unreachable:\n"):
+        VllmServer(tmp_path / "model", python=str(fake), log_path=tmp_path / "log").start()
 
 
 @pytest.mark.slow  # one vLLM-CPU engine start
@@ -96,4 +109,3 @@ def test_vllm_extraction_into_mooncake_equals_hf(tiny_target, tmp_path):
             backend.delete_manifest()
         metrics = master.metrics()
         assert metrics["master_key_count"] == 0 and metrics["master_allocated_bytes"] == 0
-        close_shared_clients()  # unmount this process's segment while the master still runs

@@ -356,6 +356,13 @@ class StreamingSource:
         with self._lock:
             self._live_keys.discard(key)
 
+    def _try_drop(self, key: str) -> None:
+        """Delete ``key`` now if the store lets us; otherwise it stays owned and ``close`` retries."""
+        try:
+            self._drop(key)
+        except SpecdraftError as exc:
+            log.warning("%s; retrying when the data source closes", exc)
+
     def _fetch(self, index: int) -> dict:
         from specdraft.hidden_states.payload import HiddenStatePayload
 
@@ -378,14 +385,14 @@ class StreamingSource:
                 payload = self.transport.get(key)  # verifies checksums, shapes and dtypes
                 self._check(payload, row, where=f"{self.transport.location} key {key!r} from {url}")
             except SpecdraftError as exc:
-                self._drop(key)
+                self._try_drop(key)
                 if corrupt is not None:
                     raise SpecdraftError(f"sample {sid!r} arrived corrupt twice: first {corrupt}; then {exc}") from None
                 corrupt = str(exc)
                 self._count("refetches")
                 log.warning("%s; requesting sample %r again", exc, sid)
                 continue
-            self._drop(key)
+            self._try_drop(key)
             break
         payload = HiddenStatePayload(manifest={**payload.manifest, "sample_id": sid}, hidden_states=payload.hidden_states,
                                      token_ids=payload.token_ids, last_hidden=payload.last_hidden)

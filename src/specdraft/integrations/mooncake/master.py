@@ -42,6 +42,13 @@ class MasterConfig:
     port: int = config_field(50051, help="RPC port clients connect to (0 = any free port)")
     metrics_port: int = config_field(0, help="HTTP metrics/admin port, bound to the same host (0 = any free port)")
     lease_ttl_ms: int = config_field(10000, help="read lease: after a get, removal of that object waits this long (must exceed the slowest transfer)")
+    put_discard_timeout_s: int = config_field(
+        20, help="an unfinished put (its producer died mid-write) is discarded after this many seconds"
+    )
+    put_release_timeout_s: int = config_field(
+        30, help="the objects of a discarded put become removable after this many seconds (Mooncake's default is 600; "
+        "consumers give up cleaning after 60)"
+    )
     dir: str = config_field("runs/mooncake", help="directory for the master's pid, state and log files")
     wait_s: float = config_field(30.0, help="how long start waits for the master to accept connections")
 
@@ -51,6 +58,10 @@ class MasterConfig:
                 raise SpecdraftError(f"--{name.replace('_', '-')} {getattr(self, name)} is not a TCP port (0-65535)")
         if self.lease_ttl_ms < 1:
             raise SpecdraftError(f"--lease-ttl-ms must be >= 1, got {self.lease_ttl_ms}")
+        if not 1 <= self.put_discard_timeout_s <= self.put_release_timeout_s:
+            raise SpecdraftError(
+                f"need 1 <= --put-discard-timeout-s ({self.put_discard_timeout_s}) <= --put-release-timeout-s ({self.put_release_timeout_s})"
+            )
 
     @property
     def address(self) -> str:
@@ -151,6 +162,8 @@ def start_master(config: MasterConfig) -> dict:
         f"--metrics_host={config.host}",
         f"--metrics_port={config.metrics_port}",
         f"--default_kv_lease_ttl={config.lease_ttl_ms}",
+        f"--put_start_discard_timeout_sec={config.put_discard_timeout_s}",
+        f"--put_start_release_timeout_sec={config.put_release_timeout_s}",
         "--enable_http_metadata_server=false",
     ]
     log_path = run_dir / LOG_FILE

@@ -166,14 +166,14 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
+        from specdraft.hidden_states.backends.base import open_backend
+
         layers = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
         if len(layers) != 1:
             raise ValueError(f"SpecdraftHiddenStatesConnector needs exactly one cache-only layer, found {layers}")
         self._kv_cache = kv_caches[layers[0]]
         if self._kv_cache.shape[2] != self._block_size:
             raise ValueError(f"hidden-state block size {self._kv_cache.shape[2]} != expected {self._block_size}")
-        from specdraft.hidden_states.backends.base import open_backend
-
         # Open the store now, so an unreachable one (e.g. a Mooncake master) stops the engine at
         # start-up with the backend's message instead of failing every request.
         self._backend = open_backend(self._backend_name, self._store)

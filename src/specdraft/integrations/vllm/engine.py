@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -134,7 +135,9 @@ class VllmServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise SpecdraftError(f"vLLM server exited with code {self.process.returncode} while starting:\n{self.log_tail()}")
+                raise SpecdraftError(
+                    f"vLLM server exited with code {self.process.returncode} while starting{self.log_cause()}:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2):
                     return
@@ -147,6 +150,19 @@ class VllmServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return f"(no log at {self.log_path})"
+
+    def log_cause(self) -> str:
+        """``": <exception line>"`` from the log (the last ``SpecdraftError``, else the last exception),
+        or ``""``: our connector's error (e.g. an unreachable store) is buried in tracebacks longer
+        than :meth:`log_tail` shows, under vLLM's own "Engine core initialization failed"."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        pattern = re.compile(r"(?:^|\] )((?:[\w.]+\.)?\w*(?:Error|Exception): .+)")
+        causes = [m.group(1) for m in map(pattern.search, lines) if m]
+        causes = [c for c in causes if "SpecdraftError: " in c] or causes
+        return f": {causes[-1]}" if causes else ""
 
     def stop(self) -> None:
         """Terminate the server's process group (vLLM may fork helpers); kill it if it lingers."""
