@@ -88,3 +88,22 @@ def tiny_target(tiny_llama_dir):
     from specdraft.targets import load_target
 
     return load_target(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Module-wide single-threaded torch: tiny models run fastest so on a shared, oversubscribed CPU
+    (a module opts in with an autouse fixture requesting this one)."""
+    from test_models_support import single_thread
+
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def target():
+    """One tiny in-memory target per module (``test_models_support.make_target``); modules with other
+    needs define their own ``target`` fixture, which takes precedence."""
+    from test_models_support import make_target
+
+    return make_target()

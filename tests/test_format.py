@@ -13,7 +13,7 @@ from specdraft.models import METHODS, load_drafter
 from specdraft.models.common.vocab import build_draft_vocab
 from specdraft.models.dflash.config import DFlashConfig, default_gamma
 from specdraft.models.dspark.config import DSparkConfig
-from test_models_support import VOCAB, make_batch, make_target, single_thread
+from test_models_support import VOCAB, make_batch, make_target
 
 SMALL = {
     "eagle3": {"draft_vocab_size": 40, "ttt_steps": 3},
@@ -23,14 +23,8 @@ SMALL = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_target()
+def _one_thread(one_thread):
+    yield
 
 
 def _build(method, target, **overrides):

@@ -7,18 +7,12 @@ import torch
 
 from specdraft.models import METHODS
 from specdraft.models.dspark.heads import MARKOV_HEADS
-from test_models_support import VOCAB, make_batch, make_target, single_thread
+from test_models_support import VOCAB, make_batch
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_target()
+def _one_thread(one_thread):
+    yield
 
 
 def _build(method, target, **overrides):

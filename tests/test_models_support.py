@@ -111,6 +111,7 @@ def single_thread():
         torch.set_num_threads(before)
 
 
+
 def test_make_batch_packs_segments():
     target = make_target()
     batch = make_batch(target, "dflash", count=4, length=12, pack=2)

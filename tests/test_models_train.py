@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdraft.models import METHODS, DrafterBatch
-from test_models_support import VOCAB, make_batch, make_target, pad_batch, single_thread
+from test_models_support import VOCAB, make_batch, pad_batch
 
 SMALL = {
     "eagle3": {"draft_vocab_size": 64, "ttt_steps": 3},
@@ -16,14 +16,8 @@ SMALL = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_target()
+def _one_thread(one_thread):
+    yield
 
 
 def _build(method, target, **overrides):
