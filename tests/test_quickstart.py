@@ -35,6 +35,8 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
     assert set(stages) == {"prepare", "extract", "size-training", "train", "calibrate", "eval"}
     assert all(s["status"] == "done" for s in stages.values())
     assert stages["train"]["steps"] == stages["size-training"]["steps"] >= 8
+    assert stages["prepare"]["kept"] == 6 and stages["prepare"]["generated_tokens"] > 0
+    assert stages["extract"]["samples_extracted"] == 6
     assert len(json.loads((run / "train" / "final" / "config.json").read_text())["specdraft"]["config"]["confidence_temperatures"]) == 4
     report = json.loads((run / "eval" / "report.json").read_text())
     labels = {r["drafter"] for r in report["runs"]}

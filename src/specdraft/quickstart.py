@@ -125,7 +125,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     journal.run("prepare", lambda: prepare(PrepareConfig(
         out=str(data), target=config.target, data="sharegpt", max_samples=config.samples, max_length=config.max_length,
         regenerate=True, max_new_tokens=config.max_new_tokens, batch_size=config.regen_batch_size, threads=config.threads,
-    )).get("stats", {}))
+    )))
     journal.run("extract", lambda: extract_hidden_states(
         ExtractConfig(dataset=str(data), out=str(states), method=METHOD), target=target
     ).to_dict())
