@@ -128,3 +128,36 @@ def test_decoder_for_target_profiles_sps_for_the_scheduler(target, checkpoints, 
     assert dec.sps is not None and len(list((tmp_path / "sps").glob(f"{target.fingerprint}-cpu-float32-*.json"))) == 1
     result = dec.generate(PROMPTS[:2])
     assert [o.tokens for o in result.outputs] == [reference_greedy(target.model, p, 10) for p in PROMPTS[:2]]
+
+
+@pytest.mark.slow
+def test_every_method_is_exact_on_the_real_target_at_batch_1_and_2(smollm2_dir, tmp_path):
+    """Random EAGLE-3 / DFlash / DSpark drafters built for SmolLM2-135M: greedy output equals HF greedy
+    decoding of the real target, for one request alone and for two decoded together."""
+    from specdraft.targets import load_target
+
+    real = load_target(str(smollm2_dir))
+    chats = ["Repeat exactly: the quick brown fox jumps over the lazy dog.", "Name three primary colours."]
+    prompts = [real.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False) for c in chats]
+    n_new = 12
+    with torch.no_grad():
+        expected = [real.model.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    counts = torch.arange(real.vocab_size, dtype=torch.int64)
+    configs = {
+        "eagle3": {"draft_vocab_size": 4096},
+        "dflash": {"block_size": 4, "num_layers": 1},
+        "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 32, "confidence_temperatures": [1.0] * 4},
+    }
+    for method, overrides in configs.items():
+        spec = METHODS.get(method)
+        torch.manual_seed(0)
+        spec.build(spec.config_cls(**overrides), real, counts=counts).save_pretrained(tmp_path / method)
+        config = DecodeConfig(drafter=method, drafter_path=str(tmp_path / method), max_new_tokens=n_new, num_draft_tokens=3)
+        scheduler, sps = (SchedulerConfig("scheduled"), SpsTable((1, 4, 16), (10.0, 6.0, 3.0))) if method == "dspark" else (SchedulerConfig(), None)
+        decoder = SpeculativeDecoder(real.model, build_proposer(config, real), config=config, sampling=SamplingConfig(),
+                                     scheduler=scheduler, sps=sps)
+        assert [decoder.generate([p]).outputs[0].tokens for p in prompts] == expected, method
+        together = decoder.generate(prompts)
+        assert [o.tokens for o in together.outputs] == expected, method
+        assert together.metrics.drafted > 0
