@@ -178,13 +178,25 @@ class VllmServer:
             pass
 
     def wait(self) -> int:
-        """Block until the server exits (``specdraft serve``); Ctrl-C stops it."""
+        """Block until the server exits (``specdraft serve``); Ctrl-C (SIGINT) or SIGTERM stops it and
+        returns 128 + the signal number. The handlers are installed explicitly because a process started
+        in the background by a non-interactive shell inherits SIGINT as ignored."""
         assert self.process is not None
+        received: list[int] = []
+
+        def interrupt(signum: int, frame: Any) -> None:
+            received.append(signum)
+            raise KeyboardInterrupt
+
+        previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             return self.process.wait()
         except KeyboardInterrupt:
             self.stop()
-            return 130
+            return 128 + (received[-1] if received else signal.SIGINT)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
     def __enter__(self) -> "VllmServer":
         return self.start()
