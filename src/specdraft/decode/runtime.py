@@ -20,10 +20,9 @@ Plain autoregressive decoding is the same loop with the ``none`` proposer (zero 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -33,7 +32,7 @@ from specdraft.decode.sampling import SamplingConfig, sample_from_logits, sampli
 from specdraft.decode.scheduler import SchedulerConfig, StepRate, VERIFY_POLICIES, choose_verify_lengths
 from specdraft.decode.verification import VerifyOutput, verify_greedy, verify_rejection
 from specdraft.errors import SpecdraftError
-from specdraft.hidden_states.capture import find_decoder
+from specdraft.hidden_states.capture import find_decoder, record_slots
 from specdraft.hidden_states.layers import LayerSlot
 
 
@@ -199,6 +198,7 @@ class SpeculativeDecoder:
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.slots: tuple[LayerSlot, ...] = tuple(proposer.layer_slots)
+        self.layers = find_decoder(model)[1] if self.slots else ()  # hooked to hand features to the proposer
         for slot in self.slots:
             slot.check(self.num_layers)
 
@@ -359,35 +359,12 @@ class SpeculativeDecoder:
     def _forward(self, ids, valid, positions, cache, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target logits [R, T', V] and, if the proposer reads features, its slots [R, T, S, D]."""
         seen: dict[LayerSlot, torch.Tensor] = {}
-        with self._hooks(seen):
+        with record_slots(self.layers, self.slots, seen):
             out = self.model(
                 input_ids=ids, attention_mask=valid.long(), position_ids=positions, cache=cache, use_cache=True, logits_to_keep=logits_to_keep
             )
         hidden = torch.stack([seen[s] for s in self.slots], dim=2) if self.slots else None
         return out.logits, hidden
-
-    @contextlib.contextmanager
-    def _hooks(self, seen: dict[LayerSlot, torch.Tensor]) -> Iterator[None]:
-        """Record the proposer's layer slots (pre-hook = layer input, hook = layer output) for one forward."""
-        if not self.slots:
-            yield
-            return
-        _, layers, _ = find_decoder(self.model)
-        handles = []
-        for slot in dict.fromkeys(self.slots):
-            if slot.side == "input":
-                def pre(module, args, kwargs, slot=slot):
-                    seen[slot] = args[0] if args else kwargs["hidden_states"]
-                handles.append(layers[slot.layer].register_forward_pre_hook(pre, with_kwargs=True))
-            else:
-                def post(module, args, output, slot=slot):
-                    seen[slot] = output[0] if isinstance(output, (tuple, list)) else output
-                handles.append(layers[slot.layer].register_forward_hook(post))
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
 
     def _check_prompts(self, prompts: list[list[int]]) -> None:
         if not prompts:

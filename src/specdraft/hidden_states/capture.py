@@ -81,7 +81,7 @@ class HiddenStateCapture:
     def __call__(self, sequences: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ids, mask = pad_right(sequences)
         captured: dict[Any, torch.Tensor] = {}
-        with self._hooks(captured):
+        with record_slots(self.layers, self.slots, captured, final_norm=self.norm):
             self.decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
         if "last" not in captured:
             raise SpecdraftError(f"the final norm of {type(self.model).__name__} was never called; cannot capture last_hidden")
@@ -89,32 +89,32 @@ class HiddenStateCapture:
         lengths = [int(s.shape[0]) for s in sequences]
         return [(stacked[i, :n], captured["last"][i, :n]) for i, n in enumerate(lengths)]
 
-    @contextlib.contextmanager
-    def _hooks(self, captured: dict) -> Iterator[None]:
-        """Install the hooks for one forward pass; they are always removed afterwards."""
-        handles = []
 
-        def save(key: Any, value: Any) -> None:
-            tensor = value[0] if isinstance(value, (tuple, list)) else value
-            if key in captured:
-                raise SpecdraftError(f"{key} was reached twice in one forward pass; this decoder is not supported")
-            captured[key] = tensor.detach()
+@contextlib.contextmanager
+def record_slots(layers: Sequence[Any], slots: Sequence[LayerSlot], captured: dict, *, final_norm: Any = None) -> Iterator[None]:
+    """Hook decoder ``layers`` so that one forward pass stores each slot's tensor in ``captured``
+    (pre-hook = the layer's input, hook = its output) and, with ``final_norm``, the norm's input under
+    ``"last"``. The hooks are always removed afterwards."""
+    handles = []
 
-        for slot in dict.fromkeys(self.slots):
-            layer = self.layers[slot.layer]
-            if slot.side == "input":
-                def pre(module, args, kwargs, slot=slot):
-                    save(slot, args[0] if args else kwargs["hidden_states"])
-                handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-            else:
-                handles.append(layer.register_forward_hook(lambda module, args, output, slot=slot: save(slot, output)))
+    def save(key: Any, value: Any) -> None:
+        tensor = value[0] if isinstance(value, (tuple, list)) else value
+        if key in captured:
+            raise SpecdraftError(f"{key} was reached twice in one forward pass; this decoder is not supported")
+        captured[key] = tensor.detach()
 
-        def norm_pre(module, args, kwargs):
-            save("last", args[0] if args else kwargs["hidden_states"])
+    def save_input(key: Any):
+        return lambda module, args, kwargs: save(key, args[0] if args else kwargs["hidden_states"])
 
-        handles.append(self.norm.register_forward_pre_hook(norm_pre, with_kwargs=True))
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
+    for slot in dict.fromkeys(slots):
+        if slot.side == "input":
+            handles.append(layers[slot.layer].register_forward_pre_hook(save_input(slot), with_kwargs=True))
+        else:
+            handles.append(layers[slot.layer].register_forward_hook(lambda module, args, output, slot=slot: save(slot, output)))
+    if final_norm is not None:
+        handles.append(final_norm.register_forward_pre_hook(save_input("last"), with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
