@@ -107,3 +107,12 @@ def target():
     from test_models_support import make_target
 
     return make_target()
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    """A Mooncake master on loopback (free ports, short read lease) for one test module."""
+    from specdraft.integrations.mooncake.master import MooncakeMaster
+
+    with MooncakeMaster(dir=str(tmp_path_factory.mktemp("mooncake")), port=0, lease_ttl_ms=300) as m:
+        yield m

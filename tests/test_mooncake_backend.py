@@ -19,7 +19,6 @@ from specdraft.hidden_states.backends.mooncake import MooncakeBackend, parse_loc
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.payload import TENSOR_KEYS, HiddenStatePayload
 from specdraft.integrations.mooncake.client import MooncakeClient, MooncakeClientConfig
-from specdraft.integrations.mooncake.master import MooncakeMaster
 
 TARGET = {"name": "tiny", "fingerprint": "fp", "tokenizer_hash": "th", "num_layers": 6, "hidden_size": 64}
 
@@ -40,12 +39,6 @@ def assert_same(a: HiddenStatePayload, b: HiddenStatePayload) -> None:
     assert a.manifest == b.manifest
     for name in TENSOR_KEYS:
         assert torch.equal(getattr(a, name), getattr(b, name))
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    with MooncakeMaster(dir=str(tmp_path_factory.mktemp("mooncake")), port=0, lease_ttl_ms=300) as m:
-        yield m
 
 
 @pytest.fixture(scope="module")

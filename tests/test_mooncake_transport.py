@@ -40,12 +40,6 @@ def client_config(master: str, **kw) -> MooncakeClientConfig:
 
 
 @pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    with MooncakeMaster(dir=str(tmp_path_factory.mktemp("mooncake")), port=0, lease_ttl_ms=300) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
 def client(master):
     """The consumer: it holds the store's memory, so objects outlive the producer process."""
     c = MooncakeClient(client_config(master.address))

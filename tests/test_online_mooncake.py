@@ -34,12 +34,6 @@ NUM = 14
 DFLASH = {"num_layers": 1, "block_size": 4, "max_anchors": 8, "intermediate_size": 64}
 
 
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    with MooncakeMaster(dir=str(tmp_path_factory.mktemp("mooncake")), port=0, lease_ttl_ms=300) as m:
-        yield m
-
-
 def location(master, namespace: str, **options) -> str:
     admin = f"{master.state['host']}:{master.state['metrics_port']}"
     query = "&".join(f"{k}={v}" for k, v in {"admin": admin, **options}.items())
