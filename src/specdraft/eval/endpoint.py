@@ -70,8 +70,7 @@ def run_endpoint_eval(config: EvalConfig, sampling: SamplingConfig = SamplingCon
         from specdraft.targets import resolve_target_dir
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_target_dir(config.target))
-    token_ids = [list(tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=True, return_dict=False))
-                 for p in prompts]
+    token_ids = [p.token_ids(tokenizer) for p in prompts]
     model = _served_model(url)
     extra = {"temperature": sampling.temperature, "top_p": sampling.top_p, "return_token_ids": True, "seed": config.seed}
     if sampling.top_k:

@@ -77,11 +77,6 @@ def _scheduler_for(spec: DrafterSpec, default: SchedulerConfig) -> SchedulerConf
     return default if spec.decode.drafter not in ("none", "ngram") else SchedulerConfig()
 
 
-def _render(target: Any, prompt: EvalPrompt) -> list[int]:
-    ids = target.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True, return_dict=False)
-    return list(ids)
-
-
 def _batches(prompts: list[EvalPrompt], size: int) -> list[list[int]]:
     """Indices into ``prompts`` grouped into single-domain batches of at most ``size``."""
     by_domain: dict[str, list[int]] = {}
@@ -120,7 +115,7 @@ def run_eval(
         raise SpecdraftError(f"--drafters names the same drafter twice: {config.drafters}")
     decoders = {s.label: decoder_for_target(target, config=s.decode, sampling=sampling, scheduler=_scheduler_for(s, scheduler))
                 for s in specs}
-    token_ids = [_render(target, p) for p in prompts]
+    token_ids = [p.token_ids(target.tokenizer) for p in prompts]
     warmup = token_ids[0][-16:]
     for decoder in decoders.values():  # first calls pay one-off costs (allocator, lazy init)
         decoder.generate([warmup])

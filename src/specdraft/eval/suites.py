@@ -44,6 +44,10 @@ class EvalPrompt:
     def to_json(self) -> dict:
         return {"id": self.prompt_id, "domain": self.domain, "messages": list(self.messages)}
 
+    def token_ids(self, tokenizer) -> list[int]:
+        """The prompt rendered with the target's chat template, ready for the assistant's reply."""
+        return list(tokenizer.apply_chat_template(list(self.messages), add_generation_prompt=True, tokenize=True, return_dict=False))
+
 
 SUITES: Registry[Callable[[], list[EvalPrompt]]] = Registry("prompt suite")
 
