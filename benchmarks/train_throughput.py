@@ -7,6 +7,9 @@ of the per-step rates the trainer logs to metrics.jsonl.
 
     .venv/bin/python benchmarks/train_throughput.py --work runs/bench-train --steps 6 --threads 2
 
+Compare one setting at a time, e.g. the compute dtype (``--dtype bf16``), anchor sampling
+(``--model anchor_sampling=predictable``) or a warm start (``--set init_from_target=true``).
+
 Output: one JSON line per method, then a table.
 """
 
@@ -44,12 +47,15 @@ def ensure_stores(work: Path, target: str, samples: int, methods: list[str]) -> 
 
 
 def measure(method: str, store: Path, out: Path, args: argparse.Namespace) -> dict:
-    from specdraft.train.config import resolve_config
+    from specdraft.train.config import parse_overrides, resolve_config
     from specdraft.train.trainer import train
 
     shutil.rmtree(out, ignore_errors=True)
     overrides = {"data": str(store), "out": str(out), "max_steps": args.steps, "checkpoint_interval": 0, "eval_interval": 0,
-                 "val_fraction": 0.0, "num_threads": args.threads, "dtype": args.dtype, "pack_tokens": args.pack_tokens}
+                 "val_fraction": 0.0, "num_threads": args.threads, "dtype": args.dtype, "pack_tokens": args.pack_tokens,
+                 **parse_overrides(args.set)}
+    if args.model:
+        overrides["model"] = args.model
     cfg = resolve_config(method, overrides)
     started = time.perf_counter()
     train(cfg)
@@ -69,6 +75,7 @@ def measure(method: str, store: Path, out: Path, args: argparse.Namespace) -> di
         "threads": args.threads,
         "dtype": cfg.dtype,
         "model": cfg.model,
+        "set": args.set,
     }
 
 
@@ -82,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pack-tokens", type=int, default=1024, help="tokens per packed row")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="training compute dtype")
+    parser.add_argument("--model", default="", help="method config overrides for every method, 'key=value,...'")
+    parser.add_argument("--set", default="", help="TrainConfig overrides, 'key=value,...' (e.g. init_from_target=true)")
     args = parser.parse_args(argv)
 
     import logging

@@ -35,8 +35,8 @@ def main() -> None:
     from specdraft.hidden_states.backends.file import FileBackend
     from specdraft.hidden_states.config import ExtractConfig
     from specdraft.hidden_states.extract import extract_hidden_states
-    from specdraft.integrations.vllm.engine import VllmServer
-    from specdraft.integrations.vllm.extract import extraction_args, send_samples
+    from specdraft.integrations.vllm.engine import SERVED_NAME, VllmServer
+    from specdraft.integrations.vllm.extract import ExtractionClient, extraction_args, send_samples
     from specdraft.targets import load_target
 
     with tempfile.TemporaryDirectory(prefix="specdraft-vllm-bench-") as tmp:
@@ -60,11 +60,11 @@ def main() -> None:
         ) + shlex.split(args.vllm_args)  # fmt: skip
         with VllmServer(target.path, server_args) as server:
             startup = time.perf_counter() - started
-            send_samples(server, store, dataset, rows[:1], target_info=target.describe(), slots=slots, dtype=args.dtype, concurrency=1)
+            client = ExtractionClient(server.url, store, target.describe(), model=SERVED_NAME, max_model_len=None)
+            send_samples(client, dataset, rows[:1], slots=slots, dtype=args.dtype, concurrency=1)
             store.delete(dataset.sample_ids[0])  # the warm-up sample is timed below like every other one
             start = time.perf_counter()
-            tokens, nbytes = send_samples(server, store, dataset, rows, target_info=target.describe(), slots=slots, dtype=args.dtype,
-                                          concurrency=args.batch_size)
+            tokens, nbytes = send_samples(client, dataset, rows, slots=slots, dtype=args.dtype, concurrency=args.batch_size)
             seconds = time.perf_counter() - start
 
         hf_store = FileBackend(tmp / "hf")

@@ -272,3 +272,57 @@ def test_real_target_greedy_ngram_matches_hf_generate(smollm2_dir):
             hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
             assert out.tokens == hf
     assert result.metrics.accepted > 0
+
+
+class GatedRecorder(FeatureRecorder):
+    """A feature-reading drafter with confidences whose quality is set by ``miss``; each draft costs
+    ``cost_s`` of wall time, like a real drafter's forward."""
+
+    provides_confidences = confidences_calibrated = True
+
+    def __init__(self, continuations, *, miss: float, cost_s: float):
+        super().__init__(continuations)
+        self.oracle = OracleProposer(PROMPTS, continuations, vocab=64, miss=miss)
+        self.cost_s = cost_s
+        self.calls = 0
+
+    def propose(self, inputs: ProposalInput) -> Draft:
+        import time
+
+        self.calls += 1
+        for i, rid in enumerate(inputs.row_ids):
+            self.features.setdefault(rid, []).append((inputs.new_start[i], inputs.new_hidden[i]))
+        time.sleep(self.cost_s)
+        draft = self.oracle.propose(inputs)
+        return Draft(tokens=draft.tokens, lengths=draft.lengths, confidences=torch.full(draft.tokens.shape, 0.95))
+
+
+@pytest.mark.parametrize("miss, drafts_mostly", [(1.0, False), (0.0, True)])
+def test_draft_gate_skips_drafting_only_when_it_does_not_pay(model, miss, drafts_mostly):
+    from specdraft.decode.sps import SpsTable
+    from specdraft.hidden_states.capture import HiddenStateCapture
+
+    refs = [reference_greedy(model, p, 48) for p in PROMPTS]
+    proposer = GatedRecorder([r + [0] * 8 for r in refs], miss=miss, cost_s=0.01)
+    config = DecodeConfig(max_new_tokens=48, num_draft_tokens=4)
+    flat = SpsTable((1, 64), (200.0, 200.0))  # 5 ms per forward of any width
+    dec = SpeculativeDecoder(model, proposer, config=config, sampling=SamplingConfig(), scheduler=SchedulerConfig("scheduled"),
+                             sps=flat, eos_token_ids=[])
+    result = dec.generate(PROMPTS)
+    assert [o.tokens for o in result.outputs] == refs
+    m = result.metrics
+    if drafts_mostly:
+        assert m.plain_steps == 0 and m.drafting_fraction == 1.0 and m.tau > 4
+    else:  # a useless 10 ms drafter: after the first rounds, drafting is only probed with back-off
+        assert m.drafting_fraction < 0.35 and m.plain_steps > 2 * m.rounds
+    # features of skipped rounds reach the drafter at its next round: contiguous from position 0
+    full = HiddenStateCapture(model, list(FeatureRecorder.layer_slots))([torch.tensor(p + r) for p, r in zip(PROMPTS, refs)])
+    for rid, chunks in proposer.features.items():
+        starts = [s for s, _ in chunks]
+        assert starts == [0] + list(itertools.accumulate(len(h) for _, h in chunks))[:-1]
+        stacked = torch.cat([h for _, h in chunks])
+        assert torch.allclose(stacked, full[rid][0][: len(stacked)], atol=1e-9)
+    off = SpeculativeDecoder(model, GatedRecorder([r + [0] * 8 for r in refs], miss=miss, cost_s=0.0), config=config,
+                             sampling=SamplingConfig(), scheduler=SchedulerConfig("scheduled", adaptive_drafting=False), sps=flat,
+                             eos_token_ids=[]).generate(PROMPTS)
+    assert off.metrics.plain_steps == 0 and [o.tokens for o in off.outputs] == refs

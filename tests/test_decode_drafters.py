@@ -23,7 +23,11 @@ SMALL = {
     "dflash": {"block_size": 4, "num_layers": 1},
     "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 16, "confidence_temperatures": [1.5, 1.2, 1.0, 0.8]},
     "dspark-uncalibrated": {"block_size": 4, "num_layers": 1, "markov_rank": 16},
+    # reduced draft vocabularies: drafts are draft ids mapped through d2t, q scattered into V
+    "dflash-draft-vocab": {"block_size": 4, "num_layers": 1, "draft_vocab_size": 40},
+    "dspark-draft-vocab": {"block_size": 4, "num_layers": 1, "markov_rank": 16, "draft_vocab_size": 40, "confidence_temperatures": [1.5, 1.2, 1.0, 0.8]},
 }
+RUNTIME_CASES = ["eagle3", "dflash", "dspark", "dflash-draft-vocab", "dspark-draft-vocab"]
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
 
 
@@ -52,9 +56,10 @@ def reference_greedy(model, prompt, n):
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
-def test_trained_drafters_keep_greedy_output_exact(target, checkpoints, method):
-    config = DecodeConfig(drafter=method, drafter_path=str(checkpoints[method]), max_new_tokens=16, num_draft_tokens=3)
+@pytest.mark.parametrize("case", RUNTIME_CASES)
+def test_trained_drafters_keep_greedy_output_exact(target, checkpoints, case):
+    method = case.split("-")[0]
+    config = DecodeConfig(drafter=method, drafter_path=str(checkpoints[case]), max_new_tokens=16, num_draft_tokens=3)
     proposer = build_proposer(config, target)
     assert proposer.layer_slots and proposer.provides_confidences == (method == "dspark")
     scheduler, sps = SchedulerConfig(), None
@@ -89,15 +94,15 @@ def test_drafter_checkpoint_errors(target, checkpoints):
                        scheduler=SchedulerConfig("threshold"))
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
-def test_incremental_features_give_the_same_drafts_as_one_shot(target, checkpoints, method):
+@pytest.mark.parametrize("case", RUNTIME_CASES)
+def test_incremental_features_give_the_same_drafts_as_one_shot(target, checkpoints, case):
     """Each round's drafts (draft cache extended round by round) equal drafts from a fresh cache fed
     the whole context at once: positions, token pairing and the anchor are handed over right."""
     from dataclasses import replace
 
     from specdraft.hidden_states.capture import HiddenStateCapture
 
-    config = DecodeConfig(drafter=method, drafter_path=str(checkpoints[method]), max_new_tokens=12, num_draft_tokens=3)
+    config = DecodeConfig(drafter=case.split("-")[0], drafter_path=str(checkpoints[case]), max_new_tokens=12, num_draft_tokens=3)
     proposer = build_proposer(config, target)
     capture = HiddenStateCapture(target.model, list(proposer.layer_slots))
     checked = []
@@ -148,16 +153,18 @@ def test_every_method_is_exact_on_the_real_target_at_batch_1_and_2(smollm2_dir, 
         "eagle3": {"draft_vocab_size": 4096},
         "dflash": {"block_size": 4, "num_layers": 1},
         "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 32, "confidence_temperatures": [1.0] * 4},
+        "dspark-draft-vocab": {"block_size": 4, "num_layers": 1, "markov_rank": 32, "confidence_temperatures": [1.0] * 4, "draft_vocab_size": 8192},
     }
-    for method, overrides in configs.items():
+    for case, overrides in configs.items():
+        method = case.split("-")[0]
         spec = METHODS.get(method)
         torch.manual_seed(0)
-        spec.build(spec.config_cls(**overrides), real, counts=counts).save_pretrained(tmp_path / method)
-        config = DecodeConfig(drafter=method, drafter_path=str(tmp_path / method), max_new_tokens=n_new, num_draft_tokens=3)
+        spec.build(spec.config_cls(**overrides), real, counts=counts).save_pretrained(tmp_path / case)
+        config = DecodeConfig(drafter=method, drafter_path=str(tmp_path / case), max_new_tokens=n_new, num_draft_tokens=3)
         scheduler, sps = (SchedulerConfig("scheduled"), SpsTable((1, 4, 16), (10.0, 6.0, 3.0))) if method == "dspark" else (SchedulerConfig(), None)
         decoder = SpeculativeDecoder(real.model, build_proposer(config, real), config=config, sampling=SamplingConfig(),
                                      scheduler=scheduler, sps=sps)
-        assert [decoder.generate([p]).outputs[0].tokens for p in prompts] == expected, method
+        assert [decoder.generate([p]).outputs[0].tokens for p in prompts] == expected, case
         together = decoder.generate(prompts)
-        assert [o.tokens for o in together.outputs] == expected, method
+        assert [o.tokens for o in together.outputs] == expected, case
         assert together.metrics.drafted > 0

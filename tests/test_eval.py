@@ -62,13 +62,15 @@ def test_eval_config_rejects_bad_values(kwargs, message):
         EvalConfig(out="x", **kwargs)
 
 
-def test_drafter_must_be_ngram_or_checkpoint(tmp_path):
-    with pytest.raises(SpecdraftError, match="neither 'ngram' nor a checkpoint"):
+def test_drafter_must_be_ngram_reference_or_checkpoint(tmp_path):
+    with pytest.raises(SpecdraftError, match="neither 'ngram', 'reference' nor a checkpoint"):
         resolve_drafter(str(tmp_path / "missing"), num_draft_tokens=4, max_new_tokens=8, seed=0)
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
     with pytest.raises(SpecdraftError, match="speculators_model_type"):
         resolve_drafter(str(tmp_path / "ckpt"), num_draft_tokens=4, max_new_tokens=8, seed=0)
+    with pytest.raises(SpecdraftError, match="no reference drafter ships for target 'tiny'.*smollm2-135m"):
+        resolve_drafter("reference@scheduled", num_draft_tokens=4, max_new_tokens=8, seed=0, target="tiny")
 
 
 def test_eval_cli_errors_are_clear(tmp_path, capsys):

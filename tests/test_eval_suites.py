@@ -70,3 +70,18 @@ def test_missing_prompt_file_and_suite_choice():
         load_prompts(None, None)
     with pytest.raises(SpecdraftError, match="unknown prompt suite"):
         load_prompts("nope")
+
+
+def test_math_suite_is_mtbench_math_plus_held_out_word_problems():
+    from specdraft.eval.suites import SUITES
+
+    prompts = SUITES.get("math")()
+    assert {p.domain for p in prompts} == {"math"}
+    mt = [p for p in prompts if p.prompt_id.startswith("mtbench-")]
+    words = [p for p in prompts if p.prompt_id.startswith("word-problem-")]
+    assert len(mt) == 10 and len(words) >= 3 and len(mt) + len(words) == len(prompts)
+    for p in words:
+        text = p.messages[-1]["content"]
+        assert "?" in text and sum(c.isdigit() for c in text) >= 2 and "```" not in text
+    domains = {p.domain for p in SUITES.get("domains")()}
+    assert {"math", "math-word", "code", "translation", "writing"} <= domains

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from specdraft.errors import SpecdraftError
 from specdraft.models import METHODS, load_drafter
-from specdraft.models.common.vocab import build_draft_vocab
+from specdraft.models.common.vocab import build_draft_vocab, coverage_vocab_size, target_to_draft
 from specdraft.models.dflash.config import DFlashConfig, default_gamma
 from specdraft.models.dspark.config import DSparkConfig
 from test_models_support import VOCAB, make_batch, make_target
@@ -144,6 +144,92 @@ def test_build_draft_vocab_top_n():
     assert t2d.tolist() == [False, False, True, True, False, True]
     with pytest.raises(SpecdraftError, match="draft_vocab_size 7"):
         build_draft_vocab(counts, 7)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_reduced_vocab_block_drafter_round_trip_and_layout(tmp_path, target, method):
+    model = _build(method, target, draft_vocab_size=40)
+    model.save_pretrained(tmp_path / "r")
+    cfg = json.loads((tmp_path / "r/config.json").read_text())
+    assert cfg["draft_vocab_size"] == 40 and cfg["transformer_layer_config"]["vocab_size"] == VOCAB
+    tensors = load_file(str(tmp_path / "r/model.safetensors"))
+    # vLLM's qwen3_dflash/qwen3_dspark read top-level lm_head.weight and d2t (-> draft_id_to_target_id).
+    assert tensors["lm_head.weight"].shape == (40, 64) and "embed_tokens.weight" not in tensors
+    assert tensors["d2t"].dtype == torch.int64 and tensors["d2t"].shape == (40,)
+    assert tensors["t2d"].dtype == torch.bool and torch.equal(torch.nonzero(tensors["t2d"]).flatten(), torch.arange(40) + tensors["d2t"])
+    # counts = arange(V): the 40 most frequent ids are the top 40, and the head starts from their target rows
+    assert (torch.arange(40) + tensors["d2t"]).tolist() == list(range(VOCAB - 40, VOCAB))
+    if method == "dspark":
+        assert tensors["markov_head.markov_w1.weight"].shape == (VOCAB, 16)
+        assert tensors["markov_head.markov_w2.weight"].shape == (40, 16)
+    loaded = METHODS.get(method).model_cls.from_pretrained(tmp_path / "r", target=target).eval()
+    assert loaded.config == model.config
+    batch = make_batch(target, method, count=1, length=14)
+    for a, b in zip(_outputs(model, batch), _outputs(loaded, batch)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    kwargs = dict(context_features=batch.aux_hidden[0, :6], context_positions=batch.position_ids[0, :6], anchor_token=3, anchor_position=6)
+    out_a = model.draft_block(model.new_cache(), **kwargs)
+    out_b = loaded.draft_block(loaded.new_cache(), **kwargs)
+    assert torch.equal(out_a.tokens, out_b.tokens) and torch.equal(out_a.probs, out_b.probs)
+    assert bool(torch.isin(out_a.tokens, model.draft_target_ids()).all())
+
+
+def test_fresh_reduced_head_starts_from_target_rows(target):
+    model = METHODS.get("dspark").build(DSparkConfig(block_size=4, num_layers=1, markov_rank=16, draft_vocab_size=40), target, counts=torch.arange(VOCAB))
+    ids = model.draft_target_ids()
+    assert torch.equal(model.lm_head.weight, model.verifier_lm_head.weight[ids]) and model.lm_head.weight.requires_grad
+    full = METHODS.get("dflash").build(DFlashConfig(block_size=4, num_layers=1, draft_vocab_size=VOCAB), target, counts=torch.arange(VOCAB))
+    assert full.lm_head is None and full.d2t is None and full.config.draft_vocab_size is None
+
+
+@pytest.mark.parametrize("table", ["t2d", "d2t"])
+def test_inconsistent_vocab_tables_are_refused(tmp_path, target, table):
+    _build("dflash", target, draft_vocab_size=40).save_pretrained(tmp_path / "r")
+    tensors = load_file(str(tmp_path / "r/model.safetensors"))
+    if table == "t2d":
+        tensors["t2d"][0] = True  # 41 members for 40 draft ids
+    else:
+        tensors["d2t"][3] -= 1  # draft id 3 now names a target id outside t2d
+    save_file(tensors, str(tmp_path / "r/model.safetensors"))
+    with pytest.raises(SpecdraftError, match="d2t and t2d describe different draft vocabularies"):
+        METHODS.get("dflash").model_cls.from_pretrained(tmp_path / "r", target=target)
+
+
+def test_coverage_chooses_smallest_covering_vocab():
+    counts = torch.tensor([5, 0, 3, 2, 0, 10], dtype=torch.int64)  # 20 occurrences: 10, 5, 3, 2
+    assert coverage_vocab_size(counts, 0.5) == 1
+    assert coverage_vocab_size(counts, 0.51) == 2
+    assert coverage_vocab_size(counts, 0.75) == 2
+    assert coverage_vocab_size(counts, 0.76) == 3
+    assert coverage_vocab_size(counts, 1.0) == 4  # every id that occurs, no more
+    for bad in (0.0, 1.5):
+        with pytest.raises(SpecdraftError, match="draft_vocab_coverage"):
+            coverage_vocab_size(counts, bad)
+    with pytest.raises(SpecdraftError, match="all zero"):
+        coverage_vocab_size(torch.zeros(4, dtype=torch.int64), 0.9)
+    d2t, t2d = build_draft_vocab(counts, coverage_vocab_size(counts, 0.76))
+    assert (torch.arange(3) + d2t).tolist() == [0, 2, 5]
+    draft, inside = target_to_draft(t2d, torch.tensor([5, 1, 2, 0]))
+    assert draft.tolist() == [2, 0, 1, 0] and inside.tolist() == [True, False, True, True]
+
+
+def test_block_drafter_vocab_by_coverage_and_precedence(target):
+    spec = METHODS.get("dspark")
+    counts = torch.zeros(VOCAB, dtype=torch.int64)
+    counts[[7, 30, 50, 60]] = torch.tensor([60, 25, 10, 5])
+    small = dict(block_size=4, num_layers=1, markov_rank=16)
+    model = spec.build(DSparkConfig(**small, draft_vocab_coverage=0.9), target, counts=counts)
+    assert model.config.draft_vocab_size == 3 and model.draft_target_ids().tolist() == [7, 30, 50]
+    assert model.markov_head.markov_w2.weight.shape == (3, 16)
+    # draft_vocab_size wins over draft_vocab_coverage; the saved config keeps the chosen N.
+    fixed = spec.build(DSparkConfig(**small, draft_vocab_size=2, draft_vocab_coverage=0.9), target, counts=counts)
+    assert fixed.draft_target_ids().tolist() == [7, 30]
+    with pytest.raises(SpecdraftError, match="needs token counts"):
+        spec.build(DSparkConfig(**small, draft_vocab_coverage=0.9), target)
+    with pytest.raises(SpecdraftError, match="draft_vocab_coverage must be in"):
+        DSparkConfig(draft_vocab_coverage=0.0)
+    with pytest.raises(SpecdraftError, match="exceeds the target vocabulary"):
+        DFlashConfig(vocab_size=VOCAB, draft_vocab_size=VOCAB + 1)
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ subprocess (``SPECULATORS_SIDE`` below) and exchanges safetensors files with thi
   1. checkpoints saved by specdraft load in speculators and give the same logits;
   2. checkpoints saved by speculators load in specdraft and give the same logits.
 Inputs: identical aux hidden states, tokens, positions and (DFlash/DSpark) fixed anchors; sdpa on CPU.
+DFlash and DSpark run twice: with the full vocabulary (the frozen target head) and with a reduced
+draft vocabulary (own lm_head [N, D], d2t/t2d, DSpark's markov_w2 onto N ids).
 """
 
 from __future__ import annotations
@@ -26,10 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 INTEROP_PYTHON = Path(os.environ.get("SPECDRAFT_INTEROP_PYTHON", ROOT / ".venv-interop/bin/python"))
 ANCHORS = [3, 7, 12]
 BLOCK = 4
-CONFIGS = {
-    "eagle3": {"draft_vocab_size": 48, "ttt_steps": 3},
-    "dflash": {"block_size": BLOCK, "num_layers": 2},
-    "dspark": {"block_size": BLOCK, "num_layers": 2, "markov_rank": 16, "markov_head": "rnn"},
+DRAFT_VOCAB = 48
+DSPARK = {"block_size": BLOCK, "num_layers": 2, "markov_rank": 16, "markov_head": "rnn"}
+# case -> (method, our config overrides)
+CASES = {
+    "eagle3": ("eagle3", {"draft_vocab_size": DRAFT_VOCAB, "ttt_steps": 3}),
+    "dflash": ("dflash", {"block_size": BLOCK, "num_layers": 2}),
+    "dspark": ("dspark", DSPARK),
+    "dflash-draft-vocab": ("dflash", {"block_size": BLOCK, "num_layers": 2, "draft_vocab_size": DRAFT_VOCAB}),
+    "dspark-draft-vocab": ("dspark", {**DSPARK, "draft_vocab_size": DRAFT_VOCAB}),
 }
 
 pytestmark = [
@@ -87,7 +94,13 @@ def block_logits(model, x):
             out["confidence"] = model.confidence_head(torch.cat([blocks, emb], -1)).reshape(1, -1)
     return out
 
-def build(method, tgt):
+def random_vocab(model, tgt):
+    t2d = torch.zeros(tgt["vocab"], dtype=torch.bool)
+    t2d[torch.randperm(tgt["vocab"], generator=torch.Generator().manual_seed(0))[: tgt["draft_vocab"]]] = True
+    ids = torch.nonzero(t2d).flatten()
+    model.load_vocab_mappings(t2d, ids - torch.arange(ids.numel()))
+
+def build(method, tgt, draft_vocab):
     tlc = dict(vocab_size=tgt["vocab"], hidden_size=64, intermediate_size=128, num_attention_heads=2,
                num_key_value_heads=1, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6)
     verifier = VerifierConfig(name_or_path=tgt["path"], architectures=["LlamaForCausalLM"])
@@ -100,14 +113,11 @@ def build(method, tgt):
                                                  default_proposal_method="greedy", verifier=verifier))
         cls = SpeculatorModel.registry["eagle3"]
         model = cls(cfg)
-        t2d = torch.zeros(tgt["vocab"], dtype=torch.bool)
-        t2d[torch.randperm(tgt["vocab"], generator=torch.Generator().manual_seed(0))[: tgt["draft_vocab"]]] = True
-        ids = torch.nonzero(t2d).flatten()
-        model.load_vocab_mappings(t2d, ids - torch.arange(ids.numel()))
+        random_vocab(model, tgt)
     else:
         layer = Qwen3Config(num_hidden_layers=2, **tlc)
         layer._attn_implementation = "sdpa"
-        common = dict(transformer_layer_config=layer, draft_vocab_size=tgt["vocab"], block_size=tgt["block"],
+        common = dict(transformer_layer_config=layer, draft_vocab_size=draft_vocab, block_size=tgt["block"],
                       aux_hidden_state_layer_ids=tgt["dflash_ids"], mask_token_id=tgt["vocab"] - 1,
                       speculators_config=SpeculatorsConfig(algorithm=method, proposal_methods=[GreedyTokenProposalConfig(
                           speculative_tokens=tgt["block"] - (method == "dflash"))], default_proposal_method="greedy", verifier=verifier))
@@ -116,6 +126,8 @@ def build(method, tgt):
         else:
             cfg = DSparkSpeculatorConfig(**common, markov_rank=16, markov_head_type="gated")
         model = SpeculatorModel.registry[method](cfg)
+        if draft_vocab != tgt["vocab"]:
+            random_vocab(model, tgt)
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -124,11 +136,12 @@ def build(method, tgt):
     model.load_verifier_weights()
     return model.eval()
 
-for method, spec in job["methods"].items():
+for spec in job["methods"].values():
+    method = spec["method"]
     x = load_file(spec["inputs"])
     run = eagle3_logits if method == "eagle3" else block_logits
     save_file(run(load(spec["ours"]), x), spec["ours_out"])
-    theirs = build(method, job["target"])
+    theirs = build(method, job["target"], spec["draft_vocab"])
     theirs.save_pretrained(spec["theirs"])
     save_file(run(load(spec["theirs"]), x), spec["theirs_out"])
 print("ok")
@@ -159,7 +172,7 @@ def exchange(tmp_path_factory):
         anchors = torch.tensor(ANCHORS)
         job = {"ttt_steps": 3, "methods": {}}
         batches, ours = {}, {}
-        for method, overrides in CONFIGS.items():
+        for case, (method, overrides) in CASES.items():
             spec = METHODS.get(method)
             torch.manual_seed(0)
             model = spec.build(spec.config_cls(**overrides), target, counts=torch.arange(VOCAB, dtype=torch.int64))
@@ -167,9 +180,9 @@ def exchange(tmp_path_factory):
                 for p in model.parameters():
                     if p.requires_grad:
                         p.add_(0.05 * torch.randn_like(p))
-            model.eval().save_pretrained(tmp / f"ours-{method}")
+            model.eval().save_pretrained(tmp / f"ours-{case}")
             batch = make_batch(target, method, count=1, length=18)
-            batches[method], ours[method] = batch, model
+            batches[case], ours[case] = batch, model
             shifted = torch.roll(batch.token_ids, -1, dims=1)  # EAGLE-3: feature t pairs with token t+1
             inputs = {
                 "aux": batch.aux_hidden.flatten(2).contiguous(),
@@ -178,15 +191,17 @@ def exchange(tmp_path_factory):
                 "last_hidden": batch.last_hidden,
                 "anchors": anchors,
             }
-            save_file({k: v.contiguous() for k, v in inputs.items()}, str(tmp / f"in-{method}.safetensors"))
-            job["methods"][method] = {
-                "inputs": str(tmp / f"in-{method}.safetensors"),
-                "ours": str(tmp / f"ours-{method}"),
-                "ours_out": str(tmp / f"ours-{method}.out.safetensors"),
-                "theirs": str(tmp / f"theirs-{method}"),
-                "theirs_out": str(tmp / f"theirs-{method}.out.safetensors"),
+            save_file({k: v.contiguous() for k, v in inputs.items()}, str(tmp / f"in-{case}.safetensors"))
+            job["methods"][case] = {
+                "method": method,
+                "draft_vocab": overrides.get("draft_vocab_size", VOCAB),
+                "inputs": str(tmp / f"in-{case}.safetensors"),
+                "ours": str(tmp / f"ours-{case}"),
+                "ours_out": str(tmp / f"ours-{case}.out.safetensors"),
+                "theirs": str(tmp / f"theirs-{case}"),
+                "theirs_out": str(tmp / f"theirs-{case}.out.safetensors"),
             }
-        job["target"] = {"path": str(tmp / "target"), "vocab": VOCAB, "draft_vocab": 48, "block": BLOCK, "eagle_ids": [2, 4, 5], "dflash_ids": [2, 3, 4, 5, 6]}
+        job["target"] = {"path": str(tmp / "target"), "vocab": VOCAB, "draft_vocab": DRAFT_VOCAB, "block": BLOCK, "eagle_ids": [2, 4, 5], "dflash_ids": [2, 3, 4, 5, 6]}
         (tmp / "job.json").write_text(json.dumps(job))
         (tmp / "side.py").write_text(SPECULATORS_SIDE)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
@@ -205,19 +220,25 @@ def _compare(a: dict, b: dict, method: str) -> None:
             torch.testing.assert_close(a[key], b[key], atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("method", list(CONFIGS))
-def test_our_checkpoint_matches_speculators(exchange, method):
-    theirs = load_file(exchange["job"]["methods"][method]["ours_out"])
-    mine = _our_outputs(exchange["ours"][method], exchange["batches"][method], exchange["anchors"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_our_checkpoint_matches_speculators(exchange, case):
+    method = CASES[case][0]
+    theirs = load_file(exchange["job"]["methods"][case]["ours_out"])
+    mine = _our_outputs(exchange["ours"][case], exchange["batches"][case], exchange["anchors"])
     _compare(mine, theirs, method)
+    assert mine["logits"].shape[-1] == exchange["job"]["methods"][case]["draft_vocab"]
 
 
-@pytest.mark.parametrize("method", list(CONFIGS))
-def test_speculators_checkpoint_loads_here(exchange, method):
-    directory = exchange["job"]["methods"][method]["theirs"]
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculators_checkpoint_loads_here(exchange, case):
+    method = CASES[case][0]
+    directory = exchange["job"]["methods"][case]["theirs"]
     model = METHODS.get(method).model_cls.from_pretrained(directory, target=exchange["target"]).eval()
-    theirs = load_file(exchange["job"]["methods"][method]["theirs_out"])
-    _compare(_our_outputs(model, exchange["batches"][method], exchange["anchors"]), theirs, method)
+    theirs = load_file(exchange["job"]["methods"][case]["theirs_out"])
+    _compare(_our_outputs(model, exchange["batches"][case], exchange["anchors"]), theirs, method)
+    if case.endswith("draft-vocab"):  # speculators' random (non-frequency) selection survives the load
+        assert model.config.draft_vocab_size == DRAFT_VOCAB and model.d2t.numel() == DRAFT_VOCAB
+        assert model.draft_target_ids().tolist() != list(range(VOCAB - DRAFT_VOCAB, VOCAB))
     if method == "eagle3":
         assert model.config.layers == "input:2,input:4,input:5"
     else:

@@ -82,34 +82,42 @@ def test_block_hidden_matches_packed_training_forward(target, method):
         torch.testing.assert_close(hidden, packed[j], atol=1e-5, rtol=1e-5)
 
 
-def test_dflash_draft_block_is_argmax_of_slots(target):
-    model = _build("dflash", target, block_size=4, num_layers=1)
+def _target_ids(model, draft_tokens):
+    ids = model.draft_target_ids()
+    return draft_tokens if ids is None else ids[draft_tokens]
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_dflash_draft_block_is_argmax_of_slots(target, draft_vocab):
+    model = _build("dflash", target, block_size=4, num_layers=1, draft_vocab_size=draft_vocab)
     batch = make_batch(target, "dflash", count=1, length=16)
     tokens, aux, pos = batch.token_ids[0], batch.aux_hidden[0], batch.position_ids[0]
     proposal = model.draft_block(model.new_cache(), context_features=aux[:9], context_positions=pos[:9], anchor_token=int(tokens[9]), anchor_position=9)
     with torch.no_grad():
         hidden = model.forward_blocks(batch, torch.tensor([[9]]))[0, 0]
-    assert proposal.tokens.tolist() == model.lm_logits(hidden[1:]).argmax(-1).tolist()
+    assert proposal.tokens.tolist() == _target_ids(model, model.lm_logits(hidden[1:]).argmax(-1)).tolist()
     assert proposal.confidences is None and proposal.probs.shape == (3, VOCAB)
+    assert torch.equal(proposal.probs.argmax(-1), proposal.tokens)
 
 
 @pytest.mark.parametrize("head", MARKOV_HEADS.names())
 def test_markov_head_step_matches_block_bias(head):
     torch.manual_seed(0)
-    module = MARKOV_HEADS.get(head)(vocab_size=VOCAB, rank=8, hidden_size=16)
+    module = MARKOV_HEADS.get(head)(vocab_size=VOCAB, draft_vocab_size=40, rank=8, hidden_size=16)
     prev = torch.randint(0, VOCAB, (3, 5))
     hidden = torch.randn(3, 5, 16)
     emb = module.prev_embeddings(prev)
     block = module.block_bias(emb, hidden)
+    assert block.shape == (3, 5, 40)  # W1 reads target ids, W2 writes draft ids
     state = module.init_state(3, emb[:, 0])
     for k in range(5):
         bias, state = module.step(state, emb[:, k], hidden[:, k])
         torch.testing.assert_close(bias, block[:, k])
 
 
-@pytest.mark.parametrize("head", ["vanilla", "rnn"])
-def test_dspark_sequential_draft_matches_teacher_forced_heads(target, head):
-    model = _build("dspark", target, block_size=5, num_layers=1, markov_rank=16, markov_head=head)
+@pytest.mark.parametrize("head,draft_vocab", [("vanilla", None), ("rnn", None), ("vanilla", 40), ("rnn", 40)])
+def test_dspark_sequential_draft_matches_teacher_forced_heads(target, head, draft_vocab):
+    model = _build("dspark", target, block_size=5, num_layers=1, markov_rank=16, markov_head=head, draft_vocab_size=draft_vocab)
     with torch.no_grad():  # make the Markov bias matter
         model.markov_head.markov_w2.weight.normal_(std=2.0)
     batch = make_batch(target, "dspark", count=1, length=16)
@@ -123,8 +131,19 @@ def test_dspark_sequential_draft_matches_teacher_forced_heads(target, head):
         hidden = model.forward_blocks(batch, torch.tensor([[anchor]]))[0]
         prev = torch.cat([tokens[anchor : anchor + 1], proposal.tokens[:-1]])[None]
         logits, conf = model.corrected_block(hidden, prev)
-    assert logits[0].argmax(-1).tolist() == proposal.tokens.tolist()
+    assert _target_ids(model, logits[0].argmax(-1)).tolist() == proposal.tokens.tolist()
     torch.testing.assert_close(torch.sigmoid(conf[0]), proposal.confidences)
     g = torch.Generator().manual_seed(0)
     sampled = model.draft_block(model.new_cache(), context_features=aux[:anchor], context_positions=pos[:anchor], anchor_token=int(tokens[anchor]), anchor_position=anchor, temperature=1.0, generator=g)
-    assert torch.allclose(sampled.probs.sum(-1), torch.ones(5))
+    assert sampled.probs.shape == (5, VOCAB) and torch.allclose(sampled.probs.sum(-1), torch.ones(5))
+    assert bool((sampled.probs[torch.arange(5), sampled.tokens] > 0).all())
+    if draft_vocab:
+        # Lossless rejection sampling needs q over the whole target vocabulary: zero off the draft ids.
+        outside = torch.ones(VOCAB, dtype=torch.bool)
+        outside[model.draft_target_ids()] = False
+        assert float(sampled.probs[:, outside].abs().sum()) == 0.0 and bool(outside.any())
+        # The Markov head is fed the target id of each drawn token (teacher-forcing them reproduces q).
+        with torch.no_grad():
+            prev = torch.cat([tokens[anchor : anchor + 1], sampled.tokens[:-1]])[None]
+            logits, _ = model.corrected_block(hidden, prev)
+        torch.testing.assert_close(sampled.probs[:, model.draft_target_ids()], torch.softmax(logits[0], -1))

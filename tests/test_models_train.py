@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdraft.models import METHODS, DrafterBatch
+from specdraft.models.common.anchors import sample_anchors
 from test_models_support import VOCAB, make_batch, pad_batch
 
 SMALL = {
@@ -77,9 +78,22 @@ def test_block_labels_stop_at_segment_and_prompt(target, method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,steps", [("eagle3", 150), ("dflash", 120), ("dspark", 250)])
-def test_tiny_drafter_overfits(target, method, steps):
-    model = _build(method, target, **({"ttt_steps": 4} if method == "eagle3" else {}))
+@pytest.mark.parametrize(
+    "method,steps,overrides",
+    [
+        ("eagle3", 150, {"ttt_steps": 4}),
+        ("dflash", 120, {}),
+        ("dspark", 250, {}),
+        # reduced draft vocabulary chosen by coverage of the batch's own tokens (every label reachable)
+        ("dflash", 120, {"draft_vocab_coverage": 1.0}),
+        ("dspark", 250, {"draft_vocab_coverage": 1.0}),
+    ],
+    ids=["eagle3", "dflash", "dspark", "dflash-draft-vocab", "dspark-draft-vocab"],
+)
+def test_tiny_drafter_overfits(target, method, steps, overrides):
+    model = _build(method, target, **overrides)
+    if "draft_vocab_coverage" in overrides:
+        assert 1 < model.config.draft_vocab_size < VOCAB and model.lm_head.weight.requires_grad
     batch = make_batch(target, method, count=4, length=24, pack=2)
     params = [p for p in model.parameters() if p.requires_grad]
     assert not any(p is model.embed_tokens.weight or p is model.verifier_lm_head.weight for p in params)
@@ -125,10 +139,10 @@ def test_sample_anchors_respects_segments_and_limit():
     assert int((chosen < 8).sum()) == 3
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dspark"])
-def test_loss_chunking_changes_nothing(target, method):
-    whole = _build(method, target, loss_chunk_rows=0)
-    chunked = _build(method, target, loss_chunk_rows=5)
+@pytest.mark.parametrize("method,overrides", [("eagle3", {}), ("dspark", {}), ("dspark", {"draft_vocab_size": 24})])
+def test_loss_chunking_changes_nothing(target, method, overrides):
+    whole = _build(method, target, loss_chunk_rows=0, **overrides)
+    chunked = _build(method, target, loss_chunk_rows=5, **overrides)
     batch = make_batch(target, method, count=2, length=16)
     torch.manual_seed(3)
     out_w = whole.training_forward(batch)
@@ -149,3 +163,34 @@ def test_batch_without_response_tokens_backpropagates_zero(target, method):
     assert float(out.loss.detach()) == 0.0 and out.position_count.sum() == 0
     out.loss.backward()  # a labelless packed row must not crash the trainer
     assert model.fc.weight.grad is not None and not model.fc.weight.grad.any()
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_labels_outside_draft_vocab_get_no_ce_and_count_as_misses(target, method):
+    batch = make_batch(target, method, count=2, length=16)
+    counts = torch.ones(VOCAB, dtype=torch.int64)
+    counts[batch.token_ids.unique()] = 0  # the draft vocabulary holds none of the batch's tokens
+    spec = METHODS.get(method)
+    model = spec.build(spec.config_cls(**SMALL[method], draft_vocab_size=16), target, counts=counts)
+    anchors = torch.tensor([[5, 9], [4, 8]])
+    out = model.block_loss(batch, anchors, model.forward_blocks(batch, anchors))
+    assert float(out.position_count.sum()) > 0 and float(out.position_acc.sum()) == 0.0
+    assert out.metrics["ce"] == 0.0
+    if method == "dspark":  # p_t restricted to the draft ids still supervises the distribution
+        assert out.metrics["l1"] > 0.0 and float(out.loss.detach()) > 0.0
+    out.loss.backward()
+
+
+def test_confidence_records_use_the_full_target_distribution(target):
+    """Calibration measures runtime acceptance: draft mass is zero off the draft ids, so the soft
+    acceptance can never exceed the target's mass on them (no renormalisation here)."""
+    model = _build("dspark", target, draft_vocab_size=24)
+    batch = make_batch(target, "dspark", count=2, length=16)
+    records = model.confidence_records(batch, generator=torch.Generator().manual_seed(0))
+    anchors = sample_anchors(batch.segment_ids, batch.loss_mask, max_per_segment=model.config.max_anchors, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tf = model.teacher_forced_blocks(batch, anchors, model.forward_blocks(batch, anchors))
+        p_t = torch.softmax(model.target_logits(tf["target_hidden"]), -1)
+    inside = p_t[..., model.draft_target_ids()].sum(-1)
+    assert records["soft_accept"].shape == inside.shape
+    assert bool((records["soft_accept"] <= inside + 1e-6).all()) and float(inside.min()) < 0.999

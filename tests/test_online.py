@@ -98,7 +98,7 @@ def test_online_delivers_every_sample_once_and_leaves_the_store_empty(prepared, 
 
 def test_requests_to_a_producer_that_died_go_to_another(prepared, transport, producers):
     doomed = HiddenStateService(ServiceConfig(target="tiny", backend="file", store=str(transport), port=0),
-                                target=producers[1].target).start()  # producers[1] gets no requests here
+                                target=producers[1].engine.target).start()  # producers[1] gets no requests here
     with DATA_MODES.get("online")(options(prepared, transport, [doomed.url, dead_url(), producers[0].url])) as source:
         assert set(source.client.unavailable()) == {source.client.urls[1]}  # found dead when the source opened
         doomed.close()

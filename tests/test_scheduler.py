@@ -168,3 +168,61 @@ def test_sps_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert path.name.startswith("abc-cpu-float32") and json.loads(path.read_text())["fingerprint"] == "abc"
     load_or_measure_sps(model, fingerprint="other", cache_dir=tmp_path, max_tokens=4, context_tokens=8, repeats=1)
     assert len(calls) == 2
+
+
+def test_draft_cost_makes_longer_verify_lengths_worth_it():
+    from specdraft.decode.scheduler import with_draft_cost
+
+    survival = prefix_survival(torch.tensor([[0.6, 0.5, 0.5]]), torch.tensor([3]))  # a = 0.6, 0.3, 0.15
+    steps = SpsTable((1, 2, 4), (100.0, 60.0, 50.0))  # 10, ~16.7, 20 ms
+    assert schedule_prefix(survival, torch.tensor([3]), steps).tolist() == [0]  # 1.6/16.7 < 1/10
+    # a 20 ms draft is spent either way: 1.6/36.7 > 1/30, 1.9/~18.3+20 > 1.6/36.7, ...
+    assert schedule_prefix(survival, torch.tensor([3]), with_draft_cost(steps, 0.020)).tolist() == [3]
+    assert with_draft_cost(steps, 0.0)(2) == pytest.approx(60.0)
+    with pytest.raises(ValueError):
+        with_draft_cost(steps, -1.0)
+
+
+def test_draft_gate_backs_off_and_recovers():
+    from specdraft.decode.scheduler import DraftGate
+
+    gate = DraftGate(plain_rate=100.0, max_interval=4)
+    pattern = []
+    for _ in range(12):  # drafting commits 50 tok/s against 100 plain: skip 1, 2, 4, 4, ... rounds
+        drafting = gate.should_draft()
+        pattern.append(drafting)
+        gate.record(drafted=drafting, tokens=1, seconds=0.02 if drafting else 0.01)
+    assert pattern == [True, False, True, False, False, True, False, False, False, False, True, False]
+    assert gate.plain_measured and gate.plain_rate == pytest.approx(100.0)
+    for _ in range(6):  # drafting becomes fast: the next probe pays and drafting continues every round
+        if gate.should_draft():
+            gate.record(drafted=True, tokens=4, seconds=0.01)
+    assert gate.interval == 1 and gate.skip_left == 0 and gate.draft_rate > gate.plain_rate
+    assert all(gate.should_draft() for _ in range(3))
+    with pytest.raises(ValueError):
+        DraftGate(plain_rate=0.0)
+
+
+def test_sps_profile_is_monotone_and_ignores_slow_outliers(monkeypatch):
+    import itertools as it
+    import time as time_module
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=32)).eval()
+    # a fake clock: each forward of B tokens "takes" 10 ms, except every third run, hit by a 1 s stall,
+    # and B=3 is impossibly cheap (as a noisy profile can claim)
+    clock = it.count()
+    ticks = {"now": 0.0}
+    real_forward = model.forward
+
+    def timed_forward(*args, input_ids=None, **kwargs):
+        b = input_ids.shape[1]
+        ticks["now"] += (0.002 if b == 3 else 0.010) + (1.0 if next(clock) % 3 == 0 else 0.0)
+        return real_forward(*args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(model, "forward", timed_forward)
+    monkeypatch.setattr(time_module, "perf_counter", lambda: ticks["now"])
+    table = sps_module.measure_sps(model, token_counts=[1, 2, 3, 4], context_tokens=8, repeats=3)
+    assert [round(1 / s, 3) for s in table.steps_per_second] == [0.010, 0.010, 0.010, 0.010]

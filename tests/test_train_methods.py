@@ -77,19 +77,22 @@ def config(method, data, out, **kw) -> TrainConfig:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
-def test_kill_and_resume_gives_the_same_weights(method, stores, tmp_path):
+@pytest.mark.parametrize("case", ["eagle3", "dflash", "dspark", "dspark-draft-vocab"])
+def test_kill_and_resume_gives_the_same_weights(case, stores, tmp_path):
     from specdraft.models import load_drafter
 
     target = stores[0]
+    method = case.split("-")[0]
     data = store_for(method, stores)
-    ref = train(config(method, data, tmp_path / "ref"), target=target)
+    # draft-vocab: N chosen by coverage of the prepared dataset's token counts, the same on resume
+    model = {**OVERRIDES[method], **({"draft_vocab_coverage": 0.9} if case.endswith("draft-vocab") else {})}
+    ref = train(config(method, data, tmp_path / "ref", model=model), target=target)
     assert ref.completed and ref.step == 4
 
     out = tmp_path / "run"
-    first = train(config(method, data, out), target=target, dataset=SignalAfterReads(HiddenStateDataset(data), 3))
+    first = train(config(method, data, out, model=model), target=target, dataset=SignalAfterReads(HiddenStateDataset(data), 3))
     assert first.stopped_by == "signal" and 0 < first.step < 4
-    second = train(config(method, data, out), target=target)
+    second = train(config(method, data, out, model=model), target=target)
     assert second.completed
     a, b = load_file(str(ref.final / "model.safetensors")), load_file(str(out / "final/model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -100,6 +103,8 @@ def test_kill_and_resume_gives_the_same_weights(method, stores, tmp_path):
     for name, tensor in drafter.state_dict().items():
         if f"model.drafter.{name}" in state:
             assert torch.equal(tensor, state[f"model.drafter.{name}"]), name
+    if case.endswith("draft-vocab"):
+        assert 1 < drafter.config.draft_vocab_size < VOCAB and "lm_head.weight" in a and "d2t" in a
 
 
 @pytest.mark.slow

@@ -82,23 +82,8 @@ class _Journal:
         return stage
 
 
-def _seconds_per_step(metrics_path: Path) -> float:
-    """Median wall seconds of the probe's training steps (its first step pays one-off costs)."""
-    seconds = []
-    for line in metrics_path.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("split", "train") == "train" and "seconds" in record:
-            seconds.append(record["seconds"] / max(record.get("steps", 1), 1))
-    if not seconds:
-        raise SpecdraftError(f"the timing probe wrote no training steps to {metrics_path}")
-    seconds = sorted(seconds[1:] or seconds)
-    return seconds[len(seconds) // 2]
-
-
 def run_quickstart(config: QuickstartConfig) -> dict:
     """Run (or resume) every stage; returns the eval report."""
-    import shutil
-
     import torch
 
     from specdraft.data.prepare import PrepareConfig, prepare
@@ -108,6 +93,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     from specdraft.hidden_states.config import ExtractConfig
     from specdraft.hidden_states.extract import extract_hidden_states
     from specdraft.targets import load_target
+    from specdraft.train.budget import steps_for_budget
     from specdraft.train.calibrate import CalibrateConfig, calibrate
     from specdraft.train.config import recipe_path, resolve_config
     from specdraft.train.trainer import train
@@ -138,14 +124,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
         return resolve_config(recipe, values)
 
     def probe() -> dict:
-        probe_dir = run / "train-probe"
-        shutil.rmtree(probe_dir, ignore_errors=True)
-        train(train_config(out=str(probe_dir), max_steps=4, eval_interval=0, checkpoint_interval=0), target=target)
-        per_step = _seconds_per_step(probe_dir / "metrics.jsonl")
-        shutil.rmtree(probe_dir, ignore_errors=True)
-        train_seconds = deadline - time.perf_counter() - config.eval_reserve * 60
-        steps = max(8, int(train_seconds / per_step))
-        return {"seconds_per_step": per_step, "train_seconds": train_seconds, "steps": steps}
+        return steps_for_budget(train_config(), deadline - time.perf_counter() - config.eval_reserve * 60, target=target)
 
     steps = journal.run("size-training", probe)["steps"]
     journal.run("train", lambda: _train_facts(train(train_config(max_steps=steps), target=target)))

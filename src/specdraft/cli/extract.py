@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from specdraft.hidden_states.config import ExtractConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
@@ -14,7 +15,9 @@ def add_parser(subparsers) -> None:
         "extract",
         help="capture target hidden states for a prepared dataset",
         description="Run the target over a prepared dataset and store the hidden states of the chosen layers "
-        "(a method preset or --layers). Rerunning resumes: verified samples are skipped, corrupt ones redone.",
+        "(a method preset or --layers). Rerunning resumes: verified samples are skipped, corrupt ones redone. "
+        "--engine vllm starts a private vLLM server, or with --vllm-url drives one you started yourself with the "
+        "command that --print-server-command prints.",
     )
     add_dataclass_arguments(parser, ExtractConfig)
     parser.set_defaults(func=run)
@@ -23,7 +26,15 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from specdraft.hidden_states.extract import extract_hidden_states
 
-    summary = extract_hidden_states(dataclass_from_args(ExtractConfig, args))
+    config = dataclass_from_args(ExtractConfig, args)
+    if config.print_server_command:
+        from specdraft.integrations.vllm.extract import extract_server_command
+
+        command, url = extract_server_command(config)
+        print(command)
+        print(f"# start that server, then rerun with --vllm-url {url}", file=sys.stderr)
+        return 0
+    summary = extract_hidden_states(config)
     s = summary.to_dict()
     print(
         f"extracted {s['samples_extracted']} samples ({s['tokens_extracted']} tokens) in {s['seconds']:.1f} s "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import threading
 
 
@@ -18,7 +19,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Hold the target and answer POST /extract requests: run it on the given token ids, write the payload to "
             "the backend under the requested key, then reply. Prints one JSON line with the URL once ready; "
-            "SIGINT/SIGTERM finish queued requests and stop."
+            "SIGINT/SIGTERM finish queued requests and stop. --engine vllm runs the target in a vLLM server (a private "
+            "one, or yours at --vllm-url, started with the command that --print-server-command prints); the protocol "
+            "is the same."
         ),
     )
     add_dataclass_arguments(parser, ServiceConfig)
@@ -29,7 +32,15 @@ def run(args: argparse.Namespace) -> int:
     from specdraft.hidden_states.service import HiddenStateService, ServiceConfig
     from specdraft.utils.config import dataclass_from_args
 
-    service = HiddenStateService(dataclass_from_args(ServiceConfig, args))
+    config = dataclass_from_args(ServiceConfig, args)
+    if config.print_server_command:
+        from specdraft.integrations.vllm.producer import producer_server_command
+
+        command, url = producer_server_command(config)
+        print(command)
+        print(f"# start that server, then rerun with --vllm-url {url}", file=sys.stderr)
+        return 0
+    service = HiddenStateService(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -65,6 +65,10 @@ class SchedulerConfig:
         "scheduled = DSpark prefix scheduler maximising expected tokens x target steps/s (needs a drafter with confidences)",
     )
     confidence_threshold: float = config_field(0.5, help="prefix-survival threshold of the 'threshold' verify policy, in [0, 1]")
+    adaptive_drafting: bool = config_field(
+        True, help="scheduled policy: skip drafting while measured drafting rounds commit tokens slower than plain decoding "
+        "(probing again after 1, 2, 4, ... 32 plain rounds), so a weak drafter does not slow decoding down",
+    )
 
     def __post_init__(self) -> None:
         from specdraft.decode.scheduler import VERIFY_POLICIES

@@ -15,7 +15,9 @@ Round for the R active rows (each has an *anchor*: its last committed token, not
   4. verification (``verification.py``) commits n_r accepted drafts + 1 recovered/bonus token;
   5. the cache keeps the anchor and accepted drafts of each row (the new last token becomes the
      next anchor); requests stop at EOS, at ``max_new_tokens`` or at the target's context length.
-Plain autoregressive decoding is the same loop with the ``none`` proposer (zero drafts).
+Plain autoregressive decoding is the same loop with the ``none`` proposer (zero drafts). With the
+scheduled policy a ``DraftGate`` may skip step 1 for a round (verify length 0 for every row): the
+features of skipped rounds accumulate and reach the proposer at the next drafting round.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from specdraft.decode.config import DecodeConfig
 from specdraft.decode.proposers import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.sampling import SamplingConfig, sample_from_logits, sampling_probs
-from specdraft.decode.scheduler import SchedulerConfig, StepRate, VERIFY_POLICIES, choose_verify_lengths
+from specdraft.decode.scheduler import VERIFY_POLICIES, DraftGate, SchedulerConfig, StepRate, choose_verify_lengths, with_draft_cost
 from specdraft.decode.verification import VerifyOutput, verify_greedy, verify_rejection
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.capture import find_decoder, record_slots
@@ -48,10 +50,11 @@ class RequestOutput:
 class DecodeMetrics:
     """Counters of one ``generate`` call; derived rates are properties (and in ``to_json``).
 
-    A *round* is one verification of one request (a target forward serves all rows at once,
-    counted in ``target_forwards``). ``committed`` counts n + 1 per round before truncation at
-    EOS/limits, so ``tau`` is the acceptance length as the papers report it (bonus included).
+    A *round* is one verification of one request after a draft (a target forward serves all rows
+    at once, counted in ``target_forwards``). ``committed`` counts n + 1 per round before truncation
+    at EOS/limits, so ``tau`` is the acceptance length as the papers report it (bonus included).
     position_drafted[j] / position_accepted[j]: rounds that verified / accepted draft j+1.
+    ``plain_steps`` counts request steps the draft gate decoded without drafting (not rounds).
     """
 
     batches: int = 1
@@ -62,6 +65,7 @@ class DecodeMetrics:
     drafted: int = 0
     accepted: int = 0
     target_forwards: int = 0
+    plain_steps: int = 0
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     wall_s: float = 0.0
@@ -80,6 +84,12 @@ class DecodeMetrics:
     @property
     def position_acceptance(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    @property
+    def drafting_fraction(self) -> float:
+        """Share of request steps that drafted (1.0 unless the draft gate skipped some)."""
+        total = self.rounds + self.plain_steps
+        return self.rounds / total if total else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -121,7 +131,7 @@ class DecodeMetrics:
                     counts[j] += 1
 
     def to_json(self) -> dict[str, Any]:
-        derived = ("tau", "acceptance_rate", "position_acceptance", "tokens_per_s", "mean_ttft_s", "time_per_output_token_s")
+        derived = ("tau", "acceptance_rate", "drafting_fraction", "position_acceptance", "tokens_per_s", "mean_ttft_s", "time_per_output_token_s")
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
 
@@ -248,8 +258,9 @@ class SpeculativeDecoder:
         finished = self._commit(state, [[int(t)] for t in first.tolist()], limits, outputs)
         valid = self._drop(state, finished, valid, cache)
 
+        gate = self._new_gate(len(state.row_ids))
         while state.row_ids:
-            valid, finished = self._round(state, valid, cache, limits, outputs, generator, metrics)
+            valid, finished = self._round(state, valid, cache, limits, outputs, generator, metrics, gate)
             valid = self._drop(state, finished, valid, cache)
 
         metrics.wall_s = time.perf_counter() - start
@@ -259,26 +270,39 @@ class SpeculativeDecoder:
 
     # -- one round ---------------------------------------------------------------------------
 
-    def _round(self, state: "_Rows", valid, cache, limits, outputs, generator, metrics: DecodeMetrics) -> tuple[torch.Tensor, list[int]]:
+    def _new_gate(self, rows: int) -> DraftGate | None:
+        """A fresh draft gate for one ``generate`` call, when the scheduled policy asks for one."""
+        if self.sps is None or not self.scheduler.adaptive_drafting or not VERIFY_POLICIES.get(self.scheduler.verify_policy).needs_sps:
+            return None
+        return DraftGate(plain_rate=rows * self.sps(rows))
+
+    def _round(self, state: "_Rows", valid, cache, limits, outputs, generator, metrics: DecodeMetrics, gate: DraftGate | None) -> tuple[torch.Tensor, list[int]]:
         """One draft + verify round for every active row; returns the new validity mask and the finished rows."""
         device = self.device
+        rows = len(state.row_ids)
         remaining = torch.tensor([limits[rid] - state.generated[i] for i, rid in enumerate(state.row_ids)], device=device)
         max_draft = (remaining - 1).clamp(min=0, max=self.config.num_draft_tokens)
+        drafting = gate is None or gate.should_draft()
 
         t0 = time.perf_counter()
-        draft = self.proposer.propose(ProposalInput(
-            row_ids=list(state.row_ids),
-            tokens=[torch.tensor(t, dtype=torch.long, device=device) for t in state.tokens],
-            new_hidden=state.new_hidden,
-            new_start=list(state.new_start),
-            max_draft=max_draft,
-            sampling=self.sampling,
-            generator=generator,
-        ))
-        lengths = self._draft_lengths(draft, max_draft)
-        lengths = choose_verify_lengths(confidences=draft.confidences, lengths=lengths, config=self.scheduler, sps=self.sps)
-        width = int(lengths.max()) if lengths.numel() else 0
-        drafts = draft.tokens[:, :width]
+        if drafting:
+            draft = self.proposer.propose(ProposalInput(
+                row_ids=list(state.row_ids),
+                tokens=[torch.tensor(t, dtype=torch.long, device=device) for t in state.tokens],
+                new_hidden=state.new_hidden,
+                new_start=list(state.new_start),
+                max_draft=max_draft,
+                sampling=self.sampling,
+                generator=generator,
+            ))
+            lengths = self._draft_lengths(draft, max_draft)
+            sps = with_draft_cost(self.sps, time.perf_counter() - t0) if self.sps is not None else None
+            lengths = choose_verify_lengths(confidences=draft.confidences, lengths=lengths, config=self.scheduler, sps=sps)
+            width = int(lengths.max()) if lengths.numel() else 0
+            drafts, draft_probs = draft.tokens[:, :width], draft.probs
+        else:
+            width, lengths, draft_probs = 0, torch.zeros(rows, dtype=torch.long, device=device), None
+            drafts = torch.zeros((rows, 0), dtype=torch.long, device=device)
         t1 = time.perf_counter()
 
         anchors = torch.tensor([t[-1] for t in state.tokens], dtype=torch.long, device=device)
@@ -288,7 +312,7 @@ class SpeculativeDecoder:
         positions = state.next_pos[:, None] + cols[None]
         logits, captured = self._forward(block, torch.cat([valid, block_valid], dim=1), positions, cache)
         metrics.target_forwards += 1
-        result = self._verify(drafts, lengths, draft.probs, logits, generator)
+        result = self._verify(drafts, lengths, draft_probs, logits, generator)
         metrics.draft_s += t1 - t0
         metrics.verify_s += time.perf_counter() - t1
 
@@ -298,11 +322,22 @@ class SpeculativeDecoder:
             cache.crop(kept - (width + 1))
         valid = torch.cat([valid, (cols[None] <= accepted[:, None])[:, :kept]], dim=1)
         if captured is not None:
-            state.new_hidden = [captured[i, : int(n) + 1] for i, n in enumerate(accepted.tolist())]
-        state.new_start = state.next_pos.tolist()
+            fresh = [captured[i, : int(n) + 1] for i, n in enumerate(accepted.tolist())]
+            if drafting:
+                state.new_hidden, state.new_start = fresh, state.next_pos.tolist()
+            else:  # the proposer has not seen the previous unseen features yet: keep them
+                state.new_hidden = [torch.cat([old, new]) for old, new in zip(state.new_hidden, fresh)]
+        elif drafting:
+            state.new_start = state.next_pos.tolist()
         state.next_pos = state.next_pos + accepted + 1
-        metrics.record_round(lengths.tolist(), accepted.tolist())
-        return valid, self._commit(state, [result.committed(i) for i in range(len(state.row_ids))], limits, outputs)
+        if drafting:
+            metrics.record_round(lengths.tolist(), accepted.tolist())
+        else:
+            metrics.plain_steps += rows
+        finished = self._commit(state, [result.committed(i) for i in range(rows)], limits, outputs)
+        if gate is not None and metrics.target_forwards > 2:  # the first round also absorbs the prompt's features
+            gate.record(drafted=drafting, tokens=int(accepted.sum()) + rows, seconds=time.perf_counter() - t0)
+        return valid, finished
 
     def _draft_lengths(self, draft: Draft, max_draft: torch.Tensor) -> torch.Tensor:
         """The drafter's lengths, checked and capped at what the runtime can verify this round."""

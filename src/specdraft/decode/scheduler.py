@@ -25,6 +25,20 @@ a non-improving candidate to take a later one would include x_j *because* a_{r,j
 x_j, is high; verified drafts are then a biased selection and the output distribution shifts
 (``tests/test_scheduler.py`` measures both).
 
+Draft cost. The paper's objective prices only the verify forward (on a GPU the drafter is cheap
+and overlapped). On a CPU a draft round costs a sizeable fraction of a target forward, so the
+runtime passes ``with_draft_cost(sps, draft_s)``: the rate of the whole round, 1 / (draft_s +
+1 / SPS(B)). The draft time is already spent when the lengths are chosen, yet it still belongs in
+the objective: the round's throughput is tau over the *round's* time, which makes verifying more
+drafts relatively cheaper than the bare SPS curve says.
+
+Skipping the draft (``DraftGate``). Verify length 0 everywhere is a plain decoding step, but the
+draft that was thrown away still cost time. The gate predicts, from the rounds already run,
+whether drafting pays at all: it compares the measured committed-tokens-per-second of drafting
+rounds with that of plain rounds and drafts only while drafting is faster, probing again after
+1, 2, 4, ... skipped rounds (capped). The decision reads only past rounds, never the tokens of
+the round it gates, so it keeps sampling lossless.
+
 Worked example (one request, c = [0.9, 0.8, 0.2], SPS flat up to 3 tokens then halved):
   a = [0.9, 0.72, 0.144]; start B=1, tau=1, Theta=1*SPS(1).
   take a=0.9  -> B=2, tau=1.9,   Theta=1.9*SPS(2)   improves
@@ -43,11 +57,67 @@ from specdraft.decode.config import SchedulerConfig
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
 
-__all__ = ["VERIFY_POLICIES", "SchedulerConfig", "StepRate", "VerifyPolicy", "choose_verify_lengths", "prefix_survival", "schedule_prefix"]
+__all__ = ["VERIFY_POLICIES", "DraftGate", "SchedulerConfig", "StepRate", "VerifyPolicy", "choose_verify_lengths", "prefix_survival", "schedule_prefix", "with_draft_cost"]
 
 
 class StepRate(Protocol):
     def __call__(self, num_tokens: int) -> float: ...
+
+
+def with_draft_cost(sps: StepRate, draft_s: float) -> StepRate:
+    """Rounds per second when a round costs ``draft_s`` of drafting plus one B-token verify forward."""
+    if draft_s < 0:
+        raise ValueError(f"draft time must be >= 0, got {draft_s}")
+    return lambda num_tokens: 1.0 / (draft_s + 1.0 / sps(num_tokens))
+
+
+@dataclass
+class DraftGate:
+    """Drafts only while drafting rounds commit tokens faster than plain decoding rounds.
+
+    Rates are committed tokens per second of whole rounds (draft + verify + bookkeeping), smoothed
+    exponentially. ``plain_rate`` starts from the SPS profile and is replaced by measured plain
+    rounds. After a drafting round that leaves drafting slower, the gate skips ``interval`` rounds
+    and doubles the interval (up to ``max_interval``), so a useless drafter costs at most about one
+    drafting round per ``max_interval`` plain rounds; a probe that pays resets the interval to 1.
+    """
+
+    plain_rate: float
+    max_interval: int = 32
+    smoothing: float = 0.5
+    draft_rate: float | None = None
+    interval: int = 1
+    skip_left: int = 0
+    plain_measured: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.plain_rate > 0 or self.max_interval < 1 or not 0 < self.smoothing <= 1:
+            raise ValueError("DraftGate needs plain_rate > 0, max_interval >= 1 and smoothing in (0, 1]")
+
+    def should_draft(self) -> bool:
+        if self.skip_left > 0:
+            self.skip_left -= 1
+            return False
+        return True
+
+    def record(self, *, drafted: bool, tokens: int, seconds: float) -> None:
+        """Account one finished round that committed ``tokens`` (all rows) in ``seconds``."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        if not drafted:
+            self.plain_rate = rate if not self.plain_measured else self._smooth(self.plain_rate, rate)
+            self.plain_measured = True
+            return
+        self.draft_rate = rate if self.draft_rate is None else self._smooth(self.draft_rate, rate)
+        if self.draft_rate < self.plain_rate:
+            self.skip_left = self.interval
+            self.interval = min(2 * self.interval, self.max_interval)
+        else:
+            self.interval = 1
+
+    def _smooth(self, old: float, new: float) -> float:
+        return (1 - self.smoothing) * old + self.smoothing * new
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,11 @@ The DSpark scheduler trades expected committed tokens against the cost of a wide
 forward, so it needs the target's real speed curve on this device. It is measured once (a few
 seconds) and cached as JSON per target fingerprint + device + dtype under
 ``<cache>/sps/`` (``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``).
+
+A profile taken while other jobs share the CPU can be wildly wrong, and a cached wrong profile
+misleads every later run, so each point keeps the *fastest* of its repeats (interference only
+ever adds time), forwards are timed the way the runtime calls the target (with an attention
+mask), and step time is made non-decreasing in B: a wider forward is never reported cheaper.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +28,7 @@ from specdraft.utils.io import atomic_write_json
 
 log = logging.getLogger(__name__)
 
-SPS_FORMAT = "specdraft-sps-v1"
+SPS_FORMAT = "specdraft-sps-v2"  # v1 used medians without monotonicity: re-measure
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,9 @@ def sps_cache_path(cache_dir: Path, *, fingerprint: str, device: torch.device, d
 
 
 @torch.no_grad()
-def measure_sps(model: Any, *, token_counts: list[int], context_tokens: int = 256, repeats: int = 3) -> SpsTable:
-    """Time one cached forward of B tokens after a ``context_tokens`` prefix, for each B (median of ``repeats``)."""
+def measure_sps(model: Any, *, token_counts: list[int], context_tokens: int = 256, repeats: int = 5) -> SpsTable:
+    """Time one cached forward of B tokens after a ``context_tokens`` prefix, for each B (fastest of
+    ``repeats``), with step times made non-decreasing in B."""
     from transformers import DynamicCache
 
     if context_tokens < 1 or repeats < 1 or not token_counts:
@@ -97,21 +102,22 @@ def measure_sps(model: Any, *, token_counts: list[int], context_tokens: int = 25
     context = torch.randint(0, vocab, (1, context_tokens), generator=gen).to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=context, cache=cache, use_cache=True)
-    rates = []
+    step_times = []
     for b in token_counts:
         block = torch.randint(0, vocab, (1, b), generator=gen).to(device)
         positions = torch.arange(context_tokens, context_tokens + b, device=device)[None]
+        mask = torch.ones((1, context_tokens + b), dtype=torch.long, device=device)
         times = []
         for i in range(repeats + 1):  # the first run warms up kernels for this shape
             _sync(device)
             start = time.perf_counter()
-            model(input_ids=block, position_ids=positions, cache=cache, use_cache=True)
+            model(input_ids=block, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
             _sync(device)
             if i:
                 times.append(time.perf_counter() - start)
             cache.crop(-b)
-        rates.append(1.0 / statistics.median(times))
-    return SpsTable(tuple(token_counts), tuple(rates))
+        step_times.append(max(min(times), step_times[-1] if step_times else 0.0))
+    return SpsTable(tuple(token_counts), tuple(1.0 / t for t in step_times))
 
 
 def load_or_measure_sps(
@@ -121,7 +127,7 @@ def load_or_measure_sps(
     cache_dir: Path | None = None,
     max_tokens: int = 64,
     context_tokens: int = 256,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> SpsTable:
     """The cached SPS table for this target + device + dtype, measuring and caching it on first use."""
     from specdraft.targets.identity import cache_root

@@ -16,10 +16,11 @@ class EvalConfig:
     target: str = config_field("smollm2-135m", help="embedded target name or a local Hugging Face model directory")
     drafters: list[str] = config_field(
         ["ngram"], help="comma-separated drafters compared against plain autoregressive decoding: 'ngram' "
-        "(prompt lookup, no training) and/or checkpoint directories (method read from their config.json); "
+        "(prompt lookup, no training), 'reference' (the drafter shipped for the embedded target) and/or checkpoint "
+        "directories (method read from their config.json); "
         "append '@POLICY' to set one drafter's verify policy, e.g. DIR@scheduled"
     )
-    suite: str = config_field("quick", help="prompt suite: mtbench | humaneval | translation | quick (ignored with --prompts)")
+    suite: str = config_field("quick", help="prompt suite: mtbench | humaneval | translation | math | domains | quick (ignored with --prompts)")
     prompts: str = config_field("", help="JSONL prompt file ('prompt' or 'messages' per line, optional 'id'/'domain')")
     limit_per_domain: int = config_field(0, help="use at most this many prompts per domain (0 = all)")
     max_new_tokens: int = config_field(64, help="tokens generated per prompt")

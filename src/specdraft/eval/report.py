@@ -27,6 +27,7 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             "tau": m["tau"],
             "accept_rate": m["acceptance_rate"],
             "verify_len": m["drafted"] / m["rounds"] if m["rounds"] else 0.0,
+            "drafting": m.get("drafting_fraction"),
             "tok_per_s": m["tokens_per_s"],
             "speedup": run["speedup"],
             "ttft_ms": m["mean_ttft_s"] * 1000,
@@ -47,13 +48,13 @@ def render_tables(report: dict[str, Any]) -> str:
         f"# specdraft eval — target {report['target']['name']}, {n} prompts, "
         f"max {report['config']['max_new_tokens']} new tokens, temperature {report['sampling']['temperature']}",
         "",
-        "| drafter | concurrency | tau | acceptance | mean verify len | tok/s | speed-up | TTFT ms | TPOT ms | identical to AR |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| drafter | concurrency | tau | acceptance | mean verify len | drafting | tok/s | speed-up | TTFT ms | TPOT ms | identical to AR |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in summary_rows(report):
         identical = "-" if r["identical"] is None else f"{r['identical']}/{n}"
         lines.append(
-            f"| {r['drafter']} | {r['concurrency']} | {_fmt(r['tau'])} | {_fmt(r['accept_rate'])} | {_fmt(r['verify_len'])} | {_fmt(r['tok_per_s'])} "
+            f"| {r['drafter']} | {r['concurrency']} | {_fmt(r['tau'])} | {_fmt(r['accept_rate'])} | {_fmt(r['verify_len'])} | {_fmt(r['drafting'])} | {_fmt(r['tok_per_s'])} "
             f"| {_fmt(r['speedup'])}x | {_fmt(r['ttft_ms'], '.0f')} | {_fmt(r['tpot_ms'], '.1f')} | {identical} |"
         )
     first = report["config"]["concurrency"][0]
@@ -68,7 +69,9 @@ def render_tables(report: dict[str, Any]) -> str:
     for r in runs:
         if r["drafter"] != "autoregressive":
             hist = verify_length_histogram(r["overall"])
-            lines.append(f"- {r['drafter']}: " + ", ".join(f"l={l}: {n}" for l, n in enumerate(hist) if n))
+            skipped = r["overall"].get("plain_steps", 0)
+            lines.append(f"- {r['drafter']}: " + ", ".join(f"l={l}: {n}" for l, n in enumerate(hist) if n)
+                         + (f"; {skipped} steps decoded without drafting (draft gate)" if skipped else ""))
     return "\n".join(lines) + "\n"
 
 

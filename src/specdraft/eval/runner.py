@@ -31,18 +31,20 @@ class DrafterSpec:
     verify_policy: str | None = None  # None: the run's --verify-policy (trained drafters) or 'full'
 
 
-def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, seed: int) -> DrafterSpec:
-    """'ngram' / 'none', or a checkpoint directory whose config.json names its method, optionally
-    followed by '@POLICY' to pick that drafter's verify policy (e.g. 'runs/x/final@scheduled')."""
+def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, seed: int, target: str = "") -> DrafterSpec:
+    """'ngram' / 'none', 'reference' (the drafter shipped for the embedded ``target``), or a checkpoint
+    directory whose config.json names its method, optionally followed by '@POLICY' to pick that
+    drafter's verify policy (e.g. 'runs/x/final@scheduled')."""
     from specdraft.decode.proposers import PROPOSERS
     from specdraft.decode.scheduler import VERIFY_POLICIES
+    from specdraft.reference import reference_drafter
 
     common = {"num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "seed": seed}
     name, _, policy = text.partition("@")
     if policy:
         VERIFY_POLICIES.get(policy)
     suffix = f"@{policy}" if policy else ""
-    path = Path(name)
+    path = reference_drafter(target) if name == "reference" else Path(name)
     if path.is_dir():
         config_path = path / "config.json"
         try:
@@ -54,7 +56,7 @@ def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, se
         return DrafterSpec(f"{method}:{path.name}{suffix}", decode, policy or None)
     if name in ("ngram", "none"):
         return DrafterSpec((AUTOREGRESSIVE if name == "none" else name) + suffix, DecodeConfig(drafter=name, **common), policy or None)
-    raise SpecdraftError(f"drafter {name!r} is neither 'ngram' nor a checkpoint directory")
+    raise SpecdraftError(f"drafter {name!r} is neither 'ngram', 'reference' nor a checkpoint directory")
 
 
 @dataclass
@@ -109,8 +111,8 @@ def run_eval(
     if target is None:
         target = load_target(config.target, dtype=config.dtype, device=config.device)
     specs = [resolve_drafter("none", num_draft_tokens=0, max_new_tokens=config.max_new_tokens, seed=config.seed)]
-    specs += [resolve_drafter(d, num_draft_tokens=config.num_draft_tokens, max_new_tokens=config.max_new_tokens, seed=config.seed)
-              for d in config.drafters]
+    specs += [resolve_drafter(d, num_draft_tokens=config.num_draft_tokens, max_new_tokens=config.max_new_tokens, seed=config.seed,
+                              target=config.target) for d in config.drafters]
     if len({s.label for s in specs}) != len(specs):
         raise SpecdraftError(f"--drafters names the same drafter twice: {config.drafters}")
     decoders = {s.label: decoder_for_target(target, config=s.decode, sampling=sampling, scheduler=_scheduler_for(s, scheduler))

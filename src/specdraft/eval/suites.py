@@ -7,6 +7,11 @@
                    replies from the last ``HELD_OUT_ROWS`` rows of the wheel's file (``specdraft
                    prepare`` reads from the start, so these are not trained on unless a user prepares
                    over ~13k samples).
+* ``math``         math-style prompts: MT-Bench's math questions plus the arithmetic word problems
+                   among the held-out ShareGPT rows (a short question with numbers asking "how many",
+                   "how much", ...), domain ``math``.
+* ``domains``      every domain once: MT-Bench by category, math word problems (``math-word``), code,
+                   translation (use ``--limit-per-domain`` to keep it short).
 * ``quick``        a few prompts of each of the above, for the quickstart.
 
 A JSONL prompt file is accepted too: one object per line with ``prompt`` (a string) or
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +101,35 @@ def translation(count: int = 24) -> list[EvalPrompt]:
             if len(prompts) == count:
                 break
     return prompts
+
+
+_WORD_PROBLEM = re.compile(
+    r"\b(how many|how much|how long|what is the probability|what percentage|calculate|what is the (sum|product|total|average|area|value))\b", re.I
+)
+_NOT_A_WORD_PROBLEM = re.compile(r"https?:|```|\bcode\b|\bpython\b|function|article|essay|\bwrite\b|\bcreate\b|\\_|\bbits?\b", re.I)
+
+
+def word_problems() -> list[EvalPrompt]:
+    """Held-out ShareGPT first turns that read as arithmetic word problems (domain ``math-word``)."""
+    values = [value for value, _ in iter_json_values(SHAREGPT.path(), allow_truncated_tail=True)]
+    prompts = []
+    for index in range(max(0, len(values) - HELD_OUT_ROWS), len(values)):
+        row = parse_row(values[index], f"sharegpt row {index}", index)
+        text = next((m["content"] for m in row.messages if m["role"] == "user"), "")
+        if (40 <= len(text) <= 400 and text.isascii() and "?" in text and len(re.findall(r"\d+", text)) >= 2
+                and _WORD_PROBLEM.search(text) and not _NOT_A_WORD_PROBLEM.search(text)):
+            prompts.append(EvalPrompt(f"word-problem-{row.sample_id}", "math-word", _user(text)))
+    return prompts
+
+
+@SUITES.register("math")
+def math() -> list[EvalPrompt]:
+    return [p for p in mtbench() if p.domain == "math"] + [dataclasses.replace(p, domain="math") for p in word_problems()]
+
+
+@SUITES.register("domains")
+def domains() -> list[EvalPrompt]:
+    return mtbench() + word_problems() + humaneval() + translation()
 
 
 _LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Chinese")

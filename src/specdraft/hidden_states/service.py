@@ -8,7 +8,7 @@ consumer can fetch it at once.
 
 Protocol (JSON over HTTP, ``Authorization: Bearer TOKEN`` when the service has a token)::
 
-  GET  /health   -> 200 {"status": "ok", "target": Target.describe(), "backend", "max_batch",
+  GET  /health   -> 200 {"status": "ok", "target": Target.describe(), "engine", "backend", "max_batch",
                          "requests", "batches", "largest_batch"}
   POST /extract  {"key": "s/1#ab-0", "token_ids": [1, 2, ...],
                   "slots": [{"layer": 1, "side": "output"}, ...],
@@ -19,13 +19,23 @@ Protocol (JSON over HTTP, ``Authorization: Bearer TOKEN`` when the service has a
                     400 malformed request, 401 bad/missing token, 404 unknown path,
                     409 other target, 413 body too large, 500 extraction/storage failed
 
-Batching: HTTP handler threads only validate and enqueue; one worker thread owns the model. It
-takes the first queued request, waits up to ``batch_wait_ms`` for more (at most ``max_batch``),
-runs them as right-padded batches (one per distinct slot list and dtype) and writes each payload.
+Batching: HTTP handler threads only validate and enqueue; one worker thread takes the first queued
+request, waits up to ``batch_wait_ms`` for more (at most ``max_batch``) and hands them to the
+engine, one group per distinct slot list and dtype.
+
+Engines (``PRODUCER_ENGINES``, chosen by ``--engine``) run the target; the protocol above is the
+same for all, so a consumer cannot tell them apart:
+
+  hf    the worker runs the group as one right-padded batch of the HF model in this process and
+        writes each payload.
+  vllm  (``integrations/vllm/producer.py``) the group's requests go to a vLLM server (started here,
+        or the user's at ``--vllm-url``) whose connector writes each payload; the engine reads it
+        back and checks it before replying, as ``specdraft extract --engine vllm`` does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -35,11 +45,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from specdraft.errors import SpecdraftError
-from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES
+from specdraft.hidden_states.config import ENGINE_NAMES, STORAGE_DTYPE_NAMES, check_vllm_options
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.registry import Registry
 from specdraft.targets.loading import DTYPES as TARGET_DTYPES
 from specdraft.utils.config import config_field
 
@@ -61,10 +72,33 @@ class ServiceConfig:
     token: str | None = config_field(None, help="bearer token clients must send (Authorization: Bearer TOKEN)")
     max_batch: int = config_field(8, help="most queued requests run as one forward pass")
     batch_wait_ms: float = config_field(5.0, help="how long the worker waits for more requests to fill a batch")
-    max_tokens: int = config_field(32768, help="longest accepted request (tokens)")
+    max_tokens: int = config_field(
+        32768, help="longest accepted request (tokens); with --engine vllm also at most the server's max model length - 1"
+    )
     target_dtype: str = config_field("float32", help="dtype the target runs in", metadata={"choices": list(TARGET_DTYPES)})
-    device: str = config_field("cpu", help="device the target runs on (cpu, cuda, cuda:1, ...)")
-    num_threads: int = config_field(0, help="torch CPU threads (0 = torch's default)")
+    device: str = config_field("cpu", help="device the target runs on (cpu, cuda, cuda:1, ...); --engine hf only")
+    num_threads: int = config_field(0, help="torch CPU threads (0 = torch's default); --engine hf only")
+    engine: str = config_field(
+        "hf",
+        help="what runs the target: hf (transformers, in this process) or vllm (a vLLM server from .venv-vllm whose "
+        "connector writes the payloads; started privately, or yours at --vllm-url)",
+        metadata={"choices": list(ENGINE_NAMES)},
+    )
+    layers: str | None = config_field(
+        None,
+        help="--engine vllm: layer slots the vLLM server captures, e.g. 'output:1,input:2'; requests may ask for any "
+        "subset (default: the slots of every method preset, so any drafter can train from this producer)",
+    )
+    vllm_python: str | None = config_field(None, help="python of the vLLM environment (default: .venv-vllm/bin/python)")
+    vllm_args: str = config_field("", help="extra vLLM api_server flags for --engine vllm, e.g. --vllm-args='--enforce-eager'")
+    vllm_url: str | None = config_field(
+        None,
+        help="--engine vllm: use the vLLM server already running at this URL (started with the command "
+        "--print-server-command prints) instead of starting one; checked with a store-nothing request first",
+    )
+    print_server_command: bool = config_field(
+        False, help="--engine vllm: print the command line of the vLLM server this producer needs and exit; run it, then pass --vllm-url"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -79,6 +113,9 @@ class ServiceConfig:
                 f"--host {self.host} is reachable from other machines: pass --token SECRET (clients send it as a bearer token) "
                 "or bind 127.0.0.1"
             )
+        check_vllm_options(self.engine, self.vllm_url, self.print_server_command)
+        if self.layers is not None and self.engine != "vllm":
+            raise SpecdraftError("--layers chooses what a vLLM server captures: it needs --engine vllm (the hf engine serves any slots)")
 
 
 def is_loopback(host: str) -> bool:
@@ -108,6 +145,86 @@ class _Job:
     result: dict | None = None
     error: RequestError | None = None
 
+    def finish(self, *, result: dict | None = None, error: RequestError | None = None) -> None:
+        """Hand the reply (or the error) to the HTTP thread waiting in ``submit``."""
+        self.result, self.error = result, error
+        self.done.set()
+
+
+class ProducerEngine(Protocol):
+    """What runs the target for the service (``PRODUCER_ENGINES``), built as ``factory(config, backend, target)``."""
+
+    target_info: dict  # Target.describe() of what it runs
+    max_tokens: int  # longest request it can run
+
+    def check_slots(self, slots: list[LayerSlot]) -> None:
+        """Raise ``SpecdraftError`` (sent back as 400) when this engine cannot capture ``slots``."""
+
+    def run(self, slots: list[LayerSlot], dtype: str, jobs: list[_Job]) -> None:
+        """Store each job's payload in the backend and ``finish`` it; may return before they finish."""
+
+    def close(self) -> None:
+        """Finish what was handed to ``run``, then release the target."""
+
+
+#: ``--engine`` name -> factory(config, backend, target or None) -> ProducerEngine.
+PRODUCER_ENGINES: Registry[Callable[..., ProducerEngine]] = Registry("producer engine")
+
+
+@PRODUCER_ENGINES.register("hf")
+class HFProducer:
+    """The HF model in this process; ``target`` may be passed pre-loaded (tests)."""
+
+    def __init__(self, config: ServiceConfig, backend: Any, target: Any = None):
+        if config.num_threads:
+            import torch
+
+            torch.set_num_threads(config.num_threads)
+        if target is None:
+            from specdraft.targets import load_target
+
+            target = load_target(config.target, dtype=config.target_dtype, device=config.device)
+        self.target = target
+        self.target_info = target.describe()
+        self.max_tokens = config.max_tokens
+        self.backend = backend
+
+    def check_slots(self, slots: list[LayerSlot]) -> None:
+        pass  # every layer is captured by hooks on demand
+
+    def run(self, slots: list[LayerSlot], dtype: str, jobs: list[_Job]) -> None:
+        from specdraft.hidden_states.capture import HiddenStateCapture
+        from specdraft.hidden_states.payload import HiddenStatePayload
+
+        try:
+            outputs = HiddenStateCapture(self.target.model, slots)([j.token_ids for j in jobs])
+        except Exception as exc:  # noqa: BLE001 - reported to every waiting client
+            log.exception("extraction of %d request(s) failed", len(jobs))
+            for job in jobs:
+                job.finish(error=RequestError(500, f"extraction failed on the producer: {type(exc).__name__}: {exc}"))
+            return
+        for job, (hidden, last) in zip(jobs, outputs):
+            try:
+                payload = HiddenStatePayload.create(
+                    sample_id=job.key, target_info=self.target_info, slots=slots, token_ids=job.token_ids,
+                    hidden_states=hidden, last_hidden=last, dtype=dtype,
+                )
+                nbytes = self.backend.put(job.key, payload)
+                job.finish(result={"key": job.key, "bytes": nbytes, "num_tokens": payload.num_tokens})
+            except Exception as exc:  # noqa: BLE001 - reported to the waiting client
+                log.warning("storing %r in %s failed: %s", job.key, self.backend.location, exc)
+                job.finish(error=RequestError(500, f"storing {job.key!r} in {self.backend.location} failed: {exc}"))
+
+    def close(self) -> None:
+        pass
+
+
+@PRODUCER_ENGINES.register("vllm")
+def _vllm_producer(config: ServiceConfig, backend: Any, target: Any = None) -> ProducerEngine:
+    from specdraft.integrations.vllm.producer import VllmProducer
+
+    return VllmProducer(config, backend, target)
+
 
 class HiddenStateService:
     """The producer: ``start()`` serves in background threads, ``close()`` stops; also a context manager.
@@ -119,27 +236,26 @@ class HiddenStateService:
         from specdraft.hidden_states.backends import open_backend
 
         self.config = config
-        if config.num_threads:
-            import torch
-
-            torch.set_num_threads(config.num_threads)
-        if target is None:
-            from specdraft.targets import load_target
-
-            target = load_target(config.target, dtype=config.target_dtype, device=config.device)
-        self.target = target
-        self.target_info = target.describe()
-        self.backend = backend if backend is not None else open_backend(config.backend, config.store)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._stats = {"requests": 0, "batches": 0, "largest_batch": 0}
         self._stats_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+        # Bind first: a busy port must not be found only after a vLLM engine took minutes to start.
+        # Connections wait in the listen backlog until ``start`` serves them.
         try:
             self._server = ThreadingHTTPServer((config.host, config.port), _handler_class(self))
         except OSError as exc:
             raise SpecdraftError(f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}); choose another --port (0 = any free port)") from None
         self._server.daemon_threads = True
-        self._threads: list[threading.Thread] = []
-        self._closing = False
+        with contextlib.ExitStack() as undo:  # released only if a later step fails
+            undo.callback(self._server.server_close)
+            self.backend = backend if backend is not None else open_backend(config.backend, config.store)
+            undo.callback(self.backend.close)
+            self.engine = PRODUCER_ENGINES.get(config.engine)(config, self.backend, target)
+            undo.pop_all()
+        self.target_info = self.engine.target_info
+        self.max_tokens = min(config.max_tokens, self.engine.max_tokens)
 
     @property
     def url(self) -> str:
@@ -149,7 +265,8 @@ class HiddenStateService:
     def health(self) -> dict:
         with self._stats_lock:
             stats = dict(self._stats)
-        return {"status": "ok", "target": self.target_info, "backend": self.config.backend, "max_batch": self.config.max_batch, **stats}
+        return {"status": "ok", "target": self.target_info, "engine": self.config.engine, "backend": self.config.backend,
+                "max_batch": self.config.max_batch, **stats}
 
     def start(self) -> "HiddenStateService":
         self._threads = [
@@ -162,7 +279,7 @@ class HiddenStateService:
         return self
 
     def close(self) -> None:
-        """Stop accepting, finish queued requests, release the backend."""
+        """Stop accepting, finish queued requests, release the engine and the backend."""
         if self._closing:
             return
         self._closing = True
@@ -171,6 +288,7 @@ class HiddenStateService:
         self._queue.put(None)
         for t in self._threads:
             t.join(timeout=60)
+        self.engine.close()
         self.backend.close()
 
     def __enter__(self) -> "HiddenStateService":
@@ -221,8 +339,9 @@ class HiddenStateService:
         vocab = int(self.target_info["vocab_size"])
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise RequestError(400, "'token_ids' must be a non-empty list of integers")
-        if len(ids) > self.config.max_tokens:
-            raise RequestError(400, f"{len(ids)} tokens exceed this producer's --max-tokens {self.config.max_tokens}")
+        if len(ids) > self.max_tokens:
+            raise RequestError(400, f"{len(ids)} tokens exceed this producer's limit of {self.max_tokens} (--max-tokens, and a vLLM "
+                               "server's max model length - 1)")
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(400, f"token id {bad} is outside the target's vocabulary (0..{vocab - 1})")
@@ -239,6 +358,10 @@ class HiddenStateService:
             except (KeyError, TypeError, ValueError):
                 raise RequestError(400, f"slot {obj!r:.80} is not {{\"layer\": int, \"side\": \"input\"|\"output\"}}") from None
             slots.append(slot)
+        try:
+            self.engine.check_slots(slots)
+        except SpecdraftError as exc:
+            raise RequestError(400, f"this producer cannot serve these slots: {exc}") from None
         dtype = body.get("dtype", "bfloat16")
         if dtype not in STORAGE_DTYPE_NAMES:
             raise RequestError(400, f"dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPE_NAMES)}")
@@ -271,34 +394,9 @@ class HiddenStateService:
             for job in batch:
                 groups.setdefault((job.slots, job.dtype), []).append(job)
             for (slots, dtype), jobs in groups.items():
-                self._run(list(slots), dtype, jobs)
+                self.engine.run(list(slots), dtype, jobs)
             if stop:
                 return
-
-    def _run(self, slots: list[LayerSlot], dtype: str, jobs: list[_Job]) -> None:
-        from specdraft.hidden_states.capture import HiddenStateCapture
-        from specdraft.hidden_states.payload import HiddenStatePayload
-
-        try:
-            outputs = HiddenStateCapture(self.target.model, slots)([j.token_ids for j in jobs])
-        except Exception as exc:  # noqa: BLE001 - reported to every waiting client
-            log.exception("extraction of %d request(s) failed", len(jobs))
-            for job in jobs:
-                job.error = RequestError(500, f"extraction failed on the producer: {type(exc).__name__}: {exc}")
-                job.done.set()
-            return
-        for job, (hidden, last) in zip(jobs, outputs):
-            try:
-                payload = HiddenStatePayload.create(
-                    sample_id=job.key, target_info=self.target_info, slots=slots, token_ids=job.token_ids,
-                    hidden_states=hidden, last_hidden=last, dtype=dtype,
-                )
-                nbytes = self.backend.put(job.key, payload)
-                job.result = {"key": job.key, "bytes": nbytes, "num_tokens": payload.num_tokens}
-            except Exception as exc:  # noqa: BLE001 - reported to the waiting client
-                log.warning("storing %r in %s failed: %s", job.key, self.backend.location, exc)
-                job.error = RequestError(500, f"storing {job.key!r} in {self.backend.location} failed: {exc}")
-            job.done.set()
 
 
 def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:

@@ -18,6 +18,7 @@ from typing import Any
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES
 from specdraft.hidden_states.online import DATA_MODES
+from specdraft.train.warm_start import FC_INITS, MARKOV_INITS
 from specdraft.utils.config import config_field
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
@@ -79,6 +80,17 @@ class TrainConfig:
     )
     num_threads: int = config_field(0, help="torch CPU threads per process (0 = torch's default)")
     dry_run: bool = config_field(False, help="build the drafter, write an initialised checkpoint and exit")
+    init_from_target: bool = config_field(
+        False, help="fresh runs: start draft layer i from target layer L-N+i (the last N) where tensor shapes match (train/warm_start.py)"
+    )
+    fc_init: str = config_field(
+        "random", help="fresh runs: the fc fusing the captured slots starts random or as the identity on the slot nearest the "
+        "first copied target layer's input", metadata={"choices": list(FC_INITS)}
+    )
+    markov_init: str = config_field(
+        "random", help="dspark, fresh runs: Markov head W1/W2 start random or from a rank-r SVD of the training split's bigram "
+        "log-odds", metadata={"choices": list(MARKOV_INITS)}
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
@@ -108,6 +120,9 @@ class TrainConfig:
             raise SpecdraftError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.dtype not in DTYPE_CHOICES:
             raise SpecdraftError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.fc_init not in FC_INITS or self.markov_init not in MARKOV_INITS:
+            raise SpecdraftError(f"fc_init must be one of {', '.join(FC_INITS)} and markov_init one of {', '.join(MARKOV_INITS)}, "
+                                 f"got {self.fc_init!r} and {self.markov_init!r}")
         if self.parallel not in PARALLEL_CHOICES:
             raise SpecdraftError(f"parallel must be one of {', '.join(PARALLEL_CHOICES)}, got {self.parallel!r}")
         if self.max_time < 0 or self.weight_decay < 0 or self.grad_clip < 0:

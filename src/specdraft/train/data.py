@@ -225,6 +225,21 @@ class DataPlan:
         return batches[self.rank :: self.world_size]
 
 
+def token_rows(dataset: SampleSource, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+    """(token ids, loss mask) of samples ``indices``, from the store's prepared dataset when it has
+    one (no hidden states read, nothing requested from producers), else from the samples themselves."""
+    prepared = getattr(dataset, "prepared", None)
+    out = []
+    for i in indices:
+        if prepared is not None:
+            item = prepared[prepared.index_of(dataset.sample_ids[i])]
+            out.append((item["input_ids"].numpy(), item["loss_mask"].numpy()))
+        else:
+            item = dataset[i]
+            out.append((torch.as_tensor(item["token_ids"]).numpy(), torch.as_tensor(item["loss_mask"]).bool().numpy()))
+    return out
+
+
 def select_slots(store_slots: Sequence[LayerSlot], wanted: Sequence[LayerSlot], *, where: str) -> list[int]:
     """Positions of ``wanted`` in the store's slot list; a clear error naming what is missing."""
     store_slots = list(store_slots)

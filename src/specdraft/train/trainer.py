@@ -7,8 +7,8 @@ Steps of ``train``:
    this target (fingerprint) and holds the layers the method reads.
 2. Check ``OUT``: a fresh directory, or a run whose latest checkpoint has the same identity
    (method, model config, target, layers) -- otherwise stop before anything is written.
-3. Build the drafter (seeded), restore the checkpoint if any, wrap it for DDP/FSDP2, build AdamW and
-   the warm-up + cosine schedule, restore their state.
+3. Build the drafter (seeded); a fresh run warm-starts it (``warm_start``), a resumed one restores
+   the checkpoint; wrap it for DDP/FSDP2, build AdamW and the warm-up + cosine schedule, restore their state.
 4. Step: batch = f(seed, step, rank) (``data.DataPlan``); reseed every RNG from (seed, rank, step);
    forward under autocast, backward, clip, AdamW, schedule. Log, validate and checkpoint on their
    intervals; a SIGINT/SIGTERM or ``max_time`` ends the run with a checkpoint after the current step.
@@ -54,9 +54,11 @@ from specdraft.train.data import (
     open_sample_source,
     select_slots,
     step_seed,
+    token_rows,
     training_order,
 )
 from specdraft.train.metrics import MetricSums, MetricsLog, lr_factor
+from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +282,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     cfg.require("method", "out")
     spec = METHODS.get(cfg.method)
     model_cfg = build_method_config(spec, cfg.model)
+    check_warm_start(cfg, spec.name)
     out = Path(cfg.out)
     _check_out_dir(out)
     if cfg.num_threads:
@@ -345,7 +348,9 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         _dump_yaml(out / ckpt.RESOLVED_CONFIG, resolved)
         metrics_log.truncate_after(saved["step"] if saved else 0)
 
-    # 3. model (built above), optimizer, schedule (+ state)
+    # 3. model (built above; warm-started when the run is fresh), optimizer, schedule (+ state)
+    if saved is None:
+        apply_warm_start(drafter, spec.name, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, plan.train_indices)))
     step_module = _StepModule(drafter)
     frozen = {f"drafter.{n}" for n, p in step_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     if saved is not None:

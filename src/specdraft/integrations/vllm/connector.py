@@ -13,23 +13,29 @@ HF path, through any registered backend, and writes it *in the step that complet
 
   1. Scheduler side (``build_connector_meta``): track each request's blocks of the hidden-state
      KV group; when a step computes the request's last prompt token, order a save
-     (sample id from the request's ``kv_transfer_params``; requests without one are ignored).
+     (sample id, and optionally slots and dtype, from the request's ``kv_transfer_params``;
+     requests without a sample id are ignored; slots the captured layers do not cover are refused).
   2. Worker side (``wait_for_save``, which vLLM runs after the drafter, i.e. after the cache-only
      layer stored this step's states): gather the rows of every ordered request, build payloads,
      ``backend.put`` them. CPU: synchronous gather. CUDA: the gathers of a step are queued on a
      side stream into pinned memory and synchronised once before writing (untested here).
   3. Scheduler side (``request_finished``): report ``{"specdraft_key", "specdraft_store"}`` in
-     ``kv_transfer_params``. The step's outputs are only built after step 2 returned, so the
-     client never sees a key before its write landed; a failed write is logged and the key is
-     simply absent from the store, which the client checks.
+     ``kv_transfer_params`` (``{"specdraft_error"}`` for a refused request; for a
+     ``specdraft_check`` request, which stores nothing, the server's description). The step's outputs
+     are only built after step 2 returned, so the client never sees a key before its write
+     landed; a failed write is logged and the key is simply absent from the store, which the
+     client checks.
 
 ``kv_connector_extra_config`` (written by :func:`specdraft.integrations.vllm.extract.extraction_args`)::
 
   {"store": location, "backend": "file", "dtype": "bfloat16", "target": Target.describe(),
-   "slots": [{"layer": 1, "side": "output"}, ...], "slot_rows": [r, ...], "last_row": r}
+   "slots": [{"layer": 1, "side": "output"}, ...]}
 
-``slot_rows[s]``/``last_row`` index the captured layer ids (the fake layer's heads). ``store`` is
-the store's ``producer_location()`` (for Mooncake: ``segment_mb=0``, the engine holds no data).
+``slots``/``dtype`` are the defaults of requests that name none. Which row of the captured layer
+ids (the fake layer's heads) holds a slot follows from the speculative config's
+``eagle_aux_hidden_state_layer_ids`` (:func:`~specdraft.integrations.vllm.protocol.slot_rows`), so
+the rows cannot disagree with what the server really captures. ``store`` is the store's
+``producer_location()`` (for Mooncake: ``segment_mb=0``, the engine holds no data).
 """
 
 from __future__ import annotations
@@ -51,8 +57,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES
 from specdraft.hidden_states.layers import LayerSlot
-from specdraft.integrations.vllm.protocol import KEY, SAMPLE_ID, STORE
+from specdraft.integrations.vllm.protocol import CHECK, DTYPE, ERROR, KEY, SAMPLE_ID, SERVER, SLOTS, STORE, slot_rows
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -68,6 +76,7 @@ class SaveOrder:
     sample_id: str
     token_ids: list[int]
     block_ids: list[int]
+    plan: "_Plan"
 
 
 @dataclass
@@ -75,11 +84,23 @@ class SpecdraftConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveOrder] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What one request's payload holds: its slots, their rows among the captured ids, the dtype."""
+
+    slots: tuple[LayerSlot, ...]
+    rows: tuple[int, ...]
+    last_row: int
+    dtype: str
+
+
 @dataclass
 class _Tracked:
     sample_id: str
     token_ids: list[int]
     block_ids: list[int]
+    plan: _Plan | None
+    error: str | None = None
     ordered: bool = False
 
 
@@ -92,22 +113,54 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._group = ExampleHiddenStatesConnector._find_cache_kv_group_id(kv_cache_config)
         self._block_size = ExampleHiddenStatesConnector._get_cache_block_size(vllm_config, kv_cache_config, self._group)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        missing = [k for k in ("store", "dtype", "target", "slots", "slot_rows", "last_row") if k not in extra]
+        missing = [k for k in ("store", "dtype", "target", "slots") if k not in extra]
         if missing:
             raise ValueError(f"SpecdraftHiddenStatesConnector: kv_connector_extra_config lacks {', '.join(missing)}")
+        spec = vllm_config.speculative_config
+        if spec is None or spec.method != "extract_hidden_states":
+            raise ValueError("SpecdraftHiddenStatesConnector needs --speculative-config with method extract_hidden_states")
+        self._layer_ids = [int(i) for i in spec.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids]
         self._store = str(extra["store"])
         self._backend_name = str(extra.get("backend", "file"))
-        self._dtype = str(extra["dtype"])
         self._target = dict(extra["target"])
-        self._slots = [LayerSlot.from_json(s) for s in extra["slots"]]
-        self._slot_rows = [int(r) for r in extra["slot_rows"]]
-        self._last_row = int(extra["last_row"])
+        self._num_layers = int(self._target["num_layers"])
+        # The configured defaults must be servable, or the server would refuse every plain request.
+        self._default_plan = self._plan([LayerSlot.from_json(s) for s in extra["slots"]], str(extra["dtype"]))
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
+        self._checks: dict[str, dict] = {}  # req_id -> kv_transfer_params answer of a check request
         # worker side
         self._kv_cache: torch.Tensor | None = None
         self._backend = None
         self._copy_stream = None
+
+    def _plan(self, slots: list[LayerSlot], dtype: str) -> _Plan:
+        if dtype not in STORAGE_DTYPE_NAMES:
+            raise SpecdraftError(f"dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPE_NAMES)}")
+        if not slots:
+            raise SpecdraftError("no slots requested")
+        rows, last_row = slot_rows(slots, self._layer_ids, self._num_layers)
+        return _Plan(tuple(slots), tuple(rows), last_row, dtype)
+
+    def _request_plan(self, params: dict) -> _Plan:
+        """The request's own slots/dtype, else the configured ones."""
+        if SLOTS not in params and DTYPE not in params:
+            return self._default_plan
+        try:
+            slots = [LayerSlot.from_json(s) for s in params[SLOTS]] if SLOTS in params else list(self._default_plan.slots)
+        except (KeyError, TypeError, ValueError):
+            raise SpecdraftError(f"{SLOTS} {params[SLOTS]!r:.200} is not a list of {{\"layer\": int, \"side\": \"input\"|\"output\"}}") from None
+        return self._plan(slots, str(params.get(DTYPE, self._default_plan.dtype)))
+
+    def _check(self, params: dict) -> dict:
+        """The answer to a ``CHECK`` request: could its slots/dtype be served, and what is this server."""
+        try:
+            self._request_plan(params)
+        except SpecdraftError as exc:
+            return {ERROR: str(exc)}
+        info = {"store": self._store, "backend": self._backend_name, "target_fingerprint": self._target.get("fingerprint"),
+                "layer_ids": self._layer_ids}
+        return {SERVER: info}
 
     # ----- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -121,11 +174,18 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         meta = SpecdraftConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") if new.sampling_params else None
-            sample_id = (params or {}).get(SAMPLE_ID)
+            params = ((new.sampling_params.extra_args or {}).get("kv_transfer_params") if new.sampling_params else None) or {}
+            if params.get(CHECK):
+                self._checks[new.req_id] = self._check(params)
+                continue
+            sample_id = params.get(SAMPLE_ID)
             if sample_id is None or new.prompt_token_ids is None:
                 continue
-            self._tracked[new.req_id] = _Tracked(str(sample_id), list(new.prompt_token_ids), list(new.block_ids[self._group]))
+            try:
+                plan, error = self._request_plan(params), None
+            except SpecdraftError as exc:  # reported in kv_transfer_params; the engine keeps serving
+                plan, error = None, str(exc)
+            self._tracked[new.req_id] = _Tracked(str(sample_id), list(new.prompt_token_ids), list(new.block_ids[self._group]), plan, error)
             self._maybe_order(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -144,13 +204,18 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _maybe_order(self, meta: SpecdraftConnectorMetadata, req_id: str, computed_after_step: int) -> None:
         tracked = self._tracked[req_id]
-        if not tracked.ordered and computed_after_step >= len(tracked.token_ids):
+        if tracked.plan is not None and not tracked.ordered and computed_after_step >= len(tracked.token_ids):
             tracked.ordered = True
-            meta.saves.append(SaveOrder(req_id, tracked.sample_id, tracked.token_ids, list(tracked.block_ids)))
+            meta.saves.append(SaveOrder(req_id, tracked.sample_id, tracked.token_ids, list(tracked.block_ids), tracked.plan))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Step 3: the payload was written during the step that finished the prompt."""
+        check = self._checks.pop(request.request_id, None)
+        if check is not None:
+            return False, check
         tracked = self._tracked.pop(request.request_id, None)
+        if tracked is not None and tracked.error is not None:
+            return False, {ERROR: f"sample {tracked.sample_id!r} not stored: {tracked.error}"}
         if tracked is None or not tracked.ordered:
             return False, None
         return False, {KEY: tracked.sample_id, STORE: self._store}
@@ -228,13 +293,14 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def _write(self, order: SaveOrder, rows: torch.Tensor) -> None:
         from specdraft.hidden_states.payload import HiddenStatePayload
 
+        plan = order.plan
         payload = HiddenStatePayload.create(
             sample_id=order.sample_id,
             target_info=self._target,
-            slots=self._slots,
+            slots=list(plan.slots),
             token_ids=torch.tensor(order.token_ids, dtype=torch.int64),
-            hidden_states=rows[:, self._slot_rows],
-            last_hidden=rows[:, self._last_row],
-            dtype=self._dtype,
+            hidden_states=rows[:, list(plan.rows)],
+            last_hidden=rows[:, plan.last_row],
+            dtype=plan.dtype,
         )
         self._backend.put(order.sample_id, payload)

@@ -1,8 +1,29 @@
-"""Anchor sampling and block labels for the block drafters (DFlash, DSpark)."""
+"""Anchor sampling and block labels for the block drafters (DFlash, DSpark).
+
+Anchor sampling (``ANCHOR_SAMPLING``, the drafter config's ``anchor_sampling``):
+
+* ``uniform``: up to ``max_anchors`` candidates per packed sample, uniformly without replacement
+  (the references' sampling).
+* ``predictable``: spend the same budget where the target is predictable, so more of each block's
+  positions carry a label the drafter can learn to hit (acceptance stops at the first miss, and
+  later positions of a block in unpredictable text rarely count). A uniform proposal of
+  ``PREDICTABLE_PROPOSALS`` x the budget is scored by the target's probability of the block's
+  first label, p_t(x_{a+1} | x_<=a) = softmax(head(norm(last_hidden[a])))[x_{a+1}], and the anchors
+  are drawn from it without replacement with weights ``PREDICTABLE_FLOOR`` + p (the floor keeps
+  hard text in the mix). Cost: one frozen LM-head row per proposal (2 x the anchors), against the
+  B rows per anchor that the loss already runs through the same head.
+"""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+from specdraft.registry import Registry
+
+PREDICTABLE_PROPOSALS = 2
+PREDICTABLE_FLOOR = 0.05
 
 
 def candidate_anchors(segment_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -15,21 +36,31 @@ def candidate_anchors(segment_ids: torch.Tensor, loss_mask: torch.Tensor) -> tor
 
 
 def sample_anchors(
-    segment_ids: torch.Tensor, loss_mask: torch.Tensor, *, max_per_segment: int, generator: torch.Generator | None = None
+    segment_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    max_per_segment: int,
+    generator: torch.Generator | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Up to ``max_per_segment`` random anchors per packed sample, sorted per row.
+    """Up to ``max_per_segment`` random anchors per packed sample, sorted per row: uniform, or
+    without replacement in proportion to ``weights`` float [N, T] (>= max_per_segment positive
+    weights per segment that has more candidates).
 
     Returns int64 [N, A] row positions, padded with -1 (A = the largest count over rows).
     """
     ok = candidate_anchors(segment_ids, loss_mask).cpu()
     seg = segment_ids.cpu()
+    weights = None if weights is None else weights.detach().float().cpu()
     rows: list[torch.Tensor] = []
     for r in range(ok.shape[0]):
         chosen = []
         for s in torch.unique(seg[r][ok[r]]).tolist():
             cand = torch.nonzero(ok[r] & (seg[r] == s)).flatten()
-            if cand.numel() > max_per_segment:
+            if cand.numel() > max_per_segment and weights is None:
                 cand = cand[torch.randperm(cand.numel(), generator=generator)[:max_per_segment]]
+            elif cand.numel() > max_per_segment:
+                cand = cand[torch.multinomial(weights[r, cand], max_per_segment, replacement=False, generator=generator)]
             chosen.append(cand)
         rows.append(torch.sort(torch.cat(chosen)).values if chosen else torch.zeros(0, dtype=torch.int64))
     width = max(1, max(r.numel() for r in rows))
@@ -61,3 +92,28 @@ def block_labels(
     pos = steps[..., pick].clamp(max=t - 1, min=0)
     labels = torch.gather(token_ids, 1, pos.flatten(1)).view_as(pos)
     return labels, ok[..., pick], pos
+
+
+# (rows int64 [M], positions int64 [M]) -> the target's probability of token positions+1, float [M]
+LabelProb = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+AnchorSampler = Callable[..., torch.Tensor]
+ANCHOR_SAMPLING: Registry[AnchorSampler] = Registry("anchor sampling")
+
+
+@ANCHOR_SAMPLING.register("uniform")
+def uniform_anchors(segment_ids: torch.Tensor, loss_mask: torch.Tensor, *, max_per_segment: int, label_prob: LabelProb,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    return sample_anchors(segment_ids, loss_mask, max_per_segment=max_per_segment, generator=generator)
+
+
+@ANCHOR_SAMPLING.register("predictable")
+@torch.no_grad()
+def predictable_anchors(segment_ids: torch.Tensor, loss_mask: torch.Tensor, *, max_per_segment: int, label_prob: LabelProb,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+    """See the module docstring: a uniform proposal scored by ``label_prob``, then a weighted draw."""
+    proposal = sample_anchors(segment_ids, loss_mask, max_per_segment=PREDICTABLE_PROPOSALS * max_per_segment, generator=generator)
+    rows, cols = torch.nonzero(proposal >= 0, as_tuple=True)
+    positions = proposal[rows, cols]
+    weights = torch.zeros(segment_ids.shape, dtype=torch.float32, device=segment_ids.device)
+    weights[rows, positions] = PREDICTABLE_FLOOR + label_prob(rows, positions).float()
+    return sample_anchors(segment_ids, loss_mask, max_per_segment=max_per_segment, generator=generator, weights=weights)

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from specdraft.errors import SpecdraftError
+from specdraft.models.common.anchors import ANCHOR_SAMPLING
 from specdraft.models.common.config import DraftConfig
 from specdraft.utils.config import config_field
 
@@ -57,7 +58,22 @@ class DFlashConfig(DraftConfig):
         None, help="token id of the MASK slots, an unused/reserved id (default: see default_mask_token)"
     )
     max_anchors: int = config_field(512, help="most anchors (blocks) sampled per packed sample in training")
+    anchor_sampling: str = config_field(
+        "uniform", help="training anchors: uniform, or predictable (weighted by the target's probability of the first label; "
+        "see models/common/anchors.py)", metadata={"choices": ["uniform", "predictable"]}
+    )
     loss_gamma: float | None = config_field(None, help="loss decay gamma (default: 7/5/4 for block 16/10/8, interpolated)")
+    draft_vocab_size: int | None = config_field(
+        None,
+        help="reduced draft vocabulary: a trainable [N, D] LM head over the N most frequent response tokens "
+        "(None/0 or the target vocabulary size = full vocabulary through the frozen target head; "
+        "takes precedence over draft_vocab_coverage)",
+    )
+    draft_vocab_coverage: float | None = config_field(
+        None,
+        help="choose draft_vocab_size as the smallest N covering this fraction (0, 1] of response-token "
+        "occurrences in the dataset's token counts; used only when draft_vocab_size is unset",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,6 +81,7 @@ class DFlashConfig(DraftConfig):
             raise SpecdraftError(f"{self.method} config: block_size must be >= 2 (anchor + at least one MASK slot), got {self.block_size}")
         if self.max_anchors < 1:
             raise SpecdraftError(f"{self.method} config: max_anchors must be >= 1, got {self.max_anchors}")
+        ANCHOR_SAMPLING.get(self.anchor_sampling)
         if self.mask_token_id is not None:
             if self.mask_token_id < 0 or (self.vocab_size is not None and self.mask_token_id >= self.vocab_size):
                 raise SpecdraftError(
@@ -73,6 +90,23 @@ class DFlashConfig(DraftConfig):
                 )
         if self.loss_gamma is not None and self.loss_gamma <= 0:
             raise SpecdraftError(f"{self.method} config: loss_gamma must be > 0, got {self.loss_gamma}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
+            raise SpecdraftError(f"{self.method} config: draft_vocab_size must be >= 0 (0 = full vocabulary), got {self.draft_vocab_size}")
+        if self.draft_vocab_size and self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+            raise SpecdraftError(
+                f"{self.method} config: draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}"
+            )
+        if self.draft_vocab_coverage is not None and not 0.0 < self.draft_vocab_coverage <= 1.0:
+            raise SpecdraftError(f"{self.method} config: draft_vocab_coverage must be in (0, 1], got {self.draft_vocab_coverage}")
+
+    @property
+    def draft_vocab(self) -> int:
+        """N, the size of the drafter's output vocabulary (the target's when not reduced)."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def uses_draft_vocab(self) -> bool:
+        return self.draft_vocab < self.vocab_size
 
     @property
     def gamma(self) -> float:

@@ -3,8 +3,16 @@
 Context features = RMSNorm(fc(concat of 5 target layer outputs)). Every draft layer injects them
 as extra keys/values (k_proj/v_proj only: no query, output projection or MLP for the context);
 queries come from the block [anchor, MASK x (B-1)] at positions anchor..anchor+B-1, which attends
-to itself non-causally and to context strictly before the anchor. Embedding and LM head are the
-target's, frozen.
+to itself non-causally and to context strictly before the anchor. The embedding is the target's,
+frozen; so is the LM head, unless the drafter has a reduced draft vocabulary (``draft_vocab_size``
+N < V): then it owns a trainable ``lm_head`` [N, D] started from the target head's rows of the N
+most frequent response tokens, with ``d2t``/``t2d`` mapping draft ids to target ids (vLLM layout).
+
+Reduced-vocabulary training follows speculators: the hard label is the token's draft id, and a
+label outside the draft vocabulary is unreachable (no draft logit can score it), so it gets no CE
+weight and counts as a miss in the accuracy metrics. Drafting samples over the N draft ids and
+hands back target ids, with the draft distribution scattered into V (zero elsewhere) so rejection
+sampling is unchanged and stays lossless.
 
 Training packs every sampled block of a row into one sequence (``anchor_block_mask``).
 Block slot k (k = 1..B-1) at position anchor+k predicts the token at anchor+k; its loss weight
@@ -17,6 +25,7 @@ features each round); the block is run once and its K/V are never stored ("cropp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,7 +35,7 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import DrafterBatch, TrainOutput
 from specdraft.models.common import checkpoint as ckpt
-from specdraft.models.common.anchors import block_labels, sample_anchors
+from specdraft.models.common.anchors import ANCHOR_SAMPLING, block_labels
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.config import shape_from_layer_config
 from specdraft.models.common.drafter import NOT_SAVED, SpeculatorsDrafter
@@ -34,6 +43,7 @@ from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbeddin
 from specdraft.models.common.masks import anchor_block_mask
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import DraftProposal, sample_token
+from specdraft.models.common.vocab import build_draft_vocab, check_vocab_tables, coverage_vocab_size, draft_ids, target_to_draft
 from specdraft.models.dflash.config import DFlashConfig
 from specdraft.models.dflash.loss import ce_rows, position_weights, weighted_mean
 
@@ -100,10 +110,70 @@ class DFlashDrafter(SpeculatorsDrafter):
         self.layers = nn.ModuleList([DFlashLayer(c) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta)
+        if c.draft_vocab_coverage is not None and not c.draft_vocab_size:
+            raise SpecdraftError(
+                f"{self.method} config: draft_vocab_coverage {c.draft_vocab_coverage} is turned into draft_vocab_size from "
+                "token counts when the drafter is built; use MethodSpec.build(config, target, counts=...)"
+            )
+        self.lm_head: nn.Linear | None = None
+        self.register_buffer("d2t", None)
+        self.register_buffer("t2d", None)
+        if c.uses_draft_vocab:
+            self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab, bias=False)
+            t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+            t2d[: c.draft_vocab] = True
+            self.d2t = torch.zeros(c.draft_vocab, dtype=torch.int64)
+            self.t2d = t2d
+
+    # ----- draft vocabulary ----------------------------------------------------------------
+    def set_draft_vocab(self, counts: torch.Tensor) -> None:
+        """Select the draft vocabulary from response-token counts int64[V] and start the draft
+        head from the target head's rows for those tokens."""
+        d2t, t2d = build_draft_vocab(counts, self.config.draft_vocab)
+        if t2d.numel() != self.config.vocab_size:
+            raise SpecdraftError(f"token counts cover {t2d.numel()} ids but the target vocabulary has {self.config.vocab_size}")
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+            self.lm_head.weight.copy_(self.verifier_lm_head.weight[draft_ids(self.d2t)])
+
+    def draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target-id labels -> (draft-id labels, bool in-vocabulary mask); identity when not reduced."""
+        if self.t2d is None:
+            return labels, torch.ones_like(labels, dtype=torch.bool)
+        return target_to_draft(self.t2d, labels)
+
+    def draft_target_ids(self) -> torch.Tensor | None:
+        """[N] target id of each draft id; None with the full vocabulary (the identity)."""
+        return None if self.d2t is None else draft_ids(self.d2t)
+
+    def draft_target_head(self) -> torch.Tensor:
+        """The target head's rows for the draft ids, [N, D]: p_t restricted to the draft vocabulary."""
+        ids = self.draft_target_ids()
+        return self.verifier_lm_head.weight if ids is None else self.verifier_lm_head.weight[ids]
+
+    def to_target_vocab(self, tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft ids [...] and their distributions [..., N] -> target ids and distributions over V
+        (zero outside the draft vocabulary)."""
+        ids = self.draft_target_ids()
+        if ids is None:
+            return tokens, probs
+        full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
+        full[..., ids] = probs
+        return ids[tokens], full
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.d2t is not None and "d2t" in state_dict:
+            check_vocab_tables(self.d2t, self.t2d, where=f"{self.method} draft vocabulary (d2t/t2d)")
+        return result
 
     # ----- format --------------------------------------------------------------------------
     def speculative_tokens(self) -> int:
         return self.config.block_size if self.sample_from_anchor else self.config.block_size - 1
+
+    def draft_vocab_size(self) -> int:
+        return self.config.draft_vocab
 
     def method_fields(self, aux_ids: list[int]) -> dict:
         return {
@@ -117,8 +187,9 @@ class DFlashDrafter(SpeculatorsDrafter):
     @classmethod
     def config_fields_from_speculators(cls, cfg: dict, *, where: str) -> dict:
         shape = shape_from_layer_config(cfg.get("transformer_layer_config") or {}, where=where)
-        if int(cfg.get("draft_vocab_size") or shape["vocab_size"]) != shape["vocab_size"]:
-            raise SpecdraftError(f"{where}: {cls.method} with a reduced draft vocabulary is not supported by specdraft")
+        draft_vocab = int(cfg.get("draft_vocab_size") or shape["vocab_size"])
+        if not 0 < draft_vocab <= shape["vocab_size"]:
+            raise SpecdraftError(f"{where}: draft_vocab_size {draft_vocab} must be in 1..{shape['vocab_size']} (the target vocabulary)")
         if bool(cfg.get("sample_from_anchor", cls.sample_from_anchor)) != cls.sample_from_anchor:
             raise SpecdraftError(f"{where}: sample_from_anchor={cfg.get('sample_from_anchor')} is not supported for {cls.method}")
         ids = cfg.get("aux_hidden_state_layer_ids")
@@ -129,6 +200,7 @@ class DFlashDrafter(SpeculatorsDrafter):
             "layers": ",".join(str(ckpt.aux_id_to_slot(int(i), "output")) for i in ids),
             "block_size": int(cfg.get("block_size", 8)),
             "mask_token_id": int(cfg["mask_token_id"]),
+            "draft_vocab_size": draft_vocab if draft_vocab < shape["vocab_size"] else None,
         }
 
     @classmethod
@@ -141,8 +213,9 @@ class DFlashDrafter(SpeculatorsDrafter):
         return self.hidden_norm(self.fc(aux_hidden.flatten(-2).to(self.fc.weight.dtype)))
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Post-norm hidden [..., D] -> target-vocabulary logits via the frozen target head."""
-        return self.verifier_lm_head(hidden)
+        """Post-norm hidden [..., D] -> draft-vocabulary logits [..., N]: the trainable draft head when
+        the vocabulary is reduced, else the frozen target head (N = V)."""
+        return self.verifier_lm_head(hidden) if self.lm_head is None else self.lm_head(hidden)
 
     def label_offsets(self) -> torch.Tensor:
         """Row offset from the anchor of the token each draft slot predicts: [K] = 1..K
@@ -177,12 +250,26 @@ class DFlashDrafter(SpeculatorsDrafter):
         return self.norm(x).view(n, a, b, -1)
 
     def training_forward(self, batch: DrafterBatch) -> TrainOutput:
-        anchors = sample_anchors(batch.segment_ids, batch.loss_mask, max_per_segment=self.config.max_anchors)
+        sampler = ANCHOR_SAMPLING.get(self.config.anchor_sampling)
+        anchors = sampler(batch.segment_ids, batch.loss_mask, max_per_segment=self.config.max_anchors,
+                          label_prob=lambda rows, pos: self.target_label_prob(batch, rows, pos))
         return self.block_loss(batch, anchors, self.forward_blocks(batch, anchors))
 
+    @torch.no_grad()
+    def target_label_prob(self, batch: DrafterBatch, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """p_t(token at positions+1 | prefix) at (rows, positions) [M]: the frozen target head on last_hidden."""
+        labels = batch.token_ids[rows, (positions + 1).clamp(max=batch.token_ids.shape[1] - 1)]
+
+        def prob(h, y):
+            return (torch.log_softmax(self.target_logits(h).float(), -1).gather(-1, y[:, None])[:, 0].exp(),)
+
+        return chunked_rows(prob, batch.last_hidden[rows, positions], labels, chunk_rows=self.config.loss_chunk_rows)[0]
+
     def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> TrainOutput:
-        """Hard-label CE over slots 1..B-1 weighted exp(-(k-1)/gamma), normalised by the weight sum."""
+        """Hard-label CE over slots 1..B-1 weighted exp(-(k-1)/gamma), normalised by the weight sum
+        (labels outside a reduced draft vocabulary: no CE weight, counted as misses)."""
         labels, valid, _ = block_labels(batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device))
+        labels, in_vocab = self.draft_labels(labels)
         h = hidden[:, :, self.draft_slots()]
 
         def rows(hr, lr):
@@ -191,9 +278,9 @@ class DFlashDrafter(SpeculatorsDrafter):
 
         ce_valid, ok_valid = chunked_rows(rows, h[valid], labels[valid], chunk_rows=self.config.loss_chunk_rows)
         ce = torch.zeros(valid.shape, dtype=ce_valid.dtype, device=h.device).masked_scatter(valid, ce_valid)
-        correct = torch.zeros_like(valid).masked_scatter(valid, ok_valid)
+        correct = torch.zeros_like(valid).masked_scatter(valid, ok_valid) & in_vocab
         weights = position_weights(valid.shape[-1], self.config.gamma, device=h.device)
-        loss = weighted_mean(ce, weights, valid)
+        loss = weighted_mean(ce, weights, valid & in_vocab)
         acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1))
         return TrainOutput(
             loss=loss, metrics={"loss": float(loss.detach()), "ce": float(loss.detach())}, position_acc=acc, position_cond_acc=cond, position_count=count
@@ -253,12 +340,32 @@ class DFlashDrafter(SpeculatorsDrafter):
         """Independent per-slot draws from slots 1..B-1."""
         logits = self.lm_logits(hidden[self.draft_slots()])
         drawn = [sample_token(row, temperature=temperature, generator=generator) for row in logits]
-        return DraftProposal(tokens=torch.stack([t for t, _ in drawn]), probs=torch.stack([p for _, p in drawn]))
+        tokens, probs = self.to_target_vocab(torch.stack([t for t, _ in drawn]), torch.stack([p for _, p in drawn]))
+        return DraftProposal(tokens=tokens, probs=probs)
 
 
-def build_dflash(config: DFlashConfig, target: Any, **_: Any) -> DFlashDrafter:
-    """A fresh DFlash drafter for ``target`` (frozen embedding, LM head and final norm copied in)."""
+def build_block_drafter(cls: type[DFlashDrafter], config: DFlashConfig, target: Any, counts: torch.Tensor | None) -> DFlashDrafter:
+    """A fresh DFlash/DSpark drafter for ``target`` (frozen embedding, target head and final norm
+    copied in). ``counts`` int64[V] (the prepared dataset's response-token counts) selects a reduced
+    draft vocabulary: ``draft_vocab_size`` if set, else the smallest N reaching ``draft_vocab_coverage``."""
     config = config.resolve(target)
-    model = DFlashDrafter(config, verifier=target.describe())
+    if config.draft_vocab_size and config.draft_vocab_size >= config.vocab_size:
+        config = dataclasses.replace(config, draft_vocab_size=None)
+    wants_counts = bool(config.draft_vocab_size) or config.draft_vocab_coverage is not None
+    if wants_counts and counts is None:
+        raise SpecdraftError(
+            f"{config.method} draft_vocab_size={config.draft_vocab_size} / draft_vocab_coverage={config.draft_vocab_coverage} "
+            "needs token counts (the prepared dataset's token_counts.safetensors) to choose the draft vocabulary"
+        )
+    if not config.draft_vocab_size and config.draft_vocab_coverage is not None:
+        size = coverage_vocab_size(counts, config.draft_vocab_coverage)
+        config = dataclasses.replace(config, draft_vocab_size=size if size < config.vocab_size else None)
+    model = cls(config, verifier=target.describe())
     model.attach_target(target)
+    if model.lm_head is not None:
+        model.set_draft_vocab(counts)
     return model
+
+
+def build_dflash(config: DFlashConfig, target: Any, *, counts: torch.Tensor | None = None, **_: Any) -> DFlashDrafter:
+    return build_block_drafter(DFlashDrafter, config, target, counts)

@@ -2,8 +2,9 @@
 
 A Markov head turns the previous token x_{k-1} (x_0 = anchor) into a logit bias B_k added to the
 backbone logits U_k, so a block drafted in one parallel pass still conditions on its own earlier
-tokens. All variants share W1 = Embedding(V, r) and W2 = Linear(r, V, no bias); tensor names
-match speculators (``markov_head.markov_w1`` ...). ``step`` is the inference form (left to right);
+tokens. All variants share W1 = Embedding(V, r) over the target vocabulary (previous tokens are
+target ids) and W2 = Linear(r, N, no bias) onto the draft vocabulary (N = V unless reduced), as in
+speculators; tensor names match it (``markov_head.markov_w1`` ...). ``step`` is the inference form (left to right);
 ``block_bias`` the teacher-forced training form and must agree with repeated ``step``.
 """
 
@@ -20,12 +21,12 @@ MARKOV_HEADS: Registry[type["MarkovHead"]] = Registry("markov head")
 class MarkovHead(nn.Module):
     """Vanilla first-order head: B_k = W2(W1[x_{k-1}])."""
 
-    def __init__(self, *, vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, *, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
         super().__init__()
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         nn.init.normal_(self.markov_w1.weight, std=0.01)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
 
     def prev_embeddings(self, prev_ids: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(prev_ids)
@@ -34,11 +35,11 @@ class MarkovHead(nn.Module):
         return None
 
     def step(self, state, prev_emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """prev_emb [R, r], hidden [R, D] -> (bias [R, V], new state)."""
+        """prev_emb [R, r], hidden [R, D] -> (bias [R, N], new state)."""
         return self.markov_w2(prev_emb), state
 
     def block_bias(self, prev_emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """prev_emb [R, B, r], hidden [R, B, D] -> bias [R, B, V] (teacher-forced; stateless
+        """prev_emb [R, B, r], hidden [R, B, D] -> bias [R, B, N] (teacher-forced; stateless
         heads apply ``step`` to all positions at once)."""
         return self.step(None, prev_emb, hidden)[0]
 
@@ -50,8 +51,8 @@ MARKOV_HEADS.register("vanilla")(MarkovHead)
 class GatedMarkovHead(MarkovHead):
     """B_k = W2(g_k * W1[x_{k-1}]), g_k = sigmoid(gate_proj([h_k; W1[x_{k-1}]]))."""
 
-    def __init__(self, *, vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size=vocab_size, rank=rank, hidden_size=hidden_size)
+    def __init__(self, *, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size=vocab_size, draft_vocab_size=draft_vocab_size, rank=rank, hidden_size=hidden_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def step(self, state, prev_emb, hidden):
@@ -64,8 +65,8 @@ class RnnMarkovHead(MarkovHead):
     """Gated recurrent state s over the block: [g; c; o] = joint_proj([s; W1[x_{k-1}]; h_k]),
     s <- g*s + (1-g)*tanh(c), B_k = W2(tanh(o))."""
 
-    def __init__(self, *, vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size=vocab_size, rank=rank, hidden_size=hidden_size)
+    def __init__(self, *, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size=vocab_size, draft_vocab_size=draft_vocab_size, rank=rank, hidden_size=hidden_size)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
     def init_state(self, rows, like):

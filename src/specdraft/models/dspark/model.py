@@ -6,6 +6,11 @@ logits_k = U_k + MarkovBias(x_{k-1}, ...) with x_0 = the anchor; c_k = sigmoid(w
 estimates P(x_k accepted | earlier accepted). Drafting runs the backbone once, then samples the
 block left to right through the Markov head (argmax at T=0, else softmax(logits/T)); that
 corrected distribution is what rejection sampling must divide by.
+
+With a reduced draft vocabulary (see ``dflash.model``), U_k and B_k are over the N draft ids
+while W1 still embeds target ids: each drawn draft id is mapped through d2t before it becomes
+x_{k-1} and before it is returned. As in speculators, the L1 term and the confidence soft label
+use p_t restricted to the draft ids and renormalised over them.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import DrafterBatch, TrainOutput
@@ -21,7 +27,7 @@ from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import DraftProposal, sample_token
 from specdraft.models.dflash.loss import weighted_mean
-from specdraft.models.dflash.model import DFlashDrafter
+from specdraft.models.dflash.model import DFlashDrafter, build_block_drafter
 from specdraft.models.dspark.config import DSparkConfig
 from specdraft.models.dspark.heads import MARKOV_HEADS, ConfidenceHead
 from specdraft.models.dspark.loss import block_terms, position_weights
@@ -36,7 +42,9 @@ class DSparkDrafter(DFlashDrafter):
     def __init__(self, config: DSparkConfig, verifier: dict | None = None):
         super().__init__(config, verifier)
         c = config
-        self.markov_head = MARKOV_HEADS.get(c.markov_head)(vocab_size=c.vocab_size, rank=c.markov_rank, hidden_size=c.hidden_size)
+        self.markov_head = MARKOV_HEADS.get(c.markov_head)(
+            vocab_size=c.vocab_size, draft_vocab_size=c.draft_vocab, rank=c.markov_rank, hidden_size=c.hidden_size
+        )
         self.confidence_head = (
             ConfidenceHead(c.hidden_size + (c.markov_rank if c.confidence_with_markov else 0)) if c.confidence_head else None
         )
@@ -73,8 +81,8 @@ class DSparkDrafter(DFlashDrafter):
         return self.confidence_head(feats)
 
     def corrected_block(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Teacher-forced: hidden [R, B, D], previous tokens [R, B] -> (Markov-corrected logits
-        [R, B, V], confidence logits [R, B] or None)."""
+        """Teacher-forced: hidden [R, B, D], previous target ids [R, B] -> (Markov-corrected
+        draft-vocabulary logits [R, B, N], confidence logits [R, B] or None)."""
         prev_emb = self.markov_head.prev_embeddings(prev_ids)
         logits = self.lm_logits(hidden) + self.markov_head.block_bias(prev_emb, hidden)
         return logits, self.confidence_logits(hidden, prev_emb)
@@ -101,22 +109,25 @@ class DSparkDrafter(DFlashDrafter):
         c = self.config
         norm = self.require_verifier()
         tf = self.teacher_forced_blocks(batch, anchors, hidden)
+        labels, in_vocab = self.draft_labels(tf["labels"])
+        head = self.draft_target_head()
 
         def rows(h, prev, th, lab):
             logits, conf = self.corrected_block(h, prev)
-            ce, l1, bce = block_terms(draft_logits=logits, target_logits=self.verifier_lm_head(norm(th)), labels=lab, confidence_logits=conf)
+            ce, l1, bce = block_terms(draft_logits=logits, target_logits=F.linear(norm(th), head), labels=lab, confidence_logits=conf)
             return ce, l1, bce, logits.argmax(-1) == lab
 
         ce, l1, bce, ok = chunked_rows(
-            rows, tf["hidden"], tf["prev_ids"], tf["target_hidden"], tf["labels"], chunk_rows=max(1, c.loss_chunk_rows // c.block_size)
+            rows, tf["hidden"], tf["prev_ids"], tf["target_hidden"], labels, chunk_rows=max(1, c.loss_chunk_rows // c.block_size)
         )
         v = tf["valid"]
         w = position_weights(c.block_size, c.gamma, device=hidden.device)
-        terms = {"ce": weighted_mean(ce, w, v), "l1": weighted_mean(l1, w, v), "bce": weighted_mean(bce, w, v)}
+        # Labels outside a reduced draft vocabulary are unreachable: no CE weight, a miss in the metrics.
+        terms = {"ce": weighted_mean(ce, w, v & in_vocab), "l1": weighted_mean(l1, w, v), "bce": weighted_mean(bce, w, v)}
         loss = c.ce_weight * terms["ce"] + c.l1_weight * terms["l1"] + c.bce_weight * terms["bce"]
         valid = tf["all_valid"]
         correct = torch.zeros_like(valid)
-        correct[tf["blocks"]] = ok & v
+        correct[tf["blocks"]] = ok & v & in_vocab
         acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1))
         metrics = {"loss": float(loss.detach()), **{k: float(t.detach()) for k, t in terms.items()}}
         return TrainOutput(loss=loss, metrics=metrics, position_acc=acc, position_cond_acc=cond, position_count=count)
@@ -127,7 +138,9 @@ class DSparkDrafter(DFlashDrafter):
 
         Returns [N, B] tensors: ``logits`` (uncalibrated confidence logits), ``greedy_accept`` (1 where the
         draft argmax equals the target argmax: acceptance under greedy verification), ``soft_accept``
-        (1 - 0.5*||p_d - p_t||_1: acceptance probability under rejection sampling at T=1), ``valid``.
+        (sum_v min(p_d, p_t): acceptance probability under rejection sampling at T=1), ``valid``. Both
+        compare against the full target distribution, as the runtime does (a reduced draft vocabulary
+        puts zero draft mass outside the draft ids).
         """
         if self.confidence_head is None:
             raise SpecdraftError("this dspark drafter has no confidence head (enable_confidence_head is false); nothing to calibrate")
@@ -135,11 +148,18 @@ class DSparkDrafter(DFlashDrafter):
         anchors = sample_anchors(batch.segment_ids, batch.loss_mask, max_per_segment=self.config.max_anchors, generator=generator)
         tf = self.teacher_forced_blocks(batch, anchors, self.forward_blocks(batch, anchors))
 
+        ids = self.draft_target_ids()
+
         def rows(h, prev, th):
             logits, conf = self.corrected_block(h, prev)
             target_logits = self.verifier_lm_head(norm(th))
-            l1 = (torch.softmax(logits.float(), -1) - torch.softmax(target_logits.float(), -1)).abs().sum(-1)
-            return conf.float(), (logits.argmax(-1) == target_logits.argmax(-1)).float(), (1 - 0.5 * l1).clamp(0, 1)
+            p_t = torch.softmax(target_logits.float(), -1)
+            p_d = torch.softmax(logits.float(), -1)
+            drafted = logits.argmax(-1)
+            if ids is not None:
+                p_t, drafted = p_t[..., ids], ids[drafted]
+            overlap = torch.minimum(p_d, p_t).sum(-1)
+            return conf.float(), (drafted == target_logits.argmax(-1)).float(), overlap.clamp(0, 1)
 
         conf, greedy, soft = chunked_rows(
             rows, tf["hidden"], tf["prev_ids"], tf["target_hidden"], chunk_rows=max(1, self.config.loss_chunk_rows // self.config.block_size)
@@ -150,6 +170,7 @@ class DSparkDrafter(DFlashDrafter):
     def propose(self, hidden: torch.Tensor, *, anchor_token: int, temperature: float, generator: torch.Generator | None) -> DraftProposal:
         """Left-to-right over the block: x_k ~ softmax((U_k + B_k(x_{k-1}))/T), c_k alongside."""
         base = self.lm_logits(hidden)
+        ids = self.draft_target_ids()
         prev = torch.tensor([anchor_token], device=hidden.device)
         state = self.markov_head.init_state(1, hidden[:1])
         tokens, probs, confs = [], [], []
@@ -164,13 +185,11 @@ class DSparkDrafter(DFlashDrafter):
             probs.append(p)
             if conf is not None:
                 confs.append(torch.sigmoid(conf[0]))
-            prev = token.view(1)
-        return DraftProposal(tokens=torch.stack(tokens), probs=torch.stack(probs), confidences=torch.stack(confs) if confs else None)
+            prev = (token if ids is None else ids[token]).view(1)
+        drafted, full = self.to_target_vocab(torch.stack(tokens), torch.stack(probs))
+        return DraftProposal(tokens=drafted, probs=full, confidences=torch.stack(confs) if confs else None)
 
 
-def build_dspark(config: DSparkConfig, target: Any, **_: Any) -> DSparkDrafter:
-    """A fresh DSpark drafter for ``target`` (frozen embedding, LM head and final norm copied in)."""
-    config = config.resolve(target)
-    model = DSparkDrafter(config, verifier=target.describe())
-    model.attach_target(target)
-    return model
+def build_dspark(config: DSparkConfig, target: Any, *, counts: torch.Tensor | None = None, **_: Any) -> DSparkDrafter:
+    """A fresh DSpark drafter (see ``build_block_drafter`` for the draft vocabulary)."""
+    return build_block_drafter(DSparkDrafter, config, target, counts)

@@ -1,0 +1,190 @@
+"""Learning curves at equal wall-clock budget: held-out acceptance length against training time.
+
+Every run trains one drafter on the same hidden-state store for the same training-time budget and
+logs the held-out expected acceptance length (validation split, ``1 + sum_j prod_{i<=j} acc_i``,
+the trainer's ``accept_len``) every budget/--points of training time. The LR schedule of each
+run is fitted to the budget: a short probe measures the run's seconds per step and the run gets
+``budget / step_time`` steps, so every method finishes its warm-up + cosine inside the budget.
+Optionally (``--decode-suite``) the final checkpoints are then decoded side by side with plain
+decoding (``specdraft eval``) for the real tau and speed-up.
+
+A run is ``LABEL|METHOD|EXTRA TRAIN ARGS``; the same script serves method comparisons and
+recipe ablations (one piece switched off per run):
+
+    .venv/bin/python benchmarks/learning_curves.py --data runs/ref/hidden_states --budget-min 10 \\
+        --run 'dspark|dspark|' --run 'dflash|dflash|' --run 'eagle3|eagle3|' --out runs/curves
+
+    .venv/bin/python benchmarks/learning_curves.py --data runs/ref/hidden_states --budget-min 6 \\
+        --run 'all|dspark|' --run 'no-target-init|dspark|--no-init-from-target' --out runs/ablation
+
+Output under --out: curves.json (every point, every run's command), curves.png, table.md (final
+held-out tau per run and the ratios of the first run to the others), and one train dir per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROBE_STEPS = 5
+SPECDRAFT = str(Path(sys.executable).with_name("specdraft"))  # the console script of this venv
+
+
+def parse_run(text: str) -> tuple[str, str, list[str]]:
+    parts = text.split("|")
+    if len(parts) != 3 or not parts[0] or not parts[1]:
+        raise SystemExit(f"--run {text!r}: expected 'LABEL|METHOD|EXTRA ARGS' (extra args may be empty)")
+    return parts[0], parts[1], shlex.split(parts[2])
+
+
+def train_command(method: str, data: str, out: Path, extra: list[str], args: argparse.Namespace, **flags: object) -> list[str]:
+    cmd = [SPECDRAFT, "train", "--config", method, "--data", data, "--out", str(out),
+           "--num-threads", str(args.threads), "--checkpoint-interval", "0", "--seed", str(args.seed),
+           "--val-max-batches", str(args.val_batches)]
+    for name, value in flags.items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    return cmd + extra
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def probe_seconds_per_step(method: str, data: str, work: Path, extra: list[str], args: argparse.Namespace) -> float:
+    """Step time of this exact run configuration, from a short run (see specdraft.train.budget)."""
+    from specdraft.train.budget import seconds_per_step
+
+    out = work / "probe"
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    cmd = train_command(method, data, out, extra, args, max_steps=PROBE_STEPS, eval_interval=0, val_fraction=0.0)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    per_step = seconds_per_step(out / "metrics.jsonl")
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    return per_step
+
+
+def curve(run_dir: Path) -> list[dict]:
+    """(training minutes, held-out accept_len) at each validation, training time = sum of step times."""
+    elapsed, points = 0.0, []
+    for r in records(run_dir):
+        if r.get("split") == "train":
+            elapsed += r["seconds"]
+        elif r.get("split") == "val":
+            points.append({"step": r["step"], "minutes": elapsed / 60, "accept_len": r["accept_len"],
+                           "acc_pos1": (r.get("position_acc") or [None])[0]})
+    return points
+
+
+def plot(runs: list[dict], path: Path, budget_min: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        pts = run["curve"]
+        ax.plot([p["minutes"] for p in pts], [p["accept_len"] for p in pts], marker="o", label=run["label"])
+    ax.set_xlabel("training time (min, 2 CPU cores)")
+    ax.set_ylabel("held-out expected acceptance length")
+    ax.set_xlim(0, budget_min * 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("Learning curves at equal training-time budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(runs: list[dict], decode: dict | None) -> str:
+    lines = ["| run | method | steps | s/step | held-out tau (val) | acc pos 1 | decode tau | speed-up |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for run in runs:
+        last = run["curve"][-1] if run["curve"] else {}
+        d = (decode or {}).get(run["label"], {})
+        fmt = lambda v, spec=".3f": "-" if v is None else format(v, spec)  # noqa: E731
+        lines.append(f"| {run['label']} | {run['method']} | {run['steps']} | {fmt(run['seconds_per_step'], '.2f')} | "
+                     f"{fmt(last.get('accept_len'))} | {fmt(last.get('acc_pos1'))} | {fmt(d.get('tau'))} | {fmt(d.get('speedup'), '.2f')} |")
+    if len(runs) > 1 and all(r["curve"] for r in runs):
+        first = runs[0]
+        lines.append("")
+        for other in runs[1:]:
+            ratio = first["curve"][-1]["accept_len"] / other["curve"][-1]["accept_len"]
+            line = f"- {first['label']} / {other['label']}: held-out tau ratio {ratio:.3f}"
+            if decode and first["label"] in decode and other["label"] in decode:
+                line += f", decode tau ratio {decode[first['label']]['tau'] / decode[other['label']]['tau']:.3f}"
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def decode_eval(runs: list[dict], args: argparse.Namespace) -> dict:
+    """Real tau and speed-up of every final checkpoint, side by side with plain decoding."""
+    out = Path(args.out) / "decode"
+    policy = f"@{args.decode_policy}" if args.decode_policy else ""
+    drafters = ",".join(f"{r['dir']}/final{policy}" for r in runs)
+    cmd = [SPECDRAFT, "eval", "--drafters", drafters, "--suite", args.decode_suite,
+           "--limit-per-domain", str(args.decode_limit), "--max-new-tokens", str(args.decode_tokens), "--threads", str(args.threads),
+           "--out", str(out), "--no-plots"]
+    subprocess.run(cmd, check=True)
+    report = json.loads((out / "report.json").read_text())
+    by_dir = {r["dir"] + "/final": r["label"] for r in runs}
+    result = {}
+    for run in report["runs"]:
+        name = run["drafter"].split("@")[0]
+        if name in by_dir:
+            result[by_dir[name]] = {"tau": run["overall"]["tau"], "speedup": run["speedup"], "tok_per_s": run["overall"]["tokens_per_s"]}
+    return {"command": " ".join(shlex.quote(c) for c in cmd), "runs": result}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="hidden-state store holding every method's layer slots")
+    parser.add_argument("--run", action="append", required=True, help="'LABEL|METHOD|EXTRA TRAIN ARGS' (repeatable)")
+    parser.add_argument("--budget-min", type=float, default=10.0, help="training-time budget per run, minutes")
+    parser.add_argument("--points", type=int, default=6, help="validations per run (evenly spaced in steps)")
+    parser.add_argument("--val-batches", type=int, default=4, help="validation batches per point")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decode-suite", default="", help="after training, decode this suite with every final checkpoint")
+    parser.add_argument("--decode-limit", type=int, default=2, help="prompts per domain of the decode suite")
+    parser.add_argument("--decode-tokens", type=int, default=96)
+    parser.add_argument("--decode-policy", default="", help="verify policy for the decode eval (default: the eval's)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for text in args.run:
+        label, method, extra = parse_run(text)
+        run_dir = out / label
+        step_s = probe_seconds_per_step(method, args.data, out, extra, args)
+        steps = max(args.points, int(args.budget_min * 60 / step_s))
+        cmd = train_command(method, args.data, run_dir, extra, args, max_steps=steps, eval_interval=max(1, steps // args.points),
+                            max_time=int(args.budget_min * 60 * 1.25))
+        print(f"[{label}] {step_s:.2f} s/step -> {steps} steps: {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        started = time.time()
+        subprocess.run(cmd, check=True)
+        runs.append({"label": label, "method": method, "extra": extra, "dir": str(run_dir), "seconds_per_step": step_s, "steps": steps,
+                     "wall_s": time.time() - started, "command": " ".join(shlex.quote(c) for c in cmd), "curve": curve(run_dir)})
+        (out / "curves.json").write_text(json.dumps({"budget_min": args.budget_min, "runs": runs}, indent=1))
+
+    decode = decode_eval(runs, args) if args.decode_suite else None
+    result = {"budget_min": args.budget_min, "argv": sys.argv, "runs": runs, "decode": decode}
+    (out / "curves.json").write_text(json.dumps(result, indent=1))
+    text = table(runs, decode["runs"] if decode else None)
+    (out / "table.md").write_text(text)
+    plot(runs, out / "curves.png", args.budget_min)
+    print(text)
+    print(f"wrote {out / 'curves.json'}, {out / 'curves.png'}, {out / 'table.md'}")
+
+
+if __name__ == "__main__":
+    main()
