@@ -58,3 +58,12 @@ def test_quickstart_config_errors():
         QuickstartConfig(budget=5, eval_reserve=6)
     with pytest.raises(SpecdraftError, match="--samples must be >= 1"):
         QuickstartConfig(samples=0)
+
+
+def test_quickstart_compares_the_reference_drafter_when_one_ships(tmp_path):
+    from specdraft.quickstart import QuickstartConfig, eval_drafters
+
+    final = tmp_path / "final"
+    assert eval_drafters(QuickstartConfig(), final) == ["ngram", str(final), f"{final}@scheduled", "reference@full", "reference@scheduled"]
+    assert eval_drafters(QuickstartConfig(compare_reference=False), final) == ["ngram", str(final), f"{final}@scheduled"]
+    assert eval_drafters(QuickstartConfig(target=str(tmp_path)), final) == ["ngram", str(final), f"{final}@scheduled"]

@@ -8,7 +8,8 @@ Stages, each under ``RUN/`` and each skipped or resumed when the command is reru
                          that the learning-rate schedule completes inside the budget
   4. ``train/final/``    calibrate its confidence head on the held-out split
   5. ``eval/``           compare autoregressive decoding, ngram and the drafter (verifying the full
-                         block and with the confidence scheduler) on held-out prompts
+                         block and with the confidence scheduler) on held-out prompts, next to the
+                         reference drafter shipped for the target (when one ships, e.g. smollm2-135m)
 
 ``RUN/quickstart.json`` records what each stage did and how long it took.
 """
@@ -44,7 +45,10 @@ class QuickstartConfig:
     max_anchors: int = config_field(16, help="blocks drafted per sample per step (each costs a full-vocabulary LM head)")
     eval_prompts_per_domain: int = config_field(1, help="held-out prompts per domain in the final comparison")
     eval_max_new_tokens: int = config_field(64, help="tokens generated per eval prompt")
-    eval_reserve: float = config_field(6.0, help="minutes of the budget kept for calibration and the final comparison")
+    eval_reserve: float = config_field(7.0, help="minutes of the budget kept for calibration and the final comparison")
+    compare_reference: bool = config_field(
+        True, help="also evaluate the reference drafter shipped with specdraft for this target (if one ships), to show a trained one"
+    )
     threads: int = config_field(0, help="torch CPU threads (0 = torch's default)")
 
     def __post_init__(self) -> None:
@@ -133,7 +137,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
 
     eval_config = EvalConfig(
         out=str(run / "eval"), target=config.target, suite="quick", limit_per_domain=config.eval_prompts_per_domain,
-        max_new_tokens=config.eval_max_new_tokens, drafters=["ngram", str(final), f"{final}@scheduled"],
+        max_new_tokens=config.eval_max_new_tokens, drafters=eval_drafters(config, final),
         threads=config.threads,
     )
     report: dict = {}
@@ -149,6 +153,17 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     atomic_write_json(journal.path, journal.state)
     print(f"[quickstart] finished in {total / 60:.1f} min; report: {run / 'eval' / 'report.md'}")
     return report
+
+
+def eval_drafters(config: QuickstartConfig, final: Path) -> list[str]:
+    """ngram, the freshly trained drafter (full block and scheduled) and, when specdraft ships one for
+    the target, the reference drafter with the scheduler."""
+    from specdraft.reference import REFERENCE_DRAFTERS
+
+    drafters = ["ngram", str(final), f"{final}@scheduled"]
+    if config.compare_reference and config.target in REFERENCE_DRAFTERS:
+        drafters += ["reference@full", "reference@scheduled"]
+    return drafters
 
 
 def _train_facts(result: Any) -> dict:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from specdraft.hidden_states.config import ExtractConfig
+from specdraft.cli import print_server_command
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
@@ -30,10 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if config.print_server_command:
         from specdraft.integrations.vllm.extract import extract_server_command
 
-        command, url = extract_server_command(config)
-        print(command)
-        print(f"# start that server, then rerun with --vllm-url {url}", file=sys.stderr)
-        return 0
+        return print_server_command(*extract_server_command(config))
     summary = extract_hidden_states(config)
     s = summary.to_dict()
     print(

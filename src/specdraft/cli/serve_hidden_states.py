@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import sys
 import threading
 
 
@@ -29,6 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specdraft.cli import print_server_command
     from specdraft.hidden_states.service import HiddenStateService, ServiceConfig
     from specdraft.utils.config import dataclass_from_args
 
@@ -36,10 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if config.print_server_command:
         from specdraft.integrations.vllm.producer import producer_server_command
 
-        command, url = producer_server_command(config)
-        print(command)
-        print(f"# start that server, then rerun with --vllm-url {url}", file=sys.stderr)
-        return 0
+        return print_server_command(*producer_server_command(config))
     service = HiddenStateService(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

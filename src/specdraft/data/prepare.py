@@ -13,6 +13,8 @@ Rules, applied per row in file order until ``max_samples`` rows are kept:
   The sample's tokens are exactly the prompt ids plus the generated ids, so training sees the
   sequence the target produced, not a re-tokenization of it. ``max_samples`` counts prompts, so a
   reply that pushes a sample past ``max_length`` (``too_long_after_generation``) leaves fewer.
+  ``--engine`` picks what generates (``hf`` or ``vllm``, see ``regenerate.py``): same format and
+  settings; greedy replies differ only where the target's top logits nearly tie (numerics).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from specdraft.data.dataset import write_prepared
+from specdraft.data.regenerate import REGENERATION_ENGINES
 from specdraft.data.render import end_of_turn_ids, render_with_mask
 from specdraft.data.sources import ASSISTANT, EMBEDDED_DATASETS, USER, RawRow, iter_rows
 from specdraft.errors import SpecdraftError
@@ -46,8 +49,24 @@ class PrepareConfig:
     regenerate: bool = config_field(False, help="replace each conversation's first assistant reply by the target's own answer (later turns are dropped)")
     max_new_tokens: int = config_field(256, help="with --regenerate: the most tokens generated per reply")
     temperature: float = config_field(0.0, help="with --regenerate: sampling temperature (0 = greedy)")
-    batch_size: int = config_field(8, help="with --regenerate: prompts generated together (left-padded)")
+    batch_size: int = config_field(
+        8, help="with --regenerate: prompts generated together (hf: one left-padded batch; vllm: requests in flight) "
+        "and per resumable batch file"
+    )
     seed: int = config_field(0, help="with --regenerate and temperature > 0: base seed (batch i uses seed + i)")
+    regen_budget: float = config_field(
+        0.0, help="with --regenerate: stop generating after this many minutes and keep only the samples whose replies are "
+        "done (the others are skipped as not_regenerated); a rerun with the same settings reuses every finished batch "
+        "(0 = no limit)"
+    )
+    engine: str = config_field(
+        "hf",
+        help="with --regenerate: what generates the replies: hf (transformers generate, in this process) or vllm "
+        "(a private vLLM server from .venv-vllm, continuous batching)",
+        metadata={"choices": REGENERATION_ENGINES.names()},
+    )
+    vllm_python: str | None = config_field(None, help="--engine vllm: python of the vLLM environment (default: .venv-vllm/bin/python)")
+    vllm_args: str = config_field("", help="--engine vllm: extra api_server flags, e.g. --vllm-args='--dtype bfloat16'")
     device: str = config_field("cpu", help="torch device for the target")
     threads: int = config_field(0, help="torch CPU threads (0 = torch's default); 1 is ~4x faster on a busy shared CPU")
 
@@ -57,12 +76,18 @@ class PrepareConfig:
             ("max_length", self.max_length >= 2, ">= 2"),
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
             ("temperature", self.temperature >= 0, ">= 0"),
+            ("regen_budget", self.regen_budget >= 0, ">= 0"),
             ("batch_size", self.batch_size >= 1, ">= 1"),
             ("threads", self.threads >= 0, ">= 0"),
         ]
         for name, ok, rule in checks:
             if not ok:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
+        REGENERATION_ENGINES.get(self.engine)  # an unknown name raises with the list of engines
+        if not self.regenerate and (self.engine != "hf" or self.vllm_args or self.vllm_python):
+            raise SpecdraftError(f"--engine {self.engine}, --vllm-args and --vllm-python only apply with --regenerate")
+        if self.engine != "vllm" and (self.vllm_args or self.vllm_python):
+            raise SpecdraftError(f"--vllm-args and --vllm-python need --engine vllm (got --engine {self.engine})")
 
 
 @dataclass
@@ -169,8 +194,10 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     }
     if generation is not None:
         summary.update(
-            regenerated=len(prompts) - skipped.get("too_long_after_generation", 0),
+            regenerated=len(prompts) - skipped.get("too_long_after_generation", 0) - skipped.get("not_regenerated", 0),
             generated_tokens=generation.generated_tokens,
+            engine=config.engine,
+            engine_start_seconds=round(generation.engine_start_seconds, 3),
             generation_seconds=round(generation.seconds, 3),
             generated_tokens_per_second=round(generation.tokens_per_second, 2),
             reused_batches=generation.reused_batches,
@@ -189,21 +216,24 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
 
 
 def _regenerate(config, target, samples, prompts, eot_ids, skipped, progress):
-    from specdraft.data.regenerate import GenerationSettings, regenerate, work_key
+    from specdraft.data.regenerate import EngineRequest, GenerationSettings, regenerate, work_key
 
-    settings = GenerationSettings(config.max_new_tokens, config.temperature, config.batch_size, config.seed)
+    settings = GenerationSettings(config.max_new_tokens, config.temperature, config.batch_size, config.seed, config.engine)
     keyed = [(samples[i].sample_id, ids) for i, ids in prompts]
     work_dir = Path(config.out) / WORK_DIR / f"regenerate-{work_key(target.fingerprint, keyed, settings)}"
     pad_id = target.tokenizer.pad_token_id
     pad_id = min(eot_ids) if pad_id is None else pad_id
-    completions, generation = regenerate(
-        target.model, keyed, work_dir=work_dir, pad_id=pad_id, eos_ids=eot_ids, settings=settings, progress=progress
-    )
+    request = EngineRequest(target, pad_id, frozenset(eot_ids), settings, vllm_python=config.vllm_python, vllm_args=config.vllm_args)
+    deadline = time.monotonic() + config.regen_budget * 60 if config.regen_budget else None
+    completions, generation = regenerate(request, keyed, work_dir=work_dir, progress=progress, deadline=deadline)
     kept = []
     waiting = {i for i, _ in prompts}
     for i, sample in enumerate(samples):
         if i in waiting:
-            reply = completions[sample.sample_id]
+            reply = completions.get(sample.sample_id)
+            if reply is None:  # --regen-budget ran out before its batch
+                skipped["not_regenerated"] += 1
+                continue
             if len(sample.input_ids) + len(reply) > config.max_length:
                 skipped["too_long_after_generation"] += 1
                 continue
@@ -217,7 +247,8 @@ def format_summary(summary: dict) -> str:
     rows = [("read", summary["read"]), ("kept", summary["kept"])]
     rows += [(f"skipped: {k}", v) for k, v in summary["skipped"].items()]
     rows += [(f"format: {k}", v) for k, v in summary["formats"].items()]
-    keys = ("tokens", "loss_tokens", "regenerated", "generated_tokens", "generation_seconds", "generated_tokens_per_second",
+    keys = ("tokens", "loss_tokens", "regenerated", "engine", "engine_start_seconds", "generated_tokens", "generation_seconds",
+            "generated_tokens_per_second",
             "reused_batches", "seconds")
     rows += [(k, summary[k]) for k in keys if k in summary]
     width = max(len(k) for k, _ in rows)

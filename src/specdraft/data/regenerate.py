@@ -3,24 +3,34 @@
 Why: a drafter is scored on how often the *target* agrees with it, so it should learn the target's
 distribution, not the human/ChatGPT replies in the source data.
 
-Batched (prompts sorted by length, so a batch wastes little on padding), left-padded
-``generate``; each finished batch is written atomically as
-``<work>/batch-NNNNNN.json`` and reused on a rerun, so a killed job resumes where it stopped. The
-work directory is keyed by everything that determines the output (target, prompts, decoding
-settings), so a changed setting never reuses stale batches. Sampling (temperature > 0) seeds each
-batch with ``seed + batch_index``, so a resumed run produces the same tokens as an uninterrupted one.
+Prompts are sorted by length and cut into batches of ``batch_size``; each finished batch is
+written atomically as ``<work>/batch-NNNNNN.json`` and reused on a rerun, so a killed job resumes
+where it stopped. The work directory is keyed by everything that determines the output (target,
+prompts, decoding settings, engine), so a changed setting never reuses stale batches. Sampling
+(temperature > 0) seeds batch i with ``seed + i``, so a resumed run produces the same tokens as an
+uninterrupted one.
+
+Engines (:data:`REGENERATION_ENGINES`, ``--engine``) run the pending batches: ``hf`` is one
+left-padded ``generate`` per batch in this process; ``vllm`` keeps ``batch_size`` requests in
+flight on a private vLLM server (continuous batching, ``integrations/vllm/generate.py``) and is
+started only when some batch is pending.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ContextManager, Iterator
 
+from specdraft.registry import Registry
 from specdraft.utils.io import atomic_write_json
+
+#: (batch index, prompt ids of its rows); an engine answers (batch index, completion ids per row).
+Batch = tuple[int, list[list[int]]]
 
 
 @dataclass(frozen=True)
@@ -29,12 +39,26 @@ class GenerationSettings:
     temperature: float  # 0 = greedy
     batch_size: int
     seed: int
+    engine: str = "hf"
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """Everything an engine needs besides the batches."""
+
+    target: Any  # a loaded Target (hf runs its model; vllm serves its directory)
+    pad_id: int
+    eos_ids: frozenset[int]
+    settings: GenerationSettings
+    vllm_python: str | None = None
+    vllm_args: str = ""
 
 
 @dataclass
 class GenerationStats:
     generated_tokens: int = 0  # produced in this run (reused batches excluded)
-    seconds: float = 0.0
+    seconds: float = 0.0  # generating, engine start-up excluded
+    engine_start_seconds: float = 0.0
     reused_batches: int = 0
     generated_batches: int = 0
 
@@ -43,11 +67,26 @@ class GenerationStats:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+#: ``--engine`` name -> fn(request, pending batches) -> context manager yielding an iterator of
+#: (batch index, completions) in the order batches finish; each completion is cut after its first
+#: token in ``request.eos_ids``. Entering the context starts the engine.
+REGENERATION_ENGINES: Registry[Callable[[EngineRequest, list[Batch]], ContextManager[Iterator[Batch]]]] = Registry("regeneration engine")
+
+
 def work_key(target_fingerprint: str, prompts: list[tuple[str, list[int]]], settings: GenerationSettings) -> str:
-    h = hashlib.sha256(json.dumps([target_fingerprint, settings.__dict__], sort_keys=True).encode())
+    keyed = dict(settings.__dict__)
+    if keyed["engine"] == "hf":  # hf keys predate --engine: work directories of earlier runs stay resumable
+        del keyed["engine"]
+    h = hashlib.sha256(json.dumps([target_fingerprint, keyed], sort_keys=True).encode())
     for sample_id, ids in prompts:
         h.update(sample_id.encode() + b"\0" + json.dumps(ids).encode() + b"\n")
     return h.hexdigest()[:16]
+
+
+def cut_at_eos(tokens: list[int], eos_ids: set[int] | frozenset[int]) -> list[int]:
+    """``tokens`` up to and including the first end-of-turn token."""
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
+    return tokens[:cut]
 
 
 def generate_batch(model: Any, prompts: list[list[int]], *, pad_id: int, eos_ids: set[int], settings: GenerationSettings, seed: int) -> list[list[int]]:
@@ -74,50 +113,81 @@ def generate_batch(model: Any, prompts: list[list[int]], *, pad_id: int, eos_ids
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device), generation_config=config)
-    completions = []
-    for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-        completions.append(row[:cut])
-    return completions
+    return [cut_at_eos(row, eos_ids) for row in out[:, width:].tolist()]
+
+
+@REGENERATION_ENGINES.register("hf")
+@contextlib.contextmanager
+def _hf_engine(request: EngineRequest, batches: list[Batch]) -> Iterator[Iterator[Batch]]:
+    s = request.settings
+    yield (
+        (index, generate_batch(request.target.model, prompts, pad_id=request.pad_id, eos_ids=set(request.eos_ids), settings=s, seed=s.seed + index))
+        for index, prompts in batches
+    )
+
+
+@REGENERATION_ENGINES.register("vllm")
+def _vllm_engine(request: EngineRequest, batches: list[Batch]) -> ContextManager[Iterator[Batch]]:
+    from specdraft.integrations.vllm.generate import vllm_batches
+
+    return vllm_batches(request, batches)
 
 
 def regenerate(
-    model: Any,
+    request: EngineRequest,
     prompts: list[tuple[str, list[int]]],
     *,
     work_dir: Path,
-    pad_id: int,
-    eos_ids: set[int],
-    settings: GenerationSettings,
     progress: bool = True,
+    deadline: float | None = None,
 ) -> tuple[dict[str, list[int]], GenerationStats]:
-    """``{sample_id: completion ids}`` for ``(sample_id, prompt ids)`` pairs, resuming from ``work_dir``."""
+    """``{sample_id: completion ids}`` for ``(sample_id, prompt ids)`` pairs, resuming from ``work_dir``.
+
+    With a ``deadline`` (``time.monotonic()`` value) no batch is started after it: samples of the
+    batches left out are missing from the result (finished batches are kept, so a rerun resumes).
+    """
     from tqdm.auto import tqdm
 
+    settings = request.settings
+    open_engine = REGENERATION_ENGINES.get(settings.engine)
     work_dir.mkdir(parents=True, exist_ok=True)
     prompts = sorted(prompts, key=lambda p: len(p[1]))  # similar lengths share a batch: less padding
+    batches = [prompts[start : start + settings.batch_size] for start in range(0, len(prompts), settings.batch_size)]
     stats = GenerationStats()
     results: dict[str, list[int]] = {}
-    bar = tqdm(total=len(prompts), unit="sample", desc="regenerate", disable=not progress)
-    for index, start in enumerate(range(0, len(prompts), settings.batch_size)):
-        batch = prompts[start : start + settings.batch_size]
-        ids = [sample_id for sample_id, _ in batch]
-        path = work_dir / f"batch-{index:06d}.json"
-        completions = _load_batch(path, ids)
+    pending: list[Batch] = []
+    for index, batch in enumerate(batches):
+        completions = _load_batch(_batch_path(work_dir, index), [sample_id for sample_id, _ in batch])
         if completions is None:
-            t0 = time.perf_counter()
-            completions = generate_batch(model, [p for _, p in batch], pad_id=pad_id, eos_ids=eos_ids, settings=settings, seed=settings.seed + index)
-            stats.seconds += time.perf_counter() - t0
-            stats.generated_tokens += sum(len(c) for c in completions)
-            stats.generated_batches += 1
-            atomic_write_json(path, {"sample_ids": ids, "completions": completions})
+            pending.append((index, [ids for _, ids in batch]))
         else:
             stats.reused_batches += 1
-        results.update(zip(ids, completions))
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", reused=stats.reused_batches)
+            results.update(zip((sample_id for sample_id, _ in batch), completions))
+    if not pending or (deadline is not None and time.monotonic() >= deadline):
+        return results, stats
+
+    bar = tqdm(total=len(prompts), initial=len(results), unit="sample", desc=f"regenerate ({settings.engine})", disable=not progress)
+    t0 = time.perf_counter()
+    with open_engine(request, pending) as finished:
+        stats.engine_start_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for index, completions in finished:
+            ids = [sample_id for sample_id, _ in batches[index]]
+            atomic_write_json(_batch_path(work_dir, index), {"sample_ids": ids, "completions": completions})
+            results.update(zip(ids, completions))
+            stats.seconds = time.perf_counter() - t0
+            stats.generated_tokens += sum(len(c) for c in completions)
+            stats.generated_batches += 1
+            bar.update(len(ids))
+            bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", reused=stats.reused_batches)
+            if deadline is not None and time.monotonic() >= deadline:
+                break
     bar.close()
     return results, stats
+
+
+def _batch_path(work_dir: Path, index: int) -> Path:
+    return work_dir / f"batch-{index:06d}.json"
 
 
 def _load_batch(path: Path, sample_ids: list[str]) -> list[list[int]] | None:

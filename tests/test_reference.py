@@ -1,0 +1,41 @@
+"""The reference DSpark drafter shipped for the embedded target: small, calibrated, documented, exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdraft.errors import SpecdraftError
+from specdraft.reference import reference_drafter
+
+
+def test_reference_drafter_ships_small_calibrated_and_documented():
+    path = reference_drafter("smollm2-135m")
+    assert (path / "model.safetensors").stat().st_size < 40 * 2**20
+    config = json.loads((path / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark"
+    assert config["specdraft"]["config"]["confidence_temperatures"], "calibrated for the scheduled verify policy"
+    card = (path / "MODEL_CARD.md").read_text()
+    assert "tau per domain" in card and "speed-up" in card and "scripts/build_reference_drafter.py" in card
+    with pytest.raises(SpecdraftError, match="no reference drafter ships for target 'other'"):
+        reference_drafter("other")
+
+
+@pytest.mark.slow
+def test_reference_drafter_decodes_exactly_and_accepts_drafts(smollm2_dir):
+    from specdraft.decode.config import DecodeConfig, SamplingConfig
+    from specdraft.decode.runtime import decoder_for_target
+    from specdraft.decode.scheduler import SchedulerConfig
+    from specdraft.eval.suites import SUITES
+    from specdraft.targets import load_target
+
+    target = load_target("smollm2-135m")
+    prompt = next(p for p in SUITES.get("math")() if p.domain == "math").token_ids(target.tokenizer)
+    plain = decoder_for_target(target, config=DecodeConfig(drafter="none", max_new_tokens=48), sampling=SamplingConfig())
+    spec = decoder_for_target(target, config=DecodeConfig(drafter="dspark", drafter_path=str(reference_drafter("smollm2-135m")),
+                                                          max_new_tokens=48), sampling=SamplingConfig(), scheduler=SchedulerConfig())
+    expected = plain.generate([prompt]).outputs[0].tokens
+    result = spec.generate([prompt])
+    assert result.outputs[0].tokens == expected
+    assert result.metrics.tau > 1.5, "a trained drafter commits well over one token per round on a math prompt"
