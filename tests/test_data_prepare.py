@@ -250,3 +250,49 @@ def test_threads_option_sets_torch_threads(tmp_path, tiny_llama_dir):
         torch.set_num_threads(before)
     with pytest.raises(SpecdraftError, match="--threads"):
         PrepareConfig(out="x", threads=-1)
+
+
+def test_regeneration_engine_option_is_validated():
+    from specdraft.cli.main import build_parser
+    from specdraft.utils.config import dataclass_from_args
+
+    args = build_parser().parse_args(["prepare", "--out", "o", "--regenerate", "--engine", "vllm", "--vllm-args=--enforce-eager"])
+    config = dataclass_from_args(PrepareConfig, args)
+    assert (config.engine, config.vllm_args) == ("vllm", "--enforce-eager")
+    assert regenerate_module.REGENERATION_ENGINES.names() == ["hf", "vllm"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prepare", "--out", "o", "--regenerate", "--engine", "onnx"])
+    with pytest.raises(SpecdraftError, match="unknown regeneration engine 'onnx'; choose one of: hf, vllm"):
+        PrepareConfig(out="o", regenerate=True, engine="onnx")
+    with pytest.raises(SpecdraftError, match="only apply with --regenerate"):
+        PrepareConfig(out="o", engine="vllm")
+    with pytest.raises(SpecdraftError, match="need --engine vllm"):
+        PrepareConfig(out="o", regenerate=True, vllm_args="--enforce-eager")
+
+
+def test_engine_is_part_of_the_work_key_and_a_finished_run_starts_no_engine(tmp_path):
+    from specdraft.data.regenerate import EngineRequest, GenerationSettings, regenerate, work_key
+
+    prompts = [("a", [1, 2, 3]), ("b", [4, 5])]
+    hf, vllm = (GenerationSettings(8, 0.0, 1, 0, engine) for engine in ("hf", "vllm"))
+    assert work_key("f", prompts, hf) != work_key("f", prompts, vllm)
+    # Every batch is on disk (length-sorted: "b" first), so the vLLM server -- whose python does not exist -- is never started.
+    for index, (sample_id, reply) in enumerate([("b", [9, 2]), ("a", [7])]):
+        (tmp_path / f"batch-{index:06d}.json").write_text(json.dumps({"sample_ids": [sample_id], "completions": [reply]}))
+    request = EngineRequest(target=None, pad_id=0, eos_ids=frozenset({2}), settings=vllm, vllm_python=str(tmp_path / "no-python"))
+    completions, stats = regenerate(request, prompts, work_dir=tmp_path, progress=False)
+    assert completions == {"a": [7], "b": [9, 2]} and (stats.reused_batches, stats.generated_batches) == (2, 0)
+
+
+def test_vllm_answers_are_cut_at_the_first_end_of_turn():
+    from specdraft.data.regenerate import GenerationSettings
+    from specdraft.integrations.vllm.generate import completion_ids, request_body, server_args
+
+    body = request_body(GenerationSettings(16, 0.7, 4, 3), {2, 0}, seed=5)
+    assert (body["temperature"], body["seed"], body["stop_token_ids"], body["return_token_ids"]) == (0.7, 5, [0, 2], True)
+    assert completion_ids({"choices": [{"token_ids": [5, 6, 2, 7]}]}, {2}, url="u") == [5, 6, 2]
+    assert completion_ids({"choices": [{"token_ids": [5, 6]}]}, {2}, url="u") == [5, 6]  # cut by max_tokens: no end of turn
+    with pytest.raises(SpecdraftError, match="returned no token_ids"):
+        completion_ids({"choices": [{"text": "hi"}]}, {2}, url="u")
+    args = server_args(dtype="float32", max_model_len=300, max_num_seqs=4, extra="--dtype bfloat16")
+    assert args[args.index("--generation-config") + 1] == "vllm" and args[-2:] == ["--dtype", "bfloat16"]  # the user's flags come last

@@ -52,8 +52,23 @@ def test_extraction_args_configure_capture_and_connector():
                     "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 6]}}}
     assert transfer["kv_connector_module_path"] == "specdraft.integrations.vllm.connector"
     extra = transfer["kv_connector_extra_config"]
-    assert (extra["slot_rows"], extra["last_row"], extra["slots"]) == ([1, 0], 2, [s.to_json() for s in slots])
+    assert (extra["slots"], extra["dtype"], extra["store"]) == ([s.to_json() for s in slots], "float32", "/s")
     assert "--no-enable-prefix-caching" in args  # every prompt token is computed (and captured) per request
+    unlimited = extraction_args(store="/s", backend="file", dtype="float32", target_dtype="float32", target_info=target, slots=slots,
+                                max_model_len=None, max_num_seqs=4)
+    assert "--max-model-len" not in unlimited and "--max-num-batched-tokens" not in unlimited  # vLLM's defaults
+
+
+def test_slot_rows_serve_any_captured_subset_and_name_what_is_missing():
+    from specdraft.errors import SpecdraftError
+    from specdraft.integrations.vllm.protocol import slot_rows
+
+    ids = [0, 2, 3, 6]  # captured: input:0, output:1 (= input:2), input:3 (= output:2), last output
+    assert slot_rows([LayerSlot(2, "output"), LayerSlot(1, "output")], ids, 6) == ([2, 1], 3)
+    with pytest.raises(SpecdraftError, match=r"need vLLM aux-layer ids \[5\].*are \[0, 2, 3, 6\]"):
+        slot_rows([LayerSlot(4, "output"), LayerSlot(0, "input")], ids, 6)
+    with pytest.raises(SpecdraftError, match=r"need vLLM aux-layer ids \[6\]"):  # last_hidden is always needed
+        slot_rows([LayerSlot(0, "input")], [0], 6)
 
 
 def test_missing_vllm_environment_says_how_to_make_it(tmp_path):
@@ -159,10 +174,52 @@ def varied_tiny_target(directory: Path, tokenizer_dir: Path):
     return load_target(str(directory))
 
 
-DRAFTERS = {  # method -> config of a random drafter with 3 draft tokens per round
-    "eagle3": lambda: Eagle3Config(layers="input:1,input:3,input:4", draft_vocab_size=10**6, ttt_steps=3),
-    "dflash": lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4),
+DRAFTERS = {  # case -> (method, config of a drafter with 3 draft tokens per round)
+    "eagle3": ("eagle3", lambda: Eagle3Config(layers="input:1,input:3,input:4", draft_vocab_size=10**6, ttt_steps=3)),
+    "dflash": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4)),
+    # reduced draft vocabulary (d2t/t2d): every token of the training continuations, far fewer than the target's V
+    "dflash-draft-vocab": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4, draft_vocab_coverage=1.0)),
 }
+#: (chat prompt, domain) pairs of the eval part of the serving test.
+EVAL_PROMPTS = [("Name three colours.", "a"), ("Count to five.", "b"), ("Say hi.", "b")]
+
+
+def overfit_drafter(method: str, config, target, prompts: list[list[int]], *, new_tokens: int = 20, steps: int = 300):
+    """A drafter trained on the target's own greedy continuations of ``prompts`` until it predicts them, so
+    serving those prompts accepts drafts (a random drafter's acceptance is ~0 and would make the checks vacuous).
+    Its draft vocabulary (when ``config`` asks for one) comes from the continuations' token counts."""
+    from specdraft.models import METHODS, DrafterBatch
+
+    sequences = [target.model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0]
+                 for p in prompts]
+    tokens = torch.cat(sequences)[None]
+    mask = torch.cat([torch.arange(len(s)) >= len(p) for s, p in zip(sequences, prompts)])[None]
+    counts = torch.bincount(tokens[mask], minlength=target.vocab_size)
+    torch.manual_seed(0)
+    model = METHODS.get(method).build(config, target, counts=counts)
+    slots = model.config.slots()
+    captured = []
+    hook = target.model.get_decoder().norm.register_forward_hook(lambda mod, args, out: captured.append(args[0][0]))
+    with torch.no_grad():
+        states = [target.model(s[None], output_hidden_states=True).hidden_states for s in sequences]
+    hook.remove()
+    batch = DrafterBatch(
+        token_ids=tokens, loss_mask=mask,
+        segment_ids=torch.cat([torch.full((len(s),), i, dtype=torch.int32) for i, s in enumerate(sequences)])[None],
+        position_ids=torch.cat([torch.arange(len(s)) for s in sequences])[None],
+        aux_hidden=torch.cat([torch.stack([h[slot.hf_index(target.num_layers)][0] for slot in slots], 1) for h in states])[None],
+        last_hidden=torch.cat(captured)[None],
+    )  # fmt: skip
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    for _ in range(steps):
+        out = model.training_forward(batch)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    with torch.no_grad():
+        assert float(model.training_forward(batch).position_acc[0]) > 0.9
+    return model
 
 
 @contextlib.contextmanager
@@ -189,20 +246,19 @@ def cli_server(drafter: Path, vllm_args: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "via_cli"), [("eagle3", False), ("dflash", True)])
-def test_vllm_serves_drafter_with_target_greedy_outputs(method, via_cli, smollm2_dir, tmp_path):
-    """A random drafter written by specdraft: vLLM loads it, drafts every round, and greedy text is the target's.
-    One case goes through the library, the other through the ``specdraft serve`` command."""
+@pytest.mark.parametrize(("case", "via_cli"), [("eagle3", False), ("dflash", True), ("dflash-draft-vocab", False)])
+def test_vllm_serves_drafter_with_target_greedy_outputs(case, via_cli, smollm2_dir, tmp_path):
+    """A drafter written by specdraft: vLLM loads it, drafts every round, and greedy text is the target's.
+    One case goes through the ``specdraft serve`` command, the others through the library. The eagle3 and dflash
+    drafters are random; the reduced-vocabulary one is trained on the served prompts' replies, so vLLM must map
+    its draft ids through d2t correctly for the drafts to be accepted as often as specdraft's runtime accepts them."""
     from specdraft.integrations.vllm.engine import complete
     from specdraft.integrations.vllm.metrics import read_spec_decode_metrics
     from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_drafter_info
     from specdraft.models import METHODS
 
+    method, make_config = DRAFTERS[case]
     target = varied_tiny_target(tmp_path / "target", smollm2_dir)
-    torch.manual_seed(0)
-    METHODS.get(method).build(DRAFTERS[method](), target).save_pretrained(tmp_path / method)
-    assert read_drafter_info(tmp_path / method) == DrafterInfo(method, 3, str(tmp_path / "target"))
-
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.vocab_size, (n,), generator=g).tolist() for n in (12, 20)]
     n_new = 16
@@ -210,25 +266,49 @@ def test_vllm_serves_drafter_with_target_greedy_outputs(method, via_cli, smollm2
                 for p in prompts]
     assert all(len(set(e)) > 4 for e in expected)  # the check below is not about one repeated token
 
+    trained = case == "dflash-draft-vocab"
+    if trained:
+        chats = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+                 for text, _ in EVAL_PROMPTS]
+        drafter = overfit_drafter(method, make_config(), target, prompts + chats)
+        assert 1 < drafter.config.draft_vocab_size < target.vocab_size // 100 and drafter.lm_head is not None
+    else:
+        torch.manual_seed(0)
+        drafter = METHODS.get(method).build(make_config(), target)
+    drafter.save_pretrained(tmp_path / case)
+    assert read_drafter_info(tmp_path / case) == DrafterInfo(method, 3, str(tmp_path / "target"))
+
     vllm_args = f"{EAGER} --dtype float32 --max-model-len 128"
     if via_cli:
-        serving = cli_server(tmp_path / method, vllm_args)
+        serving = cli_server(tmp_path / case, vllm_args)
     else:
-        serving = drafter_server(ServeConfig(drafter=str(tmp_path / method), vllm_args=vllm_args))  # started by `with`
+        serving = drafter_server(ServeConfig(drafter=str(tmp_path / case), vllm_args=vllm_args))  # started by `with`
     with serving as server:
         url = server if via_cli else server.url
         before = read_spec_decode_metrics(url)
         got = [complete(url, p, max_tokens=n_new, ignore_eos=True, return_token_ids=True)["choices"][0]["token_ids"] for p in prompts]
         used = read_spec_decode_metrics(url) - before
         if not via_cli:
-            _eval_endpoint_and_runtime(url, target, tmp_path / method, tmp_path)
+            _eval_endpoint_and_runtime(url, target, tmp_path / case, tmp_path, min_tau=2.0 if trained else 1.0)
+            _attach_refuses_a_server_without_the_connector(url, target, tmp_path)
     assert got == expected
     assert used.num_drafts > 0 and used.num_draft_tokens == 3 * used.num_drafts
+    if trained:  # most drafts of the memorised replies are accepted
+        assert used.acceptance_rate > 0.5, used
 
 
-def _eval_endpoint_and_runtime(url: str, target, drafter: Path, tmp_path: Path) -> None:
+def _attach_refuses_a_server_without_the_connector(url: str, target, tmp_path: Path) -> None:
+    """A real vLLM server that answers but stores nothing: `--vllm-url` says so, naming the URL and the fix."""
+    from specdraft.errors import SpecdraftError
+    from specdraft.integrations.vllm.extract import attach
+
+    with pytest.raises(SpecdraftError, match=f"server at {url} did not answer specdraft's check .*specdraft connector.*--print-server-command"):
+        attach(url, FileBackend(tmp_path / "attach"), target.describe(), [LayerSlot(1, "output")], "float32", longest=8)
+
+
+def _eval_endpoint_and_runtime(url: str, target, drafter: Path, tmp_path: Path, *, min_tau: float) -> None:
     """`specdraft eval --endpoint` against the server, and the built-in runtime with the same drafter on
-    the same prompts: identical greedy outputs, and acceptance lengths that agree."""
+    the same prompts: identical greedy outputs, and acceptance lengths that agree (and reach ``min_tau``)."""
     import json
 
     from specdraft.decode.config import SamplingConfig
@@ -238,8 +318,10 @@ def _eval_endpoint_and_runtime(url: str, target, drafter: Path, tmp_path: Path) 
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n"
-                               for text, d in [("Name three colours.", "a"), ("Count to five.", "b"), ("Say hi.", "b")]))
-    common = dict(prompts=str(prompts), target=str(target.path), max_new_tokens=12, num_draft_tokens=3, plots=False)
+                               for text, d in EVAL_PROMPTS))
+    # 13 = the prefill's token + 3 rounds of (3 drafts + 1): a drafter that is always right verifies 3 drafts in every
+    # round of both engines (near the cut-off the runtime verifies fewer drafts, while vLLM counts all 3 as accepted).
+    common = dict(prompts=str(prompts), target=str(target.path), max_new_tokens=13, num_draft_tokens=3, plots=False)
     served = run_endpoint_eval(EvalConfig(out=str(tmp_path / "eval-endpoint"), endpoint=url, **common), SamplingConfig(),
                                tokenizer=target.tokenizer, progress=False)
     local = run_eval(EvalConfig(out=str(tmp_path / "eval-local"), drafters=[str(drafter)], **common), SamplingConfig(),
@@ -251,4 +333,62 @@ def _eval_endpoint_and_runtime(url: str, target, drafter: Path, tmp_path: Path) 
         assert entry_served["outputs"][served_run["drafter"]]["1"]["tokens"] == entry_local["outputs"]["autoregressive"]["1"]["tokens"]
     # Both engines verify the same drafter's 3-token chains against the same target: same acceptance.
     assert served_run["overall"]["tau"] == pytest.approx(local_run["overall"]["tau"], abs=0.15)
+    assert served_run["overall"]["tau"] >= min_tau
     assert (tmp_path / "eval-endpoint" / "report.md").is_file()
+
+
+def _regeneration_rows(n: int) -> list[dict]:
+    topics = ["apples", "the sea", "prime numbers", "trains", "music", "rain"]
+    return [{"id": f"r{i}", "messages": [{"role": "user", "content": f"Tell me about {topics[i % len(topics)]} " * (1 + i % 3)},
+                                         {"role": "assistant", "content": "x"}]} for i in range(n)]
+
+
+def _first_difference_is_a_near_tie(target, prompt: list[int], a: list[int], b: list[int]) -> bool:
+    """Where greedy replies ``a`` and ``b`` first differ, both tokens score (almost) the same in the target's fp32 logits."""
+    k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + a[:k]])).logits[0, -1]
+    gap = abs(float(logits[a[k]] - logits[b[k]]))
+    return gap <= 1e-4 * float(logits.abs().max())
+
+
+@pytest.mark.slow
+def test_vllm_regeneration_equals_hf_regeneration(smollm2_dir, tmp_path):
+    """`prepare --regenerate --engine vllm` writes the dataset HF writes: same prompts, masks and (greedy) replies,
+    stopping at the same end-of-turn ids; a reply may only differ after a near-tie of the target's logits."""
+    from specdraft.data.dataset import PreparedDataset
+    from specdraft.data.prepare import PrepareConfig, prepare
+
+    target = varied_tiny_target(tmp_path / "target", smollm2_dir)
+    rows = _regeneration_rows(6)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # A second end-of-turn id that greedy decoding emits mid-reply, so stopping is exercised (the tiny model never says EOS).
+    probe = target.tokenizer.apply_chat_template(rows[0]["messages"][:1], add_generation_prompt=True, return_dict=False)
+    stop = target.model.generate(torch.tensor([probe]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(probe) + 4].item()
+    generation = json.loads((tmp_path / "target" / "generation_config.json").read_text())
+    generation["eos_token_id"] = [target.tokenizer.eos_token_id, stop]
+    (tmp_path / "target" / "generation_config.json").write_text(json.dumps(generation))
+
+    common = dict(target=str(tmp_path / "target"), data=str(data), regenerate=True, max_new_tokens=12, batch_size=4)
+    hf_summary = prepare(PrepareConfig(out=str(tmp_path / "hf"), **common), progress=False)
+    config = PrepareConfig(out=str(tmp_path / "vllm"), engine="vllm", vllm_args=EAGER, **common)
+    summary = prepare(config, progress=False)
+    assert summary["engine"] == "vllm" and summary["generated_batches"] == 2 and summary["regenerated"] == len(rows)
+    hf, via_vllm = PreparedDataset(tmp_path / "hf"), PreparedDataset(tmp_path / "vllm")
+    assert via_vllm.manifest["target"] == hf.manifest["target"] and len(via_vllm) == len(hf) == len(rows)
+    stopped = identical = 0
+    for a, b in zip(hf, via_vllm):
+        assert a["sample_id"] == b["sample_id"]
+        n_prompt = int((a["loss_mask"] == 0).sum())
+        assert not b["loss_mask"][:n_prompt].any() and b["loss_mask"][n_prompt:].all()  # prompt, then the masked reply
+        prompt, ra, rb = a["input_ids"][:n_prompt].tolist(), a["input_ids"][n_prompt:].tolist(), b["input_ids"][n_prompt:].tolist()
+        assert b["input_ids"][:n_prompt].tolist() == prompt and 1 <= len(rb) <= 12
+        assert stop not in rb[:-1]  # cut after its first end-of-turn id, like HF
+        stopped += rb[-1] == stop
+        identical += ra == rb
+        if ra != rb:
+            assert _first_difference_is_a_near_tie(target, prompt, ra, rb), (ra, rb)
+    assert stopped >= 1 and identical >= len(rows) // 2, (stopped, identical)
+    assert summary["generated_tokens"] == sum(len(x["input_ids"]) - int((x["loss_mask"] == 0).sum()) for x in via_vllm)
+    assert hf_summary["kept"] == summary["kept"]

@@ -10,12 +10,23 @@ from specdraft.models.common.config import DraftConfig
 from specdraft.utils.config import config_field
 
 
+#: Draft vocabulary when neither draft_vocab_size nor draft_vocab_coverage is given (the reference's).
+DEFAULT_DRAFT_VOCAB = 32000
+
+
 @dataclass
 class Eagle3Config(DraftConfig):
     method: ClassVar[str] = "eagle3"
 
-    draft_vocab_size: int = config_field(
-        32000, help="reduced draft vocabulary: the N most frequent response tokens (capped at the target vocabulary)"
+    draft_vocab_size: int | None = config_field(
+        None,
+        help="reduced draft vocabulary: the N most frequent response tokens (capped at the target vocabulary; "
+        f"default {DEFAULT_DRAFT_VOCAB} unless draft_vocab_coverage is given; takes precedence over draft_vocab_coverage)",
+    )
+    draft_vocab_coverage: float | None = config_field(
+        None,
+        help="choose draft_vocab_size as the smallest N covering this fraction (0, 1] of response-token "
+        "occurrences in the dataset's token counts; used only when draft_vocab_size is unset",
     )
     ttt_steps: int = config_field(7, help="training-time-test unroll steps (also the number of draft tokens per round)")
     ttt_decay: float = config_field(0.8, help="loss weight decay per unroll step: step j is weighted decay**j")
@@ -29,12 +40,17 @@ class Eagle3Config(DraftConfig):
             raise SpecdraftError(f"eagle3 config: ttt_steps must be >= 1, got {self.ttt_steps}")
         if not 0 < self.ttt_decay <= 1:
             raise SpecdraftError(f"eagle3 config: ttt_decay must be in (0, 1], got {self.ttt_decay}")
-        if self.draft_vocab_size < 1:
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise SpecdraftError(f"eagle3 config: draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
-        if self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+        if self.draft_vocab_size is not None and self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
             raise SpecdraftError(
                 f"eagle3 config: draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}"
             )
+        if self.draft_vocab_coverage is not None and not 0.0 < self.draft_vocab_coverage <= 1.0:
+            raise SpecdraftError(f"eagle3 config: draft_vocab_coverage must be in (0, 1], got {self.draft_vocab_coverage}")
 
     def _resolve_method(self, target: Any) -> dict[str, Any]:
-        return {"draft_vocab_size": min(self.draft_vocab_size, int(target.text_config.vocab_size))}
+        """The draft vocabulary size, capped at the target's; left unset when coverage chooses it at build time."""
+        if self.draft_vocab_size is None and self.draft_vocab_coverage is not None:
+            return {}
+        return {"draft_vocab_size": min(self.draft_vocab_size or DEFAULT_DRAFT_VOCAB, int(target.text_config.vocab_size))}

@@ -18,6 +18,7 @@ at the end of the round. ``draft`` composes them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,7 +35,7 @@ from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbeddin
 from specdraft.models.common.masks import eagle3_ttt_mask
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import DraftProposal, sample_token
-from specdraft.models.common.vocab import build_draft_vocab, check_vocab_tables, draft_ids
+from specdraft.models.common.vocab import build_draft_vocab, check_vocab_tables, coverage_vocab_size, draft_ids
 from specdraft.models.eagle3.config import Eagle3Config
 from specdraft.models.eagle3.loss import soft_ce_rows, step_weights
 
@@ -102,6 +103,11 @@ class Eagle3Drafter(SpeculatorsDrafter):
     def __init__(self, config: Eagle3Config, verifier: dict | None = None):
         super().__init__(config, verifier)
         c = config
+        if c.draft_vocab_size is None:
+            raise SpecdraftError(
+                f"eagle3 config: draft_vocab_coverage {c.draft_vocab_coverage} is turned into draft_vocab_size from token counts "
+                "when the drafter is built; use MethodSpec.build(config, target, counts=...)"
+            )
         self.fc = nn.Linear(len(c.slots()) * c.hidden_size, c.hidden_size, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(c)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -318,8 +324,16 @@ class Eagle3Drafter(SpeculatorsDrafter):
 
 def build_eagle3(config: Eagle3Config, target: Any, *, counts: torch.Tensor | None = None, **_: Any) -> Eagle3Drafter:
     """A fresh EAGLE-3 drafter for ``target``; ``counts`` int64[V] (response-token frequencies,
-    the prepared dataset's token_counts) selects the reduced draft vocabulary."""
+    the prepared dataset's token_counts) selects the reduced draft vocabulary: ``draft_vocab_size``
+    if set, else the smallest N reaching ``draft_vocab_coverage`` (written into the config)."""
     config = config.resolve(target)
+    if config.draft_vocab_size is None:  # resolve() leaves it unset only when coverage chooses it
+        if counts is None:
+            raise SpecdraftError(
+                f"eagle3 draft_vocab_coverage={config.draft_vocab_coverage} needs token counts (the prepared dataset's "
+                "token_counts.safetensors) to choose the draft vocabulary"
+            )
+        config = dataclasses.replace(config, draft_vocab_size=coverage_vocab_size(counts, config.draft_vocab_coverage))
     model = Eagle3Drafter(config, verifier=target.describe())
     model.attach_target(target)
     if model.use_draft_vocab:
