@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--regen-batch-size", type=int, default=32)
     parser.add_argument("--budget-min", type=float, default=40.0, help="training time")
-    parser.add_argument("--set", action="append", default=[], help="TrainConfig override KEY=VALUE (repeatable)")
+    parser.add_argument("--set", default="", help="TrainConfig overrides, 'key=value,...' (e.g. init_from_target=false)")
     parser.add_argument("--model", default="", help="method config overrides, 'key=value,...'")
     parser.add_argument("--max-mb", type=float, default=40.0)
     parser.add_argument("--eval-limit", type=int, default=2, help="prompts per domain of the 'domains' suite")

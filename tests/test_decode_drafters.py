@@ -168,3 +168,13 @@ def test_every_method_is_exact_on_the_real_target_at_batch_1_and_2(smollm2_dir, 
         together = decoder.generate(prompts)
         assert [o.tokens for o in together.outputs] == expected, case
         assert together.metrics.drafted > 0
+
+
+@pytest.mark.parametrize("method, block_drafts", [("dflash", 3), ("dspark", 4)])
+def test_block_drafters_verify_their_whole_block_whatever_k(target, checkpoints, method, block_drafts):
+    config = DecodeConfig(drafter=method, drafter_path=str(checkpoints[method]), max_new_tokens=24, num_draft_tokens=1)
+    proposer = build_proposer(config, target)
+    assert proposer.block_length == block_drafts  # DFlash drafts B-1 tokens, DSpark B (block size 4 here)
+    result = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[]).generate(PROMPTS)
+    assert len(result.metrics.position_drafted) == block_drafts
+    assert [o.tokens for o in result.outputs] == [reference_greedy(target.model, p, 24) for p in PROMPTS]

@@ -281,7 +281,7 @@ class SpeculativeDecoder:
         device = self.device
         rows = len(state.row_ids)
         remaining = torch.tensor([limits[rid] - state.generated[i] for i, rid in enumerate(state.row_ids)], device=device)
-        max_draft = (remaining - 1).clamp(min=0, max=self.config.num_draft_tokens)
+        max_draft = (remaining - 1).clamp(min=0, max=self.proposer.block_length or self.config.num_draft_tokens)
         drafting = gate is None or gate.should_draft()
 
         t0 = time.perf_counter()

@@ -81,6 +81,7 @@ class Proposer(ABC):
     layer_slots: tuple[LayerSlot, ...] = ()  # target hidden states it reads (captured by the runtime)
     provides_confidences: bool = False  # fills Draft.confidences (needed by the threshold/scheduled policies)
     confidences_calibrated: bool = False  # those confidences went through `specdraft calibrate`
+    block_length: int | None = None  # drafts per round fixed by the model (a DFlash/DSpark block); None: config.num_draft_tokens
 
     @abstractmethod
     def propose(self, inputs: ProposalInput) -> Draft:

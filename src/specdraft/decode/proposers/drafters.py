@@ -64,6 +64,10 @@ class DrafterProposer(Proposer):
 class BlockDrafterProposer(DrafterProposer):
     """DFlash / DSpark: append the new context features, then draft one block after the anchor."""
 
+    def __init__(self, drafter: Any, **kwargs: Any):
+        super().__init__(drafter, **kwargs)
+        self.block_length = drafter.speculative_tokens()  # the whole block can be verified, not just k
+
     def draft_row(self, cache: Any, inputs: ProposalInput, row: int) -> Any:
         features, start = inputs.new_hidden[row], inputs.new_start[row]
         tokens = inputs.tokens[row]

@@ -43,7 +43,7 @@ from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbeddin
 from specdraft.models.common.masks import anchor_block_mask
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import DraftProposal, sample_token
-from specdraft.models.common.vocab import build_draft_vocab, check_vocab_tables, coverage_vocab_size, draft_ids, target_to_draft
+from specdraft.models.common.vocab import check_vocab_tables, coverage_vocab_size, draft_ids, install_draft_vocab, target_to_draft
 from specdraft.models.dflash.config import DFlashConfig
 from specdraft.models.dflash.loss import ce_rows, position_weights, weighted_mean
 
@@ -129,13 +129,7 @@ class DFlashDrafter(SpeculatorsDrafter):
     def set_draft_vocab(self, counts: torch.Tensor) -> None:
         """Select the draft vocabulary from response-token counts int64[V] and start the draft
         head from the target head's rows for those tokens."""
-        d2t, t2d = build_draft_vocab(counts, self.config.draft_vocab)
-        if t2d.numel() != self.config.vocab_size:
-            raise SpecdraftError(f"token counts cover {t2d.numel()} ids but the target vocabulary has {self.config.vocab_size}")
-        with torch.no_grad():
-            self.d2t.copy_(d2t)
-            self.t2d.copy_(t2d)
-            self.lm_head.weight.copy_(self.verifier_lm_head.weight[draft_ids(self.d2t)])
+        install_draft_vocab(self, counts, self.config.draft_vocab)
 
     def draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Target-id labels -> (draft-id labels, bool in-vocabulary mask); identity when not reduced."""

@@ -35,7 +35,7 @@ from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbeddin
 from specdraft.models.common.masks import eagle3_ttt_mask
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import DraftProposal, sample_token
-from specdraft.models.common.vocab import build_draft_vocab, check_vocab_tables, coverage_vocab_size, draft_ids
+from specdraft.models.common.vocab import check_vocab_tables, coverage_vocab_size, draft_ids, install_draft_vocab
 from specdraft.models.eagle3.config import Eagle3Config
 from specdraft.models.eagle3.loss import soft_ce_rows, step_weights
 
@@ -174,13 +174,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
     def set_draft_vocab(self, counts: torch.Tensor) -> None:
         """Select the draft vocabulary from token counts and start the draft head from the
         target head's rows for those tokens (the reference's initialisation)."""
-        d2t, t2d = build_draft_vocab(counts, self.config.draft_vocab_size)
-        if t2d.numel() != self.config.vocab_size:
-            raise SpecdraftError(f"token counts cover {t2d.numel()} ids but the target vocabulary has {self.config.vocab_size}")
-        with torch.no_grad():
-            self.d2t.copy_(d2t)
-            self.t2d.copy_(t2d)
-            self.lm_head.weight.copy_(self.verifier_lm_head.weight[draft_ids(self.d2t)])
+        install_draft_vocab(self, counts, self.config.draft_vocab_size)
 
     def draft_target_ids(self) -> torch.Tensor:
         """[Vd] target id of each draft id."""
