@@ -91,9 +91,9 @@ def plot(runs: list[dict], path: Path, budget_min: float) -> None:
     for run in runs:
         pts = run["curve"]
         ax.plot([p["minutes"] for p in pts], [p["accept_len"] for p in pts], marker="o", label=run["label"])
-    ax.set_xlabel("training time (min, 2 CPU cores)")
+    ax.set_xlabel("training time (min, sum of step times)")
     ax.set_ylabel("held-out expected acceptance length")
-    ax.set_xlim(0, budget_min * 1.05)
+    ax.set_xlim(0, max([budget_min] + [p["minutes"] for run in runs for p in run["curve"]]) * 1.05)
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("Learning curves at equal training-time budget")
@@ -115,12 +115,26 @@ def table(runs: list[dict], decode: dict | None) -> str:
         first = runs[0]
         lines.append("")
         for other in runs[1:]:
-            ratio = first["curve"][-1]["accept_len"] / other["curve"][-1]["accept_len"]
-            line = f"- {first['label']} / {other['label']}: held-out tau ratio {ratio:.3f}"
+            # runs end at slightly different training times (step times drift with machine load): compare
+            # both at the earlier end, interpolating the other curve linearly
+            at = min(first["curve"][-1]["minutes"], other["curve"][-1]["minutes"])
+            ratio = tau_at(first["curve"], at) / tau_at(other["curve"], at)
+            line = f"- {first['label']} / {other['label']}: held-out tau ratio {ratio:.3f} at {at:.1f} min of training"
             if decode and first["label"] in decode and other["label"] in decode:
                 line += f", decode tau ratio {decode[first['label']]['tau'] / decode[other['label']]['tau']:.3f}"
             lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def tau_at(points: list[dict], minutes: float) -> float:
+    """Held-out tau of a curve at ``minutes`` of training (linear between points, flat outside)."""
+    xs, ys = [p["minutes"] for p in points], [p["accept_len"] for p in points]
+    if minutes <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if minutes <= x1:
+            return y0 + (y1 - y0) * (minutes - x0) / (x1 - x0) if x1 > x0 else y1
+    return ys[-1]
 
 
 def decode_eval(runs: list[dict], args: argparse.Namespace) -> dict:
@@ -144,8 +158,8 @@ def decode_eval(runs: list[dict], args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="hidden-state store holding every method's layer slots")
-    parser.add_argument("--run", action="append", required=True, help="'LABEL|METHOD|EXTRA TRAIN ARGS' (repeatable)")
+    parser.add_argument("--data", help="hidden-state store holding every method's layer slots")
+    parser.add_argument("--run", action="append", default=[], help="'LABEL|METHOD|EXTRA TRAIN ARGS' (repeatable)")
     parser.add_argument("--budget-min", type=float, default=10.0, help="training-time budget per run, minutes")
     parser.add_argument("--points", type=int, default=6, help="validations per run (evenly spaced in steps)")
     parser.add_argument("--val-batches", type=int, default=4, help="validation batches per point")
@@ -156,9 +170,18 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=96)
     parser.add_argument("--decode-policy", default="", help="verify policy for the decode eval (default: the eval's)")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--report-only", action="store_true", help="re-render table.md and curves.png from OUT/curves.json")
     args = parser.parse_args()
 
     out = Path(args.out)
+    if args.report_only:
+        saved = json.loads((out / "curves.json").read_text())
+        for run in saved["runs"]:
+            run["curve"] = curve(Path(run["dir"]))  # also picks up points logged after the JSON was written
+        write_outputs(out, saved["runs"], (saved.get("decode") or {}).get("runs"), saved["budget_min"])
+        return
+    if not args.data or not args.run:
+        parser.error("--data and at least one --run are needed (or --report-only)")
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for text in args.run:
@@ -179,9 +202,13 @@ def main() -> None:
     decode = decode_eval(runs, args) if args.decode_suite else None
     result = {"budget_min": args.budget_min, "argv": sys.argv, "runs": runs, "decode": decode}
     (out / "curves.json").write_text(json.dumps(result, indent=1))
-    text = table(runs, decode["runs"] if decode else None)
+    write_outputs(out, runs, decode["runs"] if decode else None, args.budget_min)
+
+
+def write_outputs(out: Path, runs: list[dict], decode: dict | None, budget_min: float) -> None:
+    text = table(runs, decode)
     (out / "table.md").write_text(text)
-    plot(runs, out / "curves.png", args.budget_min)
+    plot(runs, out / "curves.png", budget_min)
     print(text)
     print(f"wrote {out / 'curves.json'}, {out / 'curves.png'}, {out / 'table.md'}")
 

@@ -322,6 +322,10 @@ def test_draft_gate_skips_drafting_only_when_it_does_not_pay(model, miss, drafts
         assert starts == [0] + list(itertools.accumulate(len(h) for _, h in chunks))[:-1]
         stacked = torch.cat([h for _, h in chunks])
         assert torch.allclose(stacked, full[rid][0][: len(stacked)], atol=1e-9)
+    if not drafts_mostly:  # the gate remembers: the next requests hardly draft at all
+        again = dec.generate(PROMPTS)
+        assert [o.tokens for o in again.outputs] == refs
+        assert again.metrics.rounds < m.rounds and again.metrics.drafting_fraction < 0.1
     off = SpeculativeDecoder(model, GatedRecorder([r + [0] * 8 for r in refs], miss=miss, cost_s=0.0), config=config,
                              sampling=SamplingConfig(), scheduler=SchedulerConfig("scheduled", adaptive_drafting=False), sps=flat,
                              eos_token_ids=[]).generate(PROMPTS)

@@ -186,19 +186,23 @@ def test_draft_cost_makes_longer_verify_lengths_worth_it():
 def test_draft_gate_backs_off_and_recovers():
     from specdraft.decode.scheduler import DraftGate
 
-    gate = DraftGate(plain_rate=100.0, max_interval=4)
+    gate = DraftGate(plain_rate=100.0, max_interval=8, probe_cost=0.5)
     pattern = []
-    for _ in range(12):  # drafting commits 50 tok/s against 100 plain: skip 1, 2, 4, 4, ... rounds
+    for _ in range(12):  # drafting commits 50 tok/s against 100 plain: 2, then 4, then 8 (the cap) plain rounds
         drafting = gate.should_draft()
         pattern.append(drafting)
         gate.record(drafted=drafting, tokens=1, seconds=0.02 if drafting else 0.01)
-    assert pattern == [True, False, True, False, False, True, False, False, False, False, True, False]
+    assert pattern == [True, False, False, True, False, False, False, False, True, False, False, False]
     assert gate.plain_measured and gate.plain_rate == pytest.approx(100.0)
-    for _ in range(6):  # drafting becomes fast: the next probe pays and drafting continues every round
+    for _ in range(8):  # drafting becomes fast: the next probe pays and drafting continues every round
         if gate.should_draft():
             gate.record(drafted=True, tokens=4, seconds=0.01)
     assert gate.interval == 1 and gate.skip_left == 0 and gate.draft_rate > gate.plain_rate
     assert all(gate.should_draft() for _ in range(3))
+    # a costly useless probe buys a long plain stretch at once: 30 ms extra per probe at 2% -> 150 rounds of 10 ms
+    costly = DraftGate(plain_rate=100.0)
+    costly.record(drafted=True, tokens=1, seconds=0.04)
+    assert costly.skip_left == 150
     with pytest.raises(ValueError):
         DraftGate(plain_rate=0.0)
 

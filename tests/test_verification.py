@@ -57,6 +57,7 @@ def _chi_square_p(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 def test_rejection_sampling_is_lossless(deterministic_draft):
     """Random p_t, p_d on a 6-token vocabulary: every committed position follows p_t."""
     gen = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)  # Dirichlet draws from the global generator: fix it so the test does not depend on test order
     vocab, k, n = 6, 3, 40_000
     p_t = torch.distributions.Dirichlet(torch.ones(vocab)).sample((k + 1,)).double()
     p_t[1, 2] = 0.0  # a token the target never emits, drafted often below

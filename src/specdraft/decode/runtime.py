@@ -179,6 +179,7 @@ class SpeculativeDecoder:
         self.sampling = sampling
         self.scheduler = scheduler
         self.sps = sps
+        self.draft_gates: dict[int, DraftGate] = {}
         policy = VERIFY_POLICIES.get(scheduler.verify_policy)
         if policy.needs_confidences and not proposer.provides_confidences:
             raise SpecdraftError(
@@ -258,7 +259,7 @@ class SpeculativeDecoder:
         finished = self._commit(state, [[int(t)] for t in first.tolist()], limits, outputs)
         valid = self._drop(state, finished, valid, cache)
 
-        gate = self._new_gate(len(state.row_ids))
+        gate = self._gate(len(state.row_ids))
         while state.row_ids:
             valid, finished = self._round(state, valid, cache, limits, outputs, generator, metrics, gate)
             valid = self._drop(state, finished, valid, cache)
@@ -270,11 +271,14 @@ class SpeculativeDecoder:
 
     # -- one round ---------------------------------------------------------------------------
 
-    def _new_gate(self, rows: int) -> DraftGate | None:
-        """A fresh draft gate for one ``generate`` call, when the scheduled policy asks for one."""
+    def _gate(self, rows: int) -> DraftGate | None:
+        """The decoder's draft gate for batches of ``rows`` (kept across ``generate`` calls, so what it
+        measured carries over to later requests), when the scheduled policy asks for one."""
         if self.sps is None or not self.scheduler.adaptive_drafting or not VERIFY_POLICIES.get(self.scheduler.verify_policy).needs_sps:
             return None
-        return DraftGate(plain_rate=rows * self.sps(rows))
+        if rows not in self.draft_gates:  # rates are per batch: one gate per batch size
+            self.draft_gates[rows] = DraftGate(plain_rate=rows * self.sps(rows))
+        return self.draft_gates[rows]
 
     def _round(self, state: "_Rows", valid, cache, limits, outputs, generator, metrics: DecodeMetrics, gate: DraftGate | None) -> tuple[torch.Tensor, list[int]]:
         """One draft + verify round for every active row; returns the new validity mask and the finished rows."""
@@ -336,7 +340,7 @@ class SpeculativeDecoder:
             metrics.plain_steps += rows
         finished = self._commit(state, [result.committed(i) for i in range(rows)], limits, outputs)
         if gate is not None and metrics.target_forwards > 2:  # the first round also absorbs the prompt's features
-            gate.record(drafted=drafting, tokens=int(accepted.sum()) + rows, seconds=time.perf_counter() - t0)
+            gate.record(drafted=drafting, tokens=int(accepted.sum()) + rows, seconds=time.perf_counter() - t0, rows=rows)
         return valid, finished
 
     def _draft_lengths(self, draft: Draft, max_draft: torch.Tensor) -> torch.Tensor:

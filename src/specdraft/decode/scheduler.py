@@ -48,6 +48,7 @@ Worked example (one request, c = [0.9, 0.8, 0.2], SPS flat up to 3 tokens then h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -77,13 +78,16 @@ class DraftGate:
 
     Rates are committed tokens per second of whole rounds (draft + verify + bookkeeping), smoothed
     exponentially. ``plain_rate`` starts from the SPS profile and is replaced by measured plain
-    rounds. After a drafting round that leaves drafting slower, the gate skips ``interval`` rounds
-    and doubles the interval (up to ``max_interval``), so a useless drafter costs at most about one
-    drafting round per ``max_interval`` plain rounds; a probe that pays resets the interval to 1.
+    rounds. After a drafting round that leaves drafting slower, the gate decodes plainly before
+    probing again, for at least twice as many rounds as last time and for enough rounds that the
+    probe's extra time stays under ``probe_cost`` of theirs (at most ``max_interval``); a probe that
+    pays resets the interval to 1. The runtime keeps one gate per decoder, so what it learnt carries over
+    from one request to the next.
     """
 
     plain_rate: float
-    max_interval: int = 32
+    max_interval: int = 256
+    probe_cost: float = 0.02
     smoothing: float = 0.5
     draft_rate: float | None = None
     interval: int = 1
@@ -91,8 +95,8 @@ class DraftGate:
     plain_measured: bool = False
 
     def __post_init__(self) -> None:
-        if not self.plain_rate > 0 or self.max_interval < 1 or not 0 < self.smoothing <= 1:
-            raise ValueError("DraftGate needs plain_rate > 0, max_interval >= 1 and smoothing in (0, 1]")
+        if not self.plain_rate > 0 or self.max_interval < 1 or not 0 < self.smoothing <= 1 or not self.probe_cost > 0:
+            raise ValueError("DraftGate needs plain_rate > 0, max_interval >= 1, smoothing in (0, 1] and probe_cost > 0")
 
     def should_draft(self) -> bool:
         if self.skip_left > 0:
@@ -100,8 +104,8 @@ class DraftGate:
             return False
         return True
 
-    def record(self, *, drafted: bool, tokens: int, seconds: float) -> None:
-        """Account one finished round that committed ``tokens`` (all rows) in ``seconds``."""
+    def record(self, *, drafted: bool, tokens: int, seconds: float, rows: int = 1) -> None:
+        """Account one finished round of ``rows`` requests that committed ``tokens`` in ``seconds``."""
         if tokens <= 0 or seconds <= 0:
             return
         rate = tokens / seconds
@@ -110,11 +114,14 @@ class DraftGate:
             self.plain_measured = True
             return
         self.draft_rate = rate if self.draft_rate is None else self._smooth(self.draft_rate, rate)
-        if self.draft_rate < self.plain_rate:
-            self.skip_left = self.interval
-            self.interval = min(2 * self.interval, self.max_interval)
-        else:
+        if self.draft_rate >= self.plain_rate:
             self.interval = 1
+            return
+        extra_s = seconds - tokens / self.plain_rate  # what this round cost beyond plain decoding of its tokens
+        plain_round_s = rows / self.plain_rate
+        affordable = math.ceil(extra_s / (self.probe_cost * plain_round_s))
+        self.skip_left = min(max(self.interval, affordable), self.max_interval)
+        self.interval = min(2 * self.skip_left, self.max_interval)
 
     def _smooth(self, old: float, new: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * new

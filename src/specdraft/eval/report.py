@@ -63,7 +63,7 @@ def render_tables(report: dict[str, Any]) -> str:
     lines += ["", f"tau per domain (concurrency {first}):", "",
               "| drafter | " + " | ".join(domains) + " |", "| --- |" + " ---: |" * len(domains)]
     for r in runs:
-        cells = [_fmt(r["per_domain"][d]["tau"]) if d in r["per_domain"] else "-" for d in domains]
+        cells = [_fmt(r["per_domain"][d]["tau"]) if r["per_domain"].get(d, {}).get("rounds") else "-" for d in domains]
         lines.append(f"| {r['drafter']} | " + " | ".join(cells) + " |")
     lines += ["", f"verify lengths chosen per round (concurrency {first}; rounds that verified exactly l drafts):", ""]
     for r in runs:
