@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -61,11 +62,11 @@ def probe_seconds_per_step(method: str, data: str, work: Path, extra: list[str],
     from specdraft.train.budget import seconds_per_step
 
     out = work / "probe"
-    subprocess.run(["rm", "-rf", str(out)], check=True)
+    shutil.rmtree(str(out), ignore_errors=True)
     cmd = train_command(method, data, out, extra, args, max_steps=PROBE_STEPS, eval_interval=0, val_fraction=0.0)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     per_step = seconds_per_step(out / "metrics.jsonl")
-    subprocess.run(["rm", "-rf", str(out)], check=True)
+    shutil.rmtree(str(out), ignore_errors=True)
     return per_step
 
 
@@ -192,7 +193,7 @@ def main() -> None:
         cmd = train_command(method, args.data, run_dir, extra, args, max_steps=steps, eval_interval=max(1, steps // args.points),
                             max_time=int(args.budget_min * 60 * 1.25))
         print(f"[{label}] {step_s:.2f} s/step -> {steps} steps: {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        shutil.rmtree(str(run_dir), ignore_errors=True)
         started = time.time()
         subprocess.run(cmd, check=True)
         runs.append({"label": label, "method": method, "extra": extra, "dir": str(run_dir), "seconds_per_step": step_s, "steps": steps,
