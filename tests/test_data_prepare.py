@@ -156,6 +156,30 @@ def test_dataset_for_other_target_is_refused(tmp_path, tiny_llama_dir, tiny_targ
         ds.check_target(other)
 
 
+def test_a_further_shard_joins_an_earlier_dataset(tmp_path, tiny_llama_dir, tiny_target_factory):
+    """--skip-rows prepares the rows after an earlier dataset's; --data OLD,NEW joins them unchanged."""
+    rows = _jsonl(tmp_path / "in.jsonl", _conversations(5))
+    first = prepare(PrepareConfig(out=str(tmp_path / "a"), target=str(tiny_llama_dir), data=rows, max_samples=2), progress=False)
+    shard = PrepareConfig(out=str(tmp_path / "b"), target=str(tiny_llama_dir), data=rows, skip_rows=first["read"])
+    assert prepare(shard, progress=False)["read"] == 3
+    joined = prepare(PrepareConfig(out=str(tmp_path / "ab"), target=str(tiny_llama_dir), data=f"{tmp_path / 'a'},{tmp_path / 'b'}"),
+                     progress=False)
+    assert joined["formats"] == {"prepared": 5} and joined["kept"] == 5
+    parts = [PreparedDataset(tmp_path / d) for d in ("a", "b", "ab")]
+    assert parts[2].sample_ids == parts[0].sample_ids + parts[1].sample_ids == [f"c{i}" for i in range(5)]
+    for i in range(5):
+        part, j = (parts[0], i) if i < 2 else (parts[1], i - 2)
+        assert parts[2][i]["input_ids"].tolist() == part[j]["input_ids"].tolist()
+        assert parts[2][i]["loss_mask"].tolist() == part[j]["loss_mask"].tolist()
+        assert parts[2].sources[i] == part.sources[j] == "in.jsonl:openai"
+
+    other = str(tiny_target_factory("llama", seed=1))
+    with pytest.raises(SpecdraftError, match="was prepared for target"):
+        prepare(PrepareConfig(out=str(tmp_path / "x"), target=other, data=str(tmp_path / "a")), progress=False)
+    with pytest.raises(SpecdraftError, match="--skip-rows must be >= 0"):
+        PrepareConfig(out="x", skip_rows=-1)
+
+
 def _conversations(n: int) -> list[dict]:
     return [{"id": f"c{i}", "messages": [{"role": "user", "content": "count " * (i + 1)}, {"role": "assistant", "content": "x"}]} for i in range(n)]
 

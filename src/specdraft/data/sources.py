@@ -6,6 +6,9 @@ Formats live in ``ROW_FORMATS`` keyed by name and are detected per row, so one f
 * ``openai``     ``{"messages": [{"role": "user"|"assistant"|"system", "content": str}, ...]}``
 * ``tokenized``  ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` (passed through unchanged)
 
+A prepared dataset directory is a source too (rows pass through as ``prepared``), and ``--data``
+may join several sources with commas.
+
 Malformed rows (bad JSON, no known format, missing fields, unknown roles) are *errors* naming the
 file and line: silently dropping them would hide a broken export. Well-formed rows that are merely
 unusable (no assistant turn, too long) are skipped and counted by the caller.
@@ -35,6 +38,7 @@ class RawRow:
     messages: list[dict] = field(default_factory=list)  # [{"role": system|user|assistant, "content": str}]
     input_ids: list[int] | None = None
     loss_mask: list[int] | None = None
+    source: str = ""  # "<dataset or file name>:<format>", or the label a prepared dataset recorded for the row
 
 
 @dataclass(frozen=True)
@@ -181,20 +185,53 @@ EMBEDDED_DATASETS.register("sharegpt")(
 
 
 def iter_rows(data: str) -> Iterator[RawRow]:
-    """Parsed rows of an embedded dataset name or a local .jsonl/.json file; sample ids made unique."""
-    if data in EMBEDDED_DATASETS:
-        spec = EMBEDDED_DATASETS.get(data)
+    """Parsed rows of ``data``, source after source, with sample ids made unique.
+
+    ``data`` is one source or several joined by commas; each is an embedded dataset name, a local
+    .jsonl/.json file or a prepared dataset directory (its rows pass through pre-tokenized, keeping
+    their sample ids and source labels: how a further shard is appended to an earlier dataset).
+    """
+    seen: set[str] = set()
+    for number, source in enumerate(part.strip() for part in data.split(",")):
+        for index, row in enumerate(_source_rows(source)):
+            if row.sample_id in seen:  # ShareGPT repeats some ids; keep ids stable by suffixing the row index
+                row.sample_id = f"{row.sample_id}@{index}" if number == 0 else f"{row.sample_id}@{number}:{index}"
+            seen.add(row.sample_id)
+            yield row
+
+
+def prepared_sources(data: str) -> list[str]:
+    """The prepared dataset directories among the comma-separated sources of ``data``."""
+    return [part.strip() for part in data.split(",") if Path(part.strip()).expanduser().is_dir()]
+
+
+def _source_rows(source: str) -> Iterator[RawRow]:
+    label = source
+    if source in EMBEDDED_DATASETS:
+        spec = EMBEDDED_DATASETS.get(source)
         path, tolerant = spec.path(), spec.allow_truncated_tail
     else:
-        path, tolerant = Path(data).expanduser(), False
+        label = Path(source).name
+        path, tolerant = Path(source).expanduser(), False
+        if path.is_dir():
+            yield from _prepared_rows(path)
+            return
         if not path.is_file():
             raise SpecdraftError(
-                f"--data {data!r} is neither an embedded dataset ({', '.join(EMBEDDED_DATASETS.names())}) nor a .jsonl/.json file"
+                f"--data {source!r} is neither an embedded dataset ({', '.join(EMBEDDED_DATASETS.names())}), a .jsonl/.json "
+                "file nor a prepared dataset directory"
             )
-    seen: set[str] = set()
     for index, (value, where) in enumerate(iter_json_values(path, allow_truncated_tail=tolerant)):
         row = parse_row(value, where, index)
-        if row.sample_id in seen:  # ShareGPT repeats some ids; keep ids stable by suffixing the row index
-            row.sample_id = f"{row.sample_id}@{index}"
-        seen.add(row.sample_id)
+        row.source = f"{label}:{row.fmt}"
         yield row
+
+
+def _prepared_rows(directory: Path) -> Iterator[RawRow]:
+    from specdraft.data.dataset import PreparedDataset
+
+    dataset = PreparedDataset(directory)
+    for i in range(len(dataset)):
+        item = dataset[i]
+        yield RawRow(sample_id=item["sample_id"], fmt="prepared", where=f"{directory}:{item['sample_id']}", source=item["source"],
+                     input_ids=item["input_ids"].tolist(), loss_mask=[int(m) for m in item["loss_mask"].tolist()])

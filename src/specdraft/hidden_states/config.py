@@ -8,6 +8,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LAYER_PRESETS, LayerSlot, parse_slots
 from specdraft.targets.loading import DTYPES as TARGET_DTYPES
 from specdraft.utils.config import config_field
+from specdraft.utils.vllm_options import VllmAttachOptions
 
 #: Names of the dtypes hidden states can be stored in (see ``payload.STORAGE_DTYPES``).
 STORAGE_DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -16,16 +17,8 @@ DEFAULT_PRESET = "dspark"
 ENGINE_NAMES = ("hf", "vllm")
 
 
-def check_vllm_options(engine: str, vllm_url: str | None, print_server_command: bool) -> None:
-    """``--vllm-url`` and ``--print-server-command`` only mean something to the vLLM engine."""
-    if engine != "vllm" and (vllm_url or print_server_command):
-        raise SpecdraftError(f"--vllm-url and --print-server-command need --engine vllm (got --engine {engine})")
-    if vllm_url and not vllm_url.startswith(("http://", "https://")):
-        raise SpecdraftError(f"--vllm-url {vllm_url!r} is not an http://HOST:PORT URL")
-
-
 @dataclass
-class ExtractConfig:
+class ExtractConfig(VllmAttachOptions):
     dataset: str = config_field(help="prepared dataset directory (written by `specdraft prepare`)")
     out: str = config_field(help="hidden-state store to create or resume (a directory for the file backend)")
     target: str | None = config_field(
@@ -53,18 +46,6 @@ class ExtractConfig:
         ".venv-vllm whose connector writes the store; --batch-size requests are in flight at once)",
         metadata={"choices": list(ENGINE_NAMES)},
     )
-    vllm_python: str | None = config_field(None, help="python of the vLLM environment (default: .venv-vllm/bin/python)")
-    vllm_args: str = config_field("", help="extra vLLM api_server flags for --engine vllm, e.g. --vllm-args='--enforce-eager'")
-    vllm_url: str | None = config_field(
-        None,
-        help="--engine vllm: drive the vLLM server already running at this URL (e.g. http://127.0.0.1:8000, started with the "
-        "command --print-server-command prints) instead of starting one; checked with a store-nothing request first",
-    )
-    print_server_command: bool = config_field(
-        False,
-        help="--engine vllm: print the command line of the vLLM server this extraction needs (same flags otherwise) and "
-        "exit; run it yourself, then rerun with --vllm-url",
-    )
 
     def __post_init__(self) -> None:
         if self.method is not None and self.layers is not None:
@@ -78,7 +59,7 @@ class ExtractConfig:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_samples is not None and self.max_samples < 1:
             raise SpecdraftError(f"--max-samples must be >= 1, got {self.max_samples}")
-        check_vllm_options(self.engine, self.vllm_url, self.print_server_command)
+        self.check_vllm_options(self.engine)
 
     def resolve_slots(self, num_layers: int) -> list[LayerSlot]:
         """The slots to store, checked against the target's layer count."""

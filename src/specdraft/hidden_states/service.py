@@ -48,11 +48,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Protocol
 
 from specdraft.errors import SpecdraftError
-from specdraft.hidden_states.config import ENGINE_NAMES, STORAGE_DTYPE_NAMES, check_vllm_options
+from specdraft.hidden_states.config import ENGINE_NAMES, STORAGE_DTYPE_NAMES
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.registry import Registry
 from specdraft.targets.loading import DTYPES as TARGET_DTYPES
 from specdraft.utils.config import config_field
+from specdraft.utils.vllm_options import VllmAttachOptions
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ MAX_KEY_CHARS = 512
 
 
 @dataclass
-class ServiceConfig:
+class ServiceConfig(VllmAttachOptions):
     target: str = config_field(help="target name or HF model directory the producer runs")
     backend: str = config_field(help="hidden-state backend payloads are written to (registered name: file, mooncake)")
     store: str = config_field(
@@ -89,16 +90,6 @@ class ServiceConfig:
         help="--engine vllm: layer slots the vLLM server captures, e.g. 'output:1,input:2'; requests may ask for any "
         "subset (default: the slots of every method preset, so any drafter can train from this producer)",
     )
-    vllm_python: str | None = config_field(None, help="python of the vLLM environment (default: .venv-vllm/bin/python)")
-    vllm_args: str = config_field("", help="extra vLLM api_server flags for --engine vllm, e.g. --vllm-args='--enforce-eager'")
-    vllm_url: str | None = config_field(
-        None,
-        help="--engine vllm: use the vLLM server already running at this URL (started with the command "
-        "--print-server-command prints) instead of starting one; checked with a store-nothing request first",
-    )
-    print_server_command: bool = config_field(
-        False, help="--engine vllm: print the command line of the vLLM server this producer needs and exit; run it, then pass --vllm-url"
-    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -113,7 +104,7 @@ class ServiceConfig:
                 f"--host {self.host} is reachable from other machines: pass --token SECRET (clients send it as a bearer token) "
                 "or bind 127.0.0.1"
             )
-        check_vllm_options(self.engine, self.vllm_url, self.print_server_command)
+        self.check_vllm_options(self.engine)
         if self.layers is not None and self.engine != "vllm":
             raise SpecdraftError("--layers chooses what a vLLM server captures: it needs --engine vllm (the hf engine serves any slots)")
 

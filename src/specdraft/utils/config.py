@@ -41,7 +41,7 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, exclude: tuple[str, ...] = ()) -> None:
     """Add one ``--kebab-case`` flag per field of ``cls`` (bools become ``--flag/--no-flag``)."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.kw_only):  # inherited keyword-only option groups last
         if f.name in exclude or not f.init:
             continue
         tp, _ = _unwrap_optional(hints[f.name])

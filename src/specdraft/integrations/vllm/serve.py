@@ -17,20 +17,19 @@ from pathlib import Path
 from specdraft.errors import SpecdraftError
 from specdraft.integrations.vllm.engine import VllmServer, find_vllm_python
 from specdraft.utils.config import config_field
+from specdraft.utils.vllm_options import VllmServerOptions
 
 #: Methods whose proposer the vLLM-CPU model runner lacks (it has ngram, draft_model, eagle3, dflash).
 CPU_UNSUPPORTED_METHODS = frozenset({"dspark"})
 
 
 @dataclass
-class ServeConfig:
+class ServeConfig(VllmServerOptions):
     drafter: str = config_field(help="drafter checkpoint directory (speculators format, written by specdraft train)")
     target: str | None = config_field(None, help="target name or HF directory; default: the target recorded in the checkpoint")
     port: int | None = config_field(None, help="port on 127.0.0.1; default: a free one")
     host: str = config_field("127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
     num_speculative_tokens: int | None = config_field(None, help="draft tokens per round; default: the checkpoint's")
-    vllm_python: str | None = config_field(None, help="python of the vLLM environment (default: .venv-vllm/bin/python)")
-    vllm_args: str = config_field("", help="extra vLLM api_server flags, e.g. --vllm-args='--max-model-len 4096'")
 
 
 @dataclass(frozen=True)
