@@ -104,13 +104,14 @@ def plot(runs: list[dict], path: Path, budget_min: float) -> None:
 
 
 def table(runs: list[dict], decode: dict | None) -> str:
-    lines = ["| run | method | steps | s/step | held-out tau (val) | acc pos 1 | decode tau | speed-up |",
+    lines = ["| run | method | steps done / planned | s/step | held-out tau (val) | acc pos 1 | decode tau | speed-up |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for run in runs:
         last = run["curve"][-1] if run["curve"] else {}
         d = (decode or {}).get(run["label"], {})
         fmt = lambda v, spec=".3f": "-" if v is None else format(v, spec)  # noqa: E731
-        lines.append(f"| {run['label']} | {run['method']} | {run['steps']} | {fmt(run['seconds_per_step'], '.2f')} | "
+        done = max((r["step"] for r in records(Path(run["dir"])) if r.get("split") == "train"), default=0)
+        lines.append(f"| {run['label']} | {run['method']} | {done} / {run['steps']} | {fmt(run['seconds_per_step'], '.2f')} | "
                      f"{fmt(last.get('accept_len'))} | {fmt(last.get('acc_pos1'))} | {fmt(d.get('tau'))} | {fmt(d.get('speedup'), '.2f')} |")
     if len(runs) > 1 and all(r["curve"] for r in runs):
         first = runs[0]

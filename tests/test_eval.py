@@ -95,3 +95,23 @@ def test_verify_length_histogram_from_position_counts():
     # 5 rounds: two verified 0 drafts, one verified 1, two verified 3
     metrics = {"rounds": 5, "position_drafted": [3, 2, 2]}
     assert verify_length_histogram(metrics) == [2, 1, 0, 2]
+
+
+def test_report_tables_per_domain_speedup_and_verify_length():
+    from specdraft.eval.report import render_tables
+
+    def metrics(tok_s: float, rounds: int = 0, drafted: int = 0, tau: float = 1.0) -> dict:
+        return {"tau": tau, "acceptance_rate": 0.5, "drafted": drafted, "rounds": rounds, "drafting_fraction": 1.0, "tokens_per_s": tok_s,
+                "mean_ttft_s": 0.1, "time_per_output_token_s": 1 / tok_s, "position_drafted": [rounds, 0], "plain_steps": 0}
+
+    def run(name: str, overall: dict, per_domain: dict) -> dict:
+        return {"drafter": name, "concurrency": 1, "overall": overall, "per_domain": per_domain, "speedup": 1.0, "identical_to_autoregressive": 2}
+
+    report = {"num_prompts": 2, "target": {"name": "t"}, "config": {"max_new_tokens": 8, "concurrency": [1]}, "sampling": {"temperature": 0.0},
+              "runs": [run("autoregressive", metrics(10), {"math": metrics(10), "code": metrics(20)}),
+                       run("d", metrics(15, 4, 6), {"math": metrics(15, 4, 6, tau=2.0), "code": metrics(20)})]}
+    text = render_tables(report)
+    tau, speed, verify = (text.split(title)[1].split("\n\n")[1] for title in ("tau per domain", "speed-up over", "mean verify length"))
+    assert "| d | -" in tau and "| 2.00 |" in tau  # code had no drafting round: no tau
+    assert "| d | 1.00x | 1.50x |" in speed  # columns are sorted: code, math
+    assert "| d | - | 1.50 |" in verify

@@ -60,11 +60,23 @@ def render_tables(report: dict[str, Any]) -> str:
     first = report["config"]["concurrency"][0]
     runs = [r for r in report["runs"] if r["concurrency"] == first]
     domains = sorted({d for r in runs for d in r["per_domain"]})
-    lines += ["", f"tau per domain (concurrency {first}):", "",
-              "| drafter | " + " | ".join(domains) + " |", "| --- |" + " ---: |" * len(domains)]
-    for r in runs:
-        cells = [_fmt(r["per_domain"][d]["tau"]) if r["per_domain"].get(d, {}).get("rounds") else "-" for d in domains]
-        lines.append(f"| {r['drafter']} | " + " | ".join(cells) + " |")
+    plain = next((r["per_domain"] for r in runs if r["drafter"] == "autoregressive"), {})
+
+    def drafted(r: dict, d: str) -> dict:
+        return m if (m := r["per_domain"].get(d, {})).get("rounds") else {}
+
+    def speedup(r: dict, d: str) -> str:
+        m, base = r["per_domain"].get(d, {}), plain.get(d, {})
+        return _fmt(m["tokens_per_s"] / base["tokens_per_s"]) + "x" if m and base.get("tokens_per_s") else "-"
+
+    tables = [
+        ("tau per domain", lambda r, d: _fmt(drafted(r, d).get("tau"))),
+        ("speed-up over autoregressive per domain", speedup),
+        ("mean verify length per drafting round, per domain", lambda r, d: _fmt(m["drafted"] / m["rounds"]) if (m := drafted(r, d)) else "-"),
+    ]
+    for title, cell in tables:
+        lines += ["", f"{title} (concurrency {first}):", "", "| drafter | " + " | ".join(domains) + " |", "| --- |" + " ---: |" * len(domains)]
+        lines += [f"| {r['drafter']} | " + " | ".join(cell(r, d) for d in domains) + " |" for r in runs if r["drafter"] != "autoregressive"]
     lines += ["", f"verify lengths chosen per round (concurrency {first}; rounds that verified exactly l drafts):", ""]
     for r in runs:
         if r["drafter"] != "autoregressive":
