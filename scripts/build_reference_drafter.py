@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft.eval.report import render_tables
 from specdraft.reference import REFERENCE_DRAFTERS
 
 DEFAULT_DEST = Path(__file__).resolve().parents[1] / "src/specdraft/reference" / REFERENCE_DRAFTERS.get("smollm2-135m")
@@ -110,23 +111,8 @@ def model_card(*, args: argparse.Namespace, facts: dict, manifest: dict, evals: 
         "",
     ]
     for name, ev in evals.items():
-        report = ev["report"]
-        ar = next(r for r in report["runs"] if r["drafter"] == "autoregressive")
-        lines += [f"### {name}: `{ev['command']}`", "", "| drafter | tau | tok/s | speed-up | drafting |", "| --- | ---: | ---: | ---: | ---: |",
-                  f"| autoregressive | 1.00 | {ar['overall']['tokens_per_s']:.1f} | 1.00x | - |"]
-        for run in report["runs"]:
-            if run["drafter"] == "autoregressive":
-                continue
-            m = run["overall"]
-            lines.append(f"| {run['drafter']} | {m['tau']:.2f} | {m['tokens_per_s']:.1f} | {run['speedup']:.2f}x | "
-                         f"{m.get('drafting_fraction', 1.0):.2f} |")
-        domains = sorted({d for r in report["runs"] for d in r["per_domain"]})
-        lines += ["", "tau per domain:", "", "| drafter | " + " | ".join(domains) + " |", "| --- |" + " ---: |" * len(domains)]
-        for run in report["runs"]:
-            if run["drafter"] != "autoregressive":
-                lines.append(f"| {run['drafter']} | " + " | ".join(
-                    f"{run['per_domain'][d]['tau']:.2f}" if d in run["per_domain"] else "-" for d in domains) + " |")
-        lines.append("")
+        tables = render_tables(ev["report"]).split("\n", 1)[1]  # its own heading line gives way to the card's
+        lines += [f"### {name}: `{ev['command']}`", tables]
     lines += ["Rerun the evaluation: the commands above (`reference` is this directory).", ""]
     return "\n".join(lines)
 
@@ -175,6 +161,8 @@ def main() -> None:
     parser.add_argument("--eval-limit", type=int, default=2, help="prompts per domain of the 'domains' suite")
     parser.add_argument("--eval-tokens", type=int, default=128)
     parser.add_argument("--layers", default="", help="extract these layer slots instead of the DSpark preset (a superset is fine)")
+    parser.add_argument("--compare", default="", help="comma-separated drafter directories evaluated beside it on the held-out "
+                        "domains (full block and scheduled), e.g. a quickstart run's train/final")
     parser.add_argument("--trained", default="", help="use this finished `specdraft train` run directory instead of training")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0)
@@ -247,11 +235,12 @@ def main() -> None:
     size_mb = export_bf16(final, dest, args.max_mb)
     cpu_target = target if args.device == "cpu" else load_target("smollm2-135m")
     evals = {}
-    for name, suite, limit in (("held-out domains", "domains", args.eval_limit), ("math", "math", 0)):
+    compared = [f"{d}@{policy}" for d in filter(None, args.compare.split(",")) for policy in ("full", "scheduled")]
+    for name, suite, limit, others in (("held-out domains", "domains", args.eval_limit, compared), ("math", "math", 0, [])):
         out = work / f"eval-{suite}"
         config = EvalConfig(out=str(out), suite=suite, limit_per_domain=limit, max_new_tokens=args.eval_tokens,
-                            drafters=["ngram", f"{dest}@full", f"{dest}@scheduled"], threads=args.threads)
-        command = (f"specdraft eval --drafters ngram,reference@full,reference@scheduled --suite {suite} "
+                            drafters=["ngram", f"{dest}@full", f"{dest}@scheduled", *others], threads=args.threads)
+        command = (f"specdraft eval --drafters {','.join(['ngram', 'reference@full', 'reference@scheduled', *others])} --suite {suite} "
                    f"{f'--limit-per-domain {limit} ' if limit else ''}--max-new-tokens {args.eval_tokens} --out {out}")
         evals[name] = {"command": command, "report": run_eval(config, SamplingConfig(), target=cpu_target)}
     train_cfg = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
