@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import shlex
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -100,6 +100,7 @@ def model_card(*, args: argparse.Namespace, facts: dict, manifest: dict, evals: 
         f"- Training: {train['steps']} steps in {train['seconds'] / 60:.1f} min ({train['seconds_per_step']:.2f} s/step), recipe "
         "`dspark` with these values:",
         "",
+        *([f"- Note: {train['note']}", ""] if train.get("note") else []),
         "```yaml",
         json.dumps(train_cfg, indent=1, sort_keys=True),
         "```",
@@ -222,11 +223,10 @@ def main() -> None:
         if "size" not in facts:
             facts["size"] = steps_for_budget(cfg, args.budget_min * 60, target=target)
             save()
-        started = time.perf_counter()
         result = train(dataclasses.replace(cfg, max_steps=facts["size"]["steps"]), target=target)
         if not result.completed:
             raise SystemExit(f"training stopped ({result.stopped_by}) at step {result.step}; rerun to resume")
-        facts["train"] = {"steps": result.step, "seconds": time.perf_counter() - started, **facts["size"]}
+        facts["train"] = {**facts["size"], **trained_facts(train_dir)}  # training time summed over resumed segments
         save()
     if "calibrate" not in facts:
         facts["calibrate"] = calibrate(CalibrateConfig(drafter=str(final), data=str(states)), target=target)
@@ -235,6 +235,7 @@ def main() -> None:
     size_mb = export_bf16(final, dest, args.max_mb)
     cpu_target = target if args.device == "cpu" else load_target("smollm2-135m")
     evals = {}
+    weights_sha = hashlib.sha256((dest / "model.safetensors").read_bytes()).hexdigest()
     compared = [f"{d}@{policy}" for d in filter(None, args.compare.split(",")) for policy in ("full", "scheduled")]
     for name, suite, limit, others in (("held-out domains", "domains", args.eval_limit, compared), ("math", "math", 0, [])):
         out = work / f"eval-{suite}"
@@ -242,7 +243,15 @@ def main() -> None:
                             drafters=["ngram", f"{dest}@full", f"{dest}@scheduled", *others], threads=args.threads)
         command = (f"specdraft eval --drafters {','.join(['ngram', 'reference@full', 'reference@scheduled', *others])} --suite {suite} "
                    f"{f'--limit-per-domain {limit} ' if limit else ''}--max-new-tokens {args.eval_tokens} --out {out}")
-        evals[name] = {"command": command, "report": run_eval(config, SamplingConfig(), target=cpu_target)}
+        key = {"weights": weights_sha, "config": json.loads(json.dumps(dataclasses.asdict(config)))}
+        report_path = out / "report.json"
+        if facts.get("evaluated", {}).get(suite) == key and report_path.is_file():  # same weights, same settings
+            report = json.loads(report_path.read_text())
+        else:
+            report = run_eval(config, SamplingConfig(), target=cpu_target)
+            facts.setdefault("evaluated", {})[suite] = key
+            save()
+        evals[name] = {"command": command, "report": report}
     train_cfg = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
     (dest / "MODEL_CARD.md").write_text(model_card(args=args, facts=facts, manifest=json.loads((data / "manifest.json").read_text()), evals=evals, size_mb=size_mb, train_cfg=train_cfg))
     print(f"wrote {dest} ({size_mb:.1f} MB) and its MODEL_CARD.md")
