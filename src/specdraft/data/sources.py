@@ -192,7 +192,7 @@ def iter_rows(data: str) -> Iterator[RawRow]:
     their sample ids and source labels: how a further shard is appended to an earlier dataset).
     """
     seen: set[str] = set()
-    for number, source in enumerate(part.strip() for part in data.split(",")):
+    for number, source in enumerate(split_sources(data)):
         for index, row in enumerate(_source_rows(source)):
             if row.sample_id in seen:  # ShareGPT repeats some ids; keep ids stable by suffixing the row index
                 row.sample_id = f"{row.sample_id}@{index}" if number == 0 else f"{row.sample_id}@{number}:{index}"
@@ -200,9 +200,14 @@ def iter_rows(data: str) -> Iterator[RawRow]:
             yield row
 
 
+def split_sources(data: str) -> list[str]:
+    """The comma-separated sources of ``data``."""
+    return [part.strip() for part in data.split(",")]
+
+
 def prepared_sources(data: str) -> list[str]:
-    """The prepared dataset directories among the comma-separated sources of ``data``."""
-    return [part.strip() for part in data.split(",") if Path(part.strip()).expanduser().is_dir()]
+    """The prepared dataset directories among the sources of ``data``."""
+    return [source for source in split_sources(data) if Path(source).expanduser().is_dir()]
 
 
 def _source_rows(source: str) -> Iterator[RawRow]:
