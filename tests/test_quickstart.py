@@ -67,3 +67,14 @@ def test_quickstart_compares_the_reference_drafter_when_one_ships(tmp_path):
     assert eval_drafters(QuickstartConfig(), final) == ["ngram", str(final), f"{final}@scheduled", "reference@full", "reference@scheduled"]
     assert eval_drafters(QuickstartConfig(compare_reference=False), final) == ["ngram", str(final), f"{final}@scheduled"]
     assert eval_drafters(QuickstartConfig(target=str(tmp_path)), final) == ["ngram", str(final), f"{final}@scheduled"]
+
+
+def test_training_cut_by_the_time_budget_counts_as_done_but_a_signal_does_not(tmp_path):
+    from specdraft.quickstart import _train_facts
+    from specdraft.train.trainer import TrainResult
+
+    cut = _train_facts(TrainResult(tmp_path, 40, 100, False, "max_time", tmp_path / "final", None))
+    assert cut == {"steps": 40, "final": str(tmp_path / "final"), "stopped_by_time_budget": True}
+    assert _train_facts(TrainResult(tmp_path, 100, 100, True, None, tmp_path / "final", None))["stopped_by_time_budget"] is False
+    with pytest.raises(SpecdraftError, match="stopped early \\(signal\\) at step 40"):
+        _train_facts(TrainResult(tmp_path, 40, 100, False, "signal", None, None))
