@@ -176,6 +176,8 @@ def test_a_further_shard_joins_an_earlier_dataset(tmp_path, tiny_llama_dir, tiny
     other = str(tiny_target_factory("llama", seed=1))
     with pytest.raises(SpecdraftError, match="was prepared for target"):
         prepare(PrepareConfig(out=str(tmp_path / "x"), target=other, data=str(tmp_path / "a")), progress=False)
+    with pytest.raises(SpecdraftError, match="has an empty source"):
+        list(iter_rows(f"{tmp_path / 'a'},"))
     with pytest.raises(SpecdraftError, match="--skip-rows must be >= 0"):
         PrepareConfig(out="x", skip_rows=-1)
 

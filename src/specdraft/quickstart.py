@@ -127,15 +127,18 @@ def run_quickstart(config: QuickstartConfig) -> dict:
                   "model": {"max_anchors": config.max_anchors}, **overrides}
         return resolve_config(recipe, values)
 
+    def training_seconds_left() -> float:
+        return deadline - time.perf_counter() - config.eval_reserve * 60
+
     def probe() -> dict:
-        return steps_for_budget(train_config(), deadline - time.perf_counter() - config.eval_reserve * 60, target=target)
+        return steps_for_budget(train_config(), training_seconds_left(), target=target)
 
     steps = journal.run("size-training", probe)["steps"]
+
     def train_in_budget() -> dict:
         # Steps are sized by a short probe, but step times drift (load, a slowing process): max_time keeps the
         # budget, stopping with a final checkpoint before the schedule ends if it must.
-        left = max(60.0, deadline - time.perf_counter() - config.eval_reserve * 60)
-        return _train_facts(train(train_config(max_steps=steps, max_time=left), target=target))
+        return _train_facts(train(train_config(max_steps=steps, max_time=max(60.0, training_seconds_left())), target=target))
 
     journal.run("train", train_in_budget)
     final = train_dir / "final"

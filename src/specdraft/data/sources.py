@@ -201,8 +201,11 @@ def iter_rows(data: str) -> Iterator[RawRow]:
 
 
 def split_sources(data: str) -> list[str]:
-    """The comma-separated sources of ``data``."""
-    return [part.strip() for part in data.split(",")]
+    """The comma-separated sources of ``data`` (an empty one is an error: ``Path("")`` would name the cwd)."""
+    parts = [part.strip() for part in data.split(",")]
+    if not all(parts):
+        raise SpecdraftError(f"--data {data!r} has an empty source; join sources with single commas, e.g. --data OLD_DIR,NEW_DIR")
+    return parts
 
 
 def prepared_sources(data: str) -> list[str]:
