@@ -27,14 +27,16 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
     recipe.write_text(TINY_RECIPE)
     run = tmp_path / "run"
     argv = ["quickstart", "--out", str(run), "--target", str(tiny_llama_dir), "--recipe", str(recipe), "--samples", "6",
-            "--max-new-tokens", "8", "--regen-batch-size", "6", "--budget", "1.5", "--eval-reserve", "1",
+            "--max-new-tokens", "8", "--regen-batch-size", "6", "--budget", "1.5", "--eval-reserve", "1", "--data-budget", "0.3", "--epochs", "2",
             "--eval-max-new-tokens", "6", "--threads", "1"]
     assert main(argv) == 0
     journal = json.loads((run / "quickstart.json").read_text())
     stages = journal["stages"]
     assert set(stages) == {"prepare", "extract", "size-training", "train", "calibrate", "eval"}
     assert all(s["status"] == "done" for s in stages.values())
-    assert stages["train"]["steps"] == stages["size-training"]["steps"] >= 8
+    # two passes over ~4 training samples take fewer steps than the time budget would allow: the epochs cap binds
+    sized = stages["size-training"]
+    assert stages["train"]["steps"] == sized["steps"] == sized["epoch_steps"] < sized["train_seconds"] / sized["seconds_per_step"]
     assert stages["prepare"]["kept"] == 6 and stages["prepare"]["generated_tokens"] > 0
     assert stages["extract"]["samples_extracted"] == 6
     assert len(json.loads((run / "train" / "final" / "config.json").read_text())["specdraft"]["config"]["confidence_temperatures"]) == 4
@@ -54,8 +56,14 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
 
 
 def test_quickstart_config_errors():
-    with pytest.raises(SpecdraftError, match="must exceed --eval-reserve"):
+    with pytest.raises(SpecdraftError, match="must exceed --data-budget \\+ --eval-reserve"):
         QuickstartConfig(budget=5, eval_reserve=6)
+    with pytest.raises(SpecdraftError, match=r"--budget \(12 min\) must exceed --data-budget \+ --eval-reserve \(5.0 \+ 9.5 min\)"):
+        QuickstartConfig(budget=12)
+    with pytest.raises(SpecdraftError, match="--data-budget must be >= 0 minutes, got -1"):
+        QuickstartConfig(data_budget=-1)
+    with pytest.raises(SpecdraftError, match="--epochs must be >= 1"):
+        QuickstartConfig(epochs=0)
     with pytest.raises(SpecdraftError, match="--samples must be >= 1"):
         QuickstartConfig(samples=0)
 

@@ -200,6 +200,26 @@ def test_predictable_sampling_trains_and_scores_with_the_target_head():
     assert torch.isfinite(out.loss)
 
 
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_held_out_evaluation_draws_anchors_uniformly_whatever_the_training_sampler(method, monkeypatch):
+    """Validation estimates decode-time acceptance (every position is an anchor there): a predictable
+    draw in eval mode would overstate tau by favouring easy positions."""
+    target = make_target()
+    batch = make_batch(target, method, count=2, length=32)
+    drafter = build(method, target, anchor_sampling="predictable")
+    scored = []
+    real = drafter.target_label_prob
+    monkeypatch.setattr(drafter, "target_label_prob", lambda *a: scored.append(1) or real(*a))
+    drafter.train()
+    drafter.training_forward(batch)
+    assert scored, "training should score anchors with the target head"
+    scored.clear()
+    drafter.eval()
+    with torch.no_grad():
+        out = drafter.training_forward(batch)
+    assert not scored and torch.isfinite(out.loss)
+
+
 def test_fresh_run_warm_starts_and_resume_does_not(stores, tmp_path, monkeypatch):  # noqa: F811
     from safetensors.torch import load_file
 

@@ -10,6 +10,9 @@
 * ``math``         math-style prompts: MT-Bench's math questions plus the arithmetic word problems
                    among the held-out ShareGPT rows (a short question with numbers asking "how many",
                    "how much", ...), domain ``math``.
+* ``sharegpt``     held-out ShareGPT first turns (the same ``HELD_OUT_ROWS`` rows), domain ``sharegpt``: the
+                   training distribution of a ShareGPT-trained drafter, so its tau here is the one to
+                   compare with the held-out tau logged in training (other suites add a domain shift).
 * ``domains``      every domain once: MT-Bench by category, math word problems (``math-word``), code,
                    translation (use ``--limit-per-domain`` to keep it short).
 * ``quick``        a few prompts of each of the above, for the quickstart.
@@ -84,14 +87,19 @@ def humaneval() -> list[EvalPrompt]:
     ]
 
 
+def _held_out_sharegpt_rows():
+    """(row index, parsed row) of the last ``HELD_OUT_ROWS`` rows of the ShareGPT wheel's file."""
+    values = [value for value, _ in iter_json_values(SHAREGPT.path(), allow_truncated_tail=True)]
+    for index in range(max(0, len(values) - HELD_OUT_ROWS), len(values)):
+        yield index, parse_row(values[index], f"sharegpt row {index}", index)
+
+
 @SUITES.register("translation")
 def translation(count: int = 24) -> list[EvalPrompt]:
     """Translate real held-out English text (the opening sentences of ShareGPT replies) into one of
     several languages. ShareGPT holds too few genuine translation requests to make a suite."""
-    values = [value for value, _ in iter_json_values(SHAREGPT.path(), allow_truncated_tail=True)]
     prompts: list[EvalPrompt] = []
-    for index in range(max(0, len(values) - HELD_OUT_ROWS), len(values)):
-        row = parse_row(values[index], f"sharegpt row {index}", index)
+    for _, row in _held_out_sharegpt_rows():
         reply = next((m["content"] for m in row.messages if m["role"] == "assistant"), "")
         match = _OPENING_SENTENCES.match(reply)
         if match and reply.isascii() and 60 <= len(match.group(0)) <= 320:
@@ -111,14 +119,25 @@ _NOT_A_WORD_PROBLEM = re.compile(r"https?:|```|\bcode\b|\bpython\b|function|arti
 
 def word_problems() -> list[EvalPrompt]:
     """Held-out ShareGPT first turns that read as arithmetic word problems (domain ``math-word``)."""
-    values = [value for value, _ in iter_json_values(SHAREGPT.path(), allow_truncated_tail=True)]
     prompts = []
-    for index in range(max(0, len(values) - HELD_OUT_ROWS), len(values)):
-        row = parse_row(values[index], f"sharegpt row {index}", index)
+    for _, row in _held_out_sharegpt_rows():
         text = next((m["content"] for m in row.messages if m["role"] == "user"), "")
         if (40 <= len(text) <= 400 and text.isascii() and "?" in text and len(re.findall(r"\d+", text)) >= 2
                 and _WORD_PROBLEM.search(text) and not _NOT_A_WORD_PROBLEM.search(text)):
             prompts.append(EvalPrompt(f"word-problem-{row.sample_id}", "math-word", _user(text)))
+    return prompts
+
+
+@SUITES.register("sharegpt")
+def sharegpt_held_out(count: int = 40) -> list[EvalPrompt]:
+    """First user turns of held-out ShareGPT rows (plain-ASCII, 20-600 characters)."""
+    prompts = []
+    for index, row in _held_out_sharegpt_rows():
+        text = next((m["content"] for m in row.messages if m["role"] == "user"), "")
+        if 20 <= len(text.strip()) <= 600 and text.isascii():
+            prompts.append(EvalPrompt(f"sharegpt-{row.sample_id}", "sharegpt", _user(text.strip())))
+            if len(prompts) == count:
+                break
     return prompts
 
 

@@ -31,9 +31,26 @@ def seconds_per_step(metrics_path: Path) -> float:
     return seconds[len(seconds) // 2]
 
 
-def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Any = None, probe_steps: int = 4, min_steps: int = 8) -> dict:
+def epoch_steps(cfg: Any) -> int:
+    """Steps of ``cfg.epochs`` passes over the training split of ``cfg.data`` (one process): what
+    ``train`` runs when ``max_steps`` is 0."""
+    from specdraft.train.data import DataPlan, open_sample_source
+    from specdraft.train.trainer import sample_lengths
+
+    dataset = open_sample_source(cfg)
+    plan = DataPlan.build(list(dataset.sample_ids), sample_lengths(dataset), val_fraction=cfg.val_fraction,
+                          pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=cfg.seed)
+    return plan.total_steps(cfg.epochs)
+
+
+def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Any = None, probe_steps: int = 4, min_steps: int = 8,
+                     cap_at_epochs: bool = False) -> dict:
     """Steps that fill ``budget_seconds`` of training with ``cfg`` (a TrainConfig), timed by a short
-    probe run in a scratch directory (evaluation and checkpoints off, nothing kept)."""
+    probe run in a scratch directory (evaluation and checkpoints off, nothing kept).
+
+    ``cap_at_epochs``: no more than ``cfg.epochs`` passes over the data even when time would allow
+    more (on a small dataset further passes only overfit; the run then ends before its budget).
+    """
     from specdraft.train.trainer import train
 
     if budget_seconds <= 0:
@@ -46,4 +63,8 @@ def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Any = None, pro
         per_step = seconds_per_step(scratch / "run" / "metrics.jsonl")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"seconds_per_step": per_step, "train_seconds": budget_seconds, "steps": max(min_steps, int(budget_seconds / per_step))}
+    facts = {"seconds_per_step": per_step, "train_seconds": budget_seconds, "steps": max(min_steps, int(budget_seconds / per_step))}
+    if cap_at_epochs:
+        facts["epoch_steps"] = epoch_steps(cfg)
+        facts["steps"] = min(facts["steps"], facts["epoch_steps"])
+    return facts

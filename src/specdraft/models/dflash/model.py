@@ -244,7 +244,10 @@ class DFlashDrafter(SpeculatorsDrafter):
         return self.norm(x).view(n, a, b, -1)
 
     def training_forward(self, batch: DrafterBatch) -> TrainOutput:
-        sampler = ANCHOR_SAMPLING.get(self.config.anchor_sampling)
+        # Held-out metrics must estimate decode-time acceptance, where every response position is an
+        # anchor: in eval mode anchors are uniform whatever the training sampler (a "predictable" draw
+        # would overstate tau by favouring easy positions).
+        sampler = ANCHOR_SAMPLING.get(self.config.anchor_sampling if self.training else "uniform")
         anchors = sampler(batch.segment_ids, batch.loss_mask, max_per_segment=self.config.max_anchors,
                           label_prob=lambda rows, pos: self.target_label_prob(batch, rows, pos))
         return self.block_loss(batch, anchors, self.forward_blocks(batch, anchors))
