@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -43,6 +44,34 @@ def test_eval_compares_drafter_with_autoregressive(tmp_path, tiny_target):
     assert "| ngram | 1 |" in (out / "report.md").read_text()
 
 
+def test_eval_max_time_keeps_whole_batches_and_says_so(tmp_path, tiny_target, monkeypatch):
+    import specdraft.eval.runner as runner
+
+    class Clock:  # every reading of the runner's clock is 10 s later: one batch "takes" 10-20 s
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls):
+            cls.now += 10.0
+            return cls.now
+
+    monkeypatch.setattr(runner, "time", Clock)
+    out = tmp_path / "eval"
+    config = EvalConfig(out=str(out), prompts=str(_prompt_file(tmp_path)), drafters=["ngram"], max_new_tokens=6,
+                        concurrency=[1, 2], threads=1, plots=False, max_time=30)
+    report = run_eval(config, SamplingConfig(), target=tiny_target, progress=False)
+    # batch 1 ends at 10 s; batch 2 would end at ~40 s > 30 s: not started, nor is concurrency 2
+    assert report["cut_by_time"] and report["num_prompts"] == 1 and report["prompts_planned"] == 3
+    assert {(r["drafter"], r["concurrency"]) for r in report["runs"]} == {("autoregressive", 1), ("ngram", 1)}
+    assert all(r["identical_to_autoregressive"] == 1 and r["overall"]["requests"] == 1 for r in report["runs"])
+    assert [set(p["outputs"]) for p in report["prompts"]] == [{"autoregressive", "ngram"}]
+    assert "1 of 3 prompts (--max-time reached)" in (out / "report.md").read_text()
+
+    unlimited = run_eval(dataclasses.replace(config, max_time=0, out=str(tmp_path / "all")), SamplingConfig(), target=tiny_target,
+                         progress=False)
+    assert not unlimited["cut_by_time"] and unlimited["num_prompts"] == 3 and len(unlimited["runs"]) == 4
+
+
 def test_eval_sampling_reports_no_identity_check(tmp_path, tiny_target):
     config = EvalConfig(out=str(tmp_path / "e"), prompts=str(_prompt_file(tmp_path)), max_new_tokens=6, plots=False, threads=1)
     report = run_eval(config, SamplingConfig(temperature=0.8, top_p=0.9), target=tiny_target, progress=False)
@@ -55,6 +84,7 @@ def test_eval_sampling_reports_no_identity_check(tmp_path, tiny_target):
         ({"concurrency": [0]}, "concurrency"),
         ({"drafters": []}, "at least one drafter"),
         ({"max_new_tokens": 0}, "max-new-tokens"),
+        ({"max_time": -1}, "--max-time must be >= 0 seconds, got -1"),
     ],
 )
 def test_eval_config_rejects_bad_values(kwargs, message):

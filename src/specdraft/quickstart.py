@@ -10,7 +10,8 @@ Stages, each under ``RUN/`` and each skipped or resumed when the command is reru
   4. ``train/final/``    calibrate its confidence head on the held-out split
   5. ``eval/``           compare autoregressive decoding, ngram and the drafter (verifying the full
                          block and with the confidence scheduler) on held-out prompts, next to the
-                         reference drafter shipped for the target (when one ships, e.g. smollm2-135m)
+                         reference drafter shipped for the target (when one ships, e.g. smollm2-135m),
+                         on as many prompts as the rest of the budget allows
 
 ``RUN/quickstart.json`` records what each stage did and how long it took.
 """
@@ -28,6 +29,8 @@ from specdraft.utils.config import config_field
 from specdraft.utils.io import atomic_write_json
 
 METHOD = "dspark"
+#: Seconds of the budget left for what the comparison's time limit does not cover (warm-up, report, plots).
+EVAL_MARGIN_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,10 @@ class QuickstartConfig:
     eval_prompts_per_domain: int = config_field(1, help="held-out prompts per domain in the final comparison")
     eval_max_new_tokens: int = config_field(64, help="tokens generated per eval prompt")
     epochs: int = config_field(6, help="passes over the training data at most; training stops sooner if the budget runs out")
-    eval_reserve: float = config_field(9.5, help="minutes of the budget kept for calibration and the final comparison")
+    eval_reserve: float = config_field(
+        9.5, help="minutes of the budget kept for calibration and the final comparison (which stops starting prompts when "
+        "the budget runs out)"
+    )
     compare_reference: bool = config_field(
         True, help="also evaluate the reference drafter shipped with specdraft for this target (if one ships), to show a trained one"
     )
@@ -159,7 +165,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     eval_config = EvalConfig(
         out=str(run / "eval"), target=config.target, suite="quick", limit_per_domain=config.eval_prompts_per_domain,
         max_new_tokens=config.eval_max_new_tokens, drafters=eval_drafters(config, final),
-        threads=config.threads,
+        threads=config.threads, max_time=max(60.0, deadline - time.perf_counter() - EVAL_MARGIN_S),
     )
     report: dict = {}
 

@@ -29,6 +29,10 @@ class EvalConfig:
     dtype: str = config_field("float32", help="target weights dtype: float32 | bfloat16")
     device: str = config_field("cpu", help="torch device, e.g. cpu or cuda")
     threads: int = config_field(0, help="torch CPU threads (0 = torch's default)")
+    max_time: float = config_field(
+        0.0, help="seconds the comparison may take: no prompt batch is started that the mean batch time so far says would "
+        "end past it, and the report covers the batches finished, each run by every drafter (0 = no limit)"
+    )
     seed: int = config_field(0, help="sampling seed (temperature > 0)")
     plots: bool = config_field(True, help="write PNG plots (needs matplotlib)")
     endpoint: str = config_field(
@@ -45,3 +49,5 @@ class EvalConfig:
             raise SpecdraftError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.limit_per_domain < 0:
             raise SpecdraftError(f"--limit-per-domain must be >= 0, got {self.limit_per_domain}")
+        if self.max_time < 0:
+            raise SpecdraftError(f"--max-time must be >= 0 seconds, got {self.max_time}")

@@ -44,8 +44,10 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 def render_tables(report: dict[str, Any]) -> str:
     """Markdown: the overall table, then tau per domain (first concurrency level)."""
     n = report["num_prompts"]
+    planned = report.get("prompts_planned", n)
+    prompts = f"{n} of {planned} prompts (--max-time reached)" if report.get("cut_by_time") else f"{n} prompts"
     lines = [
-        f"# specdraft eval — target {report['target']['name']}, {n} prompts, "
+        f"# specdraft eval — target {report['target']['name']}, {prompts}, "
         f"max {report['config']['max_new_tokens']} new tokens, temperature {report['sampling']['temperature']}",
         "",
         "| drafter | concurrency | tau | acceptance | mean verify len | drafting | tok/s | speed-up | TTFT ms | TPOT ms | identical to AR |",

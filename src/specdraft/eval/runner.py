@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfi
 from specdraft.errors import SpecdraftError
 from specdraft.eval.config import EvalConfig
 from specdraft.eval.suites import EvalPrompt, load_prompts
+
+log = logging.getLogger(__name__)
 
 AUTOREGRESSIVE = "autoregressive"
 
@@ -127,10 +130,16 @@ def run_eval(
     total = sum(len(_batches(prompts, c)) for c in config.concurrency) * len(decoders)
     bar = tqdm(total=total, desc="eval", unit="batch", disable=not progress)
     started = time.perf_counter()
+    batches_done, cut_by_time = 0, False
     for concurrency in config.concurrency:
         merged: dict[str, Any] = {label: None for label in decoders}
         domain_metrics: dict[str, dict[str, Any]] = {label: {} for label in decoders}
         for batch in _batches(prompts, concurrency):
+            elapsed = time.perf_counter() - started
+            if config.max_time and batches_done and elapsed + elapsed / batches_done > config.max_time:
+                cut_by_time = True
+                break
+            batches_done += 1
             domain = prompts[batch[0]].domain
             for label, decoder in decoders.items():
                 result = decoder.generate([token_ids[i] for i in batch])
@@ -142,12 +151,13 @@ def run_eval(
                 bar.update(1)
                 bar.set_postfix(drafter=label, c=concurrency)
         baseline = merged[AUTOREGRESSIVE]
+        if baseline is None:  # the time limit came before this concurrency level started
+            break
         for label in decoders:
             metrics = merged[label]
             same = None
             if sampling.greedy:
-                same = sum(outputs[concurrency][label][i]["tokens"] == outputs[concurrency][AUTOREGRESSIVE][i]["tokens"]
-                           for i in range(len(prompts)))
+                same = sum(out["tokens"] == outputs[concurrency][AUTOREGRESSIVE][i]["tokens"] for i, out in outputs[concurrency][label].items())
             records.append(RunRecord(
                 drafter=label,
                 concurrency=concurrency,
@@ -163,10 +173,14 @@ def run_eval(
         entry = {**prompt.to_json(), "prompt_tokens": len(token_ids[i]), "outputs": {}}
         for concurrency in config.concurrency:
             for label in decoders:
-                out = outputs[concurrency][label][i]
-                text = target.tokenizer.decode(out["tokens"], skip_special_tokens=True)
-                entry["outputs"].setdefault(label, {})[str(concurrency)] = {**out, "text": text}
-        per_prompt.append(entry)
+                out = outputs[concurrency][label].get(i)
+                if out is not None:
+                    text = target.tokenizer.decode(out["tokens"], skip_special_tokens=True)
+                    entry["outputs"].setdefault(label, {})[str(concurrency)] = {**out, "text": text}
+        if entry["outputs"]:
+            per_prompt.append(entry)
+    if cut_by_time:
+        log.warning("--max-time %.0f s: evaluated %d of %d prompts", config.max_time, len(per_prompt), len(prompts))
     report = {
         "format": "specdraft.eval_report",
         "format_version": 1,
@@ -175,7 +189,9 @@ def run_eval(
         "sampling": asdict(sampling),
         "scheduler": asdict(scheduler),
         "drafters": {s.label: asdict(s.decode) for s in specs},
-        "num_prompts": len(prompts),
+        "num_prompts": len(per_prompt),
+        "prompts_planned": len(prompts),
+        "cut_by_time": cut_by_time,
         "wall_s": time.perf_counter() - started,
         "runs": [asdict(r) for r in records],
         "prompts": per_prompt,
