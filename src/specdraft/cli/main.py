@@ -13,6 +13,7 @@ import logging
 import sys
 
 from specdraft.errors import SpecdraftError
+from specdraft.utils.allocator import tune_malloc
 
 COMMAND_MODULES = [
     "specdraft.cli.prepare",
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    tune_malloc()
     try:
         result = args.func(args)
     except SpecdraftError as exc:
