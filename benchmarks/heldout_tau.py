@@ -5,7 +5,8 @@ draws anchors uniformly. A ``predictable`` draw (the recipe's training sampler, 
 the target finds easy) overstates it; before this benchmark's release the trainer's validation used
 it for DSpark/DFlash, which is most of the gap between the held-out tau logged in training and the
 tau measured by ``specdraft eval``. This script measures both on the same held-out split (the
-trainer's: ``--val-fraction`` by sample id) and prints one JSON object.
+trainer's, ``train/split.py``: the run's split.json with ``--split``, else whole conversations by
+``--val-fraction``) and prints one JSON object.
 
   .venv/bin/python benchmarks/heldout_tau.py --drafter src/specdraft/reference/smollm2-135m-dspark \\
       --data runs/ref2/hidden_states --threads 2
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", required=True, help="drafter checkpoint directory (DSpark or DFlash)")
     parser.add_argument("--data", required=True, help="hidden-state store holding the drafter's layers")
-    parser.add_argument("--val-fraction", type=float, default=0.05, help="held-out share by sample id (the training run's)")
+    parser.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of conversations (the training run's)")
+    parser.add_argument("--split", default="", help="the training run's split.json (overrides --val-fraction)")
     parser.add_argument("--samplers", default="uniform,predictable", help="comma-separated anchor samplers to compare")
     parser.add_argument("--pack-tokens", type=int, default=2048, help="tokens per packed row")
     parser.add_argument("--max-rows", type=int, default=0, help="evaluate at most this many packed rows (0 = all)")
@@ -37,7 +40,8 @@ def main() -> None:
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.models.common.drafter import load_drafter
     from specdraft.targets import load_target
-    from specdraft.train.data import collate, pack_rows, select_slots, split_by_id
+    from specdraft.train.data import collate, pack_rows, select_slots
+    from specdraft.train.split import resolve_split
     from specdraft.train.metrics import MetricSums
 
     if args.threads:
@@ -46,7 +50,7 @@ def main() -> None:
     target = load_target(dataset.target_info["name"])
     drafter = load_drafter(args.drafter, target=target).eval()
     slot_index = select_slots(dataset.slots, drafter.config.slots(), where=args.data)
-    _, held_out = split_by_id(dataset.sample_ids, args.val_fraction)
+    held_out = resolve_split(dataset, val_fraction=args.val_fraction, seed=0, recorded=Path(args.split) if args.split else None).val
     rows = pack_rows(held_out, dataset.lengths(), args.pack_tokens)
     rows = rows[: args.max_rows] if args.max_rows else rows
     sums = {name: MetricSums() for name in args.samplers.split(",")}

@@ -202,7 +202,8 @@ if __name__ == "__main__":
 # ------------------------------------------------------------------ data pipeline tests
 
 from specdraft.errors import SpecdraftError  # noqa: E402
-from specdraft.train.data import DataPlan, collate, epoch_order, pack_rows, select_slots, split_by_id  # noqa: E402
+from specdraft.train.data import DataPlan, collate, epoch_order, pack_rows, select_slots  # noqa: E402
+from specdraft.train.split import dataset_split  # noqa: E402
 
 
 def test_pack_rows_fills_rows_and_never_splits_samples():
@@ -244,14 +245,6 @@ def test_collate_selects_slots_by_meaning():
         select_slots([LayerSlot(1, "output"), LayerSlot(4, "input")], toy_slots(6), where="store")
 
 
-def test_split_is_by_id_and_order_independent():
-    ids = [f"id-{i}" for i in range(400)]
-    train, val = split_by_id(ids, 0.25)
-    assert sorted(train + val) == list(range(400)) and 60 < len(val) < 140
-    rev_train, rev_val = split_by_id(ids[::-1], 0.25)
-    assert {ids[i] for i in val} == {ids[::-1][i] for i in rev_val}
-
-
 def test_epoch_order_depends_on_seed_and_epoch_only():
     idx = list(range(50))
     assert epoch_order(idx, seed=1, epoch=0) == epoch_order(idx, seed=1, epoch=0)
@@ -262,7 +255,7 @@ def test_epoch_order_depends_on_seed_and_epoch_only():
 
 def test_ranks_get_disjoint_batches_and_locate_walks_epochs():
     store = ToyStore(40)
-    kw = dict(val_fraction=0.1, pack_tokens=48, batch_rows=1, seed=0)
+    kw = dict(split=dataset_split(store, val_fraction=0.1, seed=0), pack_tokens=48, batch_rows=1, seed=0)
     plans = [DataPlan.build(store.sample_ids, store.lengths(), world_size=2, rank=r, **kw) for r in range(2)]
     single = DataPlan.build(store.sample_ids, store.lengths(), **kw)
     n = plans[0].steps_in_epoch(0)

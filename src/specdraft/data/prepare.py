@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 from specdraft.data.dataset import PreparedDataset, write_prepared
 from specdraft.data.regenerate import REGENERATION_ENGINES
 from specdraft.data.render import end_of_turn_ids, render_with_mask
-from specdraft.data.sources import ASSISTANT, USER, RawRow, iter_rows, prepared_sources
+from specdraft.data.sources import RawRow, conversation, first_reply_index, iter_rows, prepared_sources
 from specdraft.errors import SpecdraftError
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.utils.config import config_field
@@ -103,18 +103,6 @@ class _Sample:
     loss_mask: list[int]
 
 
-def _conversation(row: RawRow) -> list[dict]:
-    """Messages with assistant turns before the first user turn removed."""
-    seen_user = False
-    out = []
-    for message in row.messages:
-        seen_user = seen_user or message["role"] == USER
-        if message["role"] == ASSISTANT and not seen_user:
-            continue
-        out.append(message)
-    return out
-
-
 def _rows(config: PrepareConfig, stats: Counter, done: Callable[[], bool]) -> Iterator[RawRow]:
     """Rows in file order; ``done`` is asked before each row so no row is parsed past the quota."""
     rows = itertools.islice(iter_rows(config.data), config.skip_rows, None)
@@ -159,8 +147,8 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
             else:
                 samples.append(_Sample(row.sample_id, source, row.input_ids, row.loss_mask))
             continue
-        messages = _conversation(row)
-        first_reply = next((i for i, m in enumerate(messages) if m["role"] == ASSISTANT), None)
+        messages = conversation(row.messages)
+        first_reply = first_reply_index(messages)
         if first_reply is None:
             skipped["no_assistant"] += 1
             continue

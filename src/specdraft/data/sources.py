@@ -9,6 +9,10 @@ Formats live in ``ROW_FORMATS`` keyed by name and are detected per row, so one f
 A prepared dataset directory is a source too (rows pass through as ``prepared``), and ``--data``
 may join several sources with commas.
 
+Each format also names its *conversation group*: the key shared by rows cut from one conversation,
+which the validation split keeps on one side (``conversation_group``). ShareGPT cuts long chats into
+rows ``X_0``, ``X_1``, ... (group ``X``); the other formats have one row per conversation.
+
 Malformed rows (bad JSON, no known format, missing fields, unknown roles) are *errors* naming the
 file and line: silently dropping them would hide a broken export. Well-formed rows that are merely
 unusable (no assistant turn, too long) are skipped and counted by the caller.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -41,10 +46,33 @@ class RawRow:
     source: str = ""  # "<dataset or file name>:<format>", or the label a prepared dataset recorded for the row
 
 
+def conversation(messages: list[dict]) -> list[dict]:
+    """``messages`` without the assistant turns before the first user turn (ShareGPT splits long chats,
+    so some rows start mid-conversation; such a reply has no prompt)."""
+    seen_user = False
+    out = []
+    for message in messages:
+        seen_user = seen_user or message["role"] == USER
+        if message["role"] == ASSISTANT and not seen_user:
+            continue
+        out.append(message)
+    return out
+
+
+def first_reply_index(messages: list[dict]) -> int | None:
+    """Index of the first assistant turn (``messages[:i]`` is the prompt ``prepare`` renders), None if none."""
+    return next((i for i, m in enumerate(messages) if m["role"] == ASSISTANT), None)
+
+
+def _whole_row(sample_id: str) -> str:
+    return sample_id
+
+
 @dataclass(frozen=True)
 class RowFormat:
     detect: Callable[[dict], bool]
     parse: Callable[[dict, str], dict]  # (row, where) -> RawRow fields
+    group: Callable[[str], str] = _whole_row  # sample id -> its conversation (rows of one conversation share it)
 
 
 ROW_FORMATS: Registry[RowFormat] = Registry("row format")
@@ -70,10 +98,13 @@ def _messages(turns: Any, where: str, list_key: str, role_key: str, text_key: st
     return {"messages": out}
 
 
+_SHAREGPT_CHUNK = re.compile(r"_\d+$")  # ShareGPT's "<conversation>_<chunk>" ids
+
 ROW_FORMATS.register("sharegpt")(
     RowFormat(
         detect=lambda row: "conversations" in row,
         parse=lambda row, where: _messages(row["conversations"], where, "conversations", "from", "value", _SHAREGPT_ROLES),
+        group=lambda sample_id: _SHAREGPT_CHUNK.sub("", sample_id),
     )
 )
 ROW_FORMATS.register("openai")(
@@ -198,6 +229,20 @@ def iter_rows(data: str) -> Iterator[RawRow]:
                 row.sample_id = f"{row.sample_id}@{index}" if number == 0 else f"{row.sample_id}@{number}:{index}"
             seen.add(row.sample_id)
             yield row
+
+
+_DEDUP_SUFFIX = re.compile(r"@\d+(:\d+)?$")  # what ``iter_rows`` appends to a repeated id
+
+
+def conversation_group(sample_id: str, source: str) -> str:
+    """The conversation a sample was cut from: its format's ``group`` of the id without ``iter_rows``'
+    dedup suffix. ``source`` is the row's label ("<name>:<format>", "+regenerated" when its reply was
+    regenerated; a prepared dataset keeps the label of the row it came from); a label naming no known
+    format leaves the id whole. The source name is not part of the group, so the same rows split the
+    same way whatever the file is called (ids that collide across files only make a coarser group)."""
+    fmt = source.rpartition(":")[2].split("+", 1)[0]
+    base = _DEDUP_SUFFIX.sub("", sample_id)
+    return ROW_FORMATS.get(fmt).group(base) if fmt in ROW_FORMATS else base
 
 
 def split_sources(data: str) -> list[str]:

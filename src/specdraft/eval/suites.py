@@ -10,9 +10,14 @@
 * ``math``         math-style prompts: MT-Bench's math questions plus the arithmetic word problems
                    among the held-out ShareGPT rows (a short question with numbers asking "how many",
                    "how much", ...), domain ``math``.
-* ``sharegpt``     held-out ShareGPT first turns (the same ``HELD_OUT_ROWS`` rows), domain ``sharegpt``: the
-                   training distribution of a ShareGPT-trained drafter, so its tau here is the one to
-                   compare with the held-out tau logged in training (other suites add a domain shift).
+* ``sharegpt``     the validation side of ShareGPT as the trainer splits it (``train/split.py`` at its
+                   default fraction and seed, computed over the whole file): the prompts ``prepare``
+                   renders (messages before the first reply) of the first such rows in file order,
+                   domain ``sharegpt``. No filter beyond ``prepare``'s (a reply must follow), so this is
+                   the distribution of the validation samples of a ShareGPT-trained drafter and its tau
+                   the one to compare with the tau logged in training (other suites add a domain shift);
+                   no prompt here shares a conversation or a prompt with the training side of a run
+                   prepared from any part of the file.
 * ``domains``      every domain once: MT-Bench by category, math word problems (``math-word``), code,
                    translation (use ``--limit-per-domain`` to keep it short).
 * ``quick``        a few prompts of each of the above, for the quickstart.
@@ -31,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specdraft.data.sources import EmbeddedDataset, iter_json_values, parse_row
+from specdraft.data.sources import EmbeddedDataset, conversation, conversation_group, first_reply_index, iter_json_values, iter_rows, parse_row
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
+from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, SplitKey, held_out, prompt_digest
 
 HELD_OUT_ROWS = 4000
 
@@ -128,17 +134,24 @@ def word_problems() -> list[EvalPrompt]:
     return prompts
 
 
+def validation_prompts(data: str = "sharegpt", *, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = DEFAULT_SPLIT_SEED):
+    """(row, prompt messages) of the rows of ``data`` that the trainer's split puts on the validation
+    side (keys: the row's conversation group and its prompt), in file order."""
+    rows, prompts = [], []
+    for row in iter_rows(data):
+        messages = conversation(row.messages)
+        reply = first_reply_index(messages)
+        if reply is not None:  # what `prepare` keeps
+            rows.append(row)
+            prompts.append(tuple(messages[:reply]))
+    keys = [SplitKey(conversation_group(r.sample_id, r.source), prompt_digest(list(p))) for r, p in zip(rows, prompts)]
+    return [(r, p) for r, p, val in zip(rows, prompts, held_out(keys, val_fraction, seed)) if val]
+
+
 @SUITES.register("sharegpt")
 def sharegpt_held_out(count: int = 40) -> list[EvalPrompt]:
-    """First user turns of held-out ShareGPT rows (plain-ASCII, 20-600 characters)."""
-    prompts = []
-    for index, row in _held_out_sharegpt_rows():
-        text = next((m["content"] for m in row.messages if m["role"] == "user"), "")
-        if 20 <= len(text.strip()) <= 600 and text.isascii():
-            prompts.append(EvalPrompt(f"sharegpt-{row.sample_id}", "sharegpt", _user(text.strip())))
-            if len(prompts) == count:
-                break
-    return prompts
+    """The first ``count`` validation-side ShareGPT prompts (``validation_prompts``)."""
+    return [EvalPrompt(f"sharegpt-{row.sample_id}", "sharegpt", prompt) for row, prompt in validation_prompts()[:count]]
 
 
 @SUITES.register("math")

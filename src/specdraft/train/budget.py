@@ -35,10 +35,12 @@ def epoch_steps(cfg: Any) -> int:
     """Steps of ``cfg.epochs`` passes over the training split of ``cfg.data`` (one process): what
     ``train`` runs when ``max_steps`` is 0."""
     from specdraft.train.data import DataPlan, open_sample_source
+    from specdraft.train.split import dataset_split
     from specdraft.train.trainer import sample_lengths
 
     dataset = open_sample_source(cfg)
-    plan = DataPlan.build(list(dataset.sample_ids), sample_lengths(dataset), val_fraction=cfg.val_fraction,
+    split = dataset_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed)
+    plan = DataPlan.build(list(dataset.sample_ids), sample_lengths(dataset), split=split,
                           pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=cfg.seed)
     return plan.total_steps(cfg.epochs)
 

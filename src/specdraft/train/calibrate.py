@@ -1,7 +1,9 @@
 """``specdraft calibrate``: fit a DSpark drafter's confidence temperatures on held-out hidden states.
 
-The held-out samples are the trainer's validation split (same id hashing and ``val_fraction``),
-so calibration never sees data the drafter was trained on. The temperatures are stored in the
+The held-out samples are the trainer's validation split (``train/split.py``): the run's recorded
+``split.json`` when the drafter is a run's ``final/`` (or ``--split`` names one), else the split the
+trainer computes from ``--val-fraction`` and ``--split-seed``; so calibration never sees data the
+drafter was trained on. The temperatures are stored in the
 checkpoint's config (``specdraft.config.confidence_temperatures``) and the fit statistics in
 ``calibration.json`` beside it; the checkpoint directory is replaced atomically.
 """
@@ -28,7 +30,9 @@ class CalibrateConfig:
         "greedy", help="acceptance to calibrate for: greedy (argmax match) or sampling (1 - 0.5*L1 at T=1)",
         metadata={"choices": sorted(ACCEPT_MODES)},
     )
-    val_fraction: float = config_field(0.05, help="fraction of samples held out, chosen by hashing ids exactly as `specdraft train` does")
+    val_fraction: float = config_field(0.05, help="share of conversations held out, as `specdraft train --val-fraction` (when no split.json is found)")
+    split_seed: int = config_field(0, help="seed of the validation split, as `specdraft train --split-seed` (when no split.json is found)")
+    split: str = config_field("", help="a training run's split.json (default: the one beside --drafter when it is a run's final/)")
     max_samples: int = config_field(256, help="use at most this many held-out samples")
     pack_tokens: int = config_field(2048, help="tokens per packed row while scoring")
     seed: int = config_field(0, help="seed of the anchor sampling")
@@ -53,7 +57,8 @@ def calibrate(config: CalibrateConfig, *, target: Any = None, progress: bool = T
     from specdraft.models.common.drafter import load_drafter
     from specdraft.models.dspark.calibration import sequential_temperature_scaling
     from specdraft.targets import load_target
-    from specdraft.train.data import collate, pack_rows, select_slots, split_by_id
+    from specdraft.train.data import collate, pack_rows, select_slots
+    from specdraft.train.split import SPLIT_FILE, resolve_split
     from specdraft.utils.io import atomic_write_json
 
     dataset = HiddenStateDataset(config.data)
@@ -63,7 +68,10 @@ def calibrate(config: CalibrateConfig, *, target: Any = None, progress: bool = T
     if not hasattr(drafter, "confidence_records"):
         raise SpecdraftError(f"{config.drafter}: a {drafter.method} drafter has no confidence head; only dspark drafters are calibrated")
     slot_index = select_slots(dataset.slots, drafter.config.slots(), where=config.data)
-    _, held_out = split_by_id(dataset.sample_ids, config.val_fraction)
+    recorded = Path(config.split) if config.split else Path(config.drafter).resolve().parent / SPLIT_FILE
+    if config.split and not recorded.is_file():
+        raise SpecdraftError(f"--split {config.split} does not exist")
+    held_out = resolve_split(dataset, val_fraction=config.val_fraction, seed=config.split_seed, recorded=recorded).val
     if not held_out:
         raise SpecdraftError(
             f"{config.data}: no sample falls in the held-out split (val_fraction {config.val_fraction} of "

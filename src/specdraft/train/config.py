@@ -18,6 +18,7 @@ from typing import Any
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES
 from specdraft.hidden_states.online import DATA_MODES
+from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
 from specdraft.train.warm_start import FC_INITS, MARKOV_INITS
 from specdraft.utils.config import config_field
 
@@ -65,7 +66,16 @@ class TrainConfig:
     max_steps: int = config_field(0, help="optimizer steps to train (0 = as many as --epochs take)")
     max_time: float = config_field(0.0, help="stop (checkpoint + final) after this many seconds of training (0 = no limit)")
     seed: int = config_field(0, help="seed for initialisation, data order and every per-step random draw")
-    val_fraction: float = config_field(0.05, help="fraction of samples held out for validation, chosen by hashing sample ids")
+    val_fraction: float = config_field(
+        DEFAULT_VAL_FRACTION, help="share of conversations held out for validation (whole conversations; a prompt shared with a training "
+        "conversation stays in training; train/split.py); the split is recorded in OUT/split.json and reused on resume"
+    )
+    split_seed: int = config_field(DEFAULT_SPLIT_SEED, help="seed of the validation split (independent of --seed, so reruns with other seeds validate on the same samples)")
+    decode_prompts: int = config_field(
+        3, help="at each validation also decode this many validation prompts greedily with the built-in runtime and log "
+        "their tau (decoded) beside the teacher-forced estimate (0 = off)"
+    )
+    decode_tokens: int = config_field(32, help="tokens generated per prompt for the decoded tau")
     val_max_batches: int = config_field(8, help="validation batches per evaluation (0 = the whole split)")
     eval_interval: int = config_field(100, help="validate every N steps and at the end (0 = only at the end)")
     checkpoint_interval: int = config_field(200, help="checkpoint every N steps and at the end (0 = only at the end)")
@@ -104,10 +114,10 @@ class TrainConfig:
         self.producers = [p.strip() for p in self.producers if p.strip()]
         if self.request_timeout <= 0:
             raise SpecdraftError(f"request_timeout must be > 0, got {self.request_timeout}")
-        for name in ("pack_tokens", "batch_rows", "epochs", "log_interval", "prefetch"):
+        for name in ("pack_tokens", "batch_rows", "epochs", "log_interval", "prefetch", "decode_tokens"):
             if getattr(self, name) < 1:
                 raise SpecdraftError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "val_max_batches", "eval_interval", "checkpoint_interval", "keep_checkpoints", "num_threads"):
+        for name in ("max_steps", "val_max_batches", "decode_prompts", "eval_interval", "checkpoint_interval", "keep_checkpoints", "num_threads"):
             if getattr(self, name) < 0:
                 raise SpecdraftError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):

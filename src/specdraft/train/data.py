@@ -1,6 +1,7 @@
-"""From stored samples to ``DrafterBatch``es: validation split, per-epoch shuffle, packing, collation.
+"""From stored samples to ``DrafterBatch``es: per-epoch shuffle, packing, collation (the validation
+split they start from is ``train/split.py``'s).
 
-Everything here is a pure function of (sample ids, lengths, seed, epoch), so a resumed run can
+Everything here is a pure function of (split, lengths, seed, epoch), so a resumed run can
 recompute exactly which batch comes next from the step number alone -- no loader state is saved.
 
 Packing ("next fit" in shuffled order): samples are laid end to end in a row of at most
@@ -28,6 +29,7 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.models.base import DrafterBatch
+from specdraft.train.split import Split
 
 log = logging.getLogger(__name__)
 
@@ -92,20 +94,6 @@ def training_order(plan: "DataPlan", start_step: int, total_steps: int) -> Itera
             yield from row
 
 
-def val_fraction_of(sample_id: str) -> float:
-    """A stable pseudo-random number in [0, 1) per sample id (independent of order and seed)."""
-    digest = hashlib.sha256(sample_id.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
-
-
-def split_by_id(sample_ids: Sequence[str], val_fraction: float) -> tuple[list[int], list[int]]:
-    """Indices of (train, validation) samples; a sample's side depends only on its id."""
-    train, val = [], []
-    for i, sid in enumerate(sample_ids):
-        (val if val_fraction_of(str(sid)) < val_fraction else train).append(i)
-    return train, val
-
-
 def epoch_order(indices: Sequence[int], *, seed: int, epoch: int) -> list[int]:
     """``indices`` shuffled by a generator seeded from (seed, epoch)."""
     g = torch.Generator().manual_seed(_mix(seed, epoch, 0x5EED))
@@ -160,13 +148,16 @@ class DataPlan:
     _counts: dict[int, int] = field(default_factory=dict, repr=False)  # batches per epoch, all seen epochs
 
     @classmethod
-    def build(cls, sample_ids: Sequence[str], lengths: Sequence[int], *, val_fraction: float, pack_tokens: int,
+    def build(cls, sample_ids: Sequence[str], lengths: Sequence[int], *, split: Split, pack_tokens: int,
               batch_rows: int, seed: int, world_size: int = 1, rank: int = 0) -> "DataPlan":
+        """``split``: the validation split (``train.split``) of exactly these samples."""
         if len(sample_ids) != len(lengths):
             raise ValueError("sample_ids and lengths differ in length")
         if len(set(sample_ids)) != len(sample_ids):
             raise SpecdraftError("the hidden-state store lists a sample id twice; re-run `specdraft extract`")
-        train, val = split_by_id(sample_ids, val_fraction)
+        train, val = list(split.train), list(split.val)
+        if sorted(train + val) != list(range(len(sample_ids))):
+            raise ValueError("the split does not cover these samples exactly once")
         plan = cls(list(map(str, sample_ids)), [int(n) for n in lengths], train, val, pack_tokens, batch_rows, seed, world_size, rank)
         if plan.steps_in_epoch(0) == 0:
             raise SpecdraftError(

@@ -12,7 +12,11 @@ Steps of ``train``:
 4. Step: batch = f(seed, step, rank) (``data.DataPlan``); reseed every RNG from (seed, rank, step);
    forward under autocast, backward, clip, AdamW, schedule. Log, validate and checkpoint on their
    intervals; a SIGINT/SIGTERM or ``max_time`` ends the run with a checkpoint after the current step.
-5. At the end: validation, a last checkpoint and ``OUT/final`` (the drafter alone).
+5. At the end: validation, a last checkpoint and ``OUT/final`` (the drafter and its ``MODEL_CARD.md``).
+
+Validation (``train/split.py``: whole conversations, no prompt on both sides, recorded in
+``OUT/split.json``) logs the teacher-forced tau estimate and, with ``decode_prompts``, the tau the
+runtime gets decoding a few validation prompts (``train/acceptance.py``).
 
 Multi-process: run under ``torchrun``; the process group uses gloo on CPU and NCCL on GPU. DDP
 averages gradients. FSDP2 (``parallel: fsdp``) shards the whole drafter as one unit via
@@ -57,12 +61,15 @@ from specdraft.train.data import (
     token_rows,
     training_order,
 )
+from specdraft.train.acceptance import TEACHER_FORCED_ANCHORS, DecodeProbe, last_validation, model_card, unavailable_reason
 from specdraft.train.metrics import MetricSums, MetricsLog, lr_factor
+from specdraft.train.split import SPLIT_FILE, resolve_split, write_split
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
 
 log = logging.getLogger(__name__)
 
 EVAL_SEED_KIND = 1
+MODEL_CARD = "MODEL_CARD.md"  # in OUT/final: data, validation split and both acceptance figures (train/acceptance.py)
 
 
 @dataclass
@@ -313,10 +320,19 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     dist_, device = _init_distributed(cfg)
     strategy_name = "fsdp" if cfg.parallel == "fsdp" else ("ddp" if dist_.world > 1 else "single")
     strategy = STRATEGIES.get(strategy_name)
+    split = resolve_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed, recorded=out / SPLIT_FILE)
     plan = DataPlan.build(
-        list(dataset.sample_ids), sample_lengths(dataset), val_fraction=cfg.val_fraction, pack_tokens=cfg.pack_tokens,
+        list(dataset.sample_ids), sample_lengths(dataset), split=split, pack_tokens=cfg.pack_tokens,
         batch_rows=cfg.batch_rows, seed=cfg.seed, world_size=dist_.world, rank=dist_.rank,
     )
+    probe, probe_skipped = None, None
+    if cfg.decode_prompts and plan.val_indices:
+        probe_skipped = unavailable_reason(spec.name, target)
+        if probe_skipped is None:
+            probe = DecodeProbe.from_split(token_rows(dataset, plan.val_indices), [dataset.sample_ids[i] for i in plan.val_indices],
+                                           count=cfg.decode_prompts, tokens=cfg.decode_tokens)
+        else:
+            log.warning("decoded tau is not measured: %s", probe_skipped)
     total_steps = cfg.max_steps or plan.total_steps(cfg.epochs)
     warmup_steps = max(1, round(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio > 0 else 0
 
@@ -346,6 +362,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         out.mkdir(parents=True, exist_ok=True)
         ckpt.remove_debris(out)
         _dump_yaml(out / ckpt.RESOLVED_CONFIG, resolved)
+        write_split(out / SPLIT_FILE, split, decode_prompts=list(probe.sample_ids) if probe else [])
         metrics_log.truncate_after(saved["step"] if saved else 0)
 
     # 3. model (built above; warm-started when the run is fresh), optimizer, schedule (+ state)
@@ -422,11 +439,21 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
                 batch = _load_batch(dataset, rows, cfg, slot_index).to(device)
                 with _autocast(cfg, device):
                     sums.add(wrapped(batch), int((batch.segment_ids >= 0).sum()))
-        wrapped.train()
         sums.all_reduce()
         if not sums.batches:
+            wrapped.train()
             return None
         record = {"split": "val", "step": at_step, **sums.summary()}
+        record.update(tau_teacher_forced=record.get("accept_len"), teacher_forced_anchors=TEACHER_FORCED_ANCHORS)
+        if probe is not None:
+            module = savable(_full_states(wrapped, optimizer, frozen)[0]) if strategy.save_via_replica else drafter  # a collective
+            if dist_.main:
+                record["decoded"] = probe.run(module, spec.name, target)
+                record["tau_decoded"] = record["decoded"]["tau"]
+            dist_.barrier()
+        elif probe_skipped:
+            record["decoded_skipped"] = probe_skipped
+        wrapped.train()
         if dist_.main:
             metrics_log.write(record)
         return record
@@ -501,6 +528,8 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         if dist_.main:
             with ckpt.atomic_dir(final) as tmp:
                 module.save_pretrained(tmp)
+                (tmp / MODEL_CARD).write_text(model_card(method=spec.name, step=step, data=where, split=split.record,
+                                                         validation=last_validation(out / ckpt.METRICS)))
         dist_.barrier()
     if stopped_by:
         log.warning("stopped by %s at step %d of %d; rerun the same command to resume", stopped_by, step, total_steps)

@@ -9,13 +9,14 @@ one after another (the drafter helpers work on one sequence); verification stays
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from specdraft.decode.config import DecodeConfig
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.errors import SpecdraftError
+from specdraft.registry import Registry
 
 
 class DrafterProposer(Proposer):
@@ -115,21 +116,32 @@ def load_checkpoint(config: DecodeConfig, target: Any) -> Any:
     return METHODS.get(config.drafter).model_cls.from_pretrained(config.drafter_path, target=target).to(device)
 
 
-@PROPOSERS.register("eagle3")
-def build_eagle3(config: DecodeConfig, target: Any) -> Proposer:
-    return Eagle3Proposer(load_checkpoint(config, target), num_draft_tokens=config.num_draft_tokens)
+#: method -> proposer around an already built drafter (a loaded checkpoint, or the model being trained).
+DRAFTER_PROPOSERS: Registry[Callable[[Any, DecodeConfig], Proposer]] = Registry("drafter proposer")
 
 
-@PROPOSERS.register("dflash")
-def build_dflash(config: DecodeConfig, target: Any) -> Proposer:
-    return BlockDrafterProposer(load_checkpoint(config, target))
+@DRAFTER_PROPOSERS.register("eagle3")
+def eagle3_proposer(drafter: Any, config: DecodeConfig) -> Proposer:
+    return Eagle3Proposer(drafter, num_draft_tokens=config.num_draft_tokens)
 
 
-@PROPOSERS.register("dspark")
-def build_dspark(config: DecodeConfig, target: Any) -> Proposer:
-    drafter = load_checkpoint(config, target)
+@DRAFTER_PROPOSERS.register("dflash")
+def dflash_proposer(drafter: Any, config: DecodeConfig) -> Proposer:
+    return BlockDrafterProposer(drafter)
+
+
+@DRAFTER_PROPOSERS.register("dspark")
+def dspark_proposer(drafter: Any, config: DecodeConfig) -> Proposer:
     return BlockDrafterProposer(
         drafter,
         provides_confidences=drafter.confidence_head is not None,
         confidences_calibrated=bool(drafter.config.confidence_temperatures),
     )
+
+
+def _from_checkpoint(method: str) -> Callable[[DecodeConfig, Any], Proposer]:
+    return lambda config, target: DRAFTER_PROPOSERS.get(method)(load_checkpoint(config, target), config)
+
+
+for _method in DRAFTER_PROPOSERS.names():
+    PROPOSERS.register(_method)(_from_checkpoint(_method))

@@ -1,0 +1,198 @@
+"""The validation split: held-out samples that share neither a conversation nor a prompt with training.
+
+Splitting by sample id leaked (issue 16): ShareGPT rows ``X_0``, ``X_1``, ... are pieces of one
+conversation, and identical prompts ("continue", "more") get identical greedy replies, so a
+"held-out" sample was often a copy of a training one and its tau read high. Here each sample has
+two keys:
+
+* its *group*, the conversation it was cut from (``data.sources.conversation_group``: one rule per
+  row format, registered with the format);
+* its *prompt*, what precedes its first reply: for a prepared sample the tokens before its first
+  response token, for a raw row the messages ``prepare`` would render.
+
+Samples sharing either key are linked, and a linked component stays on one side. A group is drawn
+for validation when a hash of (``seed``, group) falls below ``val_fraction``; a component is held
+out only if *every* group in it was drawn. So a prompt that also opens a training conversation keeps
+all its conversations in training, and a group's draw never depends on the rest of the data: adding
+rows can move a component from validation to training (a new link), never the other way. That is
+what lets the ``sharegpt`` eval suite (``eval/suites.py``), computed over the whole ShareGPT file,
+hold only prompts that are on the validation side of any run prepared from part of that file.
+
+``OUT/split.json`` records the split of a run (fraction, seed, the validation groups and ids, a
+hash of both sides); a resumed run reuses it (see ``resolve_split``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from specdraft.errors import SpecdraftError
+
+log = logging.getLogger(__name__)
+
+SPLIT_FILE = "split.json"
+DEFAULT_VAL_FRACTION = 0.05  # TrainConfig's defaults; the ``sharegpt`` eval suite splits with them
+DEFAULT_SPLIT_SEED = 0
+SPLIT_FORMAT = "specdraft.split"
+RULE = "conversation groups and prompts linked; a component is held out when all its groups hash below val_fraction"
+
+
+@dataclass(frozen=True)
+class SplitKey:
+    group: str
+    prompt: str  # a digest of the prompt (tokens or messages)
+
+
+def draw(group: str, seed: int) -> float:
+    """A stable pseudo-random number in [0, 1) per (seed, group), independent of order and data."""
+    digest = hashlib.sha256(f"{int(seed)}\0{group}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def prompt_digest(value: Any) -> str:
+    """Digest of a prompt: a token-id sequence or JSON-able messages."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:24]
+
+
+def held_out(keys: Sequence[SplitKey], val_fraction: float, seed: int) -> list[bool]:
+    """Per sample: is it on the validation side? (the rule of the module docstring)."""
+    parent = list(range(len(keys)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[tuple[str, str], int] = {}
+    for i, key in enumerate(keys):
+        for link in (("g", key.group), ("p", key.prompt)):
+            j = first.setdefault(link, i)
+            if j != i:
+                parent[find(i)] = find(j)
+    drawn = {g: draw(g, seed) < val_fraction for g in {k.group for k in keys}}
+    component_val: dict[int, bool] = {}
+    for i, key in enumerate(keys):
+        root = find(i)
+        component_val[root] = component_val.get(root, True) and drawn[key.group]
+    return [component_val[find(i)] for i in range(len(keys))]
+
+
+def prompt_length(mask: Any) -> int:
+    """Tokens before the first response token (all of them when there is none)."""
+    import torch
+
+    hits = torch.as_tensor(mask).bool().nonzero()
+    return int(hits[0]) if len(hits) else len(mask)
+
+
+def sample_keys(dataset: Any) -> list[SplitKey]:
+    """The keys of every sample of a ``SampleSource``, from its prepared dataset when it has one (ids,
+    source labels, tokens; no hidden states read), else from its items (in-memory sources in tests)."""
+    from specdraft.data.sources import conversation_group
+
+    prepared = getattr(dataset, "prepared", None)
+    keys = []
+    for i, sid in enumerate(dataset.sample_ids):
+        if prepared is not None:
+            item = prepared[prepared.index_of(sid)]
+            source, tokens, mask = item["source"], item["input_ids"], item["loss_mask"]
+        else:
+            item = dataset[i]
+            source, tokens, mask = "", item["token_ids"], item["loss_mask"]
+        keys.append(SplitKey(conversation_group(str(sid), source), prompt_digest(tokens[: prompt_length(mask)])))
+    return keys
+
+
+@dataclass
+class Split:
+    """Indices (into the source's ``sample_ids``) of the training and validation sides, and its record."""
+
+    train: list[int]
+    val: list[int]
+    record: dict
+
+    @property
+    def hash(self) -> str:
+        return self.record["hash"]
+
+
+def _record(sample_ids: Sequence[str], keys: Sequence[SplitKey], val: list[int], val_fraction: float, seed: int) -> dict:
+    val_set = set(val)
+    h = hashlib.sha256()
+    for i, sid in enumerate(sample_ids):
+        h.update(f"{'V' if i in val_set else 'T'}:{sid}\n".encode())
+    groups = {k.group for k in keys}
+    val_groups = sorted({keys[i].group for i in val})
+    linked_out = sum(1 for g in groups if draw(g, seed) < val_fraction) - len(val_groups)
+    return {
+        "format": SPLIT_FORMAT, "version": 1, "rule": RULE, "val_fraction": val_fraction, "seed": seed,
+        "samples": len(sample_ids), "train_samples": len(sample_ids) - len(val), "validation_samples": len(val),
+        "groups": len(groups), "validation_groups_count": len(val_groups),
+        "drawn_groups_kept_in_training": linked_out,  # drawn, but linked by a prompt to a training group
+        "hash": h.hexdigest()[:16],
+        "validation_groups": val_groups, "validation_ids": sorted(str(sample_ids[i]) for i in val),
+    }
+
+
+def compute_split(sample_ids: Sequence[str], keys: Sequence[SplitKey], *, val_fraction: float, seed: int) -> Split:
+    flags = held_out(keys, val_fraction, seed) if val_fraction > 0 else [False] * len(keys)
+    val = [i for i, f in enumerate(flags) if f]
+    train = [i for i, f in enumerate(flags) if not f]
+    return Split(train, val, _record(sample_ids, keys, val, val_fraction, seed))
+
+
+def dataset_split(dataset: Any, *, val_fraction: float, seed: int) -> Split:
+    """The split of a ``SampleSource`` (what ``train``, ``calibrate`` and the benchmarks share)."""
+    return compute_split(list(map(str, dataset.sample_ids)), sample_keys(dataset), val_fraction=val_fraction, seed=seed)
+
+
+def read_split(path: Path) -> dict:
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SpecdraftError(f"{path} is unreadable ({exc}); delete it to recompute the split (validation may then change)") from None
+    if not isinstance(record, dict) or record.get("format") != SPLIT_FORMAT or not isinstance(record.get("validation_ids"), list):
+        raise SpecdraftError(f"{path} is not a {SPLIT_FORMAT} record; delete it to recompute the split (validation may then change)")
+    return record
+
+
+def resolve_split(dataset: Any, *, val_fraction: float, seed: int, recorded: Path | None) -> Split:
+    """The run's split: computed, or -- when ``recorded`` (a run's split.json) exists -- the recorded one.
+
+    A resume on the same data recomputes the same split (same hash). If the data or settings changed,
+    the recorded validation side is kept: recorded validation ids still in the store stay held out,
+    new samples of a recorded validation group join them, every other sample trains (with a warning).
+    """
+    sample_ids = list(map(str, dataset.sample_ids))
+    keys = sample_keys(dataset)
+    if recorded is None or not Path(recorded).is_file():
+        return compute_split(sample_ids, keys, val_fraction=val_fraction, seed=seed)
+    record = read_split(recorded)
+    fresh = compute_split(sample_ids, keys, val_fraction=record["val_fraction"], seed=record["seed"])
+    if fresh.hash == record.get("hash"):
+        if (record["val_fraction"], record["seed"]) != (val_fraction, seed):
+            log.warning("%s: keeping the recorded split (val_fraction %s, seed %s), not val_fraction %s, seed %s",
+                        recorded, record["val_fraction"], record["seed"], val_fraction, seed)
+        return fresh
+    ids, groups = set(record["validation_ids"]), set(record.get("validation_groups") or ())
+    val = [i for i, sid in enumerate(sample_ids) if sid in ids or keys[i].group in groups]
+    log.warning("%s: the data differ from the recorded split's (hash %s, now %s); keeping its validation side "
+                "(%d of %d recorded ids present, %d samples held out)", recorded, record.get("hash"), fresh.hash,
+                len(ids & set(sample_ids)), len(ids), len(val))
+    val_set = set(val)
+    train = [i for i in range(len(sample_ids)) if i not in val_set]
+    return Split(train, val, _record(sample_ids, keys, val, record["val_fraction"], record["seed"]))
+
+
+def write_split(path: Path, split: Split, **extra: Any) -> None:
+    from specdraft.utils.io import atomic_write_json
+
+    atomic_write_json(Path(path), {**split.record, **extra})
