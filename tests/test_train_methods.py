@@ -121,6 +121,45 @@ def test_bf16_autocast_and_metrics(stores, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle3", "dspark"])
+def test_validation_logs_teacher_forced_and_decoded_tau(method, stores, tmp_path):
+    """Each validation decodes the recorded validation prompts with the runtime; the final card carries both figures."""
+    import json
+
+    from specdraft.decode.config import DecodeConfig, SamplingConfig
+    from specdraft.decode.runtime import decoder_for_target
+    from specdraft.train.split import prompt_length
+
+    target, data = stores[0], store_for(method, stores)
+    result = train(config(method, data, tmp_path, max_steps=2, eval_interval=1, val_fraction=0.3, decode_prompts=2, decode_tokens=6),
+                   target=target)
+    vals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"val"' in line]
+    assert [r["step"] for r in vals] == [1, 2]
+    last = vals[-1]
+    assert last["tau_teacher_forced"] == last["accept_len"] and "uniform" in last["teacher_forced_anchors"]
+    assert last["decoded"]["prompts"] == 2 and last["decoded"]["rounds"] > 0 and last["tau_decoded"] == last["decoded"]["tau"] >= 1.0
+    split = json.loads((tmp_path / "split.json").read_text())
+    assert len(split["decode_prompts"]) == 2 and set(split["decode_prompts"]) <= set(split["validation_ids"])
+
+    # the logged figure is the runtime's: the same prompts decoded from final/ give the same tau
+    prepared = HiddenStateDataset(data).prepared
+    prompts = []
+    for sid in split["decode_prompts"]:
+        item = prepared[prepared.index_of(sid)]
+        prompts.append(item["input_ids"][: prompt_length(item["loss_mask"])].tolist())
+    decoder = decoder_for_target(target, config=DecodeConfig(drafter=method, drafter_path=str(result.final), max_new_tokens=6),
+                                 sampling=SamplingConfig())
+    assert decoder.generate(prompts).metrics.tau == pytest.approx(last["tau_decoded"])
+    card = (result.final / "MODEL_CARD.md").read_text()
+    assert f"| teacher_forced | {last['tau_teacher_forced']:.3f} |" in card and f"| decoded | {last['tau_decoded']:.3f} |" in card
+    assert split["hash"] in card
+
+    off = train(config(method, data, tmp_path / "off", max_steps=1, eval_interval=0, val_fraction=0.3, decode_prompts=0), target=target)
+    record = json.loads((tmp_path / "off/metrics.jsonl").read_text().splitlines()[-1])
+    assert off.completed and record["split"] == "val" and "decoded" not in record and "tau_decoded" not in record
+
+
+@pytest.mark.slow
 def test_real_store_errors(stores, tmp_path):
     target = stores[0]
     with pytest.raises(SpecdraftError, match=r"holds layers \[output:1.*but this method reads \[input:2, input:4, input:5\]"):
