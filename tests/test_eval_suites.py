@@ -85,18 +85,3 @@ def test_math_suite_is_mtbench_math_plus_held_out_word_problems():
         assert "?" in text and sum(c.isdigit() for c in text) >= 2 and "```" not in text
     domains = {p.domain for p in SUITES.get("domains")()}
     assert {"math", "math-word", "code", "translation", "writing"} <= domains
-
-
-@pytest.mark.slow
-def test_sharegpt_suite_is_held_out_first_turns():
-    from itertools import islice
-
-    from specdraft.data.sources import iter_json_values, parse_row
-    from specdraft.eval.suites import SHAREGPT
-
-    prompts = load_prompts("sharegpt")
-    assert len(prompts) == 40 and {p.domain for p in prompts} == {"sharegpt"}
-    assert all(20 <= len(p.messages[-1]["content"]) <= 600 for p in prompts)
-    first_rows = islice(iter_json_values(SHAREGPT.path(), allow_truncated_tail=True), 2000)  # what `prepare` reads first
-    trained_on = {f"sharegpt-{parse_row(value, 'row', i).sample_id}" for i, (value, _) in enumerate(first_rows)}
-    assert len({p.prompt_id for p in prompts}) == 40 and not trained_on & {p.prompt_id for p in prompts}

@@ -1,0 +1,118 @@
+"""speculators 0.9.0's own trainer on our data: convert a specdraft hidden-state store into the data
+directory its trainer reads, then run its training entry point for N steps (on CPU if need be).
+
+What speculators' trainer (``python -m speculators.train``, ``speculators.train.cli.main``) reads from
+``--data-path``: a Hugging Face ``datasets`` directory (``save_to_disk``) with columns ``input_ids``,
+``loss_mask`` and ``seq_len``, and ``hidden_states/hs_<row>.safetensors`` per row holding
+``token_ids`` [T] and ``hidden_states`` [T, L + 1, D] -- the drafter's L target layers (in
+``--target-layer-ids`` order) followed by the target's last hidden state (before its final norm).
+Our store holds exactly these tensors (``hidden_states`` [T, S, D] + ``last_hidden`` [T, D]); its
+slots map to speculators' layer ids as in ``models/common/checkpoint.py`` (``output:i`` -> ``i + 1``).
+Its validation split is the last ``1 - --train-data-ratio`` rows; the conversion writes our
+validation side (``train/split.py``) last so both trainers hold out the same samples.
+
+On a machine without an accelerator the trainer stops before its first step (the exact error is
+printed with ``--no-cpu-harness``): ``Trainer.setup_model`` moves the model to
+``get_local_rank()``, the integer 0, which torch reads as ``cuda:0``. ``--cpu-harness`` (default)
+patches names in the imported modules, never the installed files: ``get_local_rank`` returns
+"cpu" in ``speculators.train.trainer``, autocast runs on the CPU device type, and
+``torch.accelerator.synchronize`` (its step timer's) is a no-op in this process.
+
+Run in .venv-interop (speculators lives there; specdraft is read from src/):
+
+  PYTHONPATH=src .venv-interop/bin/python benchmarks/peer_trainer.py --store STORE --target TARGET_DIR \\
+      --method dspark --steps 4 --out runs/peer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def convert(store: str, out: Path, *, val_fraction: float, split_seed: int) -> dict:
+    """Write ``out`` (speculators' data layout) from our store; returns the layer ids and split sizes."""
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    from specdraft.hidden_states.dataset import HiddenStateDataset
+    from specdraft.models.common.checkpoint import slot_to_aux_id
+    from specdraft.train.split import dataset_split
+
+    dataset = HiddenStateDataset(store)
+    split = dataset_split(dataset, val_fraction=val_fraction, seed=split_seed)
+    order = split.train + split.val  # the peer holds out the last rows
+    (out / "hidden_states").mkdir(parents=True, exist_ok=True)
+    columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for row, index in enumerate(order):
+        item = dataset[index]
+        tokens = torch.as_tensor(item["token_ids"], dtype=torch.long)
+        stacked = torch.cat([item["hidden_states"], item["last_hidden"].unsqueeze(1)], dim=1).contiguous()
+        save_file({"token_ids": tokens, "hidden_states": stacked}, str(out / "hidden_states" / f"hs_{row}.safetensors"))
+        columns["input_ids"].append(tokens.tolist())
+        columns["loss_mask"].append([int(m) for m in torch.as_tensor(item["loss_mask"]).tolist()])
+        columns["seq_len"].append(len(tokens))
+    Dataset.from_dict(columns).with_format("torch").save_to_disk(str(out))
+    layer_ids = [slot_to_aux_id(slot) for slot in dataset.slots]
+    return {"layer_ids": layer_ids, "train_rows": len(split.train), "val_rows": len(split.val),
+            "train_data_ratio": len(split.train) / len(order), "tokens": sum(columns["seq_len"])}
+
+
+def install_cpu_harness() -> None:
+    """Make the peer trainer run on CPU without touching its files (see the module docstring)."""
+    import torch
+
+    import speculators.train.trainer as peer_trainer
+
+    if torch.accelerator.current_accelerator() is None:
+        peer_trainer.get_local_rank = lambda: "cpu"
+        original_init = peer_trainer.Trainer.__init__
+
+        def init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            self.device_type = "cpu"  # autocast device: "cuda" is assumed when no accelerator is found
+
+        peer_trainer.Trainer.__init__ = init
+        # the step timer synchronises the accelerator before each timestamp; on CPU there is nothing to wait for
+        torch.accelerator.synchronize = lambda *args, **kwargs: None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", required=True, help="specdraft hidden-state store (its layers are the drafter's)")
+    parser.add_argument("--target", required=True, help="the target's Hugging Face directory (the peer's --verifier-name-or-path)")
+    parser.add_argument("--method", default="dspark", choices=["dspark", "dflash"], help="the peer's --speculator-type")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (the peer's --max-steps)")
+    parser.add_argument("--out", required=True, help="work directory: data/ (converted), run/ (the peer's checkpoints)")
+    parser.add_argument("--val-fraction", type=float, default=0.05, help="our split's val_fraction (its validation rows go last)")
+    parser.add_argument("--split-seed", type=int, default=0)
+    parser.add_argument("--total-seq-len", type=int, default=2048, help="the peer's packed sequence length")
+    parser.add_argument("--dtype", default="float32", help="the peer's --hidden-states-dtype (bfloat16 needs CPU bf16 autocast)")
+    parser.add_argument("--cpu-harness", action=argparse.BooleanOptionalAction, default=True,
+                        help="patch the device choice so the trainer runs on CPU (see the module docstring)")
+    parser.add_argument("--extra", default="", help="further peer flags, space-separated (e.g. '--num-layers 1 --block-size 4')")
+    args = parser.parse_args()
+
+    from speculators.train.cli import main as peer_main
+    from speculators.train.config import TrainConfig
+
+    out = Path(args.out)
+    facts = convert(args.store, out / "data", val_fraction=args.val_fraction, split_seed=args.split_seed)
+    ratio = min(max(facts["train_data_ratio"], 0.01), 0.99)
+    argv = ["--speculator-type", args.method, "--verifier-name-or-path", args.target, "--data-path", str(out / "data"),
+            "--save-path", str(out / "run"), "--log-dir", str(out / "logs"), "--max-steps", str(args.steps), "--epochs", "1",
+            "--total-seq-len", str(args.total_seq_len), "--train-data-ratio", str(ratio), "--hidden-states-dtype", args.dtype,
+            "--num-workers", "0", "--on-missing", "raise", "--target-layer-ids", *map(str, facts["layer_ids"]), *args.extra.split()]
+    if args.cpu_harness:
+        install_cpu_harness()
+    started = time.perf_counter()
+    peer_main(TrainConfig.resolve(argv))
+    facts.update(seconds=round(time.perf_counter() - started, 3), argv=argv)
+    print(json.dumps(facts, indent=1))
+
+
+if __name__ == "__main__":
+    main()
