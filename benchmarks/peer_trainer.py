@@ -16,12 +16,19 @@ printed with ``--no-cpu-harness``): ``Trainer.setup_model`` moves the model to
 ``get_local_rank()``, the integer 0, which torch reads as ``cuda:0``. ``--cpu-harness`` (default)
 patches names in the imported modules, never the installed files: ``get_local_rank`` returns
 "cpu" in ``speculators.train.trainer``, autocast runs on the CPU device type, and
-``torch.accelerator.synchronize`` (its step timer's) is a no-op in this process.
+``torch.accelerator.synchronize`` (its step timer's) is a no-op in this process; and two of its own
+options are set (``CPU_FLAGS``): ``--draft-attn-impl sdpa`` (FlexAttention, the default, has no
+backward on CPU) and ``--loss-implementation eager`` (the fused losses need Triton).
 
-Run in .venv-interop (speculators lives there; specdraft is read from src/):
+``--decode-only`` then loads the peer's last checkpoint with specdraft (it reads speculators' format)
+and decodes our first validation prompts in specdraft's runtime, as ``specdraft train`` logs its own
+``tau_decoded``. Training runs in .venv-interop (speculators lives there; specdraft is read from
+src/), decoding in .venv (the runtime needs the transformers version installed there):
 
   PYTHONPATH=src .venv-interop/bin/python benchmarks/peer_trainer.py --store STORE --target TARGET_DIR \\
       --method dspark --steps 4 --out runs/peer
+  PYTHONPATH=src .venv/bin/python benchmarks/peer_trainer.py --store STORE --target TARGET_DIR \\
+      --method dspark --out runs/peer --decode-only
 """
 
 from __future__ import annotations
@@ -61,8 +68,33 @@ def convert(store: str, out: Path, *, val_fraction: float, split_seed: int) -> d
             "train_data_ratio": len(split.train) / len(order), "tokens": sum(columns["seq_len"])}
 
 
-def install_cpu_harness() -> None:
-    """Make the peer trainer run on CPU without touching its files (see the module docstring)."""
+def decode_peer(args: argparse.Namespace, run: Path) -> dict:
+    """Greedy decoded tau of the peer's last checkpoint on our validation prompts, in our runtime (as
+    ``specdraft train`` measures its own drafter: ``train/acceptance.py``)."""
+    from specdraft.hidden_states.dataset import HiddenStateDataset
+    from specdraft.models import load_drafter
+    from specdraft.targets import load_target
+    from specdraft.train.acceptance import DecodeProbe
+    from specdraft.train.data import token_rows
+    from specdraft.train.split import dataset_split
+
+    checkpoint = max((p for p in run.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    dataset = HiddenStateDataset(args.store)
+    val = dataset_split(dataset, val_fraction=args.val_fraction, seed=args.split_seed).val
+    probe = DecodeProbe.from_split(token_rows(dataset, val), [dataset.sample_ids[i] for i in val],
+                                   count=args.decode_prompts, tokens=args.decode_tokens)
+    target = load_target(args.target)
+    drafter = load_drafter(checkpoint, target=target)
+    return {"checkpoint": str(checkpoint), "prompt_ids": list(probe.sample_ids), **probe.run(drafter, args.method, target)}
+
+
+#: Configuration the peer needs on CPU: FlexAttention has no CPU backward, the fused losses need Triton.
+CPU_FLAGS = ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+
+
+def install_cpu_harness() -> bool:
+    """Make the peer trainer run on CPU without touching its files (see the module docstring); True
+    when there is no accelerator (then ``CPU_FLAGS`` are passed too)."""
     import torch
 
     import speculators.train.trainer as peer_trainer
@@ -78,6 +110,8 @@ def install_cpu_harness() -> None:
         peer_trainer.Trainer.__init__ = init
         # the step timer synchronises the accelerator before each timestamp; on CPU there is nothing to wait for
         torch.accelerator.synchronize = lambda *args, **kwargs: None
+        return True
+    return False
 
 
 def main() -> None:
@@ -93,21 +127,30 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="the peer's --hidden-states-dtype (bfloat16 needs CPU bf16 autocast)")
     parser.add_argument("--cpu-harness", action=argparse.BooleanOptionalAction, default=True,
                         help="patch the device choice so the trainer runs on CPU (see the module docstring)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="instead of training: decode validation prompts with the peer's last checkpoint under --out, in "
+                        "specdraft's runtime (run this in .venv: the runtime needs its transformers)")
+    parser.add_argument("--decode-prompts", type=int, default=3, help="validation prompts decoded with --decode-only")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decoded prompt")
     parser.add_argument("--extra", default="", help="further peer flags, space-separated (e.g. '--num-layers 1 --block-size 4')")
     args = parser.parse_args()
+
+    out = Path(args.out)
+    if args.decode_only:
+        print(json.dumps(decode_peer(args, out / "run"), indent=1))
+        return
 
     from speculators.train.cli import main as peer_main
     from speculators.train.config import TrainConfig
 
-    out = Path(args.out)
     facts = convert(args.store, out / "data", val_fraction=args.val_fraction, split_seed=args.split_seed)
     ratio = min(max(facts["train_data_ratio"], 0.01), 0.99)
+    on_cpu = args.cpu_harness and install_cpu_harness()
     argv = ["--speculator-type", args.method, "--verifier-name-or-path", args.target, "--data-path", str(out / "data"),
             "--save-path", str(out / "run"), "--log-dir", str(out / "logs"), "--max-steps", str(args.steps), "--epochs", "1",
             "--total-seq-len", str(args.total_seq_len), "--train-data-ratio", str(ratio), "--hidden-states-dtype", args.dtype,
-            "--num-workers", "0", "--on-missing", "raise", "--target-layer-ids", *map(str, facts["layer_ids"]), *args.extra.split()]
-    if args.cpu_harness:
-        install_cpu_harness()
+            "--num-workers", "0", "--on-missing", "raise", "--target-layer-ids", *map(str, facts["layer_ids"]),
+            *(CPU_FLAGS if on_cpu else []), *args.extra.split()]
     started = time.perf_counter()
     peer_main(TrainConfig.resolve(argv))
     facts.update(seconds=round(time.perf_counter() - started, 3), argv=argv)

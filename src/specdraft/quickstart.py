@@ -7,9 +7,10 @@ Stages, each under ``RUN/`` and each skipped or resumed when the command is reru
   3. ``train/``          train a DSpark drafter; its step count is sized from a short timing probe so
                          that the learning-rate schedule completes inside the budget, and capped at
                          ``--epochs`` passes over the data (more passes over a small set only overfit)
-  4. ``train/final/``    calibrate its confidence head on the held-out split
+                         (its validation logs the teacher-forced and the decoded tau, ``metrics.jsonl``)
+  4. ``train/final/``    calibrate its confidence head on the run's validation split (``train/split.json``)
   5. ``eval/``           compare autoregressive decoding, ngram and the drafter (verifying the full
-                         block and with the confidence scheduler) on held-out prompts, next to the
+                         block and with the confidence scheduler) on prompts of the ``quick`` suite, next to the
                          reference drafter shipped for the target (when one ships, e.g. smollm2-135m),
                          on as many prompts as the rest of the budget allows
 
