@@ -71,6 +71,19 @@ def test_resume_after_signal_is_bitwise_equal(reference, tmp_path):
     assert [r["loss"] for r in train_records(out)] == [r["loss"] for r in train_records(reference)]
 
 
+def test_resume_reuses_the_recorded_split(reference, tmp_path):
+    """OUT/split.json fixes the validation side: a resume with other split settings trains on the same samples."""
+    out = tmp_path / "run"
+    first = train(toy_config(out), target=ToyTarget(), dataset=SignalAfterReads(ToyStore(), 30))
+    assert first.stopped_by == "signal"
+    recorded = json.loads((out / "split.json").read_text())
+    assert recorded == json.loads((reference / "split.json").read_text())
+    assert recorded["validation_ids"] and recorded["train_samples"] + recorded["validation_samples"] == len(ToyStore())
+    second = train(toy_config(out, val_fraction=0.5, split_seed=9), target=ToyTarget(), dataset=ToyStore())
+    assert second.completed and json.loads((out / "split.json").read_text())["hash"] == recorded["hash"]
+    assert_same_weights(reference / "final", out / "final")
+
+
 def test_resume_from_periodic_checkpoint_and_dry_run(reference, tmp_path):
     out = tmp_path / "run"
     dry = train(toy_config(out, dry_run=True), target=ToyTarget(), dataset=ToyStore())

@@ -147,6 +147,10 @@ class ToyStore:
     def lengths(self) -> list[int]:
         return [len(it["token_ids"]) for it in self.items]
 
+    def token_row(self, i: int):
+        """Tokens and loss mask without a read of the sample (the split keys every sample on every rank)."""
+        return self.items[i]["token_ids"], self.items[i]["loss_mask"]
+
 
 class SignalAfterReads:
     """Wraps a ``SampleSource`` and sends SIGTERM to this process on the ``at``-th item read (a kill mid-step)."""

@@ -40,6 +40,8 @@ class SampleSource(Protocol):
 
     Packing needs every sample's length up front without reading hidden states: a source offers
     ``lengths()`` or a ``prepared`` dataset (``PreparedDataset.lengths()``); see ``trainer.sample_lengths``.
+    The validation split keys every sample by its tokens: from ``prepared`` too, else from an optional
+    ``token_row(i)`` -> (token ids, loss mask), else from the items (``split.sample_keys``).
     """
 
     sample_ids: list[str]

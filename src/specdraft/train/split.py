@@ -95,15 +95,19 @@ def prompt_length(mask: Any) -> int:
 
 def sample_keys(dataset: Any) -> list[SplitKey]:
     """The keys of every sample of a ``SampleSource``, from its prepared dataset when it has one (ids,
-    source labels, tokens; no hidden states read), else from its items (in-memory sources in tests)."""
+    source labels, tokens; no hidden states read), else from its ``token_row(i)`` -> (token ids, loss
+    mask) or, lacking that, its items (in-memory sources)."""
     from specdraft.data.sources import conversation_group
 
     prepared = getattr(dataset, "prepared", None)
+    token_row = getattr(dataset, "token_row", None)
     keys = []
     for i, sid in enumerate(dataset.sample_ids):
         if prepared is not None:
             item = prepared[prepared.index_of(sid)]
             source, tokens, mask = item["source"], item["input_ids"], item["loss_mask"]
+        elif token_row is not None:
+            (tokens, mask), source = token_row(i), ""
         else:
             item = dataset[i]
             source, tokens, mask = "", item["token_ids"], item["loss_mask"]
