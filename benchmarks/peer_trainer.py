@@ -51,6 +51,8 @@ def convert(store: str, out: Path, *, val_fraction: float, split_seed: int) -> d
 
     dataset = HiddenStateDataset(store)
     split = dataset_split(dataset, val_fraction=val_fraction, seed=split_seed)
+    if not split.val:
+        raise SystemExit(f"{store}: no sample falls in the validation split (val_fraction {val_fraction}); the peer needs one")
     order = split.train + split.val  # the peer holds out the last rows
     (out / "hidden_states").mkdir(parents=True, exist_ok=True)
     columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
@@ -65,7 +67,8 @@ def convert(store: str, out: Path, *, val_fraction: float, split_seed: int) -> d
     Dataset.from_dict(columns).with_format("torch").save_to_disk(str(out))
     layer_ids = [slot_to_aux_id(slot) for slot in dataset.slots]
     return {"layer_ids": layer_ids, "train_rows": len(split.train), "val_rows": len(split.val),
-            "train_data_ratio": len(split.train) / len(order), "tokens": sum(columns["seq_len"])}
+            # the peer cuts at int(rows * ratio): half a row more keeps float rounding on the right side
+            "train_data_ratio": (len(split.train) + 0.5) / len(order), "tokens": sum(columns["seq_len"])}
 
 
 def decode_peer(args: argparse.Namespace, run: Path) -> dict:
@@ -124,7 +127,7 @@ def main() -> None:
     parser.add_argument("--val-fraction", type=float, default=0.05, help="our split's val_fraction (its validation rows go last)")
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--total-seq-len", type=int, default=2048, help="the peer's packed sequence length")
-    parser.add_argument("--dtype", default="float32", help="the peer's --hidden-states-dtype (bfloat16 needs CPU bf16 autocast)")
+    parser.add_argument("--dtype", default="bfloat16", help="the peer's --hidden-states-dtype (its default; float32 runs without autocast)")
     parser.add_argument("--cpu-harness", action=argparse.BooleanOptionalAction, default=True,
                         help="patch the device choice so the trainer runs on CPU (see the module docstring)")
     parser.add_argument("--decode-only", action="store_true",
@@ -144,11 +147,10 @@ def main() -> None:
     from speculators.train.config import TrainConfig
 
     facts = convert(args.store, out / "data", val_fraction=args.val_fraction, split_seed=args.split_seed)
-    ratio = min(max(facts["train_data_ratio"], 0.01), 0.99)
     on_cpu = args.cpu_harness and install_cpu_harness()
     argv = ["--speculator-type", args.method, "--verifier-name-or-path", args.target, "--data-path", str(out / "data"),
             "--save-path", str(out / "run"), "--log-dir", str(out / "logs"), "--max-steps", str(args.steps), "--epochs", "1",
-            "--total-seq-len", str(args.total_seq_len), "--train-data-ratio", str(ratio), "--hidden-states-dtype", args.dtype,
+            "--total-seq-len", str(args.total_seq_len), "--train-data-ratio", str(facts["train_data_ratio"]), "--hidden-states-dtype", args.dtype,
             "--num-workers", "0", "--on-missing", "raise", "--target-layer-ids", *map(str, facts["layer_ids"]),
             *(CPU_FLAGS if on_cpu else []), *args.extra.split()]
     started = time.perf_counter()
