@@ -22,7 +22,9 @@ at ``close``). A payload that fails verification is deleted and requested once m
 reported. ``close`` deletes whatever is still in flight or abandoned, so the transport is left
 empty (retrying for up to ``cleanup_wait_s`` deletes the store refuses, e.g. objects a killed
 producer left half-written). Each delivered sample id is appended to ``delivery_log`` (JSON
-lines) when one is given, so a run can prove every sample was delivered exactly once.
+lines ``{"sample_id", "wait_s", "at"}``: seconds the consumer waited for it, wall-clock time of the
+delivery) when one is given, so a run can prove every sample was delivered exactly once and show
+how long each rank waited.
 """
 
 from __future__ import annotations
@@ -305,7 +307,8 @@ class StreamingSource:
             item = future.result()
         else:
             item = self._fetch(index)
-        self._wait_s += time.perf_counter() - started
+        waited = time.perf_counter() - started
+        self._wait_s += waited
         if self._started is None:
             self._started = started
         self.delivered.append(item["sample_id"])
@@ -313,7 +316,8 @@ class StreamingSource:
             if self._log_file is None:
                 self._delivery_log.parent.mkdir(parents=True, exist_ok=True)
                 self._log_file = open(self._delivery_log, "a")
-            self._log_file.write(json.dumps({"sample_id": item["sample_id"]}) + "\n")
+            record = {"sample_id": item["sample_id"], "wait_s": round(waited, 6), "at": round(time.time(), 6)}
+            self._log_file.write(json.dumps(record) + "\n")
             self._log_file.flush()
         return item
 
