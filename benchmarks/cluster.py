@@ -18,12 +18,14 @@ Scenarios (``--scenario`` a comma-separated list, run in order on one cluster; `
 first whenever another one is asked for, as the fault-free reference for the final weights):
 
   steady           one epoch, no fault
+  join-leave       a third producer (started idle) is added to the trainers' producer list after a
+                   eighth of the epoch; producer-0 is removed from it at half, then stopped (SIGTERM)
   producer-killed  SIGKILL of every process in producer-1's namespace after a third of the epoch
   trainer-killed   SIGKILL of every process in trainer-1's namespace after the first checkpoint;
                    the same two torchrun commands are rerun and resume from the last checkpoint
-  master-restart   the master is stopped and started again after the first checkpoint; every
-                   object and client registration is lost, so the holder and the producers are
-                   restarted and the job is rerun, resuming from its last checkpoint
+  master-restart   the master host (mooncake_master and the holder) is killed after the first
+                   checkpoint and started again; every object and client registration is lost, so
+                   the producers are restarted and the job is rerun, resuming from its last checkpoint
 
 For each scenario the delivery logs of both ranks are compared with the data plan (a pure
 function of seed, ids and lengths): samples expected / delivered / duplicated / lost; deliveries
@@ -208,6 +210,8 @@ class Cluster:
         self.master = net.add("master", "mooncake master + memory holder (mooncake_client)", 1)
         self.producers = [net.add(f"producer-{k}", "producer (serve-hidden-states, hf)", 11 + k) for k in range(args.producers)]
         self.trainers = [net.add(f"trainer-{r}", f"trainer rank {r} (torchrun node {r})", 21 + r) for r in range(2)]
+        self.producer_list = out / "producers.txt"  # on a real cluster: a file every trainer node sees
+        self.list_producers(self.producers)
         self.producer_procs: dict[str, subprocess.Popen] = {}
         self.holder: subprocess.Popen | None = None
         self.listeners = ListenerWatch()
@@ -279,15 +283,28 @@ class Cluster:
                 raise SystemExit(f"producer {host.name} did not start; see {self.out}/hosts/{host.name}/producer.log")
             say(f"{host.name} serving at {json.loads(line)['url']}")
 
-    def producer_urls(self) -> list[str]:
-        return [f"http://{h.address}:{PRODUCER_PORT}" for h in self.producers]
+    @staticmethod
+    def url(host: Host) -> str:
+        return f"http://{host.address}:{PRODUCER_PORT}"
+
+    def list_producers(self, hosts: list[Host]) -> None:
+        """The trainers' ``--producers @FILE``: rewritten atomically, reread by them every 2 s."""
+        tmp = self.producer_list.with_suffix(".tmp")
+        tmp.write_text("".join(self.url(h) + "\n" for h in hosts))
+        tmp.rename(self.producer_list)
+
+    def producer_health(self, host: Host) -> dict:
+        code = ("import json, sys, urllib.request as u; r = u.Request(sys.argv[1] + '/health', headers={'Authorization': 'Bearer ' + sys.argv[2]}); "
+                "print(u.urlopen(r, timeout=10).read().decode())")
+        done = self.net.run(host, [sys.executable, "-c", code, self.url(host), self.token])
+        return json.loads(done.stdout or "{}")
 
     # the training job
     def train_argv(self, rank: int, run: Path) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
                 f"--master-addr={self.trainers[0].address}", f"--master-port={RDZV_PORT}", "-m", "specdraft.cli.main",
                 "train", "--method", "dflash", "--target", str(self.args.target_dir), "--out", str(run), "--data-mode", "online",
-                "--dataset", str(self.args.dataset), "--producers", ",".join(self.producer_urls()), "--producer-token", self.token,
+                "--dataset", str(self.args.dataset), "--producers", "@" + str(self.producer_list), "--producer-token", self.token,
                 "--store", self.store(self.trainers[rank]), "--stream-dtype", "float32", "--prefetch", "4", "--model", DRAFTER,
                 "--pack-tokens", str(TRAIN["pack_tokens"]), "--batch-rows", str(TRAIN["batch_rows"]), "--val-fraction", "0",
                 "--eval-interval", "0", "--checkpoint-interval", str(TRAIN["checkpoint_interval"]), "--dtype", "fp32",
@@ -323,6 +340,11 @@ class Cluster:
         for host in self.net.hosts.values():
             out = self.net.run(host, ["ss", "-ltnH"]).stdout
             self.namespace_listeners[host.name] = sorted({line.split()[3] for line in out.splitlines() if len(line.split()) >= 4})
+
+    def close_producer(self, host: Host) -> None:
+        proc = self.producer_procs.pop(host.name)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
 
     def close_producers(self) -> None:
         for proc in self.producer_procs.values():
@@ -484,6 +506,50 @@ def scenario_producer_killed(cluster: Cluster, run: Path) -> dict:
     return {"attempts": [(delivered(run), 0)], "return_codes": [rcs], "faults": faults, "requests_sent_elsewhere": retries}
 
 
+def scenario_join_leave(cluster: Cluster, run: Path) -> dict:
+    """A third producer joins after an eighth of the epoch; producer-0 leaves cleanly at half of it."""
+    if "producer-2" not in cluster.net.hosts:
+        cluster.net.add("producer-2", "producer (serve-hidden-states, hf), joins mid-run", 13)
+    joiner, leaver = cluster.net.hosts["producer-2"], cluster.producers[0]
+    cluster.start_producers([joiner])  # up and idle: it joins when it is listed
+    total = sum(map(len, plan_order(cluster.args)))
+    events: list[str] = []
+    leaving: list[threading.Thread] = []
+    joined: list[float] = []
+
+    def leave() -> None:
+        time.sleep(3 * 2.0)  # a few list rereads: no trainer sends it new requests any more
+        cluster.producer_procs[leaver.name].send_signal(signal.SIGTERM)  # finishes what it has queued
+        cluster.producer_procs[leaver.name].wait(timeout=60)
+        events.append(f"LEAVE: {leaver.name} ({leaver.address}) stopped with SIGTERM after it was unlisted")
+        say(events[-1])
+
+    def watch() -> None:
+        n = sum(map(len, delivered(run)))
+        if not events and n >= total // 8:
+            cluster.list_producers([leaver, cluster.producers[1], joiner])
+            joined.append(time.monotonic())
+            events.append(f"JOIN: {joiner.name} ({joiner.address}) listed in {cluster.producer_list.name} after {n} of {total} deliveries")
+            say(events[-1])
+        elif len(events) == 1 and n >= total // 2 and time.monotonic() - joined[0] > 2 * 2.0:
+            cluster.list_producers([cluster.producers[1], joiner])
+            events.append(f"LEAVE: {leaver.name} ({leaver.address}) unlisted after {n} of {total} deliveries")
+            say(events[-1])
+            leaving.append(threading.Thread(target=leave))
+            leaving[0].start()
+
+    rcs = cluster.train_job(run, 0, watch)
+    for t in leaving:
+        t.join()
+    served = cluster.producer_health(joiner).get("requests", 0)
+    cluster.close_producer(joiner)
+    cluster.list_producers(cluster.producers)
+    if leaver.name in cluster.producer_procs and cluster.producer_procs[leaver.name].poll() is not None:
+        cluster.start_producers([leaver])
+    return {"attempts": [(delivered(run), 0)], "return_codes": [rcs], "faults": events, "requests_served_by_joiner": served,
+            "joined_lines": count_in_logs(cluster, run, r"producer \S+ joined"), "left_lines": count_in_logs(cluster, run, r"producer \S+ left")}
+
+
 def _fault_then_resume(cluster: Cluster, run: Path, inject: Callable[[], str], recover: Callable[[], None]) -> dict:
     faults: list[str] = []
 
@@ -518,9 +584,11 @@ def scenario_trainer_killed(cluster: Cluster, run: Path) -> dict:
 
 def scenario_master_restart(cluster: Cluster, run: Path) -> dict:
     def inject() -> str:
-        cluster.stop_master()
+        step = latest_step(run)
+        n = cluster.net.kill(cluster.master)  # the master host goes down: mooncake_master and the holder
         cluster.start_master()
-        return f"FAULT: mooncake master on {cluster.master.address} restarted after checkpoint step {latest_step(run)}"
+        return (f"FAULT: SIGKILL of all {n} processes in {cluster.master.ns} (mooncake_master and the holder) after checkpoint "
+                f"step {step}, then `specdraft store start` and a new holder")
 
     def recover() -> None:
         # what the user must do: the new master knows no client, so restart every producer, then rerun training
@@ -532,6 +600,7 @@ def scenario_master_restart(cluster: Cluster, run: Path) -> dict:
 
 SCENARIOS: dict[str, Callable[[Cluster, Path], dict]] = {
     "steady": scenario_steady,
+    "join-leave": scenario_join_leave,
     "producer-killed": scenario_producer_killed,
     "trainer-killed": scenario_trainer_killed,
     "master-restart": scenario_master_restart,
@@ -577,7 +646,7 @@ def main() -> None:
     parser.add_argument("--scenario", default="steady", help=f"comma-separated: {', '.join(SCENARIOS)}")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--prefix", default=f"sdc{os.getpid() % 10000}", help="name prefix of the namespaces, veths and bridge")
-    parser.add_argument("--samples", type=int, default=40)
+    parser.add_argument("--samples", type=int, default=96, help="dataset size (one epoch; the faults need a run of some seconds)")
     parser.add_argument("--producers", type=int, default=2)
     parser.add_argument("--holder-mb", type=int, default=128)
     args = parser.parse_args()
