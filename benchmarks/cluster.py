@@ -516,12 +516,15 @@ def scenario_join_leave(cluster: Cluster, run: Path) -> dict:
     events: list[str] = []
     leaving: list[threading.Thread] = []
     joined: list[float] = []
+    late: list[int] = []  # requests the leaver got after it was unlisted (those in flight: at most the ranks' prefetch)
 
     def leave() -> None:
+        at_unlisting = cluster.producer_health(leaver).get("requests", 0)
         time.sleep(3 * 2.0)  # a few list rereads: no trainer sends it new requests any more
+        late.append(cluster.producer_health(leaver).get("requests", 0) - at_unlisting)
         cluster.producer_procs[leaver.name].send_signal(signal.SIGTERM)  # finishes what it has queued
         cluster.producer_procs[leaver.name].wait(timeout=60)
-        events.append(f"LEAVE: {leaver.name} ({leaver.address}) stopped with SIGTERM after it was unlisted")
+        events.append(f"LEAVE: {leaver.name} ({leaver.address}) stopped with SIGTERM; it got {late[0]} request(s) after it was unlisted")
         say(events[-1])
 
     def watch() -> None:
@@ -547,6 +550,7 @@ def scenario_join_leave(cluster: Cluster, run: Path) -> dict:
     if leaver.name in cluster.producer_procs and cluster.producer_procs[leaver.name].poll() is not None:
         cluster.start_producers([leaver])
     return {"attempts": [(delivered(run), 0)], "return_codes": [rcs], "faults": events, "requests_served_by_joiner": served,
+            "requests_to_leaver_after_unlisting": late[0] if late else None,
             "joined_lines": count_in_logs(cluster, run, r"producer \S+ joined"), "left_lines": count_in_logs(cluster, run, r"producer \S+ left")}
 
 
@@ -692,6 +696,7 @@ def main() -> None:
             say(f"scenario {name}: {json.dumps(record)}")
             (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
         cluster.close_producers()
+        summary["hosts"] = [asdict(h) for h in net.hosts.values()]  # with any that joined
         summary["listening"] = {**cluster.listeners.report(), "inside_namespaces": cluster.namespace_listeners}
         summary["commands"] = net.commands
     finally:

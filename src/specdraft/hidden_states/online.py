@@ -168,6 +168,8 @@ class ProducerClient:
             self._next_refresh = time.monotonic() + self.refresh_s
             try:
                 wanted = read_producer_list(self.membership)
+                if not wanted:  # more likely a write in progress than every producer retired at once
+                    raise SpecdraftError(f"the producer list {self.membership} is empty (replace it atomically: write, then rename)")
             except SpecdraftError as exc:
                 log.warning("%s; keeping the producers %s", exc, ", ".join(self.urls))
                 return
