@@ -91,6 +91,7 @@ class Netns:
         self.bridge = f"{prefix}br"
         self.hosts: dict[str, Host] = {}
         self.commands: list[dict] = []
+        self.secrets: list[str] = []  # not written to the summary's command lines
         ip("link", "add", self.bridge, "type", "bridge")
         ip("link", "set", self.bridge, "up")
 
@@ -106,7 +107,10 @@ class Netns:
         return host
 
     def spawn(self, host: Host, argv: list[str], log: Path, *, stdout: int | None = None, env: dict | None = None) -> subprocess.Popen:
-        self.commands.append({"host": host.name, "command": shlex.join(argv)})
+        command = shlex.join(argv)
+        for secret in self.secrets:
+            command = command.replace(secret, "$SECRET")
+        self.commands.append({"host": host.name, "command": command})
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as f:
             return subprocess.Popen(["ip", "netns", "exec", host.ns, *argv], stdin=subprocess.DEVNULL, stdout=stdout or f,
@@ -205,6 +209,7 @@ class Cluster:
     def __init__(self, net: Netns, out: Path, args: argparse.Namespace):
         self.net, self.out, self.args = net, out, args
         self.token = secrets.token_hex(16)
+        net.secrets.append(self.token)
         self.env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.master = net.add("master", "mooncake master + memory holder (mooncake_client)", 1)
@@ -360,29 +365,25 @@ class Cluster:
 # -- what a run delivered ---------------------------------------------------------------------
 
 
-def plan_order(args: argparse.Namespace) -> list[list[str]]:
-    """Per rank, the sample ids its steps read, in order (``DataPlan``, exactly as the trainer computes it)."""
+def _plan(args: argparse.Namespace, rank: int):
+    """Rank ``rank``'s ``DataPlan``, exactly as the trainer computes it."""
     from specdraft.data.dataset import PreparedDataset
     from specdraft.train.data import DataPlan
 
     prepared = PreparedDataset(args.dataset)
-    ids, lengths = list(prepared.sample_ids), [int(n) for n in prepared.lengths()]
-    orders = []
-    for rank in range(2):
-        plan = DataPlan.build(ids, lengths, val_fraction=0.0, pack_tokens=TRAIN["pack_tokens"], batch_rows=TRAIN["batch_rows"],
-                              seed=TRAIN["seed"], world_size=2, rank=rank)
-        orders.append([ids[i] for step in range(plan.total_steps(1)) for row in plan.train_rows(step) for i in row])
-    return orders
+    return DataPlan.build(list(prepared.sample_ids), [int(n) for n in prepared.lengths()], val_fraction=0.0,
+                          pack_tokens=TRAIN["pack_tokens"], batch_rows=TRAIN["batch_rows"], seed=TRAIN["seed"], world_size=2, rank=rank)
+
+
+def plan_order(args: argparse.Namespace) -> list[list[str]]:
+    """Per rank, the sample ids its steps read, in order."""
+    plans = [_plan(args, rank) for rank in range(2)]
+    return [[p.sample_ids[i] for step in range(p.total_steps(1)) for row in p.train_rows(step) for i in row] for p in plans]
 
 
 def steps_samples(args: argparse.Namespace, rank: int, steps: int) -> int:
     """How many samples rank ``rank`` reads in its first ``steps`` steps."""
-    from specdraft.data.dataset import PreparedDataset
-    from specdraft.train.data import DataPlan
-
-    prepared = PreparedDataset(args.dataset)
-    plan = DataPlan.build(list(prepared.sample_ids), [int(n) for n in prepared.lengths()], val_fraction=0.0,
-                          pack_tokens=TRAIN["pack_tokens"], batch_rows=TRAIN["batch_rows"], seed=TRAIN["seed"], world_size=2, rank=rank)
+    plan = _plan(args, rank)
     return sum(len(row) for step in range(steps) for row in plan.train_rows(step))
 
 
