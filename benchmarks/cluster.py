@@ -27,6 +27,10 @@ first whenever another one is asked for, as the fault-free reference for the fin
                    checkpoint and started again; every object and client registration is lost, so
                    the producers are restarted and the job is rerun, resuming from its last checkpoint
 
+``--throughput 1,2,3``: afterwards, one consumer on trainer-0's host requests every sample once
+from 1, 2, 3 producers (samples/s, payload MB/s, each producer's busy fraction from its /health),
+then the same with every process in one namespace on 127.0.0.1 (the loopback layout of the docs).
+
 For each scenario the delivery logs of both ranks are compared with the data plan (a pure
 function of seed, ids and lengths): samples expected / delivered / duplicated / lost; deliveries
 after the checkpoint a restart resumed from are counted as ``redelivered`` (their work was lost
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import queue
@@ -81,6 +86,7 @@ class Host:
     ns: str
     address: str
     veth: str
+    port: int = PRODUCER_PORT  # a producer's HTTP port
 
 
 class Netns:
@@ -206,16 +212,27 @@ class ListenerWatch:
 
 
 class Cluster:
-    def __init__(self, net: Netns, out: Path, args: argparse.Namespace):
-        self.net, self.out, self.args = net, out, args
+    def __init__(self, net: Netns, out: Path, args: argparse.Namespace, layout: str = "namespaces"):
+        self.net, self.out, self.args, self.layout = net, out, args, layout
         self.token = secrets.token_hex(16)
         net.secrets.append(self.token)
         self.env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.master = net.add("master", "mooncake master + memory holder (mooncake_client)", 1)
-        self.producers = [net.add(f"producer-{k}", "producer (serve-hidden-states, hf)", 11 + k) for k in range(args.producers)]
-        self.trainers = [net.add(f"trainer-{r}", f"trainer rank {r} (torchrun node {r})", 21 + r) for r in range(2)]
-        self.producer_list = out / "producers.txt"  # on a real cluster: a file every trainer node sees
+        if layout == "namespaces":
+            self.master = net.add("master", "mooncake master + memory holder (mooncake_client)", 1)
+            self.producers = [net.add(f"producer-{k}", "producer (serve-hidden-states, hf)", 11 + k) for k in range(args.producers)]
+            self.trainers = [net.add(f"trainer-{r}", f"trainer rank {r} (torchrun node {r})", 21 + r) for r in range(2)]
+            self.producer_list = out / "producers.txt"  # on a real cluster: a file every trainer node sees
+        else:  # every process in one namespace on 127.0.0.1: the loopback runs of the docs, for comparison
+            base = net.add("loopback", "every process of the loopback layout, on 127.0.0.1", 2)
+
+            def alias(name: str, role: str, port: int = PRODUCER_PORT) -> Host:
+                return dataclasses.replace(base, name=name, role=role, address="127.0.0.1", port=port)
+
+            self.master = alias("lo-master", "mooncake master + memory holder")
+            self.producers = [alias(f"lo-producer-{k}", "producer", PRODUCER_PORT + k) for k in range(3)]
+            self.trainers = [alias("lo-consumer", "consumer")]
+            self.producer_list = out / "producers-loopback.txt"
         self.list_producers(self.producers)
         self.producer_procs: dict[str, subprocess.Popen] = {}
         self.holder: subprocess.Popen | None = None
@@ -228,7 +245,7 @@ class Cluster:
         return f"{self.master.address}:{METRICS_PORT}"
 
     def store(self, host: Host) -> str:
-        extra = "&buffer_mb=8" if host.role.startswith("trainer") else ""
+        extra = "&buffer_mb=8" if host in self.trainers else ""
         return f"mooncake://{self.master.address}:{MASTER_PORT}/{STORE_NAMESPACE}?admin={self.admin}&segment_mb=0{extra}"
 
     def cli(self, *args: str) -> list[str]:
@@ -237,22 +254,22 @@ class Cluster:
     # master and holder
     def start_master(self) -> None:
         argv = self.cli("store", "start", "--host", self.master.address, "--port", str(MASTER_PORT), "--metrics-port", str(METRICS_PORT),
-                        "--dir", str(self.out / "hosts/master"), "--lease-ttl-ms", "500", "--put-discard-timeout-s", "2",
+                        "--dir", str(self.out / "hosts" / self.master.name), "--lease-ttl-ms", "500", "--put-discard-timeout-s", "2",
                         "--put-release-timeout-s", "3")
-        proc = self.net.spawn(self.master, argv, self.out / "hosts/master/store-start.log", env=self.env)
+        proc = self.net.spawn(self.master, argv, self.out / "hosts" / self.master.name / "store-start.log", env=self.env)
         if proc.wait(timeout=120) != 0:
-            raise SystemExit(f"`specdraft store start` failed; see {self.out / 'hosts/master'}")
+            raise SystemExit(f"`specdraft store start` failed; see {self.out / 'hosts' / self.master.name}")
         from specdraft.integrations.mooncake.master import master_command
 
         holder = Path(master_command()[0]).with_name("mooncake_client")
         argv = [str(holder), f"--host={self.master.address}", "--metadata_server=P2PHANDSHAKE", f"--global_segment_size={self.args.holder_mb}MB",
                 f"--master_server_address={self.master.address}:{MASTER_PORT}", "--protocol=tcp"]
-        self.holder = self.net.spawn(self.master, argv, self.out / "hosts/master/holder.log", env=self.env)
+        self.holder = self.net.spawn(self.master, argv, self.out / "hosts" / self.master.name / "holder.log", env=self.env)
         self.wait_for(lambda: self.metrics().get("master_total_capacity_bytes", 0) > 0, 60, "the memory holder to register")
         say(f"master {self.master.address}:{MASTER_PORT} and a {self.args.holder_mb} MB holder up")
 
     def stop_master(self) -> None:
-        self.net.run(self.master, self.cli("store", "stop", "--dir", str(self.out / "hosts/master")), timeout=60)
+        self.net.run(self.master, self.cli("store", "stop", "--dir", str(self.out / "hosts" / self.master.name)), timeout=60)
 
     def metrics(self) -> dict:
         code = f"import json; from specdraft.integrations.mooncake.master import read_metrics; print(json.dumps(read_metrics({self.master.address!r}, {METRICS_PORT})))"
@@ -273,7 +290,7 @@ class Cluster:
         ready: dict[str, queue.Queue] = {}
         for host in hosts:
             argv = self.cli("serve-hidden-states", "--target", str(self.args.target_dir), "--backend", "mooncake", "--store", self.store(host),
-                            "--host", host.address, "--port", str(PRODUCER_PORT), "--token", self.token, "--num-threads", "1",
+                            "--host", host.address, "--port", str(host.port), "--token", self.token, "--num-threads", "1",
                             "--max-batch", "1")
             proc = self.net.spawn(host, argv, self.out / f"hosts/{host.name}/producer.log", stdout=subprocess.PIPE, env=self.env)
             self.producer_procs[host.name] = proc
@@ -288,9 +305,22 @@ class Cluster:
                 raise SystemExit(f"producer {host.name} did not start; see {self.out}/hosts/{host.name}/producer.log")
             say(f"{host.name} serving at {json.loads(line)['url']}")
 
+    def producer_host(self, k: int) -> Host:
+        """Producer host ``k``, made on first use when it is one beyond those the cluster started with."""
+        if k < len(self.producers):
+            return self.producers[k]
+        name = f"producer-{k}"
+        return self.net.hosts.get(name) or self.net.add(name, "producer (serve-hidden-states, hf), added mid-run", 11 + k)
+
+    def ensure_producers(self) -> None:
+        """Restart the producers an earlier scenario killed or stopped."""
+        gone = [h for h in self.producers if h.name not in self.producer_procs or self.producer_procs[h.name].poll() is not None]
+        if gone:
+            self.start_producers(gone)
+
     @staticmethod
     def url(host: Host) -> str:
-        return f"http://{host.address}:{PRODUCER_PORT}"
+        return f"http://{host.address}:{host.port}"
 
     def list_producers(self, hosts: list[Host]) -> None:
         """The trainers' ``--producers @FILE``: rewritten atomically, reread by them every 2 s."""
@@ -503,15 +533,12 @@ def scenario_producer_killed(cluster: Cluster, run: Path) -> dict:
 
     rcs = cluster.train_job(run, 0, watch)
     retries = count_in_logs(cluster, run, r"sending sample .* to another producer")
-    cluster.start_producers([victim])  # back for the next scenario
     return {"attempts": [(delivered(run), 0)], "return_codes": [rcs], "faults": faults, "requests_sent_elsewhere": retries}
 
 
 def scenario_join_leave(cluster: Cluster, run: Path) -> dict:
     """A third producer joins after an eighth of the epoch; producer-0 leaves cleanly at half of it."""
-    if "producer-2" not in cluster.net.hosts:
-        cluster.net.add("producer-2", "producer (serve-hidden-states, hf), joins mid-run", 13)
-    joiner, leaver = cluster.net.hosts["producer-2"], cluster.producers[0]
+    joiner, leaver = cluster.producer_host(2), cluster.producers[0]
     cluster.start_producers([joiner])  # up and idle: it joins when it is listed
     total = sum(map(len, plan_order(cluster.args)))
     events: list[str] = []
@@ -548,8 +575,6 @@ def scenario_join_leave(cluster: Cluster, run: Path) -> dict:
     served = cluster.producer_health(joiner).get("requests", 0)
     cluster.close_producer(joiner)
     cluster.list_producers(cluster.producers)
-    if leaver.name in cluster.producer_procs and cluster.producer_procs[leaver.name].poll() is not None:
-        cluster.start_producers([leaver])
     return {"attempts": [(delivered(run), 0)], "return_codes": [rcs], "faults": events, "requests_served_by_joiner": served,
             "requests_to_leaver_after_unlisting": late[0] if late else None,
             "joined_lines": count_in_logs(cluster, run, r"producer \S+ joined"), "left_lines": count_in_logs(cluster, run, r"producer \S+ left")}
@@ -612,6 +637,61 @@ SCENARIOS: dict[str, Callable[[Cluster, Path], dict]] = {
 }
 
 
+# -- throughput -------------------------------------------------------------------------------
+
+
+def consume(argv: list[str]) -> None:
+    """Consumer process of a throughput measurement: request every sample once (prefetching), verify,
+    delete; print samples/s, payload MB/s and each producer's busy seconds during the run as JSON."""
+    parser = argparse.ArgumentParser(prog="cluster.py consume")
+    for name in ("--dataset", "--producers", "--store", "--token"):
+        parser.add_argument(name, required=True)
+    parser.add_argument("--prefetch", type=int, default=8)
+    args = parser.parse_args(argv)
+    from specdraft.hidden_states.layers import spread_output_slots
+    from specdraft.hidden_states.online import DATA_MODES, SourceOptions
+
+    urls = args.producers.split(",")
+    options = SourceOptions(data=None, dataset=args.dataset, producers=urls, store=args.store, slots=spread_output_slots,
+                            dtype="float32", prefetch=args.prefetch, token=args.token)
+    with DATA_MODES.get("online")(options) as source:
+        source[0]  # connections and the first transfer of each kind are not what is measured
+        busy = {u: source.client.health(u)["busy_s"] for u in urls}
+        started = time.perf_counter()
+        source.start(range(1, len(source)))
+        nbytes = 0
+        for i in range(1, len(source)):
+            item = source[i]
+            nbytes += sum(item[k].numel() * item[k].element_size() for k in ("hidden_states", "last_hidden", "token_ids"))
+        seconds = time.perf_counter() - started
+        busy = {u: source.client.health(u)["busy_s"] - busy[u] for u in urls}
+    n = len(source) - 1
+    print(json.dumps({"samples": n, "seconds": round(seconds, 2), "samples_per_s": round(n / seconds, 1),
+                      "MB_per_s": round(nbytes / seconds / 1e6, 2), "ms_per_sample": round(1000 * seconds / n, 1),
+                      "producer_utilisation": [round(b / seconds, 2) for b in busy.values()]}))
+
+
+def throughput(cluster: Cluster, counts: list[int]) -> list[dict]:
+    """Delivery to one consumer (trainer-0's host, or the loopback namespace) from 1, 2, 3 producers."""
+    rows = []
+    for count in counts:
+        hosts = [cluster.producer_host(k) for k in range(count)]
+        missing = [h for h in hosts if h.name not in cluster.producer_procs or cluster.producer_procs[h.name].poll() is not None]
+        if missing:
+            cluster.start_producers(missing)
+        consumer = cluster.trainers[0]
+        argv = [sys.executable, str(Path(__file__).resolve()), "consume", "--dataset", str(cluster.args.dataset), "--producers",
+                ",".join(cluster.url(h) for h in hosts), "--store", cluster.store(consumer), "--token", cluster.token]
+        log = cluster.out / "hosts" / consumer.name / f"throughput-{count}.log"
+        proc = cluster.net.spawn(consumer, argv, log, stdout=subprocess.PIPE, env=cluster.env)
+        out, _ = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            raise SystemExit(f"the throughput consumer failed; see {log}")
+        rows.append({"layout": cluster.layout, "producers": count, **json.loads(out.decode().strip().splitlines()[-1])})
+        say(f"throughput {json.dumps(rows[-1])}")
+    return rows
+
+
 # -- main -------------------------------------------------------------------------------------
 
 
@@ -647,6 +727,8 @@ def free_subnet() -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["consume"]:
+        return consume(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", default="steady", help=f"comma-separated: {', '.join(SCENARIOS)}")
     parser.add_argument("--out", type=Path, required=True)
@@ -654,6 +736,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=96, help="dataset size (one epoch; the faults need a run of some seconds)")
     parser.add_argument("--producers", type=int, default=2)
     parser.add_argument("--holder-mb", type=int, default=128)
+    parser.add_argument("--throughput", default="", help="also measure delivery from this many producers, e.g. 1,2,3, "
+                        "across the namespaces and with every process in one namespace on 127.0.0.1")
     args = parser.parse_args()
     names = [s.strip() for s in args.scenario.split(",") if s.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -681,6 +765,7 @@ def main() -> None:
         reference = None
         for name in names:
             run = args.out / "runs" / name
+            cluster.ensure_producers()
             say(f"scenario {name}: start")
             t = time.monotonic()
             result = SCENARIOS[name](cluster, run)
@@ -696,7 +781,18 @@ def main() -> None:
             summary["scenarios"][name] = record
             say(f"scenario {name}: {json.dumps(record)}")
             (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        counts = [int(c) for c in args.throughput.split(",") if c.strip()]
+        if counts:
+            summary["throughput"] = throughput(cluster, counts)
         cluster.close_producers()
+        if counts:
+            loopback = Cluster(net, args.out, args, layout="loopback")
+            try:
+                loopback.start_master()
+                summary["throughput"] += throughput(loopback, counts)
+            finally:
+                loopback.close_producers()
+                loopback.stop_master()
         summary["hosts"] = [asdict(h) for h in net.hosts.values()]  # with any that joined
         summary["listening"] = {**cluster.listeners.report(), "inside_namespaces": cluster.namespace_listeners}
         summary["commands"] = net.commands
