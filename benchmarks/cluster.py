@@ -133,24 +133,28 @@ class Netns:
 
     def kill(self, host: Host) -> int:
         """SIGKILL every process in the host's namespace (a machine losing power); returns how many."""
-        pids = self.pids(host)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        killed: set[int] = set()
         deadline = time.monotonic() + 10
-        while self.pids(host) and time.monotonic() < deadline:
+        while (pids := self.pids(host)) and time.monotonic() < deadline:  # again: a parent may fork as it dies
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+                except ProcessLookupError:
+                    pass
             time.sleep(0.05)
-        return len(pids)
+        return len(killed)
 
     def close(self) -> None:
         for host in self.hosts.values():
             self.kill(host)
+            # the root side first: a namespace outlives `ip netns del` while anything still refers to it
+            subprocess.run(["ip", "link", "del", host.veth], capture_output=True)
             subprocess.run(["ip", "netns", "del", host.ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
-        left = [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
+        left = [line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
                 if line.startswith(self.prefix + "-")]
+        left += re.findall(rf"^\d+: ({self.prefix}\w+)[@:]", subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout, re.M)
         say(f"removed {len(self.hosts)} namespaces and bridge {self.bridge}" + (f"; LEFT OVER: {left}" if left else ""))
 
 

@@ -22,7 +22,9 @@ cleanup() {
     for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
     ip netns del "$ns" 2>/dev/null || true
   done
-  ip link del "${prefix}br" 2>/dev/null || true
+  for link in $(ip -o link 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | grep "^${prefix}" || true); do
+    ip link del "$link" 2>/dev/null || true
+  done
 }
 trap cleanup EXIT
 py="${PYTHON:-$root/.venv/bin/python}"

@@ -219,7 +219,7 @@ class ProducerClient:
                     del self._down[url]
             live = [u for u in self.urls if u not in self._down]
             if not live:
-                reasons = "; ".join(reason for _, reason in self._down.values()) or f"none is listed in {self.membership}"
+                reasons = "; ".join(reason for _, reason in self._down.values())
                 raise SpecdraftError(
                     f"every producer failed ({reasons}). If they are down, restart them (`specdraft serve-hidden-states`); if they "
                     "report storage errors (e.g. RPC_FAIL after a Mooncake master restart, which loses every object), fix the "
