@@ -228,3 +228,48 @@ def test_train_config_data_mode_fields():
         TrainConfig(data_mode="streamed")
     with pytest.raises(SpecdraftError, match="prefetch must be >= 1"):
         TrainConfig(prefetch=0)
+
+
+def test_producers_listed_in_a_file_join_and_leave_while_a_source_runs(prepared, transport, producers, tmp_path):
+    """`--producers @FILE`: a URL added to the file gets requests; one removed gets no new ones."""
+    listing = tmp_path / "producers.txt"
+
+    def write(text: str) -> None:  # atomically, as a cluster's membership service must
+        (tmp_path / "next.txt").write_text(text)
+        (tmp_path / "next.txt").rename(listing)
+
+    write(f"# the inference nodes\n{producers[0].url}\n")
+    before = [p.health()["requests"] for p in producers]
+    with DATA_MODES.get("online")(options(prepared, transport, ["@" + str(listing)], prefetch=1)) as source:
+        source.client.refresh_s = 0.0
+        source.start(range(NUM))
+        assert source.client.urls == [producers[0].url]
+        source[0]
+        write(f"{producers[0].url}\n{producers[1].url}\n")
+        for i in range(1, 4):
+            source[i]
+        assert source.client.urls == [producers[0].url, producers[1].url]
+        write(f"{producers[1].url}\n")
+        middle = [p.health()["requests"] for p in producers]
+        assert [source[i]["sample_id"] for i in range(4, NUM)] == [f"on/{i}" for i in range(4, NUM)]
+        assert source.client.urls == [producers[1].url]
+    after = [p.health()["requests"] for p in producers]
+    assert middle[1] > before[1]  # the joiner served requests
+    assert after[0] - middle[0] <= 2  # after it left, producer 0 got at most the requests already in flight
+    assert stored_files(transport) == []
+    write("not-a-url\n")
+    with pytest.raises(SpecdraftError, match=r"producer URL 'not-a-url' \(in .*producers.txt\) is not http://HOST:PORT"):
+        ProducerClient([], membership=listing)
+
+
+def test_a_restarted_consumer_deletes_what_its_killed_predecessor_left(prepared, transport, producers):
+    urls = [p.url for p in producers]
+    dead = DATA_MODES.get("online")(options(prepared, transport, urls, owner="run1r0"))
+    other = DATA_MODES.get("online")(options(prepared, transport, urls, owner="run2r0"))
+    left, kept = dead._request({"token_ids": [1, 2, 3], "slots": [s.to_json() for s in SLOTS], "dtype": "float32"}, "on/0")[0], \
+        other._request({"token_ids": [4, 5], "slots": [s.to_json() for s in SLOTS], "dtype": "float32"}, "on/1")[0]
+    assert FileBackend(transport).keys() == sorted([left, kept])  # `dead` never reads or closes: its host was lost
+    with DATA_MODES.get("online")(options(prepared, transport, urls, owner="run1r0")):
+        assert FileBackend(transport).keys() == [kept]  # only its own predecessor's, not another run's
+    other.close()
+    assert stored_files(transport) == []

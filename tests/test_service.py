@@ -52,6 +52,7 @@ def test_extract_stores_what_a_local_capture_computes(service, tiny_target):
         replies = list(pool.map(lambda i: client.extract(body(f"k/{i}", ids[i % 2]))[1], range(4)))
     assert [r["key"] for r in replies] == [f"k/{i}" for i in range(4)]
     assert service.health()["largest_batch"] > 1
+    assert service.health()["busy_s"] > 0
     store = FileBackend(service.config.store, create=False)
     local = HiddenStateCapture(tiny_target.model, SLOTS)([torch.tensor(x) for x in ids])
     for i in range(4):

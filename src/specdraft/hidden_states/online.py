@@ -22,7 +22,9 @@ at ``close``). A payload that fails verification is deleted and requested once m
 reported. ``close`` deletes whatever is still in flight or abandoned, so the transport is left
 empty (retrying for up to ``cleanup_wait_s`` deletes the store refuses, e.g. objects a killed
 producer left half-written). Each delivered sample id is appended to ``delivery_log`` (JSON
-lines) when one is given, so a run can prove every sample was delivered exactly once.
+lines ``{"sample_id", "wait_s", "at"}``: seconds the consumer waited for it, wall-clock time of the
+delivery) when one is given, so a run can prove every sample was delivered exactly once and show
+how long each rank waited.
 """
 
 from __future__ import annotations
@@ -63,24 +65,54 @@ class ProducerUnavailable(Exception):
         self.url = url
 
 
+#: How often a producer list file (``--producers @FILE``) is reread.
+MEMBERSHIP_REFRESH_S = 2.0
+
+
+def _check_urls(urls: Iterable[str], where: str) -> list[str]:
+    checked = []
+    for url in urls:
+        url = url.strip().rstrip("/")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise SpecdraftError(f"producer URL {url!r} ({where}) is not http://HOST:PORT")
+        checked.append(url)
+    return checked
+
+
+def read_producer_list(path: Path) -> list[str]:
+    """Producer URLs in a list file: one per line; blank lines and ``#`` comments are skipped."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise SpecdraftError(f"cannot read the producer list {path} ({exc.strerror or exc})") from None
+    return _check_urls((line for line in lines if line.strip() and not line.lstrip().startswith("#")), f"in {path}")
+
+
 class ProducerClient:
     """Spreads extraction requests over several producer URLs (least in-flight first).
 
-    A producer that fails is skipped for ``down_s`` seconds, then tried again.
+    A producer that fails is skipped for ``down_s`` seconds, then tried again. With ``membership``
+    (a file of URLs, ``--producers @FILE``) the list is reread every ``refresh_s`` seconds:
+    a URL added there joins once its health check shows the same target, one removed gets no new
+    requests (those in flight finish), so producers can be added and retired while training runs.
     """
 
-    def __init__(self, urls: Iterable[str], *, token: str | None = None, timeout_s: float = 120.0, down_s: float = 30.0):
-        self.urls = [u.rstrip("/") for u in urls]
+    def __init__(self, urls: Iterable[str], *, token: str | None = None, timeout_s: float = 120.0, down_s: float = 30.0,
+                 membership: str | Path | None = None, refresh_s: float = MEMBERSHIP_REFRESH_S):
+        self.membership = Path(membership) if membership else None
+        self.urls = read_producer_list(self.membership) if self.membership else _check_urls(urls, "--producers")
         if not self.urls:
-            raise SpecdraftError("no producer URLs given; pass --producers http://HOST:PORT[,http://HOST:PORT...]")
-        for url in self.urls:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise SpecdraftError(f"producer URL {url!r} is not http://HOST:PORT")
+            where = f"the producer list {self.membership}" if self.membership else "--producers"
+            raise SpecdraftError(f"no producer URLs given in {where}; pass --producers http://HOST:PORT[,http://HOST:PORT...] or @FILE")
         self.token = token
         self.timeout_s = timeout_s
         self.down_s = down_s
+        self.refresh_s = refresh_s
         self._lock = threading.Lock()
+        self._refreshing = threading.Lock()
+        self._next_refresh = time.monotonic() + refresh_s
+        self._fingerprint: str | None = None
         self._inflight = {u: 0 for u in self.urls}
         self._down: dict[str, tuple[float, str]] = {}  # url -> (since, reason)
         self._order = itertools.count()
@@ -124,7 +156,51 @@ class ProducerClient:
         if len(fingerprints) > 1:
             listing = ", ".join(f"{u}: {i['name']} ({i['fingerprint']})" for u, i in infos.items())
             raise SpecdraftError(f"the producers serve different targets ({listing}); every producer must run the same target")
-        return next(iter(infos.values()))
+        info = next(iter(infos.values()))
+        self._fingerprint = info["fingerprint"]
+        return info
+
+    def refresh(self) -> None:
+        """Reread the membership file (at most every ``refresh_s``); admit new producers, retire unlisted ones."""
+        if self.membership is None or time.monotonic() < self._next_refresh or not self._refreshing.acquire(blocking=False):
+            return
+        try:
+            self._next_refresh = time.monotonic() + self.refresh_s
+            try:
+                wanted = read_producer_list(self.membership)
+                if not wanted:  # more likely a write in progress than every producer retired at once
+                    raise SpecdraftError(f"the producer list {self.membership} is empty (replace it atomically: write, then rename)")
+            except SpecdraftError as exc:
+                log.warning("%s; keeping the producers %s", exc, ", ".join(self.urls))
+                return
+            with self._lock:
+                current = list(self.urls)
+            admitted = []
+            for url in (u for u in wanted if u not in current):
+                try:
+                    fingerprint = self.health(url)["target"]["fingerprint"]
+                except (ProducerUnavailable, KeyError, TypeError) as exc:
+                    log.warning("producer %s listed in %s does not answer its health check (%s); not used yet", url, self.membership, exc)
+                    continue
+                if self._fingerprint is not None and fingerprint != self._fingerprint:
+                    log.error("producer %s listed in %s serves another target (fingerprint %s, not %s); not used", url,
+                              self.membership, fingerprint, self._fingerprint)
+                    continue
+                admitted.append(url)
+            left = [u for u in current if u not in wanted]
+            with self._lock:
+                for url in left:
+                    self.urls.remove(url)
+                    self._down.pop(url, None)
+                for url in admitted:
+                    self.urls.append(url)
+                    self._inflight.setdefault(url, 0)
+            for url in admitted:
+                log.warning("producer %s joined (listed in %s)", url, self.membership)
+            for url in left:
+                log.warning("producer %s left (no longer listed in %s); its requests in flight finish", url, self.membership)
+        finally:
+            self._refreshing.release()
 
     def unavailable(self) -> dict[str, str]:
         """Producers currently skipped, with the reason each failed."""
@@ -160,6 +236,7 @@ class ProducerClient:
 
         ``ProducerUnavailable`` marks that producer down; the caller retries with a new key.
         """
+        self.refresh()
         url = self._pick(set(avoid))
         try:
             return url, self._call(url, "/extract", body, timeout=self.timeout_s)
@@ -185,6 +262,7 @@ class SourceOptions:
     token: str | None = None
     timeout_s: float = 120.0
     delivery_log: str | None = None
+    owner: str | None = None  # stable across restarts of one consumer (a trainer rank): see StreamingSource.sweep
 
 
 DATA_MODES: Registry[Callable[[SourceOptions], Any]] = Registry("data mode")
@@ -228,7 +306,8 @@ class StreamingSource:
     """Online/hybrid sample source; see the module docstring. Close it (or use ``with``) to clean up."""
 
     def __init__(self, *, prepared: Any, client: ProducerClient, transport: Any, target_info: dict, slots: list[LayerSlot],
-                 dtype: str = "bfloat16", prefetch: int = 8, cache: Any = None, delivery_log: str | None = None):
+                 dtype: str = "bfloat16", prefetch: int = 8, cache: Any = None, delivery_log: str | None = None,
+                 owner: str | None = None):
         if prefetch < 1:
             raise SpecdraftError(f"prefetch must be >= 1, got {prefetch}")
         self.prepared = prepared
@@ -243,6 +322,7 @@ class StreamingSource:
         self.delivered: list[str] = []
         self.counters = collections.Counter()  # requests, retries, refetches, cache_hits
         self._nonce = uuid.uuid4().hex[:8]
+        self.owner = owner
         self._keys = itertools.count()
         self._lock = threading.Lock()
         self._live_keys: set[str] = set()  # issued, not yet deleted
@@ -270,7 +350,8 @@ class StreamingSource:
         if options.slots is None:
             raise SpecdraftError("online/hybrid data needs the layer slots to request")
         prepared = PreparedDataset(options.dataset)
-        client = ProducerClient(options.producers, token=options.token, timeout_s=options.timeout_s)
+        listed = options.producers[0][1:] if len(options.producers) == 1 and options.producers[0].startswith("@") else None
+        client = ProducerClient(options.producers, membership=listed, token=options.token, timeout_s=options.timeout_s)
         target_info = client.describe_target()
         recorded = prepared.target_info
         if recorded.get("fingerprint") != target_info.get("fingerprint"):
@@ -280,8 +361,11 @@ class StreamingSource:
             )
         slots = options.slots(int(target_info["num_layers"]))
         transport = open_backend(backend_name(options.store), options.store)
-        return cls(prepared=prepared, client=client, transport=transport, target_info=target_info, slots=slots,
-                   dtype=options.dtype, prefetch=options.prefetch, cache=cache, delivery_log=options.delivery_log)
+        source = cls(prepared=prepared, client=client, transport=transport, target_info=target_info, slots=slots,
+                     dtype=options.dtype, prefetch=options.prefetch, cache=cache, delivery_log=options.delivery_log,
+                     owner=options.owner)
+        source.sweep()
+        return source
 
     # -- the HiddenStateDataset interface ---------------------------------------------------------
 
@@ -305,7 +389,8 @@ class StreamingSource:
             item = future.result()
         else:
             item = self._fetch(index)
-        self._wait_s += time.perf_counter() - started
+        waited = time.perf_counter() - started
+        self._wait_s += waited
         if self._started is None:
             self._started = started
         self.delivered.append(item["sample_id"])
@@ -313,7 +398,8 @@ class StreamingSource:
             if self._log_file is None:
                 self._delivery_log.parent.mkdir(parents=True, exist_ok=True)
                 self._log_file = open(self._delivery_log, "a")
-            self._log_file.write(json.dumps({"sample_id": item["sample_id"]}) + "\n")
+            record = {"sample_id": item["sample_id"], "wait_s": round(waited, 6), "at": round(time.time(), 6)}
+            self._log_file.write(json.dumps(record) + "\n")
             self._log_file.flush()
         return item
 
@@ -346,7 +432,8 @@ class StreamingSource:
             self.counters[name] += 1
 
     def _new_key(self, sample_id: str) -> str:
-        key = f"{sample_id}#{self._nonce}-{next(self._keys)}"
+        tag = f"{self.owner}.{self._nonce}" if self.owner else self._nonce
+        key = f"{sample_id}#{tag}-{next(self._keys)}"
         with self._lock:
             self._live_keys.add(key)
         return key
@@ -443,6 +530,31 @@ class StreamingSource:
                         "created": self.prepared.manifest.get("created")},
         })
 
+    def sweep(self) -> int:
+        """Delete keys that an earlier run of this ``owner`` left in the transport; returns how many.
+
+        A consumer that is killed (a trainer rank's host lost) cannot delete the samples it had
+        requested, and nobody else knows their keys; its restart, with the same owner, does.
+        Needs a transport that can list keys (Mooncake: the ``admin`` option).
+        """
+        if self.owner is None:
+            return 0
+        mark, ours = f"#{self.owner}.", f"#{self.owner}.{self._nonce}-"
+        try:
+            stale = [k for k in self.transport.keys() if mark in k and ours not in k]
+        except SpecdraftError as exc:
+            log.warning("cannot look for samples an earlier run of this consumer left behind (%s)", exc)
+            return 0
+        for key in stale:
+            try:
+                self.transport.delete(key)
+            except SpecdraftError as exc:
+                log.warning("%s; it stays in %s", exc, self.transport.location)
+        if stale:
+            log.warning("deleted %d sample(s) that an earlier run of this consumer (%s) left in %s", len(stale), self.owner,
+                        self.transport.location)
+        return len(stale)
+
     def close(self) -> None:
         """Stop prefetching, then delete every key still in the transport (in flight or abandoned)."""
         if self._closed:
@@ -470,6 +582,7 @@ class StreamingSource:
                 break
             if leftover:
                 time.sleep(1.0)
+        self.sweep()  # a producer may have finished a dead predecessor's request meanwhile
         if self.cache is not None:
             manifest = self.cache.read_manifest()
             stored = set(self.cache.keys())

@@ -9,7 +9,8 @@ consumer can fetch it at once.
 Protocol (JSON over HTTP, ``Authorization: Bearer TOKEN`` when the service has a token)::
 
   GET  /health   -> 200 {"status": "ok", "target": Target.describe(), "engine", "backend", "max_batch",
-                         "requests", "batches", "largest_batch"}
+                         "requests", "batches", "largest_batch", "busy_s"}  (busy_s: seconds the worker
+                         spent running batches, so clients can tell how loaded a producer is)
   POST /extract  {"key": "s/1#ab-0", "token_ids": [1, 2, ...],
                   "slots": [{"layer": 1, "side": "output"}, ...],
                   "dtype": "bfloat16",              (optional; storage dtype)
@@ -228,7 +229,7 @@ class HiddenStateService:
 
         self.config = config
         self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._stats = {"requests": 0, "batches": 0, "largest_batch": 0}
+        self._stats = {"requests": 0, "batches": 0, "largest_batch": 0, "busy_s": 0.0}
         self._stats_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = False
@@ -384,8 +385,11 @@ class HiddenStateService:
             groups: dict[tuple, list[_Job]] = {}
             for job in batch:
                 groups.setdefault((job.slots, job.dtype), []).append(job)
+            started = time.perf_counter()
             for (slots, dtype), jobs in groups.items():
                 self.engine.run(list(slots), dtype, jobs)
+            with self._stats_lock:
+                self._stats["busy_s"] += time.perf_counter() - started
             if stop:
                 return
 

@@ -42,7 +42,10 @@ class TrainConfig:
         metadata={"choices": DATA_MODES.names()},
     )
     dataset: str | None = config_field(None, help="online/hybrid: the prepared dataset whose samples are requested")
-    producers: list[str] = config_field([], help="online/hybrid: producer URLs 'http://HOST:PORT,...' (`specdraft serve-hidden-states`)")
+    producers: list[str] = config_field(
+        [], help="online/hybrid: producer URLs 'http://HOST:PORT,...' (`specdraft serve-hidden-states`), or @FILE: one URL per "
+        "line, reread every 2 s, so producers can join and leave while training runs"
+    )
     producer_token: str | None = config_field(None, help="online/hybrid: the bearer token the producers were started with")
     store: str | None = config_field(
         None, help="online/hybrid: where producers write, a shared directory or mooncake://HOST:PORT/NS?admin=HOST:PORT (trainers hold the memory)"

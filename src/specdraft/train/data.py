@@ -65,7 +65,11 @@ class PrefetchingSource(Protocol):
 
 def open_sample_source(cfg: Any) -> SampleSource:
     """The source ``cfg.data_mode`` names (``hidden_states.online.DATA_MODES``); online/hybrid modes request
-    the layer slots of ``cfg.method`` (its ``layers`` override, else its preset) and log delivered ids in ``OUT``."""
+    the layer slots of ``cfg.method`` (its ``layers`` override, else its preset) and log delivered ids in ``OUT``
+    (one log per rank under torchrun: ranks may run on different hosts, and appends from several hosts to
+    one file on a network file system interleave or get lost). Each rank's source is owned by (OUT, rank),
+    so a rank restarted after its host was lost deletes what its predecessor left in the store."""
+    import os
     from pathlib import Path
 
     import specdraft.models  # noqa: F401  (registers the built-in methods)
@@ -77,16 +81,23 @@ def open_sample_source(cfg: Any) -> SampleSource:
         layers = (cfg.model or {}).get("layers")
         return parse_slots(layers, num_layers) if layers else METHODS.get(cfg.method).layer_slots(num_layers)
 
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     options = SourceOptions(
         data=cfg.data, dataset=cfg.dataset, producers=list(cfg.producers), store=cfg.store, slots=slots, dtype=cfg.stream_dtype,
         prefetch=cfg.prefetch, token=cfg.producer_token, timeout_s=cfg.request_timeout,
-        delivery_log=str(Path(cfg.out) / DELIVERY_LOG) if cfg.out else None,
+        delivery_log=str(Path(cfg.out) / delivery_log_name(rank, world)) if cfg.out else None,
+        owner=f"{hashlib.sha256(str(Path(cfg.out).resolve()).encode()).hexdigest()[:8]}r{rank}" if cfg.out else None,
     )
     return DATA_MODES.get(cfg.data_mode)(options)
 
 
 #: Run-directory file where streaming sources append each delivered sample id (JSON lines).
 DELIVERY_LOG = "delivered.jsonl"
+
+
+def delivery_log_name(rank: int, world_size: int) -> str:
+    """``delivered.jsonl`` for a single process, ``delivered-rank{R}.jsonl`` for each rank of a multi-process run."""
+    return DELIVERY_LOG if world_size == 1 else f"delivered-rank{rank}.jsonl"
 
 
 def training_order(plan: "DataPlan", start_step: int, total_steps: int) -> Iterator[int]:

@@ -161,8 +161,27 @@ def _init_distributed(cfg: TrainConfig) -> tuple[_Dist, torch.device]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not torch.distributed.is_initialized():
+        if device.type != "cuda":
+            _gloo_interface()
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return _Dist(rank, world, local_rank), device
+
+
+def _gloo_interface() -> None:
+    """Point gloo at the interface that reaches ``MASTER_ADDR``, unless ``GLOO_SOCKET_IFNAME`` is set.
+
+    Gloo otherwise binds and advertises the address the host name resolves to, often 127.0.0.1
+    (``/etc/hosts``), and ranks on other hosts then fail with "Connection refused" connecting to it.
+    """
+    from specdraft.utils.net import interface_of, local_address_towards
+
+    master = os.environ.get("MASTER_ADDR")
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not master:
+        return
+    name = interface_of(local_address_towards(master, int(os.environ.get("MASTER_PORT", "29500"))))
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        log.info("gloo uses interface %s (the route to MASTER_ADDR %s); set GLOO_SOCKET_IFNAME to choose another", name, master)
 
 
 @contextlib.contextmanager

@@ -118,7 +118,8 @@ def check_reachable(host: str, port: int, *, timeout: float = 2.0) -> None:
 class MooncakeClientConfig:
     master: str = config_field("127.0.0.1:50051", help="HOST:PORT of the mooncake_master RPC service")
     local_hostname: str = config_field(
-        "127.0.0.1", help="address peers use to reach this process's segment (this node's cluster IP on a multi-node run)"
+        "", help="address peers use to reach this process (default: this node's address on the route to the master, "
+        "never a loopback address for a remote master)"
     )
     protocol: str = config_field("tcp", help="transfer protocol", metadata={"choices": ["tcp", "rdma"]})
     device_names: str = config_field("", help="RDMA devices for protocol rdma, comma-separated (e.g. mlx5_0,mlx5_1)")
@@ -131,7 +132,11 @@ class MooncakeClientConfig:
     lease_timeout_s: float = config_field(30.0, help="how long a remove retries while a reader's lease is held (-706)")
 
     def __post_init__(self) -> None:
-        parse_address(self.master)
+        host, port = parse_address(self.master)
+        if not self.local_hostname:  # peers on other nodes cannot reach an advertised 127.0.0.1
+            from specdraft.utils.net import local_address_towards
+
+            object.__setattr__(self, "local_hostname", local_address_towards(host, port))
         if self.protocol not in ("tcp", "rdma"):
             raise SpecdraftError(f"Mooncake protocol {self.protocol!r} is not 'tcp' or 'rdma'")
         if self.segment_mb < 0 or self.buffer_mb < 1:
