@@ -76,7 +76,7 @@ def open_sample_source(cfg: Any) -> SampleSource:
     options = SourceOptions(
         data=cfg.data, dataset=cfg.dataset, producers=list(cfg.producers), store=cfg.store, slots=slots, dtype=cfg.stream_dtype,
         prefetch=cfg.prefetch, token=cfg.producer_token, timeout_s=cfg.request_timeout,
-        delivery_log=str(Path(cfg.out) / DELIVERY_LOG) if cfg.out else None,
+        delivery_log=str(Path(cfg.out) / DELIVERY_LOG) if cfg.out else None, verify=cfg.verify,
     )
     return DATA_MODES.get(cfg.data_mode)(options)
 

@@ -43,6 +43,7 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, MethodSpec, TrainOutput
+from specdraft.models.common.checkpoint import DRAFTER_DIR
 from specdraft.registry import Registry
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.config import TrainConfig
@@ -352,13 +353,14 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     if saved is None:
         apply_warm_start(drafter, spec.name, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, plan.train_indices)))
     step_module = _StepModule(drafter)
-    frozen = {f"drafter.{n}" for n, p in step_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    # state-dict names of the frozen target pieces: never stored in a checkpoint, never restored from one
+    frozen = {n for n, p in step_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     if saved is not None:
         model_state, optim_state = ckpt.load_tensors(resume_dir)
         missing = set(step_module.state_dict()) - frozen - set(model_state)
         if missing:
             raise SpecdraftError(f"{resume_dir / ckpt.STATE_TENSORS} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[0]}; delete that checkpoint")
-        step_module.load_state_dict(model_state, strict=False)
+        step_module.load_state_dict({k: v for k, v in model_state.items() if k not in frozen}, strict=False)
     replica = copy.deepcopy(drafter).cpu() if strategy.save_via_replica and dist_.main else None
     step_module.to(device)
     wrapped = strategy.wrap(step_module, device)
@@ -499,7 +501,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         if strategy.save_via_replica:
             module = savable(_full_states(wrapped, optimizer, frozen)[0])  # a collective: every rank calls it
         if dist_.main:
-            with ckpt.atomic_dir(final) as tmp:
+            with ckpt.atomic_dir(final, DRAFTER_DIR) as tmp:
                 module.save_pretrained(tmp)
         dist_.barrier()
     if stopped_by:
