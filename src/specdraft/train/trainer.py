@@ -60,6 +60,7 @@ from specdraft.train.data import (
 )
 from specdraft.train.metrics import MetricSums, MetricsLog, lr_factor
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
+from specdraft.utils.io import check_replaceable
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,7 @@ def _check_out_dir(out: Path) -> None:
         raise SpecdraftError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / ckpt.RESOLVED_CONFIG).is_file() and not (out / ckpt.CHECKPOINTS).is_dir():
         raise SpecdraftError(f"--out {out} is not empty and is not a specdraft training run; choose a new or empty directory")
+    check_replaceable(out / ckpt.FINAL, DRAFTER_DIR)  # refused now rather than after training
 
 
 def _dump_yaml(path: Path, obj: dict) -> None:

@@ -72,14 +72,6 @@ def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterabl
     from specdraft.errors import SpecdraftError
 
     path = Path(path)
-    root = path.resolve()
-    for source in inputs:
-        resolved = Path(source).expanduser().resolve()
-        if root in resolved.parents:
-            raise SpecdraftError(
-                f"input {source} lies inside {path}, which this command replaces whole as a {kind.name}; "
-                "write the output to another directory"
-            )
     if not path.exists() and not path.is_symlink():
         return
     if not path.is_dir() or path.is_symlink():
@@ -98,6 +90,13 @@ def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterabl
             f"{path} already exists and is not a {kind.name} ({found}); it would be replaced whole, so nothing "
             "was written. Choose a new or empty output directory"
         )
+    root = path.resolve()
+    for source in inputs:
+        if root in Path(source).expanduser().resolve().parents:
+            raise SpecdraftError(
+                f"input {source} lies inside {path}, which this command replaces whole as a {kind.name}; "
+                "write the output to another directory"
+            )
 
 
 @contextlib.contextmanager
