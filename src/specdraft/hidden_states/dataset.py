@@ -83,14 +83,15 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         problems = {key: f"sample {key!r} is listed in the store manifest but missing"
                     for key in self.manifest.get("samples") or () if key not in present}
         problems.update(self.backend.stored_problems(self.sample_ids))
-        if level == "full" and not problems:
+        if level == "full":
             from tqdm import tqdm
 
             for i in tqdm(range(len(self)), desc="verify store", unit="sample", disable=len(self) < 100):
-                try:
-                    self[i]
-                except SpecdraftError as exc:
-                    problems[self.sample_ids[i]] = str(exc)
+                if self.sample_ids[i] not in problems:
+                    try:
+                        self[i]
+                    except SpecdraftError as exc:
+                        problems[self.sample_ids[i]] = str(exc)
         if problems:
             shown = "; ".join(problems[k] for k in sorted(problems)[:3])
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
