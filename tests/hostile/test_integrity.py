@@ -29,10 +29,10 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def _flip_byte(path: Path, from_end: int = 100) -> None:
-    """Flip one byte in the tensor data (near the end, past the safetensors header)."""
+def _flip_byte(path: Path) -> None:
+    """Flip one bit in the middle of a safetensors file (tensor data, past the header)."""
     data = bytearray(path.read_bytes())
-    data[-from_end] ^= 0x01
+    data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
 
 

@@ -16,10 +16,11 @@ Every directory is built under a hidden temporary name and renamed into place, s
 either the previous checkpoint or the complete new one; ``trainer_state.json`` is written last and
 marks a checkpoint complete. It records the sha256 of every other file of its checkpoint
 (``checksums``) and of its own content (``content_sha256``: the canonical JSON of all other keys),
-all verified before a resume uses any of it; a state without them is refused. Frozen target
-tensors (embedding, LM head, final norm) are never stored: a resume keeps the target's own. There is no RNG state to store: every random draw of a step is
-seeded from (seed, rank, step) (``data.step_seed``), so step N+1 after a resume draws exactly what
-it would have drawn in an uninterrupted run.
+all verified before a resume uses any of it; a state without them is refused. The trainer never
+passes the frozen target tensors (embedding, LM head, final norm) here, so a resume keeps the
+target's own. There is no RNG state to store: every random draw of a step is seeded from
+(seed, rank, step) (``data.step_seed``), so step N+1 after a resume draws exactly what it would
+have drawn in an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def read_state(directory: str | os.PathLike) -> dict:
     if not isinstance(checksums, dict) or not isinstance(state.get("content_sha256"), str):
         raise SpecdraftError(
             f"{path} records no checksums (written by a specdraft release before they were recorded, or edited), so the "
-            f"checkpoint cannot be verified; {_DELETE_HINT}, or start a new --out"
+            "checkpoint cannot be verified; finish that run with the release that wrote it, or start a new --out"
         )
     if _content_sha256(state) != state["content_sha256"]:
         raise SpecdraftError(f"{path} is corrupt: its content does not match the content_sha256 it records; {_DELETE_HINT}")
@@ -162,11 +163,11 @@ def save_checkpoint(
         atomic_write_json(tmp / STATE_JSON, {**state, "content_sha256": _content_sha256(state)})
 
 
-def load_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(model state, optimizer state in the FQN-keyed form of ``torch.distributed.checkpoint``)."""
+def load_tensors(directory: Path, state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(model state, optimizer state in the FQN-keyed form of ``torch.distributed.checkpoint``);
+    ``state`` is ``read_state(directory)``, which verified the checksums of the files read here."""
     from safetensors.torch import load_file
 
-    state = read_state(directory)  # verifies the checksums of every file read here
     try:
         tensors = load_file(str(directory / STATE_TENSORS))
     except Exception as exc:  # safetensors raises its own error types

@@ -358,7 +358,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     # state-dict names of the frozen target pieces: never stored in a checkpoint, never restored from one
     frozen = {n for n, p in step_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     if saved is not None:
-        model_state, optim_state = ckpt.load_tensors(resume_dir)
+        model_state, optim_state = ckpt.load_tensors(resume_dir, saved)
         missing = set(step_module.state_dict()) - frozen - set(model_state)
         if missing:
             raise SpecdraftError(f"{resume_dir / ckpt.STATE_TENSORS} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[0]}; delete that checkpoint")
