@@ -74,8 +74,9 @@ def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterabl
     path = Path(path)
     if not path.exists() and not path.is_symlink():
         return
-    if not path.is_dir() or path.is_symlink():
-        raise SpecdraftError(f"{path} exists and is not a directory; choose another output path")
+    if path.is_symlink() or not path.is_dir():
+        what = "a symbolic link (the link, not its target, would be replaced)" if path.is_symlink() else "not a directory"
+        raise SpecdraftError(f"{path} exists and is {what}; choose another output path")
     entries = {p.name for p in path.iterdir()}
     foreign = sorted(entries - kind.files)
     if foreign:
