@@ -48,13 +48,15 @@ def test_round_trip_and_counts(tmp_path):
     assert m["config"] == {"max_length": 8} and m["target"]["fingerprint"] == "f" * 16
 
 
-def test_rewrite_replaces_whole_directory(tmp_path):
+def test_rewrite_replaces_a_dataset_but_never_other_files(tmp_path):
     _write(tmp_path / "ds")
-    (tmp_path / "ds" / "stray.txt").write_text("old")
     _write(tmp_path / "ds", rows=ROWS[:1])
     assert len(PreparedDataset(tmp_path / "ds")) == 1
-    assert not (tmp_path / "ds" / "stray.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no temp dirs left behind
+    (tmp_path / "ds" / "stray.txt").write_text("mine")
+    with pytest.raises(SpecdraftError, match=r"holds entries a prepared dataset does not \(stray.txt\)"):
+        _write(tmp_path / "ds")
+    assert (tmp_path / "ds" / "stray.txt").read_text() == "mine" and len(PreparedDataset(tmp_path / "ds")) == 1
 
 
 def test_failed_write_leaves_previous_dataset(tmp_path):

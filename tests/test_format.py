@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
 from specdraft.models import METHODS, load_drafter
+from specdraft.models.common.checkpoint import write_checkpoint
 from specdraft.models.common.vocab import build_draft_vocab, coverage_vocab_size, target_to_draft
 from specdraft.models.dflash.config import DFlashConfig, default_gamma
 from specdraft.models.dspark.config import DSparkConfig
@@ -25,6 +26,11 @@ SMALL = {
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):
     yield
+
+
+def rewrite_weights(directory, tensors):
+    """Replace a checkpoint's weights, its recorded checksum updated (the content is what is under test)."""
+    write_checkpoint(directory, json.loads((directory / "config.json").read_text()), tensors)
 
 
 def _build(method, target, **overrides):
@@ -190,7 +196,7 @@ def test_inconsistent_vocab_tables_are_refused(tmp_path, target, table):
         tensors["t2d"][0] = True  # 41 members for 40 draft ids
     else:
         tensors["d2t"][3] -= 1  # draft id 3 now names a target id outside t2d
-    save_file(tensors, str(tmp_path / "r/model.safetensors"))
+    rewrite_weights(tmp_path / "r", tensors)
     with pytest.raises(SpecdraftError, match="d2t and t2d describe different draft vocabularies"):
         METHODS.get("dflash").model_cls.from_pretrained(tmp_path / "r", target=target)
 
@@ -243,11 +249,11 @@ def test_missing_and_misshapen_tensors_are_named(saved, target):
     cls = METHODS.get("dflash").model_cls
     tensors = load_file(str(saved / "model.safetensors"))
     del tensors["layers.1.mlp.up_proj.weight"]
-    save_file(tensors, str(saved / "model.safetensors"))
+    rewrite_weights(saved, tensors)
     with pytest.raises(SpecdraftError, match="'layers.1.mlp.up_proj.weight' is missing"):
         cls.from_pretrained(saved, target=target)
     tensors["layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
-    save_file(tensors, str(saved / "model.safetensors"))
+    rewrite_weights(saved, tensors)
     with pytest.raises(SpecdraftError, match=r"'layers.1.mlp.up_proj.weight' has shape \(3, 3\)"):
         cls.from_pretrained(saved, target=target)
 

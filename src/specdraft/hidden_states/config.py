@@ -12,6 +12,8 @@ from specdraft.utils.vllm_options import VllmAttachOptions
 
 #: Names of the dtypes hidden states can be stored in (see ``payload.STORAGE_DTYPES``).
 STORAGE_DTYPE_NAMES = ("bfloat16", "float16", "float32")
+#: How a hidden-state store is checked when it is opened for training (``HiddenStateDataset.verify``).
+VERIFY_LEVELS = ("quick", "full")
 DEFAULT_PRESET = "dspark"
 #: Engines that can run the target for extraction (``extract.EXTRACT_ENGINES`` holds the functions).
 ENGINE_NAMES = ("hf", "vllm")

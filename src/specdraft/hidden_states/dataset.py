@@ -4,6 +4,11 @@ Every item is verified before it is returned: the payload's checksums/shapes/dty
 made for the store's target, slots and dtype, and that its token ids equal the dataset row's, so
 a drafter can never be trained on hidden states of other tokens. Storage is reached only through
 a :class:`HiddenStateBackend`, so the same reader serves files today and Mooncake later.
+
+The store is also checked when it is opened (``verify``), so a bad sample stops a run before its
+first step instead of when training reaches it: ``quick`` (the default) requires every sample the
+manifest lists to be present and each stored object whole (sizes); ``full`` also reads every
+sample and checks it against the sha256 its payload records.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.backends.base import STORE_FORMAT_NAME, HiddenStateBackend
+from specdraft.hidden_states.config import VERIFY_LEVELS
 from specdraft.hidden_states.layers import LayerSlot
 
 log = logging.getLogger(__name__)
@@ -30,7 +36,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     Samples are the stored ones, in dataset order.
     """
 
-    def __init__(self, store: str | os.PathLike | HiddenStateBackend, prepared_dataset: Any = None):
+    def __init__(self, store: str | os.PathLike | HiddenStateBackend, prepared_dataset: Any = None, *, verify: str = "quick"):
         from specdraft.data.dataset import PreparedDataset
         from specdraft.hidden_states.backends.file import FileBackend
 
@@ -66,6 +72,30 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             raise SpecdraftError(f"{where} holds no samples; run `specdraft extract --out {where}`")
         if not manifest.get("complete"):
             log.warning("%s: extraction did not finish; reading the %d samples stored so far", where, len(self.sample_ids))
+        self.verify(verify)
+
+    def verify(self, level: str) -> None:
+        """Check the store before use (see the module docstring); one error lists what is wrong."""
+        if level not in VERIFY_LEVELS:
+            raise SpecdraftError(f"verify level must be one of {', '.join(VERIFY_LEVELS)}, got {level!r}")
+        where = self.backend.location
+        present = set(self.sample_ids)
+        problems = {key: f"sample {key!r} is listed in the store manifest but missing"
+                    for key in self.manifest.get("samples") or () if key not in present}
+        problems.update(self.backend.stored_problems(self.sample_ids))
+        if level == "full":
+            from tqdm import tqdm
+
+            for i in tqdm(range(len(self)), desc="verify store", unit="sample", disable=len(self) < 100):
+                if self.sample_ids[i] not in problems:
+                    try:
+                        self[i]
+                    except SpecdraftError as exc:
+                        problems[self.sample_ids[i]] = str(exc)
+        if problems:
+            shown = "; ".join(problems[k] for k in sorted(problems)[:3])
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise SpecdraftError(f"{where}: {len(problems)} bad sample(s): {shown}{more}; rerun `specdraft extract` to redo them")
 
     @property
     def slots(self) -> list[LayerSlot]:

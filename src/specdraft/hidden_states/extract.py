@@ -26,6 +26,7 @@ from specdraft.hidden_states.backends.base import (
     STORE_FORMAT_VERSION,
     HiddenStateBackend,
     check_store_manifest,
+    finish_manifest,
     open_backend,
 )
 from specdraft.hidden_states.capture import HiddenStateCapture
@@ -111,10 +112,7 @@ def extract_hidden_states(config: ExtractConfig, *, target: Any = None, progress
         tokens, written = engine(backend, config, dataset, pending, target, target_info, slots, progress)
         seconds = time.perf_counter() - start
 
-        stored = set(backend.keys())
-        manifest["count"] = len(stored)
-        manifest["complete"] = all(dataset.sample_ids[i] in stored for i in selected)
-        backend.write_manifest(manifest)
+        backend.write_manifest(finish_manifest(manifest, set(backend.keys()), [dataset.sample_ids[i] for i in selected]))
 
     return ExtractSummary(
         store=backend.location,

@@ -263,6 +263,7 @@ class SourceOptions:
     timeout_s: float = 120.0
     delivery_log: str | None = None
     owner: str | None = None  # stable across restarts of one consumer (a trainer rank): see StreamingSource.sweep
+    verify: str = "quick"  # offline: how the store is checked before training (``HiddenStateDataset.verify``)
 
 
 DATA_MODES: Registry[Callable[[SourceOptions], Any]] = Registry("data mode")
@@ -277,7 +278,7 @@ def open_offline(options: SourceOptions) -> Any:
     path = Path(options.data)
     if not path.is_dir():
         raise SpecdraftError(f"--data {path} does not exist; point it at a hidden-state store written by `specdraft extract`")
-    return HiddenStateDataset(path)
+    return HiddenStateDataset(path, verify=options.verify)
 
 
 @DATA_MODES.register("online")
@@ -584,11 +585,9 @@ class StreamingSource:
                 time.sleep(1.0)
         self.sweep()  # a producer may have finished a dead predecessor's request meanwhile
         if self.cache is not None:
-            manifest = self.cache.read_manifest()
-            stored = set(self.cache.keys())
-            manifest["count"] = len(stored)
-            manifest["complete"] = all(sid in stored for sid in self.sample_ids)
-            self.cache.write_manifest(manifest)
+            from specdraft.hidden_states.backends.base import finish_manifest
+
+            self.cache.write_manifest(finish_manifest(self.cache.read_manifest(), set(self.cache.keys()), list(self.sample_ids)))
         self.transport.close()
         if self._log_file is not None:
             self._log_file.close()

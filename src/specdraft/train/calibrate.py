@@ -5,7 +5,8 @@ The held-out samples are the trainer's validation split (``train/split.py``): th
 trainer computes from ``--val-fraction`` and ``--split-seed``; so calibration never sees data the
 drafter was trained on. The temperatures are stored in the
 checkpoint's config (``specdraft.config.confidence_temperatures``) and the fit statistics in
-``calibration.json`` beside it; the checkpoint directory is replaced atomically.
+``calibration.json`` beside it; the checkpoint directory is replaced atomically, and only when it
+holds a drafter checkpoint and nothing else (a training checkpoint, with its trainer state, is refused).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ ACCEPT_MODES = {"greedy": "greedy_accept", "sampling": "soft_accept"}
 class CalibrateConfig:
     drafter: str = config_field(help="DSpark checkpoint directory to calibrate (rewritten in place unless --out is given)")
     data: str = config_field(help="hidden-state store written by `specdraft extract` (its validation split is used)")
-    out: str = config_field("", help="write the calibrated checkpoint here instead of overwriting --drafter")
+    out: str = config_field("", help="write the calibrated checkpoint here instead of overwriting --drafter (an existing one must hold a drafter checkpoint)")
     target: str = config_field("", help="target model (default: the one recorded in the hidden-state store)")
     mode: str = config_field(
         "greedy", help="acceptance to calibrate for: greedy (argmax match) or sampling (1 - 0.5*L1 at T=1)",
@@ -54,13 +55,16 @@ def calibrate(config: CalibrateConfig, *, target: Any = None, progress: bool = T
     from tqdm import tqdm
 
     from specdraft.hidden_states.dataset import HiddenStateDataset
+    from specdraft.models.common.checkpoint import CALIBRATION_FILE, DRAFTER_DIR
     from specdraft.models.common.drafter import load_drafter
     from specdraft.models.dspark.calibration import sequential_temperature_scaling
     from specdraft.targets import load_target
     from specdraft.train.data import collate, pack_rows, select_slots
     from specdraft.train.split import SPLIT_FILE, resolve_split
-    from specdraft.utils.io import atomic_write_json
+    from specdraft.utils.io import atomic_write_json, check_replaceable
 
+    out = Path(config.out or config.drafter)
+    check_replaceable(out, DRAFTER_DIR, inputs=[config.drafter, config.data])  # before any work; again before the swap
     dataset = HiddenStateDataset(config.data)
     if target is None:
         target = load_target(config.target or dataset.target_info["name"])
@@ -93,8 +97,7 @@ def calibrate(config: CalibrateConfig, *, target: Any = None, progress: bool = T
         logits=records["logits"], accept=records[ACCEPT_MODES[config.mode]], valid=records["valid"].bool()
     )
     drafter.config = dataclasses.replace(drafter.config, confidence_temperatures=result.temperatures)
-    out = Path(config.out or config.drafter)
     drafter.save_pretrained(out)
     stats = {"mode": config.mode, "samples": len(held_out), "blocks": int(records["valid"][:, 0].sum()), **result.to_json()}
-    atomic_write_json(out / "calibration.json", stats)
+    atomic_write_json(out / CALIBRATION_FILE, stats)
     return stats

@@ -14,9 +14,13 @@ Layout of ``OUT``::
 
 Every directory is built under a hidden temporary name and renamed into place, so a crash leaves
 either the previous checkpoint or the complete new one; ``trainer_state.json`` is written last and
-marks a checkpoint complete. There is no RNG state to store: every random draw of a step is
-seeded from (seed, rank, step) (``data.step_seed``), so step N+1 after a resume draws exactly what
-it would have drawn in an uninterrupted run.
+marks a checkpoint complete. It records the sha256 of every other file of its checkpoint
+(``checksums``) and of its own content (``content_sha256``: the canonical JSON of all other keys),
+all verified before a resume uses any of it; a state without them is refused. The trainer never
+passes the frozen target tensors (embedding, LM head, final norm) here, so a resume keeps the
+target's own. There is no RNG state to store: every random draw of a step is seeded from
+(seed, rank, step) (``data.step_seed``), so step N+1 after a resume draws exactly what it would
+have drawn in an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from typing import Any
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.utils.io import atomic_dir, atomic_write_json  # noqa: F401  (atomic_dir re-exported for the trainer)
+from specdraft.models.common.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from specdraft.utils.io import DirKind, atomic_dir, atomic_write_json, json_field_is, sha256_bytes, sha256_file
 
 STATE_FORMAT = "specdraft.trainer_state"
 STATE_VERSION = 1
@@ -42,6 +47,10 @@ FINAL = "final"
 RESOLVED_CONFIG = "config.resolved.yaml"
 METRICS = "metrics.jsonl"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+CHECKPOINT_DIR = DirKind(
+    "training checkpoint", STATE_JSON, json_field_is("format", STATE_FORMAT),
+    frozenset({CONFIG_FILE, WEIGHTS_FILE, STATE_JSON, STATE_TENSORS}),
+)
 
 #: Fields of the run identity that must match to resume: changing them would train a different model.
 IDENTITY_KEYS = ("method", "model_config", "target_fingerprint", "slots")
@@ -64,14 +73,43 @@ def latest_checkpoint(out: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
+_DELETE_HINT = "delete that checkpoint directory to resume from an older one"
+
+
+def _content_sha256(state: dict) -> str:
+    return sha256_bytes(json.dumps({k: v for k, v in state.items() if k != "content_sha256"}, sort_keys=True).encode())
+
+
 def read_state(directory: str | os.PathLike) -> dict:
-    path = Path(directory) / STATE_JSON
+    """``trainer_state.json``, its own checksum and those of the checkpoint's other files verified."""
+    directory = Path(directory)
+    path = directory / STATE_JSON
     try:
         state = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecdraftError(f"cannot read checkpoint state {path}: {exc}; delete that checkpoint directory to resume from an older one") from None
-    if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
-        raise SpecdraftError(f"{path} is not a {STATE_FORMAT} v{STATE_VERSION} file (found {state.get('format')!r} v{state.get('version')!r})")
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON or bytes that are not UTF-8
+        raise SpecdraftError(f"cannot read checkpoint state {path}: {exc}; {_DELETE_HINT}") from None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+        found = (state.get("format"), state.get("version")) if isinstance(state, dict) else (type(state).__name__, None)
+        raise SpecdraftError(f"{path} is not a {STATE_FORMAT} v{STATE_VERSION} file (found {found[0]!r} v{found[1]!r})")
+    checksums = state.get("checksums")
+    if not isinstance(checksums, dict) or not isinstance(state.get("content_sha256"), str):
+        raise SpecdraftError(
+            f"{path} records no checksums (written by a specdraft release before they were recorded, or edited), so the "
+            "checkpoint cannot be verified; finish that run with the release that wrote it, or start a new --out"
+        )
+    if _content_sha256(state) != state["content_sha256"]:
+        raise SpecdraftError(f"{path} is corrupt: its content does not match the content_sha256 it records; {_DELETE_HINT}")
+    for name in (STATE_TENSORS, CONFIG_FILE, WEIGHTS_FILE):
+        file = directory / name
+        if name not in checksums:
+            raise SpecdraftError(f"{path} records no checksum of {name}; {_DELETE_HINT}")
+        if not file.is_file():
+            raise SpecdraftError(f"{file} is missing; {_DELETE_HINT}")
+        digest = sha256_file(file)
+        if digest != checksums[name]:
+            raise SpecdraftError(
+                f"{file} is corrupt: its sha256 is {digest[:16]}..., but {STATE_JSON} records {str(checksums[name])[:16]}...; {_DELETE_HINT}"
+            )
     return state
 
 
@@ -110,31 +148,30 @@ def save_checkpoint(
         for key, value in state.items():
             tensors[f"optim.{name}.{key}"] = torch.as_tensor(value)
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
-    with atomic_dir(directory) as tmp:
+    with atomic_dir(directory, CHECKPOINT_DIR) as tmp:
         drafter.save_pretrained(tmp)
         save_file(tensors, str(tmp / STATE_TENSORS))
-        atomic_write_json(
-            tmp / STATE_JSON,
-            {
-                "format": STATE_FORMAT,
-                "version": STATE_VERSION,
-                **meta,
-                "optimizer": {"param_groups": groups},
-                "scheduler": _jsonable(scheduler_state),
-                "rng": {"scheme": "every random draw of step N on rank r is seeded from (seed, r, N)", "seed": meta["config"]["seed"]},
-            },
-        )
+        state = _jsonable({
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            **meta,
+            "optimizer": {"param_groups": groups},
+            "scheduler": scheduler_state,
+            "rng": {"scheme": "every random draw of step N on rank r is seeded from (seed, r, N)", "seed": meta["config"]["seed"]},
+            "checksums": {name: sha256_file(tmp / name) for name in (STATE_TENSORS, CONFIG_FILE, WEIGHTS_FILE)},
+        })
+        atomic_write_json(tmp / STATE_JSON, {**state, "content_sha256": _content_sha256(state)})
 
 
-def load_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(model state, optimizer state in the FQN-keyed form of ``torch.distributed.checkpoint``)."""
+def load_tensors(directory: Path, state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(model state, optimizer state in the FQN-keyed form of ``torch.distributed.checkpoint``);
+    ``state`` is ``read_state(directory)``, which verified the checksums of the files read here."""
     from safetensors.torch import load_file
 
-    state = read_state(directory)
     try:
         tensors = load_file(str(directory / STATE_TENSORS))
     except Exception as exc:  # safetensors raises its own error types
-        raise SpecdraftError(f"cannot read {directory / STATE_TENSORS}: {exc}; delete that checkpoint directory to resume from an older one") from None
+        raise SpecdraftError(f"cannot read {directory / STATE_TENSORS}: {exc}; {_DELETE_HINT}") from None
     model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     optim_state: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in tensors.items():

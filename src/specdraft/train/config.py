@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.errors import SpecdraftError
-from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES
+from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES, VERIFY_LEVELS
 from specdraft.hidden_states.online import DATA_MODES
 from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
 from specdraft.train.warm_start import FC_INITS, MARKOV_INITS
@@ -40,6 +40,11 @@ class TrainConfig:
         help="where hidden states come from: offline (the --data store), online (requested from --producers, streamed "
         "through --store and deleted after use) or hybrid (samples in --data are read locally, others requested and cached there)",
         metadata={"choices": DATA_MODES.names()},
+    )
+    verify: str = config_field(
+        "quick", help="offline: how the --data store is checked before the first step: quick (every sample present and "
+        "whole, by size) or full (also every sample read and checked against its recorded sha256)",
+        metadata={"choices": list(VERIFY_LEVELS)},
     )
     dataset: str | None = config_field(None, help="online/hybrid: the prepared dataset whose samples are requested")
     producers: list[str] = config_field(
@@ -114,6 +119,8 @@ class TrainConfig:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise SpecdraftError(f"betas must be two numbers in [0, 1), got {self.betas}")
         DATA_MODES.get(self.data_mode)  # an unknown name raises with the list of modes
+        if self.verify not in VERIFY_LEVELS:
+            raise SpecdraftError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, got {self.verify!r}")
         self.producers = [p.strip() for p in self.producers if p.strip()]
         if self.request_timeout <= 0:
             raise SpecdraftError(f"request_timeout must be > 0, got {self.request_timeout}")

@@ -85,7 +85,7 @@ def open_sample_source(cfg: Any) -> SampleSource:
     options = SourceOptions(
         data=cfg.data, dataset=cfg.dataset, producers=list(cfg.producers), store=cfg.store, slots=slots, dtype=cfg.stream_dtype,
         prefetch=cfg.prefetch, token=cfg.producer_token, timeout_s=cfg.request_timeout,
-        delivery_log=str(Path(cfg.out) / delivery_log_name(rank, world)) if cfg.out else None,
+        delivery_log=str(Path(cfg.out) / delivery_log_name(rank, world)) if cfg.out else None, verify=cfg.verify,
         owner=f"{hashlib.sha256(str(Path(cfg.out).resolve()).encode()).hexdigest()[:8]}r{rank}" if cfg.out else None,
     )
     return DATA_MODES.get(cfg.data_mode)(options)

@@ -47,6 +47,7 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, MethodSpec, TrainOutput
+from specdraft.models.common.checkpoint import DRAFTER_DIR
 from specdraft.registry import Registry
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.config import TrainConfig
@@ -65,6 +66,7 @@ from specdraft.train.acceptance import TEACHER_FORCED_ANCHORS, DecodeProbe, last
 from specdraft.train.metrics import MetricSums, MetricsLog, lr_factor
 from specdraft.train.split import SPLIT_FILE, resolve_split, write_split
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
+from specdraft.utils.io import check_replaceable
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +278,7 @@ def _check_out_dir(out: Path) -> None:
         raise SpecdraftError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / ckpt.RESOLVED_CONFIG).is_file() and not (out / ckpt.CHECKPOINTS).is_dir():
         raise SpecdraftError(f"--out {out} is not empty and is not a specdraft training run; choose a new or empty directory")
+    check_replaceable(out / ckpt.FINAL, DRAFTER_DIR)  # refused now rather than after training
 
 
 def _dump_yaml(path: Path, obj: dict) -> None:
@@ -388,13 +391,14 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     if saved is None:
         apply_warm_start(drafter, spec.name, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, plan.train_indices)))
     step_module = _StepModule(drafter)
-    frozen = {f"drafter.{n}" for n, p in step_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    # state-dict names of the frozen target pieces: never stored in a checkpoint, never restored from one
+    frozen = {n for n, p in step_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     if saved is not None:
-        model_state, optim_state = ckpt.load_tensors(resume_dir)
+        model_state, optim_state = ckpt.load_tensors(resume_dir, saved)
         missing = set(step_module.state_dict()) - frozen - set(model_state)
         if missing:
             raise SpecdraftError(f"{resume_dir / ckpt.STATE_TENSORS} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[0]}; delete that checkpoint")
-        step_module.load_state_dict(model_state, strict=False)
+        step_module.load_state_dict({k: v for k, v in model_state.items() if k not in frozen}, strict=False)
     replica = copy.deepcopy(drafter).cpu() if strategy.save_via_replica and dist_.main else None
     step_module.to(device)
     wrapped = strategy.wrap(step_module, device)
@@ -545,7 +549,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         if strategy.save_via_replica:
             module = savable(_full_states(wrapped, optimizer, frozen)[0])  # a collective: every rank calls it
         if dist_.main:
-            with ckpt.atomic_dir(final) as tmp:
+            with ckpt.atomic_dir(final, DRAFTER_DIR) as tmp:
                 module.save_pretrained(tmp)
                 (tmp / MODEL_CARD).write_text(model_card(method=spec.name, step=step, data=where, split=split.record,
                                                          validation=last_validation(out / ckpt.METRICS)))

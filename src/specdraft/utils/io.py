@@ -1,4 +1,4 @@
-"""Crash-safe file writes: readers never see a partial file."""
+"""Crash-safe file writes: readers never see a partial file, and a directory is replaced only when it is ours."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 
 @contextlib.contextmanager
@@ -33,18 +34,88 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+@dataclass(frozen=True)
+class DirKind:
+    """What one command writes into a directory it replaces whole: only such a directory is replaced.
+
+    ``marker`` is the file that identifies the kind and ``recognise(marker_path)`` says whether it
+    is this kind's; ``files`` are all the entries the kind may hold (marker included). ``scratch``
+    entries may stand alone, before the marker exists (work kept by an interrupted run).
+    """
+
+    name: str
+    marker: str
+    recognise: Callable[[Path], bool]
+    files: frozenset[str]
+    scratch: frozenset[str] = frozenset()
+
+
+def json_field_is(key: str, value: Any) -> Callable[[Path], bool]:
+    """A ``DirKind.recognise`` for a JSON marker whose ``key`` must exist (``value`` ``...``) or equal ``value``."""
+
+    def recognise(path: Path) -> bool:
+        try:
+            obj = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(obj, dict) and key in obj and (value is ... or obj[key] == value)
+
+    return recognise
+
+
+def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Refuse (``SpecdraftError``) to replace ``path`` unless it is absent, empty or holds only a ``kind``.
+
+    ``inputs`` are paths the command reads: none may lie inside ``path`` (``path`` itself may be
+    one, for in-place rewrites that read everything first).
+    """
+    from specdraft.errors import SpecdraftError
+
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_symlink() or not path.is_dir():
+        what = "a symbolic link (the link, not its target, would be replaced)" if path.is_symlink() else "not a directory"
+        raise SpecdraftError(f"{path} exists and is {what}; choose another output path")
+    entries = {p.name for p in path.iterdir()}
+    foreign = sorted(entries - kind.files)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise SpecdraftError(
+            f"{path} already exists and holds entries a {kind.name} does not ({shown}); it would be replaced "
+            "whole, so nothing was written. Choose a new or empty output directory, or move those entries away"
+        )
+    if entries and not entries <= kind.scratch and not kind.recognise(path / kind.marker):
+        found = f"its {kind.marker} is not a {kind.name}'s" if (path / kind.marker).is_file() else f"it has no {kind.marker}"
+        raise SpecdraftError(
+            f"{path} already exists and is not a {kind.name} ({found}); it would be replaced whole, so nothing "
+            "was written. Choose a new or empty output directory"
+        )
+    root = path.resolve()
+    for source in inputs:
+        if root in Path(source).expanduser().resolve().parents:
+            raise SpecdraftError(
+                f"input {source} lies inside {path}, which this command replaces whole as a {kind.name}; "
+                "write the output to another directory"
+            )
+
+
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces ``path`` whole (old content removed).
 
-    Readers see either the old directory or the complete new one. A hard kill can leave a hidden
-    ``.NAME.*.tmp`` or ``.NAME.PID.old`` sibling behind, never a half-written ``path``.
+    ``path`` is replaced only when ``check_replaceable`` allows it, checked before the caller writes
+    and again just before the swap. Readers see either the old directory or the complete new one.
+    A hard kill can leave a hidden ``.NAME.*.tmp`` or ``.NAME.PID.old`` sibling behind, never a
+    half-written ``path``.
     """
     path = Path(path)
+    check_replaceable(path, kind, inputs=inputs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        check_replaceable(path, kind, inputs=inputs)
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.{os.getpid()}.old")

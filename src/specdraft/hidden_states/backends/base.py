@@ -15,7 +15,11 @@ Store manifest (written by ``specdraft extract``)::
   {"format": "specdraft.hidden_state_store", "format_version": 1,
    "target": Target.describe(), "slots": [{"layer": 1, "side": "output"}, ...], "dtype": "bfloat16",
    "dataset": {"path": abs path, "num_samples": N, "created": ...},
-   "count": payloads stored, "complete": every selected sample is stored, "config": ExtractConfig}
+   "count": payloads stored, "complete": every selected sample is stored, "config": ExtractConfig,
+   "samples": the stored keys when the writer finished (``finish_manifest``)}
+
+Readers check the store up front (``HiddenStateDataset``): every key in ``samples`` present and
+each stored object whole (``stored_problems``), before a training step reads any of them.
 """
 
 from __future__ import annotations
@@ -63,6 +67,13 @@ class HiddenStateBackend(ABC):
     def write_manifest(self, manifest: dict) -> None:
         """Replace the store-level manifest atomically."""
 
+    def stored_problems(self, keys: list[str]) -> dict[str, str]:
+        """Key -> what is wrong, for keys that are absent or not stored whole; cheap (no payload is read).
+
+        The default checks presence only; a backend that can see object sizes checks those too.
+        """
+        return {key: f"{self.location}: sample {key!r} is missing" for key in keys if not self.exists(key)}
+
     def stored_size(self, payload: HiddenStatePayload) -> int:
         """Bytes ``put`` reports for ``payload``, for a payload another process put (vLLM extraction)."""
         return len(payload.to_bytes())
@@ -100,6 +111,14 @@ def open_backend(name: str, location: str, **options: Any) -> HiddenStateBackend
     import specdraft.hidden_states.backends  # noqa: F401  (registers the built-in backends)
 
     return BACKENDS.get(name)(location, **options)
+
+
+def finish_manifest(manifest: dict, stored: set[str], expected: list[str]) -> dict:
+    """Record what a writer leaves behind: the stored keys, their count, and whether ``expected`` are all there."""
+    manifest["samples"] = sorted(stored)
+    manifest["count"] = len(stored)
+    manifest["complete"] = all(key in stored for key in expected)
+    return manifest
 
 
 def check_store_manifest(manifest: dict, *, location: str, target_info: dict, slots: list[dict], dtype: str) -> None:

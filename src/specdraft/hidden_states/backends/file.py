@@ -84,6 +84,22 @@ class FileBackend(HiddenStateBackend):
             filename_to_key(p.name) for p in self.root.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(".")
         )
 
+    def stored_problems(self, keys: list[str]) -> dict[str, str]:
+        """Missing files, and files whose size is not the one their safetensors header describes (truncated/extended)."""
+        problems = {}
+        for key in keys:
+            path = self.path(key)
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                problems[key] = f"{path} is missing (sample {key!r})"
+                continue
+            declared = _declared_size(path)
+            if declared != size:
+                described = f"its header describes {declared}" if declared is not None else "its header is unreadable"
+                problems[key] = f"{path} is truncated or damaged ({size} bytes, {described})"
+        return problems
+
     def read_manifest(self) -> dict | None:
         path = self.root / MANIFEST_FILE
         try:
@@ -103,6 +119,20 @@ class FileBackend(HiddenStateBackend):
             p.unlink(missing_ok=True)
             removed += 1
         return removed
+
+
+def _declared_size(path: Path) -> int | None:
+    """The file size a safetensors header implies (8-byte length + header + tensor data), or None if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if not 0 < header_len <= 100_000_000:
+                return None
+            header = json.loads(f.read(header_len))
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        return 8 + header_len + max(ends, default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -2,7 +2,14 @@
 
 Writing replaces the whole directory atomically (written into a hidden sibling, then renamed),
 so a reader sees the old checkpoint or the new one, never a config from one and weights from the
-other. Reading refuses pickle formats and validates every tensor against what the model expects.
+other; an existing directory is replaced only when it is a drafter checkpoint (``DRAFTER_DIR``).
+Reading refuses pickle formats and validates every tensor against what the model expects.
+
+Checksum: ``config.json``'s ``specdraft`` block records ``checksums: {"model.safetensors":
+sha256}``, verified on every read (speculators and vLLM ignore the block, so the layout stays
+theirs). A checkpoint with a ``specdraft`` block but no checksum is refused, since reads are
+strict and a flipped weight byte otherwise loads and decodes; one written by speculators itself
+(no ``specdraft`` block) has nothing to verify against and loads as before.
 
 Layer-id convention (``aux_hidden_state_layer_ids`` / ``eagle_aux_hidden_state_layer_ids``): we
 write the id vLLM's hidden-state extraction and speculators use, which is the HF
@@ -22,10 +29,16 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
-from specdraft.utils.io import atomic_dir, atomic_write_json
+from specdraft.utils.io import DirKind, atomic_dir, atomic_write_json, json_field_is, sha256_file
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+CALIBRATION_FILE = "calibration.json"  # written beside the weights by `specdraft calibrate`
+MODEL_CARD_FILE = "MODEL_CARD.md"  # written beside the weights of a shipped reference drafter
+DRAFTER_DIR = DirKind(
+    "drafter checkpoint", CONFIG_FILE, json_field_is("speculators_model_type", ...),
+    frozenset({CONFIG_FILE, WEIGHTS_FILE, CALIBRATION_FILE, MODEL_CARD_FILE}),
+)
 SPECULATORS_VERSION = "0.9.0"  # the speculators format version we write and test against
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -48,10 +61,34 @@ def write_checkpoint(directory: str | os.PathLike, config: dict, tensors: dict[s
     from safetensors.torch import save_file
 
     directory = Path(directory)
-    with atomic_dir(directory) as tmp:
+    with atomic_dir(directory, DRAFTER_DIR) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if isinstance(config.get("specdraft"), dict):
+            config = {**config, "specdraft": {**config["specdraft"], "checksums": {WEIGHTS_FILE: sha256_file(tmp / WEIGHTS_FILE)}}}
         atomic_write_json(tmp / CONFIG_FILE, config)
     return directory
+
+
+def verify_weights(directory: Path, config: dict) -> None:
+    """Check ``model.safetensors`` against the sha256 its ``specdraft`` block records (see the module docstring)."""
+    ours = config.get("specdraft")
+    if not isinstance(ours, dict):
+        return
+    path = directory / WEIGHTS_FILE
+    digest = sha256_file(path)
+    checksums = ours.get("checksums")
+    recorded = checksums.get(WEIGHTS_FILE) if isinstance(checksums, dict) else None
+    if recorded is None:
+        raise SpecdraftError(
+            f"{directory / CONFIG_FILE}: its specdraft block records no checksum of {WEIGHTS_FILE} (written before specdraft "
+            f"recorded checksums, or edited), so {path} cannot be verified. If you trust that file, add "
+            f'"checksums": {{"{WEIGHTS_FILE}": "{digest}"}} to the specdraft block, or re-save the drafter'
+        )
+    if digest != recorded:
+        raise SpecdraftError(
+            f"{path} is corrupt: its sha256 is {digest[:16]}..., but {CONFIG_FILE} records {str(recorded)[:16]}...; "
+            "restore the file from a good copy or retrain"
+        )
 
 
 def read_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -77,8 +114,11 @@ def read_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch
         raise SpecdraftError(f"{directory} has no {CONFIG_FILE}")
     try:
         config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SpecdraftError(f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise SpecdraftError(f"{config_path} is not a JSON object")
+    verify_weights(directory, config)
     try:
         tensors = load_file(str(weights_path))
     except Exception as exc:  # safetensors raises its own error types
