@@ -5,9 +5,9 @@ Frozen pieces copied from the target (never trained, ``requires_grad=False``):
   ``verifier_norm``  a copy of the target's final norm module (so Gemma-style ``1 + w`` norms stay right)
   ``verifier_lm_head`` the target's LM head [V, D]; target logits p_t = head(norm(last_hidden))
 
-Like speculators, checkpoints never contain ``verifier_*``; whether ``embed_tokens`` is written is
-per method (EAGLE-3 writes it, DFlash/DSpark do not). Loading a checkpoint that omits what a
-method needs therefore takes ``target=``.
+Like speculators, checkpoints never contain ``verifier_*``; no method writes ``embed_tokens``
+either (only trained tensors are saved: a frozen fp32 copy of a 262k x 640 embedding alone is
+671 MB; vLLM shares the target's). Loading a checkpoint therefore takes ``target=``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ class SpeculatorsDrafter(DrafterModel):
     slot_side: ClassVar[str]  # "input" (EAGLE-3) or "output" (DFlash/DSpark): aux-id convention
     not_saved: ClassVar[tuple[str, ...]] = NOT_SAVED  # state-dict prefixes never written
     ignored_on_load: ClassVar[tuple[str, ...]] = ("verifier_lm_head.weight", "verifier_norm.weight")
-    requires_target: ClassVar[bool] = False  # True when checkpoints lack pieces only the target has
 
     def __init__(self, config: DraftConfig, verifier: dict | None = None):
         super().__init__()
@@ -212,19 +211,18 @@ class SpeculatorsDrafter(DrafterModel):
         else:
             config = cls.config_from_speculators(cfg, where=where)
             verifier = {"path": (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")}
-        if target is not None and config.num_target_layers is None:
-            config = dataclasses.replace(config, num_target_layers=target.num_layers)
-        if target is None and cls.requires_target:
+        if target is None:
             raise SpecdraftError(
-                f"{where}: {cls.method} checkpoints omit the target's embedding and LM head (speculators layout); "
+                f"{where}: {cls.method} checkpoints omit the target's frozen embedding (and final norm and LM head); "
                 "pass target=... to load it"
             )
+        if config.num_target_layers is None:
+            config = dataclasses.replace(config, num_target_layers=target.num_layers)
         model = cls(config, verifier=verifier)
         expected = model.saved_state()
         ckpt.check_tensors(tensors, expected, where=where, ignore=cls.ignored_on_load)
         model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
-        if target is not None:
-            model.attach_target(target)
+        model.attach_target(target)
         return model
 
 
