@@ -51,6 +51,10 @@ class DSparkDrafter(DFlashDrafter):
             ConfidenceHead(c.hidden_size + (c.markov_rank if c.confidence_with_markov else 0)) if c.confidence_head else None
         )
         self._sync_markov_rows()
+        # Hooks, not a load_state_dict override: they also run when a wrapper (the trainer's step
+        # module, a resume) loads this drafter as a submodule.
+        self.register_load_state_dict_pre_hook(DSparkDrafter._w1_into_layout)
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module._sync_markov_rows())
 
     # ----- Markov W1 layout (see ``heads``) ---------------------------------------------------
     def _sync_markov_rows(self) -> None:
@@ -70,27 +74,21 @@ class DSparkDrafter(DFlashDrafter):
     def saved_state(self) -> dict[str, torch.Tensor]:
         return {**super().saved_state(), "markov_head.markov_w1.weight": self.markov_head.full_w1()}
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        result = super().load_state_dict(self._w1_into_layout(dict(state_dict)), strict=strict, assign=assign)
-        self._sync_markov_rows()
-        return result
-
-    def _w1_into_layout(self, state: dict) -> dict:
-        """A [V, r] W1 (the format's) for a compact head: compacted when every id outside the draft
-        vocabulary has the same row (what ``full_w1`` writes), else the head switches to a full
-        [V, r] table (a checkpoint trained elsewhere keeps every row)."""
-        key = "markov_head.markov_w1.weight"
+    def _w1_into_layout(self, state: dict, prefix: str, *_: Any) -> None:
+        """Load pre-hook: a [V, r] W1 (the format's) for a compact head is compacted in ``state`` when
+        every id outside the draft vocabulary has the same row (what ``full_w1`` writes); otherwise
+        the head switches to a full [V, r] table (a checkpoint trained elsewhere keeps every row)."""
+        key = prefix + "markov_head.markov_w1.weight"
         w1, head = state.get(key), self.markov_head
-        if w1 is None or self.t2d is None or w1.shape[0] != self.config.vocab_size or head.row_of is None:
-            return state  # already in this layout, or a shape load_state_dict reports
-        t2d = state.get("t2d", self.t2d).to(device=w1.device, dtype=torch.bool)
+        if w1 is None or head.row_of is None or w1.shape[0] != self.config.vocab_size:
+            return  # already in this layout, or a shape load_state_dict reports
+        t2d = state.get(prefix + "t2d", self.t2d).to(device=w1.device, dtype=torch.bool)
         others = w1[~t2d]
         if bool((others == others[:1]).all()):
             state[key] = torch.cat([w1[t2d], others[:1]])
         else:
             weight = head.markov_w1.weight
             head.markov_w1 = torch.nn.Embedding(w1.shape[0], w1.shape[1], device=weight.device, dtype=weight.dtype)
-        return state
 
     # ----- format --------------------------------------------------------------------------
     def method_fields(self, aux_ids: list[int]) -> dict:
