@@ -82,7 +82,7 @@ def test_eagle3_layout(tmp_path, target):
     tensors = load_file(str(tmp_path / "e/model.safetensors"))
     assert tensors["d2t"].dtype == torch.int64 and tensors["d2t"].shape == (40,)
     assert tensors["t2d"].dtype == torch.bool and tensors["t2d"].shape == (VOCAB,)
-    assert tensors["lm_head.weight"].shape == (40, 64) and "embed_tokens.weight" not in tensors  # vLLM shares the target's
+    assert tensors["lm_head.weight"].shape == (40, 64) and tensors["embed_tokens.weight"].shape == (VOCAB, 64)
     assert tensors["layers.0.self_attn.q_proj.weight"].shape == (64, 128)  # q/k/v read 2D
     assert tensors["fc.weight"].shape == (64, 3 * 64)
     assert {"layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight", "norm.weight"} <= set(tensors)
@@ -282,6 +282,18 @@ def test_save_replaces_directory_atomically(saved, target):
     model.save_pretrained(saved)
     assert sorted(p.name for p in saved.parent.iterdir()) == ["c"]
     assert torch.all(load_file(str(saved / "model.safetensors"))["norm.weight"] == 2.0)
+
+
+def test_eagle3_loads_for_inference_without_target(tmp_path, target):
+    model = _build("eagle3", target)
+    model.save_pretrained(tmp_path / "e")
+    loaded = load_drafter(tmp_path / "e")
+    batch = make_batch(target, "eagle3", count=1, length=10)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.ttt_hidden(batch)[0], model.ttt_hidden(batch)[0])
+    with pytest.raises(SpecdraftError, match="no target attached"):
+        loaded.training_forward(batch)
+    assert loaded.config == model.config
 
 
 def test_batch_with_wrong_slots_is_refused(target):

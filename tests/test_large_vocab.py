@@ -1,5 +1,5 @@
 """Large target vocabularies at the cost of small ones: per-step work bounded by the draft vocabulary,
-checkpoints of trained tensors only, the compact DSpark Markov W1, warm start only where it computes
+checkpoints of trained tensors, the compact DSpark Markov W1, warm start only where it computes
 what the target layer computes. Tiny random models (``benchmarks/vocab_scaling.py`` has the timings)."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdraft.errors import SpecdraftError
 from specdraft.models import METHODS, load_drafter
 from specdraft.models.common.vocab import draft_ids
 from specdraft.train.config import TrainConfig
@@ -75,16 +74,14 @@ def test_dspark_l1_target_is_the_full_target_distribution_renormalised_over_the_
 
 @pytest.mark.parametrize("method,draft_vocab", [("eagle3", DRAFT), ("eagle3", None), ("dflash", DRAFT), ("dflash", None), ("dspark", DRAFT), ("dspark", None)])
 def test_checkpoints_carry_only_trained_tensors(tmp_path, target, method, draft_vocab):
+    """Trained tensors and the vocabulary tables; the one frozen exception is EAGLE-3's embedding,
+    which speculators 0.9.0 cannot restore from the verifier (see ``models.common.drafter``)."""
     model = build(method, target, draft_vocab_size=draft_vocab)
     model.save_pretrained(tmp_path / "d")
     saved = load_file(str(tmp_path / "d/model.safetensors"))
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert not any(k.startswith(("embed_tokens", "verifier_")) for k in saved)
-    assert set(saved) - trained <= {"d2t", "t2d"}
-    with pytest.raises(SpecdraftError, match="omit the target's frozen embedding.*pass target="):
-        load_drafter(tmp_path / "d")
-    if method == "eagle3":  # speculators writes EAGLE-3's embedding: ignored, the target's is used
-        save_file({**saved, "embed_tokens.weight": torch.zeros(VOCAB, target.hidden_size)}, str(tmp_path / "d/model.safetensors"))
+    assert not any(k.startswith("verifier_") for k in saved)
+    assert set(saved) - trained <= {"d2t", "t2d"} | ({"embed_tokens.weight"} if method == "eagle3" else set())
     loaded = load_drafter(tmp_path / "d", target=target)
     assert torch.equal(loaded.embed_tokens.weight, target.model.get_input_embeddings().weight)
 

@@ -5,9 +5,13 @@ Frozen pieces copied from the target (never trained, ``requires_grad=False``):
   ``verifier_norm``  a copy of the target's final norm module (so Gemma-style ``1 + w`` norms stay right)
   ``verifier_lm_head`` the target's LM head [V, D]; target logits p_t = head(norm(last_hidden))
 
-Like speculators, checkpoints never contain ``verifier_*``; no method writes ``embed_tokens``
-either (only trained tensors are saved: a frozen fp32 copy of a 262k x 640 embedding alone is
-671 MB; vLLM shares the target's). Loading a checkpoint therefore takes ``target=``.
+Like speculators, checkpoints never contain ``verifier_*``; whether ``embed_tokens`` is written is
+per method (EAGLE-3 writes it, DFlash/DSpark do not). Loading a checkpoint that omits what a
+method needs therefore takes ``target=``. EAGLE-3 keeps the frozen embedding (most of its file on
+a large vocabulary) because speculators 0.9.0 needs it: loading an EAGLE-3 checkpoint without it
+there leaves a randomly initialised embedding (transformers re-initialises the missing tensor, so
+the NaN sentinel that would trigger reloading it from the verifier is gone). vLLM 0.32 would share
+the target's.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class SpeculatorsDrafter(DrafterModel):
     slot_side: ClassVar[str]  # "input" (EAGLE-3) or "output" (DFlash/DSpark): aux-id convention
     not_saved: ClassVar[tuple[str, ...]] = NOT_SAVED  # state-dict prefixes never written
     ignored_on_load: ClassVar[tuple[str, ...]] = ("verifier_lm_head.weight", "verifier_norm.weight")
+    requires_target: ClassVar[bool] = False  # True when checkpoints lack pieces only the target has
 
     def __init__(self, config: DraftConfig, verifier: dict | None = None):
         super().__init__()
@@ -211,18 +216,19 @@ class SpeculatorsDrafter(DrafterModel):
         else:
             config = cls.config_from_speculators(cfg, where=where)
             verifier = {"path": (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")}
-        if target is None:
+        if target is not None and config.num_target_layers is None:
+            config = dataclasses.replace(config, num_target_layers=target.num_layers)
+        if target is None and cls.requires_target:
             raise SpecdraftError(
-                f"{where}: {cls.method} checkpoints omit the target's frozen embedding (and final norm and LM head); "
+                f"{where}: {cls.method} checkpoints omit the target's embedding and LM head (speculators layout); "
                 "pass target=... to load it"
             )
-        if config.num_target_layers is None:
-            config = dataclasses.replace(config, num_target_layers=target.num_layers)
         model = cls(config, verifier=verifier)
         expected = model.saved_state()
         ckpt.check_tensors(tensors, expected, where=where, ignore=cls.ignored_on_load)
         model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
-        model.attach_target(target)
+        if target is not None:
+            model.attach_target(target)
         return model
 
 

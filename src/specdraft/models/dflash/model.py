@@ -99,6 +99,7 @@ class DFlashDrafter(SpeculatorsDrafter):
     slot_side = "output"
     not_saved = NOT_SAVED + ("embed_tokens.",)
     ignored_on_load = SpeculatorsDrafter.ignored_on_load + ("embed_tokens.weight",)
+    requires_target = True
     sample_from_anchor: ClassVar[bool] = False  # DSpark: the anchor slot is a prediction too
 
     def __init__(self, config: DFlashConfig, verifier: dict | None = None):

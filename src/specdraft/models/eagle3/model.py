@@ -30,7 +30,7 @@ from specdraft.models.base import DrafterBatch, TrainOutput
 from specdraft.models.common import checkpoint as ckpt
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.config import shape_from_layer_config
-from specdraft.models.common.drafter import NOT_SAVED, SpeculatorsDrafter
+from specdraft.models.common.drafter import SpeculatorsDrafter
 from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from specdraft.models.common.masks import eagle3_ttt_mask
 from specdraft.models.common.metrics import position_metrics
@@ -98,10 +98,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
     architecture = "Eagle3Speculator"
     layer_model_type = "llama"
     slot_side = "input"
-    # The frozen embedding is the target's: not written (vLLM then shares the target's
-    # embed_tokens, speculators reloads it from the verifier), ignored where speculators wrote it.
-    not_saved = NOT_SAVED + ("embed_tokens.",)
-    ignored_on_load = SpeculatorsDrafter.ignored_on_load + ("d2t", "t2d", "embed_tokens.weight")
+    ignored_on_load = SpeculatorsDrafter.ignored_on_load + ("d2t", "t2d")
 
     def __init__(self, config: Eagle3Config, verifier: dict | None = None):
         super().__init__(config, verifier)
@@ -150,7 +147,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
 
     @classmethod
     def config_from_speculators(cls, cfg: dict, *, where: str) -> Eagle3Config:
-        for flag in ("norm_before_fc", "fc_norm", "norm_output", "embed_requires_grad"):
+        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
             if cfg.get(flag):
                 raise SpecdraftError(f"{where}: EAGLE-3 option {flag}=true is not supported by specdraft")
         ids = cfg.get("eagle_aux_hidden_state_layer_ids")
