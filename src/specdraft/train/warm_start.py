@@ -7,10 +7,10 @@ asking for it is an error naming the switch to turn off.
 
 * ``init_from_target``: draft decoder layer i starts as target decoder layer L - N + i (the last
   N layers, in order), only where that layer computes what the draft layer computes
-  (``layer_mismatches``); otherwise nothing is copied and the reasons are logged. The drafter's output is decoded by the target's final norm + LM head
-  (DFlash/DSpark share them; EAGLE-3's head starts from the target's rows), which were trained on
-  the output of the target's last layer, so the last layers are the ones whose output space the
-  head already reads. Tensors are copied where the shapes match (attention q/k/v/o, MLP, norm
+  (``layer_mismatches``); otherwise nothing is copied and the reasons are logged. The drafter's
+  output is decoded by the target's final norm + LM head (DFlash/DSpark share them; EAGLE-3's
+  head starts from the target's rows), which were trained on the output of the target's last
+  layer, so the last layers are the ones whose output space the head already reads. Tensors are copied where the shapes match (attention q/k/v/o, MLP, norm
   gains, Qwen3 q/k norms); norms the target lacks stay at 1. EAGLE-3's q/k/v read [embed; feature]
   (2D wide): the target's weights go into the feature half and the embedding half is zeroed, so
   at step 0 the layer computes exactly the target layer on the fused feature; the zeroed half
@@ -204,9 +204,11 @@ def layer_mismatches(target: Any, index: int, draft_layer: nn.Module, rope_theta
     copied in ([] when it computes the same): our draft layers are pre-norm SwiGLU(silu) layers with
     plain RoPE at the drafter's ``rope_theta``, 1/sqrt(head_dim) attention and no biases, fed
     unscaled embeddings. Copying into a layer that differs in any of these (Gemma 3: gelu, post-
-    attention/post-FFN norms, per-layer-type RoPE bases, a sqrt(D) embedding scale) gave outputs no
-    closer to the target layer's than the identity map. q/k norms the target lacks start at gain 1
-    in a q/k-norm draft layer; that only rescales attention logits per head and is kept."""
+    attention/post-FFN norms, per-layer-type RoPE bases, a sqrt(D) embedding scale) matched the
+    target layer no better than the identity map (issue 18: relative error 0.249 vs 0.2495). One
+    difference is let through: q/k norms a Llama-style target lacks start at gain 1 in a q/k-norm
+    (DFlash/DSpark) draft layer, per-head RMS normalisation of q and k that the recipes'
+    init_from_target measurements on the embedded Llama target already include."""
     tc = target.text_config
     layer = target_layers(target)[index]
     params = dict(layer.named_parameters())
