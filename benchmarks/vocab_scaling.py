@@ -7,7 +7,8 @@ Llama 3's, 262,144 = Gemma 3's; same hidden size and layers, tied embeddings) an
   and pack for every target), stepped like the trainer does (forward, backward, grad clip, AdamW;
   the trainer's own optimizer and clip helpers) on a packed batch of random ids drawn from a Zipf
   law (so the draft vocabulary chosen from their counts covers most labels) with random hidden
-  states (values do not change the step's cost); median seconds per step after a warm-up step;
+  states (values do not change the step's cost); median wall and CPU (process) seconds per step
+  after a warm-up step (on a shared machine the CPU seconds are the steadier measure of work);
 * regen: specdraft's regeneration (``data.regenerate`` with the hf engine) against a plain HF
   ``generate`` loop over the same prompt batches, in generated tokens/s;
 * ckpt: size of the drafter's ``model.safetensors``.
@@ -18,7 +19,8 @@ before and after a change:
 
     PYTHONPATH=src .venv/bin/python benchmarks/vocab_scaling.py --threads 2
 
-Output: one JSON line per (vocab, method), then a table.
+Output: one JSON line per (vocab, method), then a table ("x first": ratio to the first vocabulary;
+"ratio": plain generate tok/s over specdraft regeneration tok/s).
 """
 
 from __future__ import annotations
@@ -86,20 +88,22 @@ def train_steps(method: str, target, args) -> dict:
     module = _StepModule(drafter).train()
     optimizer = _build_optimizer(module, cfg, torch.device("cpu"))
     batch = make_batch(target, len(drafter.config.slots()), pack=cfg.pack_tokens, samples=args.samples, generator=g)
-    times = []
+    times, cpu = [], []
     for _ in range(args.steps + 1):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         out = module(batch)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         _clip(module, cfg.grad_clip)
         optimizer.step()
         times.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
     with tempfile.TemporaryDirectory() as tmp:
         drafter.save_pretrained(tmp)
         ckpt_mb = (Path(tmp) / "model.safetensors").stat().st_size / 1e6
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    return {"s_per_step": statistics.median(times[1:]), "first_step_s": times[0], "pack_tokens": cfg.pack_tokens,
+    return {"s_per_step": statistics.median(times[1:]), "cpu_s_per_step": statistics.median(cpu[1:]), "first_step_s": times[0],
+            "pack_tokens": cfg.pack_tokens,
             "trainable_m": trainable / 1e6, "ckpt_mb": ckpt_mb, "model": cfg.model}
 
 
@@ -163,12 +167,15 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
         del target
 
-    base = {r["method"]: r["s_per_step"] for r in rows if r["vocab"] == rows[0]["vocab"]}
-    print(f"\n{'vocab':>8} {'method':>7} {'s/step':>7} {'x first':>7} {'ckpt MB':>8} {'regen tok/s':>11} {'plain tok/s':>11} {'ratio':>6}")
+    base = {r["method"]: r for r in rows if r["vocab"] == rows[0]["vocab"]}
+    print(f"\n{'vocab':>8} {'method':>7} {'s/step':>7} {'x first':>7} {'cpu s':>7} {'x first':>7} {'ckpt MB':>8} "
+          f"{'regen tok/s':>11} {'plain tok/s':>11} {'ratio':>6}")
     for r in rows:
+        b = base[r["method"]]
         regen = (f"{r['regen_tok_s']:11.1f} {r['plain_generate_tok_s']:11.1f} {r['plain_generate_tok_s'] / r['regen_tok_s']:6.2f}"
                  if "regen_tok_s" in r else "")
-        print(f"{r['vocab']:>8} {r['method']:>7} {r['s_per_step']:7.2f} {r['s_per_step'] / base[r['method']]:7.2f} {r['ckpt_mb']:8.1f} {regen}")
+        print(f"{r['vocab']:>8} {r['method']:>7} {r['s_per_step']:7.2f} {r['s_per_step'] / b['s_per_step']:7.2f} "
+              f"{r['cpu_s_per_step']:7.2f} {r['cpu_s_per_step'] / b['cpu_s_per_step']:7.2f} {r['ckpt_mb']:8.1f} {regen}")
     return 0
 
 
