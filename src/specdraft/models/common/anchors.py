@@ -8,10 +8,11 @@ Anchor sampling (``ANCHOR_SAMPLING``, the drafter config's ``anchor_sampling``):
   positions carry a label the drafter can learn to hit (acceptance stops at the first miss, and
   later positions of a block in unpredictable text rarely count). A uniform proposal of
   ``PREDICTABLE_PROPOSALS`` x the budget is scored by the target's probability of the block's
-  first label, p_t(x_{a+1} | x_<=a) = softmax(head(norm(last_hidden[a])))[x_{a+1}], and the anchors
-  are drawn from it without replacement with weights ``PREDICTABLE_FLOOR`` + p (the floor keeps
-  hard text in the mix). Cost: one frozen LM-head row per proposal (2 x the anchors), against the
-  B rows per anchor that the loss already runs through the same head.
+  first label, p_t(x_{a+1} | x_<=a) = softmax(head(norm(last_hidden[a])))[x_{a+1}] (over the draft
+  vocabulary when it is reduced: see ``DFlashDrafter.target_label_prob``), and the anchors are
+  drawn from it without replacement with weights ``PREDICTABLE_FLOOR`` + p (the floor keeps hard
+  text in the mix). Cost: one frozen LM-head row per proposal (2 x the anchors), against the B
+  rows per anchor that the loss already runs through the same head.
 """
 
 from __future__ import annotations

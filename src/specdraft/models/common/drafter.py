@@ -7,7 +7,11 @@ Frozen pieces copied from the target (never trained, ``requires_grad=False``):
 
 Like speculators, checkpoints never contain ``verifier_*``; whether ``embed_tokens`` is written is
 per method (EAGLE-3 writes it, DFlash/DSpark do not). Loading a checkpoint that omits what a
-method needs therefore takes ``target=``.
+method needs therefore takes ``target=``. EAGLE-3 keeps the frozen embedding (most of its file on
+a large vocabulary) because speculators 0.9.0 needs it: loading an EAGLE-3 checkpoint without it
+there leaves a randomly initialised embedding (transformers re-initialises the missing tensor, so
+the NaN sentinel that would trigger reloading it from the verifier is gone). vLLM 0.32 would share
+the target's.
 """
 
 from __future__ import annotations

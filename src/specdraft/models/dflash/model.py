@@ -254,13 +254,18 @@ class DFlashDrafter(SpeculatorsDrafter):
 
     @torch.no_grad()
     def target_label_prob(self, batch: DrafterBatch, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """p_t(token at positions+1 | prefix) at (rows, positions) [M]: the frozen target head on last_hidden."""
-        labels = batch.token_ids[rows, (positions + 1).clamp(max=batch.token_ids.shape[1] - 1)]
+        """p_t(token at positions+1 | prefix) at (rows, positions) [M], from the frozen target head on
+        last_hidden. With a reduced draft vocabulary p_t is restricted to the draft ids before the
+        softmax (renormalised over them, as the DSpark L1 term's target) and a label outside them gets
+        0 (no draft can hit it): [M x N] work instead of [M x V], and the full value when N = V."""
+        labels, in_vocab = self.draft_labels(batch.token_ids[rows, (positions + 1).clamp(max=batch.token_ids.shape[1] - 1)])
+        norm, head = self.require_verifier(), self.draft_target_head()
 
         def prob(h, y):
-            return (torch.log_softmax(self.target_logits(h).float(), -1).gather(-1, y[:, None])[:, 0].exp(),)
+            return (torch.log_softmax(nn.functional.linear(norm(h), head).float(), -1).gather(-1, y[:, None])[:, 0].exp(),)
 
-        return chunked_rows(prob, batch.last_hidden[rows, positions], labels, chunk_rows=self.config.loss_chunk_rows)[0]
+        p = chunked_rows(prob, batch.last_hidden[rows, positions], labels, chunk_rows=self.config.loss_chunk_rows)[0]
+        return p * in_vocab
 
     def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> TrainOutput:
         """Hard-label CE over slots 1..B-1 weighted exp(-(k-1)/gamma), normalised by the weight sum

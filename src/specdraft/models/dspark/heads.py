@@ -6,6 +6,13 @@ tokens. All variants share W1 = Embedding(V, r) over the target vocabulary (prev
 target ids) and W2 = Linear(r, N, no bias) onto the draft vocabulary (N = V unless reduced), as in
 speculators; tensor names match it (``markov_head.markov_w1`` ...). ``step`` is the inference form (left to right);
 ``block_bias`` the teacher-forced training form and must agree with repeated ``step``.
+
+In memory W1 may hold fewer rows than V: with ``row_of`` int64[V] (target id -> W1 row) set, the
+N draft ids have their own rows and every other id shares one last row (``DSparkDrafter`` uses
+this with a reduced draft vocabulary: on a 262k target W1 would otherwise be most of the drafter,
+and its dense gradient and AdamW update the bulk of a step). Drafted previous tokens are always
+draft ids; only a teacher-forced or anchor token can be another id. ``full_w1`` expands it to the
+[V, r] table that the format (speculators, vLLM's ``qwen3_dspark``) stores; both compute the same.
 """
 
 from __future__ import annotations
@@ -21,15 +28,21 @@ MARKOV_HEADS: Registry[type["MarkovHead"]] = Registry("markov head")
 class MarkovHead(nn.Module):
     """Vanilla first-order head: B_k = W2(W1[x_{k-1}])."""
 
-    def __init__(self, *, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, *, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, w1_rows: int | None = None):
         super().__init__()
         self.rank = rank
-        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w1 = nn.Embedding(w1_rows or vocab_size, rank)
         nn.init.normal_(self.markov_w1.weight, std=0.01)
         self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+        self.register_buffer("row_of", None, persistent=False)  # int64[V] target id -> W1 row; None: W1 is [V, r]
 
     def prev_embeddings(self, prev_ids: torch.Tensor) -> torch.Tensor:
-        return self.markov_w1(prev_ids)
+        return self.markov_w1(prev_ids if self.row_of is None else self.row_of[prev_ids])
+
+    def full_w1(self) -> torch.Tensor:
+        """W1 as the format stores it, [V, r]."""
+        weight = self.markov_w1.weight
+        return weight if self.row_of is None else weight[self.row_of]
 
     def init_state(self, rows: int, like: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -51,8 +64,8 @@ MARKOV_HEADS.register("vanilla")(MarkovHead)
 class GatedMarkovHead(MarkovHead):
     """B_k = W2(g_k * W1[x_{k-1}]), g_k = sigmoid(gate_proj([h_k; W1[x_{k-1}]]))."""
 
-    def __init__(self, *, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size=vocab_size, draft_vocab_size=draft_vocab_size, rank=rank, hidden_size=hidden_size)
+    def __init__(self, *, hidden_size: int, rank: int, **sizes: int | None):
+        super().__init__(hidden_size=hidden_size, rank=rank, **sizes)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def step(self, state, prev_emb, hidden):
@@ -65,8 +78,8 @@ class RnnMarkovHead(MarkovHead):
     """Gated recurrent state s over the block: [g; c; o] = joint_proj([s; W1[x_{k-1}]; h_k]),
     s <- g*s + (1-g)*tanh(c), B_k = W2(tanh(o))."""
 
-    def __init__(self, *, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size=vocab_size, draft_vocab_size=draft_vocab_size, rank=rank, hidden_size=hidden_size)
+    def __init__(self, *, hidden_size: int, rank: int, **sizes: int | None):
+        super().__init__(hidden_size=hidden_size, rank=rank, **sizes)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
     def init_state(self, rows, like):

@@ -42,12 +42,53 @@ class DSparkDrafter(DFlashDrafter):
     def __init__(self, config: DSparkConfig, verifier: dict | None = None):
         super().__init__(config, verifier)
         c = config
+        compact = c.uses_draft_vocab and c.draft_vocab + 1 < c.vocab_size
         self.markov_head = MARKOV_HEADS.get(c.markov_head)(
-            vocab_size=c.vocab_size, draft_vocab_size=c.draft_vocab, rank=c.markov_rank, hidden_size=c.hidden_size
+            vocab_size=c.vocab_size, draft_vocab_size=c.draft_vocab, rank=c.markov_rank, hidden_size=c.hidden_size,
+            w1_rows=c.draft_vocab + 1 if compact else None,
         )
         self.confidence_head = (
             ConfidenceHead(c.hidden_size + (c.markov_rank if c.confidence_with_markov else 0)) if c.confidence_head else None
         )
+        self._sync_markov_rows()
+        # Hooks, not a load_state_dict override: they also run when a wrapper (the trainer's step
+        # module, a resume) loads this drafter as a submodule.
+        self.register_load_state_dict_pre_hook(DSparkDrafter._w1_into_layout)
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module._sync_markov_rows())
+
+    # ----- Markov W1 layout (see ``heads``) ---------------------------------------------------
+    def _sync_markov_rows(self) -> None:
+        """Point the compact W1's ``row_of`` at the current draft vocabulary: draft id i -> row i,
+        any other target id -> the shared row N."""
+        head = self.markov_head
+        if head.markov_w1.num_embeddings == self.config.vocab_size:
+            head.row_of = None
+            return
+        rank = torch.cumsum(self.t2d.to(torch.int64), 0) - 1
+        head.row_of = torch.where(self.t2d, rank, torch.full_like(rank, self.config.draft_vocab))
+
+    def set_draft_vocab(self, counts: torch.Tensor) -> None:
+        super().set_draft_vocab(counts)
+        self._sync_markov_rows()
+
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        return {**super().saved_state(), "markov_head.markov_w1.weight": self.markov_head.full_w1()}
+
+    def _w1_into_layout(self, state: dict, prefix: str, *_: Any) -> None:
+        """Load pre-hook: a [V, r] W1 (the format's) for a compact head is compacted in ``state`` when
+        every id outside the draft vocabulary has the same row (what ``full_w1`` writes); otherwise
+        the head switches to a full [V, r] table (a checkpoint trained elsewhere keeps every row)."""
+        key = prefix + "markov_head.markov_w1.weight"
+        w1, head = state.get(key), self.markov_head
+        if w1 is None or head.row_of is None or w1.shape[0] != self.config.vocab_size:
+            return  # already in this layout, or a shape load_state_dict reports
+        t2d = state.get(prefix + "t2d", self.t2d).to(device=w1.device, dtype=torch.bool)
+        others = w1[~t2d]
+        if bool((others == others[:1]).all()):
+            state[key] = torch.cat([w1[t2d], others[:1]])
+        else:
+            weight = head.markov_w1.weight
+            head.markov_w1 = torch.nn.Embedding(w1.shape[0], w1.shape[1], device=weight.device, dtype=weight.dtype)
 
     # ----- format --------------------------------------------------------------------------
     def method_fields(self, aux_ids: list[int]) -> dict:
