@@ -111,7 +111,7 @@ class ProducerClient:
         self.refresh_s = refresh_s
         self._lock = threading.Lock()
         self._refreshing = threading.Lock()
-        self._next_refresh = time.monotonic() + refresh_s
+        self._last_refresh = time.monotonic()
         self._fingerprint: str | None = None
         self._inflight = {u: 0 for u in self.urls}
         self._down: dict[str, tuple[float, str]] = {}  # url -> (since, reason)
@@ -162,10 +162,10 @@ class ProducerClient:
 
     def refresh(self) -> None:
         """Reread the membership file (at most every ``refresh_s``); admit new producers, retire unlisted ones."""
-        if self.membership is None or time.monotonic() < self._next_refresh or not self._refreshing.acquire(blocking=False):
+        if self.membership is None or time.monotonic() < self._last_refresh + self.refresh_s or not self._refreshing.acquire(blocking=False):
             return
         try:
-            self._next_refresh = time.monotonic() + self.refresh_s
+            self._last_refresh = time.monotonic()
             try:
                 wanted = read_producer_list(self.membership)
                 if not wanted:  # more likely a write in progress than every producer retired at once
