@@ -4,13 +4,15 @@ what the target layer computes. Tiny random models (``benchmarks/vocab_scaling.p
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specdraft.models import METHODS, load_drafter
+from specdraft.models.common.checkpoint import write_checkpoint
 from specdraft.models.common.vocab import draft_ids
 from specdraft.train.config import TrainConfig
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start
@@ -114,7 +116,7 @@ def test_dspark_markov_w1_is_bounded_by_the_draft_vocabulary(tmp_path, target):
     # A checkpoint trained elsewhere (distinct rows outside the draft vocabulary) keeps every row.
     tensors = load_file(str(tmp_path / "d/model.safetensors"))
     tensors["markov_head.markov_w1.weight"] = torch.randn(VOCAB, 16)
-    save_file(tensors, str(tmp_path / "d/model.safetensors"))
+    write_checkpoint(tmp_path / "d", json.loads((tmp_path / "d/config.json").read_text()), tensors)
     foreign = load_drafter(tmp_path / "d", target=target)
     assert torch.equal(foreign.markov_head.prev_embeddings(torch.arange(VOCAB)), tensors["markov_head.markov_w1.weight"])
 
