@@ -19,16 +19,26 @@ from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
 
 
-def tiny_model(vocab: int = 64, layers: int = 2, seed: int = 0, context: int = 256, family: str = "llama"):
+def tiny_model(vocab: int = 64, layers: int = 2, seed: int = 0, context: int = 256, family: str = "llama", **extra):
     """A random causal LM in float64, so batched/cached/uncached forwards agree far below argmax gaps."""
     import transformers
 
     torch.manual_seed(seed)
-    config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig}[family]
+    config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig,
+                  "mistral": transformers.MistralConfig}[family]
     config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=32, max_position_embeddings=context, bos_token_id=None, eos_token_id=None,
-                        pad_token_id=None)
+                        pad_token_id=None, **extra)
     return transformers.AutoModelForCausalLM.from_config(config).double().eval()
+
+
+#: sliding-window targets with windows far shorter than prompt + output: Gemma 3 interleaves sliding
+#: and full layers (per-layer-type masks), Mistral slides in every layer (one mask)
+SLIDING = {
+    "gemma3": dict(family="gemma3", layers=3, sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   query_pre_attn_scalar=32),
+    "mistral": dict(family="mistral", layers=2, sliding_window=4),
+}
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +110,21 @@ def test_qwen3_target_batched_greedy_is_exact():
     assert [o.tokens for o in result.outputs] == [reference_greedy(model, p, 20) for p in PROMPTS]
 
 
-def test_sliding_window_targets_are_refused():
-    model = tiny_model(family="gemma3", layers=2)
-    with pytest.raises(SpecdraftError, match="sliding-window"):
-        decoder(model, build_proposer(DecodeConfig()))
+@pytest.mark.parametrize("drafter", ["none", "ngram", "random"])
+@pytest.mark.parametrize("family", sorted(SLIDING))
+def test_sliding_window_targets_batched_greedy_is_exact(family, drafter):
+    """Windows of 4-5 tokens, 8-10 token prompts, 20 new tokens, rejected drafts left as holes: every token is
+    the uncached full forward's (whose HF mask is the true window), batched and left-padded."""
+    model = tiny_model(seed=2, **SLIDING[family])
+    refs = [reference_greedy(model, p, 20) for p in PROMPTS]
+    if drafter == "random":
+        proposer = OracleProposer(PROMPTS, [r + [0] * 8 for r in refs], 64, miss=0.5)
+    else:
+        proposer = build_proposer(DecodeConfig(drafter=drafter))
+    result = decoder(model, proposer).generate(PROMPTS)
+    assert [o.tokens for o in result.outputs] == refs
+    if drafter == "random":
+        assert 0 < result.metrics.accepted < result.metrics.drafted  # holes in the cache and accepted drafts
 
 
 def test_eos_and_context_limits():
@@ -215,10 +236,15 @@ class DistributionProposer(Proposer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["distribution", "ngram", "scheduled"])
+@pytest.mark.parametrize("drafter", ["distribution", "ngram", "scheduled", "sliding-gemma3"])
 def test_sampled_outputs_follow_the_target_distribution(drafter):
+    """Rejection sampling is lossless; ``sliding-gemma3``: on a target whose window (3) is shorter than prompt + output."""
     vocab, length, rows = 4, 4, 8000
-    model = tiny_model(vocab=vocab, layers=2, seed=3)
+    if drafter.startswith("sliding-"):
+        model = tiny_model(vocab=vocab, seed=3, **{**SLIDING["gemma3"], "sliding_window": 3})
+        drafter = "distribution"
+    else:
+        model = tiny_model(vocab=vocab, layers=2, seed=3)
     with torch.no_grad():  # sharpen the random model so that the target distribution is far from uniform
         model.lm_head.weight.mul_(6.0)
     sampling = SamplingConfig(temperature=0.8, top_k=3)

@@ -32,6 +32,13 @@ class Target:
         return self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
 
     @property
+    def family(self) -> Any:
+        """The target's ``targets.families.Family`` (decoder parts, attention layout, template quirks)."""
+        from specdraft.targets.families import family_of
+
+        return family_of(self.model)
+
+    @property
     def num_layers(self) -> int:
         return int(self.text_config.num_hidden_layers)
 
