@@ -25,7 +25,7 @@ def tiny_model(vocab: int = 64, layers: int = 2, seed: int = 0, context: int = 2
 
     torch.manual_seed(seed)
     config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig,
-                  "mistral": transformers.MistralConfig}[family]
+                  "mistral": transformers.MistralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[family]
     config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=32, max_position_embeddings=context, bos_token_id=None, eos_token_id=None,
                         pad_token_id=None, **extra)
@@ -267,10 +267,15 @@ def test_sampled_outputs_follow_the_target_distribution(drafter):
     assert result.metrics.accepted > 0.1 * rows and result.metrics.accepted < result.metrics.drafted
     if drafter == "scheduled":
         assert 0 < result.metrics.drafted < 0.9 * 3 * result.metrics.rounds, "the scheduler should shorten some verify lengths"
+    assert_target_distribution(model, prompt, [o.tokens for o in result.outputs], sampling, vocab)
+
+
+def assert_target_distribution(model, prompt: list[int], outputs: list[list[int]], sampling: SamplingConfig, vocab: int) -> None:
+    """Chi-square test of sampled continuations against the target's exact distribution (by enumeration)."""
+    length, rows = len(outputs[0]), len(outputs)
     observed = np.zeros(vocab**length)
-    for o in result.outputs:
-        observed[int(np.ravel_multi_index(o.tokens, [vocab] * length))] += 1
-    # exact target distribution of the 4-token continuation by enumeration
+    for tokens in outputs:
+        observed[int(np.ravel_multi_index(tokens, [vocab] * length))] += 1
     seqs = torch.tensor(list(itertools.product(range(vocab), repeat=length)))
     with torch.no_grad():
         logits = model(torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)).logits[:, len(prompt) - 1 : -1]

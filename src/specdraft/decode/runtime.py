@@ -157,7 +157,9 @@ def decoder_for_target(
         from specdraft.decode.sps import load_or_measure_sps
 
         sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint)
-    return SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=sampling, scheduler=scheduler, sps=sps)
+    eos = sorted(target.end_of_turn_ids) if target.tokenizer is not None else None  # decoding stops at the template's turn end
+    return SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=sampling, scheduler=scheduler, sps=sps,
+                              eos_token_ids=eos)
 
 
 class SpeculativeDecoder:

@@ -39,6 +39,13 @@ class Target:
         return family_of(self.model)
 
     @property
+    def end_of_turn_ids(self) -> set[int]:
+        """Ids that end an assistant turn: the chat template's end-of-turn token plus every declared EOS."""
+        from specdraft.targets.chat import end_of_turn_ids
+
+        return end_of_turn_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+
+    @property
     def num_layers(self) -> int:
         return int(self.text_config.num_hidden_layers)
 
