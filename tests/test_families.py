@@ -226,10 +226,12 @@ def test_sampled_decoding_is_exact(family):
              "mistral": dict(sliding_window=3),
              "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)}.get(family, {})
     model = tiny_model(vocab=4, layers=2, seed=3, family=family, **extra)
+    if family == "qwen3_moe":
+        model.float()  # its grouped expert matmul has no float64 kernel
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(6.0)
     sampling, prompt = SamplingConfig(temperature=0.8, top_k=3), [0, 1, 2, 3, 2, 1]
-    proposer = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0], dtype=torch.float64))
+    proposer = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0], dtype=model.dtype))
     result = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=3, num_draft_tokens=2, seed=7), sampling=sampling,
                                 eos_token_ids=[]).generate([prompt] * 3000)
     assert 0 < result.metrics.accepted < result.metrics.drafted
@@ -282,6 +284,9 @@ from vllm.config import set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.model_loader import get_model
 
+# what vLLM's CPU model runner does before loading: no accelerator calls on a CPU-only host
+torch.accelerator.synchronize = lambda *a, **k: None
+torch.accelerator.empty_cache = lambda *a, **k: None
 out, started = {}, False
 for family, job in json.load(open(sys.argv[1])).items():
     args = EngineArgs(model=job["target"], dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=2,
@@ -298,7 +303,8 @@ for family, job in json.load(open(sys.argv[1])).items():
         draft_config = config.speculative_config.draft_model_config
         drafter = get_model(vllm_config=config, model_config=draft_config)
         out[family] = {"target": type(target).__name__, "drafter": type(drafter).__name__,
-                       "aux_ids": list(draft_config.hf_config.aux_hidden_state_layer_ids),
+                       "aux_ids": list(draft_config.hf_config.eagle_aux_hidden_state_layer_ids),
+                       "mask_token_id": draft_config.hf_config.dflash_config["mask_token_id"],
                        "drafter_params": sum(p.numel() for p in drafter.parameters())}
 print("RESULT " + json.dumps(out))
 '''
@@ -323,7 +329,8 @@ def test_checkpoint_loads_in_vllm(runs, vllm_loaded, family):
     loaded = vllm_loaded[family]
     written = json.loads((runs[family].stage("train").final / "config.json").read_text())
     assert loaded["drafter_params"] > 0 and loaded["target"] == target.config.architectures[0]
-    assert loaded["aux_ids"] == written["aux_hidden_state_layer_ids"]  # vLLM reads the layers we extracted
+    # vLLM's target returns hidden_states[i] for these ids: the layers we extracted and trained on
+    assert loaded["aux_ids"] == written["aux_hidden_state_layer_ids"] and loaded["mask_token_id"] == written["mask_token_id"]
 
 
 VLLM_CLAIMS = r'''
@@ -333,10 +340,14 @@ from vllm.model_executor.models.interfaces import supports_eagle3
 out = {}
 for model_type, arch in json.load(open(sys.argv[1])).items():
     cls = ModelRegistry._try_load_model_cls(arch)
-    source = "".join(inspect.getsource(inspect.getmodule(c)) for c in cls.__mro__ if c.__module__.startswith("vllm.model_executor.models"))
+    ours = lambda c: inspect.isclass(c) and c.__module__.startswith("vllm.model_executor.models")
+    modules = {inspect.getmodule(c) for c in cls.__mro__ if ours(c)}
+    # the decoder stacks those modules use (Qwen3Model subclasses qwen2.py's Qwen2Model)
+    modules |= {inspect.getmodule(b) for m in list(modules) for c in vars(m).values() if ours(c) and c.__name__.endswith("Model")
+                for b in c.__mro__ if ours(b)}
+    source = "".join(inspect.getsource(m) for m in modules)
     # id start_layer (0) before the first layer, id idx + 1 after layer idx: id i = HF hidden_states[i]
-    convention = "_maybe_add_hidden_state(\n                aux_hidden_states, self.start_layer" in source or bool(
-        re.search(r"aux_hidden_states, self\.start_layer, hidden_states, residual", source))
+    convention = bool(re.search(r"(aux_hidden_states|\[\]), self\.start_layer, hidden_states, residual", source))
     after = bool(re.search(r"aux_hidden_states, (layer_)?idx \+ 1, hidden_states, residual", source))
     out[model_type] = {"eagle3": bool(supports_eagle3(cls)), "convention": convention and after}
 print("RESULT " + json.dumps(out))
@@ -353,7 +364,7 @@ def test_vllm_claims_of_every_family_match_vllm(tmp_path):
 
     if not VLLM_PYTHON.exists():
         pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
-    archs = {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name.removesuffix("_text")] for name in FAMILIES}
+    archs = {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name] for name in FAMILIES}
     found = _side(VLLM_PYTHON, VLLM_CLAIMS, archs, tmp_path, timeout=600)
     for name in FAMILIES:
         claim = FAMILIES.get(name).vllm_aux_hidden_states
@@ -370,3 +381,25 @@ def test_unknown_family_names_what_is_missing():
     config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2)
     with pytest.raises(SpecdraftError, match=r"model_type 'gpt2' is not a supported family .*decoder layers.*sliding-window.*targets/families.py"):
         family_of(config)
+
+
+def test_vllm_paths_refuse_families_vllm_cannot_serve(tiny_target_factory, tmp_path):
+    """Before any vLLM start: `serve` of a drafter for a Gemma 3 target says why and what to use instead."""
+    from specdraft.integrations.vllm.serve import ServeConfig, drafter_server
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "speculators_config": {
+        "proposal_methods": [{"speculative_tokens": 3}], "verifier": {"name_or_path": str(tiny_target_factory("gemma3"))}}}))
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
+    with pytest.raises(SpecdraftError, match=r"vLLM 0.32 cannot serve a eagle3 drafter for gemma3_text targets.*specdraft generate"):
+        drafter_server(ServeConfig(drafter=str(drafter), vllm_python=str(VLLM_PYTHON)))
+
+
+def test_system_turn_is_folded_only_for_families_without_one():
+    from specdraft.targets.families import FAMILIES
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+    assert FAMILIES.get("llama").system_folded(chat) == chat
+    assert FAMILIES.get("gemma3_text").system_folded(chat) == [{"role": "user", "content": "Be brief.\n\nHi."}]

@@ -70,6 +70,14 @@ class Family:
 
         return AttentionLayout.from_config(text_config(model_or_config))
 
+    def require_vllm_aux(self, purpose: str) -> None:
+        """Refuse, before starting vLLM, what vLLM cannot do for this family (it needs the target's aux hidden states)."""
+        if not self.vllm_aux_hidden_states:
+            raise SpecdraftError(
+                f"vLLM 0.32 cannot {purpose} for {self.name} targets: its model class returns no aux hidden states "
+                "(no SupportsEagle3); use specdraft's own engine instead (--engine hf, `specdraft generate`/`eval`)"
+            )
+
     def system_folded(self, messages: list[dict]) -> list[dict]:
         """``messages`` as this family's template accepts them: without a system role, the system text
         is prepended to the first user turn (as Gemma's own templates do when they accept one at all)."""
