@@ -287,18 +287,21 @@ from vllm.model_executor.model_loader import get_model
 # what vLLM's CPU model runner does before loading: no accelerator calls on a CPU-only host
 torch.accelerator.synchronize = lambda *a, **k: None
 torch.accelerator.empty_cache = lambda *a, **k: None
-out, started = {}, False
+configs = {}
 for family, job in json.load(open(sys.argv[1])).items():
     args = EngineArgs(model=job["target"], dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=2,
                       speculative_config={"method": "dflash", "model": job["drafter"], "num_speculative_tokens": 3})
-    config = args.create_engine_config()
+    configs[family] = args.create_engine_config()
+# one process group for all: set up under a MoE config when there is one (dense configs create no expert group)
+first = next((c for c in configs.values() if c.model_config.is_moe), next(iter(configs.values())))
+with set_current_vllm_config(first):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+    initialize_model_parallel(1, 1)
+out = {}
+for family, config in configs.items():
     with set_current_vllm_config(config):
-        if not started:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-            initialize_model_parallel(1, 1)
-            started = True
         target = get_model(vllm_config=config)
         draft_config = config.speculative_config.draft_model_config
         drafter = get_model(vllm_config=config, model_config=draft_config)
