@@ -382,7 +382,7 @@ def test_unknown_family_names_what_is_missing():
     from specdraft.targets.families import family_of
 
     config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2)
-    with pytest.raises(SpecdraftError, match=r"model_type 'gpt2' is not a supported family .*decoder layers.*sliding-window.*targets/families.py"):
+    with pytest.raises(SpecdraftError, match=r"GPT2Config \(model_type 'gpt2'\) is not a supported family .*decoder layers.*sliding-window.*targets/families.py"):
         family_of(config)
 
 

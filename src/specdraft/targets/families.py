@@ -114,7 +114,8 @@ def family_of(model_or_config: Any) -> Family:
     model_type = getattr(text_config(model_or_config), "model_type", None)
     if model_type not in FAMILIES:
         raise SpecdraftError(
-            f"target model_type {model_type!r} is not a supported family (supported: {', '.join(FAMILIES.names())}); "
+            f"target {type(model_or_config).__name__} (model_type {model_type!r}) is not a supported family "
+            f"(supported: {', '.join(FAMILIES.names())}); "
             "specdraft needs to know its decoder layers, final norm and LM head, its sliding-window layout, its chat-template "
             "quirks and whether vLLM serves drafters for it: add a Family entry in specdraft/targets/families.py"
         )
