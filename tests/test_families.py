@@ -49,11 +49,12 @@ NOT_ALTERNATING = {"id": "twice", "messages": [{"role": "user", "content": "Hi."
                                                 {"role": "assistant", "content": "Hello."}]}
 
 def gemma_style_tokenizer(smollm2_dir: Path, out: Path) -> Path:
-    """The SmolLM2 tokenizer with Gemma's turn tokens and ``<mask>`` added and a Gemma-style template."""
+    """The SmolLM2 tokenizer with Gemma's special tokens added (``<mask>`` below an unused one, as in Gemma's
+    vocabulary) and a Gemma-style template."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>", "<mask>"]})
+    tok.add_special_tokens({"additional_special_tokens": ["<mask>", "<start_of_turn>", "<end_of_turn>", "<unused0>"]})
     tok.chat_template = GEMMA_TEMPLATE
     tok.save_pretrained(out)
     return out
@@ -179,8 +180,12 @@ def test_extract_equals_hf_hidden_states(runs, family):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_train(runs, family):
-    result = runs[family].stage("train")
+    run = runs[family]
+    result = run.stage("train")
     assert result.completed and result.step == 3 and (result.final / "model.safetensors").is_file()
+    if family == "gemma3":  # the MASK slots use the token Gemma reserves for it, not the highest unused special token
+        mask = json.loads((result.final / "config.json").read_text())["mask_token_id"]
+        assert mask == run.stage("target").tokenizer.convert_tokens_to_ids("<mask>")
 
 
 @torch.no_grad()
