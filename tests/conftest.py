@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-TINY_FAMILIES = ("llama", "qwen3", "gemma3")
+TINY_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "mistral")
 
 
-def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "llama", num_layers: int = 6, seed: int = 0) -> Path:
-    """Save a random causal LM (hidden 64, 2 heads of 32) of ``family`` with the tokenizer from ``tokenizer_dir``."""
+def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "llama", num_layers: int = 6, seed: int = 0, **extra) -> Path:
+    """Save a random causal LM (hidden 64, 2 heads of 32) of ``family`` with the tokenizer from ``tokenizer_dir``
+    (``extra``: further config fields, e.g. a shorter ``sliding_window``)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -40,8 +41,11 @@ def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common),
         "qwen3": lambda: transformers.Qwen3Config(**common),
-        "gemma3": lambda: transformers.Gemma3TextConfig(**common, query_pre_attn_scalar=32, sliding_window=64),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**{"query_pre_attn_scalar": 32, "sliding_window": 64, **common}),
+        "mistral": lambda: transformers.MistralConfig(**{"sliding_window": 64, **common}),
     }
+    common.update(extra)
     config = configs[family]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

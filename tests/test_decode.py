@@ -19,16 +19,26 @@ from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
 
 
-def tiny_model(vocab: int = 64, layers: int = 2, seed: int = 0, context: int = 256, family: str = "llama"):
+def tiny_model(vocab: int = 64, layers: int = 2, seed: int = 0, context: int = 256, family: str = "llama", **extra):
     """A random causal LM in float64, so batched/cached/uncached forwards agree far below argmax gaps."""
     import transformers
 
     torch.manual_seed(seed)
-    config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig}[family]
+    config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig,
+                  "mistral": transformers.MistralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[family]
     config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=32, max_position_embeddings=context, bos_token_id=None, eos_token_id=None,
-                        pad_token_id=None)
+                        pad_token_id=None, **extra)
     return transformers.AutoModelForCausalLM.from_config(config).double().eval()
+
+
+#: sliding-window targets with windows far shorter than prompt + output: Gemma 3 interleaves sliding
+#: and full layers (per-layer-type masks), Mistral slides in every layer (one mask)
+SLIDING = {
+    "gemma3": dict(family="gemma3", layers=3, sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   query_pre_attn_scalar=32),
+    "mistral": dict(family="mistral", layers=2, sliding_window=4),
+}
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +110,21 @@ def test_qwen3_target_batched_greedy_is_exact():
     assert [o.tokens for o in result.outputs] == [reference_greedy(model, p, 20) for p in PROMPTS]
 
 
-def test_sliding_window_targets_are_refused():
-    model = tiny_model(family="gemma3", layers=2)
-    with pytest.raises(SpecdraftError, match="sliding-window"):
-        decoder(model, build_proposer(DecodeConfig()))
+@pytest.mark.parametrize("drafter", ["none", "ngram", "random"])
+@pytest.mark.parametrize("family", sorted(SLIDING))
+def test_sliding_window_targets_batched_greedy_is_exact(family, drafter):
+    """Windows of 4-5 tokens, 8-10 token prompts, 20 new tokens, rejected drafts left as holes: every token is
+    the uncached full forward's (whose HF mask is the true window), batched and left-padded."""
+    model = tiny_model(seed=2, **SLIDING[family])
+    refs = [reference_greedy(model, p, 20) for p in PROMPTS]
+    if drafter == "random":
+        proposer = OracleProposer(PROMPTS, [r + [0] * 8 for r in refs], 64, miss=0.5)
+    else:
+        proposer = build_proposer(DecodeConfig(drafter=drafter))
+    result = decoder(model, proposer).generate(PROMPTS)
+    assert [o.tokens for o in result.outputs] == refs
+    if drafter == "random":
+        assert 0 < result.metrics.accepted < result.metrics.drafted  # holes in the cache and accepted drafts
 
 
 def test_eos_and_context_limits():
@@ -215,10 +236,15 @@ class DistributionProposer(Proposer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["distribution", "ngram", "scheduled"])
+@pytest.mark.parametrize("drafter", ["distribution", "ngram", "scheduled", "sliding-gemma3"])
 def test_sampled_outputs_follow_the_target_distribution(drafter):
+    """Rejection sampling is lossless; ``sliding-gemma3``: on a target whose window (3) is shorter than prompt + output."""
     vocab, length, rows = 4, 4, 8000
-    model = tiny_model(vocab=vocab, layers=2, seed=3)
+    if drafter.startswith("sliding-"):
+        model = tiny_model(vocab=vocab, seed=3, **{**SLIDING["gemma3"], "sliding_window": 3})
+        drafter = "distribution"
+    else:
+        model = tiny_model(vocab=vocab, layers=2, seed=3)
     with torch.no_grad():  # sharpen the random model so that the target distribution is far from uniform
         model.lm_head.weight.mul_(6.0)
     sampling = SamplingConfig(temperature=0.8, top_k=3)
@@ -241,19 +267,25 @@ def test_sampled_outputs_follow_the_target_distribution(drafter):
     assert result.metrics.accepted > 0.1 * rows and result.metrics.accepted < result.metrics.drafted
     if drafter == "scheduled":
         assert 0 < result.metrics.drafted < 0.9 * 3 * result.metrics.rounds, "the scheduler should shorten some verify lengths"
+    assert_target_distribution(model, prompt, [o.tokens for o in result.outputs], sampling, vocab)
+
+
+def assert_target_distribution(model, prompt: list[int], outputs: list[list[int]], sampling: SamplingConfig, vocab: int) -> None:
+    """Chi-square test of sampled continuations against the target's exact distribution (by enumeration)."""
+    length, rows = len(outputs[0]), len(outputs)
     observed = np.zeros(vocab**length)
-    for o in result.outputs:
-        observed[int(np.ravel_multi_index(o.tokens, [vocab] * length))] += 1
-    # exact target distribution of the 4-token continuation by enumeration
+    for tokens in outputs:
+        observed[int(np.ravel_multi_index(tokens, [vocab] * length))] += 1
     seqs = torch.tensor(list(itertools.product(range(vocab), repeat=length)))
     with torch.no_grad():
         logits = model(torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)).logits[:, len(prompt) - 1 : -1]
-    probs = sampling_probs(logits, sampling).gather(2, seqs[..., None]).squeeze(2).prod(1).numpy()
+    probs = sampling_probs(logits.double(), sampling).gather(2, seqs[..., None]).squeeze(2).prod(1).numpy()
     expected = probs / probs.sum() * rows
     assert observed[expected == 0].sum() == 0
     big = expected >= 5  # pool rare cells so the chi-square approximation holds
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
+    obs, exp = observed[big], expected[big]
+    if expected[~big].sum() > 0:
+        obs, exp = np.append(obs, observed[~big].sum()), np.append(exp, expected[~big].sum())
     assert stats.chisquare(obs, exp).pvalue > 1e-3
 
 

@@ -79,5 +79,5 @@ def test_layer_index_out_of_range():
 
 
 def test_unsupported_model_is_named():
-    with pytest.raises(SpecdraftError, match=r"cannot find the decoder layers and final norm of Linear"):
+    with pytest.raises(SpecdraftError, match=r"target Linear \(model_type None\) is not a supported family .*decoder layers"):
         HiddenStateCapture(torch.nn.Linear(2, 2), [LayerSlot(0, "output")])

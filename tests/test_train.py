@@ -300,7 +300,7 @@ def test_packaged_recipes_resolve_against_their_method(recipe):
 
     assert recipe_path(recipe).parent.name == "recipes"
     cfg = resolve_config(recipe, {})
-    assert cfg.method == recipe and cfg.target == "smollm2-135m"
+    assert cfg.method == recipe and cfg.target is None  # the store's target, never a pinned one
     METHODS.get(cfg.method).config_cls(**cfg.model)  # every override is a field of the method config
 
 

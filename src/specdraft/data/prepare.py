@@ -27,9 +27,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import jinja2
+
 from specdraft.data.dataset import PREPARED_DIR, WORK_DIR, PreparedDataset, write_prepared
 from specdraft.data.regenerate import REGENERATION_ENGINES
-from specdraft.data.render import end_of_turn_ids, render_with_mask
+from specdraft.data.render import render_with_mask
 from specdraft.data.sources import RawRow, conversation, first_reply_index, iter_rows, prepared_sources, split_sources
 from specdraft.errors import SpecdraftError
 from specdraft.targets.embedded import DEFAULT_TARGET
@@ -127,7 +129,7 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         torch.set_num_threads(config.threads)
     target = load_target(config.target, device=config.device)
     tokenizer = target.tokenizer
-    eot_ids = end_of_turn_ids(tokenizer, getattr(target.model, "generation_config", None))
+    eot_ids = target.end_of_turn_ids
     for directory in prepared_sources(config.data):
         PreparedDataset(directory).check_target(target)  # its token ids must mean this target's tokens
     stats: Counter = Counter()
@@ -148,13 +150,17 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
             else:
                 samples.append(_Sample(row.sample_id, source, row.input_ids, row.loss_mask))
             continue
-        messages = conversation(row.messages)
+        messages = target.family.system_folded(conversation(row.messages))
         first_reply = first_reply_index(messages)
         if first_reply is None:
             skipped["no_assistant"] += 1
             continue
         if config.regenerate:
-            ids = tokenizer.apply_chat_template(messages[:first_reply], add_generation_prompt=True, tokenize=True, return_dict=False)
+            try:
+                ids = tokenizer.apply_chat_template(messages[:first_reply], add_generation_prompt=True, tokenize=True, return_dict=False)
+            except jinja2.TemplateError as exc:
+                _template_rejected(row, exc, skipped)
+                continue
             if len(ids) >= config.max_length:
                 skipped["too_long"] += 1
                 continue
@@ -165,6 +171,9 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
             ids, mask = render_with_mask(tokenizer, messages, eot_ids)
         except SpecdraftError as exc:
             raise SpecdraftError(f"{row.where}: {exc}") from None
+        except jinja2.TemplateError as exc:
+            _template_rejected(row, exc, skipped)
+            continue
         if len(ids) > config.max_length:
             skipped["too_long"] += 1
             continue
@@ -209,6 +218,13 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         inputs=inputs,
     )
     return summary
+
+
+def _template_rejected(row: RawRow, exc: Exception, skipped: Counter) -> None:
+    """A row the target's chat template refuses (e.g. roles that do not alternate) is skipped and counted."""
+    skipped["template_rejected"] += 1
+    if skipped["template_rejected"] <= 5:
+        log.warning("%s: skipped, the target's chat template rejects it: %s", row.where, exc)
 
 
 def _regenerate(config, target, samples, prompts, eot_ids, skipped, progress):

@@ -18,34 +18,20 @@ from typing import Any
 
 from specdraft.data.sources import ASSISTANT
 from specdraft.errors import SpecdraftError
-
-
-def end_of_turn_ids(tokenizer: Any, generation_config: Any = None) -> set[int]:
-    """Token ids that end an assistant turn: the tokenizer's EOS plus the generation config's EOS ids."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
-    if eos is not None:
-        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    return ids
-
-
-def _render(tokenizer: Any, messages: list[dict], *, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+from specdraft.targets.chat import render_chat
 
 
 def render_with_mask(tokenizer: Any, messages: list[dict], eot_ids: set[int]) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` for a conversation; loss_mask is 1 on assistant reply tokens + end of turn."""
-    full = _render(tokenizer, messages, generation_prompt=False)
+    full = render_chat(tokenizer, messages, generation_prompt=False)
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != ASSISTANT:
             continue
         if k == 0:
             raise SpecdraftError("a conversation cannot start with an assistant turn (it has no prompt); drop such turns first")
-        before = _render(tokenizer, messages[:k], generation_prompt=True)
-        through = _render(tokenizer, messages[: k + 1], generation_prompt=False)
+        before = render_chat(tokenizer, messages[:k], generation_prompt=True)
+        through = render_chat(tokenizer, messages[: k + 1], generation_prompt=False)
         if not (through.startswith(before) and full.startswith(through)):
             raise SpecdraftError(
                 "the target's chat template is not prefix-stable (rendering a conversation prefix does not give a prefix "

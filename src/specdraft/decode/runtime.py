@@ -34,8 +34,9 @@ from specdraft.decode.sampling import SamplingConfig, sample_from_logits, sampli
 from specdraft.decode.scheduler import VERIFY_POLICIES, DraftGate, SchedulerConfig, StepRate, choose_verify_lengths, with_draft_cost
 from specdraft.decode.verification import VerifyOutput, verify_greedy, verify_rejection
 from specdraft.errors import SpecdraftError
-from specdraft.hidden_states.capture import find_decoder, record_slots
+from specdraft.hidden_states.capture import record_slots
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.targets.families import family_of
 
 
 @dataclass
@@ -156,7 +157,9 @@ def decoder_for_target(
         from specdraft.decode.sps import load_or_measure_sps
 
         sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint)
-    return SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=sampling, scheduler=scheduler, sps=sps)
+    eos = sorted(target.end_of_turn_ids) if target.tokenizer is not None else None  # decoding stops at the template's turn end
+    return SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=sampling, scheduler=scheduler, sps=sps,
+                              eos_token_ids=eos)
 
 
 class SpeculativeDecoder:
@@ -195,12 +198,10 @@ class SpeculativeDecoder:
         if policy.needs_sps and sps is None:
             raise SpecdraftError(f"verify policy {scheduler.verify_policy!r} needs the target's steps/s profile (sps)")
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        if "sliding_attention" in (getattr(text_config, "layer_types", None) or ()):
-            # Rejected drafts stay in the cache as masked holes, which a sliding window would count as tokens.
-            raise SpecdraftError(
-                f"{type(model).__name__} uses sliding-window attention, which the speculative runtime does not support yet; "
-                "use a target with full attention in every layer (Llama, Qwen3, ...)"
-            )
+        family = family_of(model)
+        # Rejected drafts stay in the cache as masked holes: the masks count positions, not cache columns,
+        # so every layer (sliding-window ones included) sees exactly its unbatched window.
+        self.attention = family.attention(model)
         self.context_length = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
         self.num_layers = int(text_config.num_hidden_layers)
         if eos_token_ids is None:
@@ -209,7 +210,7 @@ class SpeculativeDecoder:
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.slots: tuple[LayerSlot, ...] = tuple(proposer.layer_slots)
-        self.layers = find_decoder(model)[1] if self.slots else ()  # hooked to hand features to the proposer
+        self.layers = family.decoder_parts(model).layers if self.slots else ()  # hooked to hand features to the proposer
         for slot in self.slots:
             slot.check(self.num_layers)
 
@@ -239,7 +240,7 @@ class SpeculativeDecoder:
             valid[i, width - len(p) :] = True
         ids, valid = ids.to(device), valid.to(device)
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache()  # full-length layers everywhere: sliding-window caches drop columns by count, not position
         logits, captured = self._forward(ids, valid, positions, cache, logits_to_keep=1)
         logits = logits[:, -1]
         metrics.target_forwards += 1
@@ -396,12 +397,12 @@ class SpeculativeDecoder:
         return valid
 
     def _forward(self, ids, valid, positions, cache, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Target logits [R, T', V] and, if the proposer reads features, its slots [R, T, S, D]."""
+        """Target logits [R, T', V] and, if the proposer reads features, its slots [R, T, S, D].
+        ``valid`` [R, C] covers the cache and the new columns; ``positions`` [R, T] are the new tokens'."""
         seen: dict[LayerSlot, torch.Tensor] = {}
+        masks = self.attention.masks(valid, positions, self.model.dtype)
         with record_slots(self.layers, self.slots, seen):
-            out = self.model(
-                input_ids=ids, attention_mask=valid.long(), position_ids=positions, cache=cache, use_cache=True, logits_to_keep=logits_to_keep
-            )
+            out = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
         hidden = torch.stack([seen[s] for s in self.slots], dim=2) if self.slots else None
         return out.logits, hidden
 

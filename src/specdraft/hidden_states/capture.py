@@ -21,24 +21,13 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.targets.families import family_of
 
 
 def find_decoder(model: Any) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
-    """(decoder stack, its layer list, its final norm) for Llama/Qwen3/Gemma3-style models.
-
-    ``get_decoder()`` unwraps ``*ForCausalLM`` and multimodal wrappers (Gemma3's
-    ``model.language_model``) to the text decoder, which must expose ``.layers`` and ``.norm``.
-    """
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    layers = getattr(decoder, "layers", None)
-    norm = getattr(decoder, "norm", None)
-    if not isinstance(layers, torch.nn.ModuleList) or not isinstance(norm, torch.nn.Module):
-        arch = type(model).__name__
-        raise SpecdraftError(
-            f"cannot find the decoder layers and final norm of {arch}: expected `{type(decoder).__name__}` to have "
-            "`.layers` (ModuleList) and `.norm`; hidden-state capture supports Llama/Qwen/Gemma-style decoders"
-        )
-    return decoder, layers, norm
+    """(decoder stack, its layer list, its final norm), as the target's family defines them (``targets/families.py``)."""
+    parts = family_of(model).decoder_parts(model)
+    return parts.decoder, parts.layers, parts.norm
 
 
 def pad_right(sequences: Sequence[torch.Tensor], *, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,20 @@ class Target:
         return self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
 
     @property
+    def family(self) -> Any:
+        """The target's ``targets.families.Family`` (decoder parts, attention layout, template quirks)."""
+        from specdraft.targets.families import family_of
+
+        return family_of(self.model)
+
+    @property
+    def end_of_turn_ids(self) -> set[int]:
+        """Ids that end an assistant turn: the chat template's end-of-turn token plus every declared EOS."""
+        from specdraft.targets.chat import end_of_turn_ids
+
+        return end_of_turn_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+
+    @property
     def num_layers(self) -> int:
         return int(self.text_config.num_hidden_layers)
 

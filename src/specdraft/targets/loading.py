@@ -7,6 +7,7 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError
 from specdraft.targets.base import Target
+from specdraft.targets.families import family_of
 from specdraft.targets.embedded import DEFAULT_TARGET, EMBEDDED_TARGETS, ensure_embedded
 from specdraft.targets.identity import fingerprint, tokenizer_hash
 
@@ -36,11 +37,15 @@ def resolve_target_dir(name_or_path: str = DEFAULT_TARGET) -> Path:
 def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: str = "float32", device: str = "cpu") -> Target:
     """Load a target causal LM (eval mode) with its tokenizer and identity hashes."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
         raise SpecdraftError(f"dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
     path = resolve_target_dir(name_or_path)
+    try:
+        family_of(AutoConfig.from_pretrained(path))  # an unsupported family fails here, before any work
+    except (OSError, ValueError) as exc:
+        raise SpecdraftError(f"cannot read the config of target {path}: {exc}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:

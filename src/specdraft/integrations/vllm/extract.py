@@ -285,6 +285,7 @@ def extract_with_vllm(backend, config, dataset, pending, target, target_info, sl
     """Steps 1-3 for the ``pending`` rows; returns (tokens, bytes stored) like the HF engine."""
     if config.device != "cpu":
         log.info("--device %s is ignored with --engine vllm: the vLLM build decides where the target runs", config.device)
+    target.family.require_vllm_aux("extract hidden states")
     lengths = dataset.lengths()
     order = sorted(pending, key=lambda i: -int(lengths[i]))
     if not order:

@@ -67,7 +67,10 @@ def is_cpu_build(python: Path) -> bool:
 
 def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmServer:
     """An unstarted :class:`VllmServer` running the target with ``config.drafter`` as its speculator."""
+    from transformers import AutoConfig
+
     from specdraft.targets import resolve_target_dir
+    from specdraft.targets.families import family_of
 
     info = read_drafter_info(config.drafter)
     python = find_vllm_python(config.vllm_python)
@@ -80,10 +83,12 @@ def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmS
     target = config.target or info.target
     if not target:
         raise SpecdraftError(f"{config.drafter}/config.json records no target; pass --target")
+    target_dir = resolve_target_dir(target)
+    family_of(AutoConfig.from_pretrained(target_dir)).require_vllm_aux(f"serve a {info.method} drafter")
     speculative = {
         "method": info.method,
         "model": str(Path(config.drafter).resolve()),
         "num_speculative_tokens": config.num_speculative_tokens or info.num_speculative_tokens,
     }
     args = ["--speculative-config", json.dumps(speculative), *shlex.split(config.vllm_args)]
-    return VllmServer(resolve_target_dir(target), args, python=config.vllm_python, port=config.port, host=config.host, log_path=log_path)
+    return VllmServer(target_dir, args, python=config.vllm_python, port=config.port, host=config.host, log_path=log_path)

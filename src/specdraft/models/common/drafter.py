@@ -40,16 +40,10 @@ def _frozen_linear(in_dim: int, out_dim: int) -> nn.Linear:
 
 def target_pieces(target: Any) -> tuple[torch.Tensor, nn.Module, torch.Tensor]:
     """(embedding weight [V, D], final-norm module, LM-head weight [V, D]) of an HF causal LM."""
-    model = target.model
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    norm = getattr(decoder, "norm", None)
-    if norm is None:
-        raise SpecdraftError(f"target {target.name}: cannot find its final norm (expected model.get_decoder().norm)")
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    if head is None:
-        raise SpecdraftError(f"target {target.name}: has no output embeddings (LM head)")
-    return embed.detach(), norm, head.weight.detach()
+    from specdraft.targets.families import family_of
+
+    parts = family_of(target.model).decoder_parts(target.model)
+    return parts.embed.weight.detach(), parts.norm, parts.lm_head.weight.detach()
 
 
 class SpeculatorsDrafter(DrafterModel):

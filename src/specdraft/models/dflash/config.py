@@ -24,6 +24,7 @@ def default_gamma(block_size: int) -> float:
 def default_mask_token(target: Any) -> int:
     """An id the target never produces in chat, for the MASK slots.
 
+    0. the token the target's family reserves for masking, when its tokenizer has it (Gemma: ``<mask>``);
     1. an embedding row beyond the tokenizer (V > len(tokenizer)): the last row;
     2. else the highest special added token that is not bos/eos/pad/unk and does not appear in the
        chat template (SmolLM2: 16 ``<empty_output>``; its pad token is ``<|im_end|>``, a real token);
@@ -31,6 +32,9 @@ def default_mask_token(target: Any) -> int:
     """
     vocab = int(target.text_config.vocab_size)
     tok = getattr(target, "tokenizer", None)
+    reserved = _family_mask_token(target)
+    if tok is not None and reserved is not None and reserved in tok.get_vocab():
+        return int(tok.convert_tokens_to_ids(reserved))
     if tok is None or len(tok) < vocab:
         return vocab - 1
     busy = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id}
@@ -46,6 +50,13 @@ def default_mask_token(target: Any) -> int:
             "choose one with --mask-token-id"
         )
     return max(spare)
+
+
+def _family_mask_token(target: Any) -> str | None:
+    from specdraft.targets.families import FAMILIES, text_config
+
+    model_type = getattr(text_config(target.model), "model_type", None) if getattr(target, "model", None) is not None else None
+    return FAMILIES.get(model_type).mask_token if model_type in FAMILIES else None
 
 
 @dataclass

@@ -1,0 +1,71 @@
+"""A target's attention layout (which layers see a sliding window, and how wide) and the masks that honour it.
+
+Why the runtime builds its own masks: it keeps rejected drafts in the KV cache as masked-out holes
+(``decode/runtime.py``), so a cache column's index is not its token's position. HF derives the
+sliding window from cache indices (``kv_idx > q_idx - window``) and its sliding caches drop old
+columns by count, so with holes a window would cover fewer real tokens than the target was
+trained with. Here a column's position is the number of valid columns up to it minus one, and a
+query at position ``p`` attends to valid columns at positions ``p - window < q <= p``: the same
+tokens an unbatched, hole-free run attends to, in every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdraft.errors import SpecdraftError
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Per decoder layer: its HF layer type and its window in tokens (None = full attention)."""
+
+    layer_types: tuple[str, ...]
+    windows: dict[str, int | None]  # layer type -> window
+
+    @classmethod
+    def from_config(cls, text_config: Any) -> "AttentionLayout":
+        """Read ``layer_types`` + ``sliding_window`` (Gemma 3, Qwen3, ...) or, without ``layer_types``, one
+        window for every layer when ``sliding_window`` is set (Mistral, Qwen3-MoE), else full attention."""
+        layers = int(text_config.num_hidden_layers)
+        window = getattr(text_config, "sliding_window", None)
+        types = getattr(text_config, "layer_types", None)
+        if types is None:
+            types = [SLIDING if window is not None else FULL] * layers
+        unknown = sorted(set(types) - {FULL, SLIDING})
+        if unknown:
+            raise SpecdraftError(
+                f"{type(text_config).__name__}: layer types {unknown} are not supported (specdraft handles {FULL!r} and {SLIDING!r} layers)"
+            )
+        if len(types) != layers:
+            raise SpecdraftError(f"{type(text_config).__name__}: {len(types)} layer_types for {layers} layers")
+        if SLIDING in types and not (isinstance(window, int) and window > 0):
+            raise SpecdraftError(f"{type(text_config).__name__}: sliding-window layers but sliding_window={window!r}")
+        return cls(tuple(types), {t: (int(window) if t == SLIDING else None) for t in set(types)})
+
+    @property
+    def has_sliding(self) -> bool:
+        return SLIDING in self.windows
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[self.layer_types[layer]]
+
+    def masks(self, valid: torch.Tensor, query_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive 4-D masks [R, 1, Q, C] for queries at ``query_positions`` [R, Q] over cache columns ``valid``
+        [R, C] (the queries' own columns last). One tensor when every layer has the same type (models such as
+        Llama/Mistral take only that), else HF's per-layer-type dict (Gemma 3, Qwen3)."""
+        positions = valid.long().cumsum(1) - 1  # [R, C] position of each valid column
+        gap = query_positions[:, :, None] - positions[:, None, :]  # [R, Q, C]
+        allowed = valid[:, None, :] & (gap >= 0)
+        blocked = torch.finfo(dtype).min
+        out = {}
+        for kind, window in self.windows.items():
+            keep = allowed if window is None else allowed & (gap < window)
+            out[kind] = torch.zeros(keep.shape, dtype=dtype, device=valid.device).masked_fill_(~keep, blocked)[:, None]
+        return next(iter(out.values())) if len(out) == 1 else out

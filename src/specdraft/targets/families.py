@@ -1,0 +1,122 @@
+"""Target families: what specdraft must know about an HF model family, registered by ``model_type``.
+
+One ``Family`` per family, each concern one field, so supporting a new family is one entry here
+(and a tiny-model case in ``tests/test_families.py``), never an ``if model_type == ...`` elsewhere:
+
+- decoder parts: the layer list, final norm, input embedding and LM head (``decoder_parts``); hidden
+  states are captured at layer inputs/outputs of that list (``hidden_states/capture.py``), so a
+  family whose embedding is scaled (Gemma: x sqrt(hidden)) has the scaled embedding as ``input:0``,
+  which is also what HF ``output_hidden_states[0]`` and vLLM's aux layer 0 hold;
+- attention layout: sliding-window layers and their window (``targets/attention.py``);
+- chat-template quirks: ``system_role=False`` folds a system message into the first user turn
+  (Gemma's templates have no system role);
+- the MASK token block drafters (DFlash/DSpark) use, where the family reserves one;
+- vLLM: whether vLLM 0.32's model class exposes aux hidden states (``SupportsEagle3``) with the
+  layer-id convention of ``models/common/checkpoint.py`` (id i = the input of layer i = HF
+  ``hidden_states[i]``); ``tests/test_families.py`` checks each claim against vLLM's own classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from specdraft.errors import SpecdraftError
+from specdraft.registry import Registry
+
+if TYPE_CHECKING:
+    import torch
+
+    from specdraft.targets.attention import AttentionLayout
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    decoder: torch.nn.Module  # the text decoder stack (``get_decoder()``)
+    layers: torch.nn.ModuleList
+    norm: torch.nn.Module  # final norm: its input is the last layer's output (``last_hidden``)
+    embed: torch.nn.Module
+    lm_head: torch.nn.Module
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    system_role: bool = True
+    vllm_aux_hidden_states: bool = True
+    mask_token: str | None = None
+
+    def decoder_parts(self, model: Any) -> DecoderParts:
+        """Layers, final norm, embedding and LM head of a ``*ForCausalLM`` (multimodal wrappers unwrapped)."""
+        import torch
+
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        parts = {
+            "get_decoder().layers": getattr(decoder, "layers", None),
+            "get_decoder().norm": getattr(decoder, "norm", None),
+            "get_input_embeddings()": model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
+            "get_output_embeddings()": model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None,
+        }
+        missing = [name for name, part in parts.items() if not isinstance(part, torch.nn.Module)]
+        if missing or not isinstance(parts["get_decoder().layers"], torch.nn.ModuleList):
+            raise SpecdraftError(
+                f"{type(model).__name__} ({self.name} family) lacks {', '.join(missing) or 'a ModuleList of layers'}; "
+                "specdraft captures hidden states at the decoder's `.layers` and `.norm` and reads its embedding and LM head"
+            )
+        return DecoderParts(decoder, *parts.values())
+
+    def attention(self, model_or_config: Any) -> AttentionLayout:
+        from specdraft.targets.attention import AttentionLayout
+
+        return AttentionLayout.from_config(text_config(model_or_config))
+
+    def require_vllm_aux(self, purpose: str) -> None:
+        """Refuse, before starting vLLM, what vLLM cannot do for this family (it needs the target's aux hidden states)."""
+        if not self.vllm_aux_hidden_states:
+            raise SpecdraftError(
+                f"vLLM 0.32 cannot {purpose} for {self.name} targets: its model class returns no aux hidden states "
+                "(no SupportsEagle3); use specdraft's own engine instead (--engine hf, `specdraft generate`/`eval`)"
+            )
+
+    def system_folded(self, messages: list[dict]) -> list[dict]:
+        """``messages`` as this family's template accepts them: without a system role, the system text
+        is prepended to the first user turn (as Gemma's own templates do when they accept one at all)."""
+        if self.system_role or not messages or messages[0]["role"] != "system":
+            return messages
+        system, rest = messages[0], list(messages[1:])
+        if rest and rest[0]["role"] == "user":
+            rest[0] = {**rest[0], "content": f"{system['content']}\n\n{rest[0]['content']}"}
+            return rest
+        return [{"role": "user", "content": system["content"]}, *rest]
+
+
+FAMILIES: Registry[Family] = Registry("target family (HF model_type)")
+for _family in (
+    Family("llama"),
+    Family("mistral"),
+    Family("qwen2"),
+    Family("qwen3"),
+    Family("qwen3_moe"),
+    # vLLM 0.32's Gemma2/Gemma3ForCausalLM return no aux hidden states: no EAGLE-3/DFlash serving there
+    Family("gemma2", system_role=False, vllm_aux_hidden_states=False, mask_token="<mask>"),
+    Family("gemma3_text", system_role=False, vllm_aux_hidden_states=False, mask_token="<mask>"),
+):
+    FAMILIES.register(_family.name)(_family)
+
+
+def text_config(model_or_config: Any) -> Any:
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def family_of(model_or_config: Any) -> Family:
+    """The registered family of a model or config (its decoder config's ``model_type``)."""
+    model_type = getattr(text_config(model_or_config), "model_type", None)
+    if model_type not in FAMILIES:
+        raise SpecdraftError(
+            f"target {type(model_or_config).__name__} (model_type {model_type!r}) is not a supported family "
+            f"(supported: {', '.join(FAMILIES.names())}); "
+            "specdraft needs to know its decoder layers, final norm and LM head, its sliding-window layout, its chat-template "
+            "quirks and whether vLLM serves drafters for it: add a Family entry in specdraft/targets/families.py"
+        )
+    return FAMILIES.get(model_type)

@@ -1,0 +1,413 @@
+"""Every supported target family end to end, on a tiny random model of its own HF config class.
+
+Per family (``conftest.TINY_FAMILIES``: Llama, Qwen3, Qwen3-MoE, Gemma 3, Mistral; hidden 64, heads of 32):
+prepare -> extract (stored states == HF ``output_hidden_states`` at the declared layers) -> train a
+DFlash drafter a few steps -> decode greedy exact (batched, with the trained drafter) and sampled exact
+(chi-square against the enumerated target distribution) -> the checkpoint loads in speculators 0.9.0
+(``.venv-interop``) and, for the families vLLM serves drafters for, in vLLM 0.32's loader on CPU
+(``EngineArgs(...).create_engine_config()`` + ``get_model()`` for target and drafter, ``.venv-vllm``).
+
+Gemma 3 and Mistral get windows (8) far shorter than prompt + output. The Gemma 3 target also gets a
+Gemma-style chat template (``<start_of_turn>``/``<end_of_turn>``, no system role, roles must alternate)
+so its run covers the template quirks: the system message is folded into the first user turn, a
+non-alternating row is skipped and counted, and turns end at ``<end_of_turn>``, not the tokenizer's EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_FAMILIES, build_tiny_target_dir
+from specdraft.errors import SpecdraftError
+
+ROOT = Path(__file__).resolve().parents[1]
+INTEROP_PYTHON = Path(os.environ.get("SPECDRAFT_INTEROP_PYTHON", ROOT / ".venv-interop/bin/python"))
+VLLM_PYTHON = ROOT / ".venv-vllm/bin/python"
+WINDOW = 8
+EXTRA = {"gemma3": {"sliding_window": WINDOW}, "mistral": {"sliding_window": WINDOW}}
+DFLASH = {"num_layers": 1, "block_size": 4, "max_anchors": 8, "intermediate_size": 64}
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+QUESTIONS = ["Name three colours and say why you like them.", "Count from one to ten, please.", "What is the capital of France?",
+             "Write a haiku about the sea.", "Explain rain to a child.", "List four animals that live in water."]
+ROWS = [{"id": f"q{i}", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q},
+                                     {"role": "assistant", "content": f"Answer {i}: " + q.lower()}]} for i, q in enumerate(QUESTIONS)]
+NOT_ALTERNATING = {"id": "twice", "messages": [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Hello?"},
+                                                {"role": "assistant", "content": "Hello."}]}
+
+def gemma_style_tokenizer(smollm2_dir: Path, out: Path) -> Path:
+    """The SmolLM2 tokenizer with Gemma's special tokens added (``<mask>`` below an unused one, as in Gemma's
+    vocabulary) and a Gemma-style template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<mask>", "<start_of_turn>", "<end_of_turn>", "<unused0>"]})
+    tok.chat_template = GEMMA_TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+def varied(directory: Path) -> None:
+    """Scale the random matrices x4 so greedy text varies (the default init repeats one token)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = directory / "model.safetensors"
+    save_file({k: (v * 4 if v.dim() == 2 else v).contiguous() for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+
+
+class FamilyRun:
+    """The pipeline of one family, each stage run once and on demand (later stages need earlier ones)."""
+
+    def __init__(self, family: str, root: Path, smollm2_dir: Path):
+        self.family, self.root, self.smollm2_dir = family, root, smollm2_dir
+        self._done: dict[str, object] = {}
+
+    def stage(self, name: str):
+        if name not in self._done:
+            self._done[name] = getattr(self, "_" + name)()
+        return self._done[name]
+
+    def _target_dir(self) -> Path:
+        tokenizer_dir = self.smollm2_dir
+        if self.family == "gemma3":
+            tokenizer_dir = gemma_style_tokenizer(self.smollm2_dir, self.root / "tokenizer")
+        out = build_tiny_target_dir(self.root / "target", tokenizer_dir, family=self.family, num_layers=6, seed=1, **EXTRA.get(self.family, {}))
+        varied(out)
+        return out
+
+    def _target(self):
+        from specdraft.targets import load_target
+
+        return load_target(str(self.stage("target_dir")))
+
+    def _prepare(self) -> dict:
+        from specdraft.data.prepare import PrepareConfig, prepare
+
+        data = self.root / "rows.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in [*ROWS[:3], NOT_ALTERNATING, *ROWS[3:]]))
+        config = PrepareConfig(out=str(self.root / "data"), target=str(self.stage("target_dir")), data=str(data))
+        return prepare(config, progress=False)
+
+    def _extract(self) -> Path:
+        from specdraft.hidden_states.config import ExtractConfig
+        from specdraft.hidden_states.extract import extract_hidden_states
+
+        self.stage("prepare")
+        out = self.root / "hs"
+        extract_hidden_states(ExtractConfig(dataset=str(self.root / "data"), out=str(out), method="dflash", dtype="float32",
+                                            target=str(self.stage("target_dir"))), target=self.stage("target"), progress=False)
+        return out
+
+    def _train(self):
+        from specdraft.train.config import TrainConfig
+        from specdraft.train.trainer import train
+
+        cfg = TrainConfig(method="dflash", data=str(self.stage("extract")), out=str(self.root / "run"), model=DFLASH, max_steps=3,
+                          pack_tokens=96, batch_rows=1, val_fraction=0.0, eval_interval=0, checkpoint_interval=0, keep_checkpoints=0,
+                          dtype="fp32", num_threads=1, seed=0, lr=3e-3)
+        return train(cfg, target=self.stage("target"))
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2_dir, tmp_path_factory):
+    return {f: FamilyRun(f, tmp_path_factory.mktemp(f"family-{f}"), smollm2_dir) for f in TINY_FAMILIES}
+
+
+def _conversations_text(run: FamilyRun) -> list[str]:
+    from specdraft.data.dataset import PreparedDataset
+
+    tok = run.stage("target").tokenizer
+    data = PreparedDataset(run.root / "data")
+    return [tok.decode(data[i]["input_ids"]) for i in range(len(data))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_prepare(runs, family):
+    run = runs[family]
+    summary = run.stage("prepare")
+    target = run.stage("target")
+    assert target.family.name == {"gemma3": "gemma3_text"}.get(family, family)
+    if family == "gemma3":  # the Gemma-style template: folded system turn, one rejected row, <end_of_turn> ends turns
+        assert summary["kept"] == len(ROWS) and summary["skipped"] == {"template_rejected": 1}
+        eot = target.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+        assert eot in target.end_of_turn_ids and eot != target.tokenizer.eos_token_id
+        assert all(t.count("Be brief.") == 1 and "<start_of_turn>user\nBe brief.\n\n" in t for t in _conversations_text(run))
+    else:
+        assert summary["kept"] == len(ROWS) + 1 and summary["skipped"] == {}
+    from specdraft.data.dataset import PreparedDataset
+
+    data = PreparedDataset(run.root / "data")
+    for i in range(len(data)):  # the loss mask ends with the turn's end token, nothing of the template after it
+        ids, mask = data[i]["input_ids"].tolist(), data[i]["loss_mask"].tolist()
+        last = max(j for j, m in enumerate(mask) if m)
+        assert ids[last] in target.end_of_turn_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_extract_equals_hf_hidden_states(runs, family):
+    from specdraft.data.dataset import PreparedDataset
+    from specdraft.hidden_states.backends.file import FileBackend
+    from specdraft.hidden_states.layers import LayerSlot
+
+    run = runs[family]
+    store = FileBackend(run.stage("extract"))
+    target = run.stage("target")
+    data = PreparedDataset(run.root / "data")
+    for i in range(len(data)):
+        payload = store.get(data[i]["sample_id"])
+        slots = [LayerSlot.from_json(s) for s in payload.manifest["slots"]]
+        with torch.no_grad():
+            hf = target.model(data[i]["input_ids"][None], output_hidden_states=True).hidden_states
+        want = torch.stack([hf[s.hf_index(target.num_layers)][0] for s in slots], dim=1)
+        torch.testing.assert_close(payload.hidden_states, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_train(runs, family):
+    run = runs[family]
+    result = run.stage("train")
+    assert result.completed and result.step == 3 and (result.final / "model.safetensors").is_file()
+    if family == "gemma3":  # the MASK slots use the token Gemma reserves for it, not the highest unused special token
+        mask = json.loads((result.final / "config.json").read_text())["mask_token_id"]
+        assert mask == run.stage("target").tokenizer.convert_tokens_to_ids("<mask>")
+
+
+@torch.no_grad()
+def _greedy_reference(model, prompt: list[int], n: int, stop: set[int]) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        if ids[-1] in stop:
+            break
+    return ids[len(prompt):]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_greedy_decoding_with_the_trained_drafter_is_exact(runs, family):
+    from specdraft.decode.config import DecodeConfig
+    from specdraft.decode.runtime import decoder_for_target
+    from specdraft.decode.sampling import SamplingConfig
+
+    run = runs[family]
+    target, final = run.stage("target"), run.stage("train").final
+    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False) for q in QUESTIONS[:3]]
+    assert min(len(p) for p in prompts) > WINDOW  # every row attends past its window
+    decoder = decoder_for_target(target, config=DecodeConfig(drafter="dflash", drafter_path=str(final), max_new_tokens=24),
+                                 sampling=SamplingConfig())
+    result = decoder.generate(prompts)
+    assert [o.tokens for o in result.outputs] == [_greedy_reference(target.model, p, 24, target.end_of_turn_ids) for p in prompts]
+    assert result.metrics.drafted > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_sampled_decoding_is_exact(family):
+    """Rejection sampling on a vocabulary-4 model of the family's config class (window 3 where it slides)."""
+    from test_decode import DistributionProposer, assert_target_distribution, tiny_model
+
+    from specdraft.decode.config import DecodeConfig
+    from specdraft.decode.runtime import SpeculativeDecoder
+    from specdraft.decode.sampling import SamplingConfig
+
+    extra = {"gemma3": dict(sliding_window=3, query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"]),
+             "mistral": dict(sliding_window=3),
+             "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)}.get(family, {})
+    model = tiny_model(vocab=4, layers=2, seed=3, family=family, **extra)
+    if family == "qwen3_moe":
+        model.float()  # its grouped expert matmul has no float64 kernel
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(6.0)
+    sampling, prompt = SamplingConfig(temperature=0.8, top_k=3), [0, 1, 2, 3, 2, 1]
+    proposer = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0], dtype=model.dtype))
+    result = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=3, num_draft_tokens=2, seed=7), sampling=sampling,
+                                eos_token_ids=[]).generate([prompt] * 3000)
+    assert 0 < result.metrics.accepted < result.metrics.drafted
+    assert_target_distribution(model, prompt, [o.tokens for o in result.outputs], sampling, vocab=4)
+
+
+SPECULATORS_LOAD = r'''
+import json, sys
+from speculators import SpeculatorModel
+out = {}
+for family, path in json.load(open(sys.argv[1])).items():
+    model, info = SpeculatorModel.from_pretrained(path, output_loading_info=True)
+    out[family] = {"class": type(model).__name__, "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"])}
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _side(python: Path, script: str, job: dict, tmp: Path, timeout: int) -> dict:
+    (tmp / "side.py").write_text(script)
+    (tmp / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    proc = subprocess.run([str(python), str(tmp / "side.py"), str(tmp / "job.json")], capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def speculators_loaded(runs, tmp_path_factory):
+    if not INTEROP_PYTHON.exists():
+        pytest.skip(f"speculators environment {INTEROP_PYTHON} not built (scripts/bootstrap.sh)")
+    job = {f: str(run.stage("train").final) for f, run in runs.items()}
+    return _side(INTEROP_PYTHON, SPECULATORS_LOAD, job, tmp_path_factory.mktemp("speculators-load"), timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.interop
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_checkpoint_loads_in_speculators(speculators_loaded, family):
+    loaded = speculators_loaded[family]
+    assert loaded["class"] == "DFlashDraftModel" or "DFlash" in loaded["class"]
+    assert loaded["unexpected"] == [] and all(k.startswith(("embed_tokens", "verifier", "lm_head")) for k in loaded["missing"]), loaded
+
+
+VLLM_LOAD = r'''
+import json, sys, socket
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.config import set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.model_loader import get_model
+
+# what vLLM's CPU model runner does before loading: no accelerator calls on a CPU-only host
+torch.accelerator.synchronize = lambda *a, **k: None
+torch.accelerator.empty_cache = lambda *a, **k: None
+configs = {}
+for family, job in json.load(open(sys.argv[1])).items():
+    args = EngineArgs(model=job["target"], dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=2,
+                      speculative_config={"method": "dflash", "model": job["drafter"], "num_speculative_tokens": 3})
+    configs[family] = args.create_engine_config()
+# one process group for all: set up under a MoE config when there is one (dense configs create no expert group)
+first = next((c for c in configs.values() if c.model_config.is_moe), next(iter(configs.values())))
+with set_current_vllm_config(first):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+    initialize_model_parallel(1, 1)
+out = {}
+for family, config in configs.items():
+    with set_current_vllm_config(config):
+        target = get_model(vllm_config=config)
+        draft_config = config.speculative_config.draft_model_config
+        drafter = get_model(vllm_config=config, model_config=draft_config)
+        out[family] = {"target": type(target).__name__, "drafter": type(drafter).__name__,
+                       "aux_ids": list(draft_config.hf_config.eagle_aux_hidden_state_layer_ids),
+                       "mask_token_id": draft_config.hf_config.dflash_config["mask_token_id"],
+                       "drafter_params": sum(p.numel() for p in drafter.parameters())}
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def vllm_loaded(runs, tmp_path_factory):
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
+    job = {f: {"target": str(run.stage("target_dir")), "drafter": str(run.stage("train").final)}
+           for f, run in runs.items() if run.stage("target").family.vllm_aux_hidden_states}
+    return _side(VLLM_PYTHON, VLLM_LOAD, job, tmp_path_factory.mktemp("vllm-load"), timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_checkpoint_loads_in_vllm(runs, vllm_loaded, family):
+    target = runs[family].stage("target")
+    if not target.family.vllm_aux_hidden_states:
+        assert family not in vllm_loaded
+        pytest.skip(f"vLLM 0.32 serves no drafter for {family} targets (no aux hidden states)")
+    loaded = vllm_loaded[family]
+    written = json.loads((runs[family].stage("train").final / "config.json").read_text())
+    assert loaded["drafter_params"] > 0 and loaded["target"] == target.config.architectures[0]
+    # vLLM's target returns hidden_states[i] for these ids: the layers we extracted and trained on
+    assert loaded["aux_ids"] == written["aux_hidden_state_layer_ids"] and loaded["mask_token_id"] == written["mask_token_id"]
+
+
+VLLM_CLAIMS = r'''
+import inspect, json, re, sys
+from vllm.model_executor.models import ModelRegistry
+from vllm.model_executor.models.interfaces import supports_eagle3
+out = {}
+for model_type, arch in json.load(open(sys.argv[1])).items():
+    cls = ModelRegistry._try_load_model_cls(arch)
+    ours = lambda c: inspect.isclass(c) and c.__module__.startswith("vllm.model_executor.models")
+    modules = {inspect.getmodule(c) for c in cls.__mro__ if ours(c)}
+    # the decoder stacks those modules use (Qwen3Model subclasses qwen2.py's Qwen2Model)
+    modules |= {inspect.getmodule(b) for m in list(modules) for c in vars(m).values() if ours(c) and c.__name__.endswith("Model")
+                for b in c.__mro__ if ours(b)}
+    source = "".join(inspect.getsource(m) for m in modules)
+    # id start_layer (0) before the first layer, id idx + 1 after layer idx: id i = HF hidden_states[i]
+    convention = bool(re.search(r"(aux_hidden_states|\[\]), self\.start_layer, hidden_states, residual", source))
+    after = bool(re.search(r"aux_hidden_states, (layer_)?idx \+ 1, hidden_states, residual", source))
+    out[model_type] = {"eagle3": bool(supports_eagle3(cls)), "convention": convention and after}
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_vllm_claims_of_every_family_match_vllm(tmp_path):
+    """``Family.vllm_aux_hidden_states`` against vLLM 0.32's own model classes: aux hidden states exist
+    (``SupportsEagle3``) exactly where claimed, and use specdraft's layer-id convention."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from specdraft.targets.families import FAMILIES
+
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
+    archs = {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name] for name in FAMILIES}
+    found = _side(VLLM_PYTHON, VLLM_CLAIMS, archs, tmp_path, timeout=600)
+    for name in FAMILIES:
+        claim = FAMILIES.get(name).vllm_aux_hidden_states
+        assert found[name]["eagle3"] == claim, name
+        if claim:
+            assert found[name]["convention"], f"{name}: vLLM's aux layer ids no longer mean HF hidden_states indices"
+
+
+def test_unknown_family_names_what_is_missing():
+    import transformers
+
+    from specdraft.targets.families import family_of
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2)
+    with pytest.raises(SpecdraftError, match=r"GPT2Config \(model_type 'gpt2'\) is not a supported family .*decoder layers.*sliding-window.*targets/families.py"):
+        family_of(config)
+
+
+def test_vllm_paths_refuse_families_vllm_cannot_serve(tiny_target_factory, tmp_path):
+    """Before any vLLM start: `serve` of a drafter for a Gemma 3 target says why and what to use instead."""
+    from specdraft.integrations.vllm.serve import ServeConfig, drafter_server
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "speculators_config": {
+        "proposal_methods": [{"speculative_tokens": 3}], "verifier": {"name_or_path": str(tiny_target_factory("gemma3"))}}}))
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
+    with pytest.raises(SpecdraftError, match=r"vLLM 0.32 cannot serve a eagle3 drafter for gemma3_text targets.*specdraft generate"):
+        drafter_server(ServeConfig(drafter=str(drafter), vllm_python=str(VLLM_PYTHON)))
+
+
+def test_system_turn_is_folded_only_for_families_without_one():
+    from specdraft.targets.families import FAMILIES
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+    assert FAMILIES.get("llama").system_folded(chat) == chat
+    assert FAMILIES.get("gemma3_text").system_folded(chat) == [{"role": "user", "content": "Be brief.\n\nHi."}]
