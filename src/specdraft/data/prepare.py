@@ -33,7 +33,7 @@ from specdraft.data.render import end_of_turn_ids, render_with_mask
 from specdraft.data.sources import ASSISTANT, USER, RawRow, iter_rows, prepared_sources
 from specdraft.errors import SpecdraftError
 from specdraft.targets.embedded import DEFAULT_TARGET
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.vllm_options import VllmServerOptions
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class PrepareConfig(VllmServerOptions):
     threads: int = config_field(0, help="torch CPU threads (0 = torch's default); 1 is ~4x faster on a busy shared CPU")
 
     def __post_init__(self) -> None:
+        require_finite(self)
         checks = [
             ("max_samples", self.max_samples is None or self.max_samples >= 1, ">= 1"),
             ("skip_rows", self.skip_rows >= 0, ">= 0"),
@@ -141,6 +142,9 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     eot_ids = end_of_turn_ids(tokenizer, getattr(target.model, "generation_config", None))
     for directory in prepared_sources(config.data):
         PreparedDataset(directory).check_target(target)  # its token ids must mean this target's tokens
+    # No token covers more characters than its vocabulary string has, so a text longer than
+    # max_length * the longest one cannot fit in max_length tokens.
+    max_chars = config.max_length * max(len(t) for t in tokenizer.get_vocab())
     stats: Counter = Counter()
     skipped: Counter = Counter()
     samples: list[_Sample] = []
@@ -163,6 +167,9 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         first_reply = next((i for i, m in enumerate(messages) if m["role"] == ASSISTANT), None)
         if first_reply is None:
             skipped["no_assistant"] += 1
+            continue
+        if sum(len(m["content"]) for m in (messages[:first_reply] if config.regenerate else messages)) > max_chars:
+            skipped["too_long"] += 1  # certainly over max_length tokens: skip it before paying for the tokenizer
             continue
         if config.regenerate:
             ids = tokenizer.apply_chat_template(messages[:first_reply], add_generation_prompt=True, tokenize=True, return_dict=False)

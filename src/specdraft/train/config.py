@@ -19,7 +19,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES
 from specdraft.hidden_states.online import DATA_MODES
 from specdraft.train.warm_start import FC_INITS, MARKOV_INITS
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
 PARALLEL_CHOICES = ("auto", "ddp", "fsdp")
@@ -40,7 +40,10 @@ class TrainConfig:
         "through --store and deleted after use) or hybrid (samples in --data are read locally, others requested and cached there)",
         metadata={"choices": DATA_MODES.names()},
     )
-    dataset: str | None = config_field(None, help="online/hybrid: the prepared dataset whose samples are requested")
+    dataset: str | None = config_field(
+        None, help="the prepared dataset: online/hybrid, whose samples are requested; offline, default the one the store recorded "
+        "(pass it when the run was moved)"
+    )
     producers: list[str] = config_field([], help="online/hybrid: producer URLs 'http://HOST:PORT,...' (`specdraft serve-hidden-states`)")
     producer_token: str | None = config_field(None, help="online/hybrid: the bearer token the producers were started with")
     store: str | None = config_field(
@@ -93,6 +96,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if isinstance(self.model, str):
             self.model = parse_overrides(self.model)
         if not isinstance(self.model, dict):

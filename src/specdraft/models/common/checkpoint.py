@@ -22,12 +22,12 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.targets.loading import PICKLE_SUFFIXES
 from specdraft.utils.io import atomic_dir, atomic_write_json
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"  # the speculators format version we write and test against
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def slot_to_aux_id(slot: LayerSlot) -> int:
