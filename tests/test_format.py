@@ -261,6 +261,7 @@ def test_missing_and_misshapen_tensors_are_named(saved, target):
 def test_config_weight_disagreement_is_reported(saved, target):
     cfg = json.loads((saved / "config.json").read_text())
     cfg["specdraft"]["config"]["num_layers"] = 3
+    cfg["transformer_layer_config"]["num_hidden_layers"] = 3  # consistent config, weights for 2 layers
     (saved / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpecdraftError, match="'layers.2."):
         METHODS.get("dflash").model_cls.from_pretrained(saved, target=target)

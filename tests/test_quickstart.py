@@ -60,7 +60,7 @@ def test_quickstart_config_errors():
         QuickstartConfig(budget=5, eval_reserve=6)
     with pytest.raises(SpecdraftError, match=r"--budget \(12 min\) must exceed --data-budget \+ --eval-reserve \(5.0 \+ 9.5 min\)"):
         QuickstartConfig(budget=12)
-    with pytest.raises(SpecdraftError, match="--data-budget must be >= 0 minutes, got -1"):
+    with pytest.raises(SpecdraftError, match="--data-budget must be > 0 minutes .*, got -1"):
         QuickstartConfig(data_budget=-1)
     with pytest.raises(SpecdraftError, match="--epochs must be >= 1"):
         QuickstartConfig(epochs=0)

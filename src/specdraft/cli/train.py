@@ -40,5 +40,5 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(summary))
     if result.stopped_by == "signal":
         print(f"specdraft train: interrupted at step {result.step}; rerun the same command to resume", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return 128 + (result.stop_signal or signal.SIGINT)  # the shell convention: 143 after SIGTERM, 130 after SIGINT
     return 0

@@ -35,7 +35,7 @@ from specdraft.data.render import render_with_mask
 from specdraft.data.sources import RawRow, conversation, first_reply_index, iter_rows, prepared_sources, split_sources
 from specdraft.errors import SpecdraftError
 from specdraft.targets.embedded import DEFAULT_TARGET
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.io import check_replaceable
 from specdraft.utils.vllm_options import VllmServerOptions
 
@@ -76,6 +76,7 @@ class PrepareConfig(VllmServerOptions):
     threads: int = config_field(0, help="torch CPU threads (0 = torch's default); 1 is ~4x faster on a busy shared CPU")
 
     def __post_init__(self) -> None:
+        require_finite(self)
         checks = [
             ("max_samples", self.max_samples is None or self.max_samples >= 1, ">= 1"),
             ("skip_rows", self.skip_rows >= 0, ">= 0"),
@@ -132,6 +133,9 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     eot_ids = target.end_of_turn_ids
     for directory in prepared_sources(config.data):
         PreparedDataset(directory).check_target(target)  # its token ids must mean this target's tokens
+    # No token covers more characters than its vocabulary string has, so a text longer than
+    # max_length * the longest one cannot fit in max_length tokens.
+    max_chars = config.max_length * max(len(t) for t in tokenizer.get_vocab())
     stats: Counter = Counter()
     skipped: Counter = Counter()
     samples: list[_Sample] = []
@@ -154,6 +158,9 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         first_reply = first_reply_index(messages)
         if first_reply is None:
             skipped["no_assistant"] += 1
+            continue
+        if sum(len(m["content"]) for m in (messages[:first_reply] if config.regenerate else messages)) > max_chars:
+            skipped["too_long"] += 1  # certainly over max_length tokens: skip it before paying for the tokenizer
             continue
         if config.regenerate:
             try:

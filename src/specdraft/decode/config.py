@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdraft.errors import SpecdraftError
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class DecodeConfig:
     ngram_min: int = config_field(2, help="ngram drafter: shortest suffix tried before giving up for this round (1-gram matches are mostly wrong)")
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if self.max_new_tokens <= 0:
             raise SpecdraftError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.num_draft_tokens < 0:
@@ -44,6 +45,7 @@ class SamplingConfig:
     top_p: float = config_field(1.0, help="nucleus sampling: keep the most likely tokens up to this cumulative probability, in (0, 1]; 1 disables")
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if not self.temperature >= 0:  # also rejects NaN
             raise SpecdraftError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
@@ -71,6 +73,7 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
+        require_finite(self)
         from specdraft.decode.scheduler import VERIFY_POLICIES
 
         VERIFY_POLICIES.get(self.verify_policy)  # raises naming the known policies

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdraft.errors import SpecdraftError
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class EvalConfig:
     )
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if not self.drafters:
             raise SpecdraftError("--drafters needs at least one drafter (e.g. ngram or a checkpoint directory)")
         if not self.concurrency or any(c < 1 for c in self.concurrency):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LAYER_PRESETS, LayerSlot, parse_slots
 from specdraft.targets.loading import DTYPES as TARGET_DTYPES
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.vllm_options import VllmAttachOptions
 
 #: Names of the dtypes hidden states can be stored in (see ``payload.STORAGE_DTYPES``).
@@ -50,6 +50,7 @@ class ExtractConfig(VllmAttachOptions):
     )
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if self.method is not None and self.layers is not None:
             raise SpecdraftError("give either --method or --layers, not both")
         if self.method is not None:

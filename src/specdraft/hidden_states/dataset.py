@@ -49,7 +49,12 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if prepared_dataset is None:
             prepared_dataset = (manifest.get("dataset") or {}).get("path")
             if not prepared_dataset:
-                raise SpecdraftError(f"{where}: manifest records no dataset; pass the prepared dataset explicitly")
+                raise SpecdraftError(f"{where}: manifest records no dataset; pass the prepared dataset explicitly (--dataset)")
+            if not os.path.isdir(prepared_dataset):
+                raise SpecdraftError(
+                    f"{where} was extracted from the prepared dataset {prepared_dataset}, which no longer exists (was it moved?); "
+                    "pass its new location with --dataset DIR"
+                )
         self.prepared = prepared_dataset if isinstance(prepared_dataset, PreparedDataset) else PreparedDataset(prepared_dataset)
 
         recorded = self.prepared.target_info
@@ -70,6 +75,15 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self.sample_ids = [sid for sid in self.prepared.sample_ids if sid in stored]
         if not self.sample_ids:
             raise SpecdraftError(f"{where} holds no samples; run `specdraft extract --out {where}`")
+        recorded = int(manifest.get("count") or 0)
+        if manifest.get("complete") and len(stored) < recorded:
+            # extract's last run stored `count` samples, the first ones of its selection: those are missing now
+            lost = [sid for sid in self.prepared.sample_ids[:recorded] if sid not in stored]
+            raise SpecdraftError(
+                f"{where}: the manifest records {recorded} complete samples but {len(stored)} are stored "
+                f"({recorded - len(stored)} missing{', e.g. ' + repr(lost[0]) if lost else ''}); rerun "
+                f"`specdraft extract --dataset {self.prepared.directory} --out {where}` (with the same --max-samples) to redo them"
+            )
         if not manifest.get("complete"):
             log.warning("%s: extraction did not finish; reading the %d samples stored so far", where, len(self.sample_ids))
         self.verify(verify)

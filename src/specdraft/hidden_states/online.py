@@ -253,7 +253,7 @@ class SourceOptions:
     """Everything a data-mode opener may need (``TrainConfig`` is where the defaults live)."""
 
     data: str | None  # offline: the store to read; hybrid: the local file cache
-    dataset: str | None  # prepared dataset (online/hybrid): sample ids, tokens, loss masks
+    dataset: str | None  # prepared dataset: sample ids, tokens, loss masks (offline: default the one the store recorded)
     producers: list[str]
     store: str | None  # transport location: a directory (file backend) or mooncake://...
     slots: Callable[[int], list[LayerSlot]] | None  # target layer count -> slots to request
@@ -278,7 +278,7 @@ def open_offline(options: SourceOptions) -> Any:
     path = Path(options.data)
     if not path.is_dir():
         raise SpecdraftError(f"--data {path} does not exist; point it at a hidden-state store written by `specdraft extract`")
-    return HiddenStateDataset(path, verify=options.verify)
+    return HiddenStateDataset(path, options.dataset, verify=options.verify)  # --dataset overrides the path the manifest recorded (a moved run)
 
 
 @DATA_MODES.register("online")

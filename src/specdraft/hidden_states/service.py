@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import queue
@@ -53,7 +52,8 @@ from specdraft.hidden_states.config import ENGINE_NAMES, STORAGE_DTYPE_NAMES
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.registry import Registry
 from specdraft.targets.loading import DTYPES as TARGET_DTYPES
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
+from specdraft.utils.net import is_loopback
 from specdraft.utils.vllm_options import VllmAttachOptions
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class ServiceConfig(VllmAttachOptions):
     )
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if not 0 <= self.port < 65536:
             raise SpecdraftError(f"--port {self.port} is not a TCP port (0-65535)")
         for name in ("max_batch", "max_tokens"):
@@ -108,15 +109,6 @@ class ServiceConfig(VllmAttachOptions):
         self.check_vllm_options(self.engine)
         if self.layers is not None and self.engine != "vllm":
             raise SpecdraftError("--layers chooses what a vLLM server captures: it needs --engine vllm (the hf engine serves any slots)")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class RequestError(Exception):

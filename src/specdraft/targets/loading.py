@@ -14,6 +14,9 @@ from specdraft.targets.identity import fingerprint, tokenizer_hash
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: What transformers loads with ``use_safetensors=True``; a stray ``*.safetensors`` beside a pickle does not count.
+SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # weights that unpickle (run code) when loaded
 
 
 def resolve_target_dir(name_or_path: str = DEFAULT_TARGET) -> Path:
@@ -29,8 +32,14 @@ def resolve_target_dir(name_or_path: str = DEFAULT_TARGET) -> Path:
         )
     if not (path / "config.json").is_file():
         raise SpecdraftError(f"target directory {path} has no config.json; it must be a Hugging Face causal-LM directory (embedded targets: {embedded})")
-    if not any(path.glob("*.safetensors")):
-        raise SpecdraftError(f"target directory {path} has no *.safetensors weights (specdraft never loads pickled weights)")
+    if not any((path / name).is_file() for name in SAFETENSORS_WEIGHTS):
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        found = f"; it holds pickle weights ({', '.join(pickles)})" if pickles else ""
+        raise SpecdraftError(
+            f"target directory {path} has no {' or '.join(SAFETENSORS_WEIGHTS)}{found}. specdraft never loads pickled weights; "
+            "convert them once: python -c \"from transformers import AutoModelForCausalLM as M; "
+            f"M.from_pretrained('{path}').save_pretrained('{path}-safetensors')\" (in a trusted environment), then pass that directory"
+        )
     return path
 
 
@@ -53,7 +62,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: str = "float32", d
     if not getattr(tokenizer, "chat_template", None):
         raise SpecdraftError(f"the tokenizer in {path} has no chat template; specdraft renders conversations with it")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
     except (OSError, ValueError) as exc:
         raise SpecdraftError(f"cannot load target model {path}: {exc}") from None
     model.to(device).eval()

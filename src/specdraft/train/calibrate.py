@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.errors import SpecdraftError
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
 
 ACCEPT_MODES = {"greedy": "greedy_accept", "sampling": "soft_accept"}
 
@@ -39,6 +39,7 @@ class CalibrateConfig:
     seed: int = config_field(0, help="seed of the anchor sampling")
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if self.mode not in ACCEPT_MODES:
             raise SpecdraftError(f"--mode must be one of {sorted(ACCEPT_MODES)}, got {self.mode!r}")
         if not 0 < self.val_fraction <= 1:

@@ -20,7 +20,7 @@ from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES, VERIFY_LEVELS
 from specdraft.hidden_states.online import DATA_MODES
 from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
 from specdraft.train.warm_start import FC_INITS, MARKOV_INITS
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
 PARALLEL_CHOICES = ("auto", "ddp", "fsdp")
@@ -46,7 +46,10 @@ class TrainConfig:
         "whole, by size) or full (also every sample read and checked against its recorded sha256)",
         metadata={"choices": list(VERIFY_LEVELS)},
     )
-    dataset: str | None = config_field(None, help="online/hybrid: the prepared dataset whose samples are requested")
+    dataset: str | None = config_field(
+        None, help="the prepared dataset: online/hybrid, whose samples are requested; offline, default the one the store recorded "
+        "(pass it when the run was moved)"
+    )
     producers: list[str] = config_field(
         [], help="online/hybrid: producer URLs 'http://HOST:PORT,...' (`specdraft serve-hidden-states`), or @FILE: one URL per "
         "line, reread every 2 s, so producers can join and leave while training runs"
@@ -111,6 +114,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if isinstance(self.model, str):
             self.model = parse_overrides(self.model)
         if not isinstance(self.model, dict):

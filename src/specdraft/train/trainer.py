@@ -32,6 +32,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import math
 import os
 import random
 import signal
@@ -52,6 +53,7 @@ from specdraft.registry import Registry
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.config import TrainConfig
 from specdraft.train.data import (
+    DELIVERY_LOG,
     DataPlan,
     PrefetchingSource,
     SampleSource,
@@ -83,6 +85,7 @@ class TrainResult:
     stopped_by: str | None  # "signal", "max_time" or None
     final: Path | None
     drafter: DrafterModel | None = None  # the trained module (this process's replica)
+    stop_signal: int | None = None  # the signal number when stopped_by == "signal" (the CLI exits 128 + it)
 
 
 class _StepModule(nn.Module):
@@ -386,6 +389,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         _dump_yaml(out / ckpt.RESOLVED_CONFIG, resolved)
         write_split(out / SPLIT_FILE, split, decode_prompts=list(probe.sample_ids) if probe else [])
         metrics_log.truncate_after(saved["step"] if saved else 0)
+        _truncate_delivery_log(out / DELIVERY_LOG, saved)
 
     # 3. model (built above; warm-started when the run is fresh), optimizer, schedule (+ state)
     if saved is None:
@@ -429,8 +433,15 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
 
     last_saved = int(saved["step"]) if saved is not None else -1  # the newest checkpoint's step
 
+    def check_weights(at_step: int) -> None:
+        """Never write a checkpoint or final drafter with NaN/inf weights (a step can blow them up with a finite loss)."""
+        bad = _non_finite_parameter(wrapped)
+        if dist_.any(bad is not None, device):
+            raise _non_finite_error(f"parameter {bad or '(on another rank)'} is not finite", at_step, last_saved, out)
+
     def save(at_step: int) -> Path:
         nonlocal last_saved
+        check_weights(at_step)
         last_saved = at_step
         path = out / ckpt.CHECKPOINTS / f"step-{at_step}"
         model_state, optim_state = _full_states(wrapped, optimizer, frozen)  # a collective: every rank calls it
@@ -438,6 +449,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         meta = {
             "step": at_step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": total_steps,
             "world_size": dist_.world, "identity": identity, "data_fingerprint": plan.fingerprint(), "config": resolved,
+            "delivered_bytes": _file_size(out / DELIVERY_LOG),  # every rank has flushed its deliveries (a collective above)
         }
         if dist_.main:
             ckpt.save_checkpoint(path, drafter=savable(model_state), model_state=model_state, optim_state=optim_state,
@@ -505,6 +517,9 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
             optimizer.zero_grad(set_to_none=True)
             output.loss.backward()
             grad_norm = _clip(wrapped, cfg.grad_clip)
+            loss_value = float(output.loss.detach())
+            if dist_.any(not all(map(math.isfinite, (loss_value, grad_norm or 0.0))), device):
+                raise _non_finite_error(f"the loss is {loss_value} (gradient norm {grad_norm})", step + 1, last_saved, out)
             optimizer.step()
             scheduler.step()
             step += 1
@@ -545,6 +560,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
             save(step)  # rank 0 may already be writing while a slower rank would look at the disk
     if stopped_by != "signal":
         final = out / ckpt.FINAL
+        check_weights(step)
         module = drafter
         if strategy.save_via_replica:
             module = savable(_full_states(wrapped, optimizer, frozen)[0])  # a collective: every rank calls it
@@ -556,7 +572,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         dist_.barrier()
     if stopped_by:
         log.warning("stopped by %s at step %d of %d; rerun the same command to resume", stopped_by, step, total_steps)
-    return TrainResult(out, step, total_steps, step >= total_steps, stopped_by, final, drafter)
+    return TrainResult(out, step, total_steps, step >= total_steps, stopped_by, final, drafter, stop_signal=stop.signal)
 
 
 def _load_batch(dataset: SampleSource, rows: list[list[int]], cfg: TrainConfig, slot_index: list[int] | None) -> DrafterBatch:
@@ -583,6 +599,37 @@ def _clip(module: nn.Module, max_norm: float) -> float | None:
     if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
         norm = norm.full_tensor()
     return float(norm)
+
+
+def _file_size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
+
+
+def _truncate_delivery_log(path: Path, saved: dict | None) -> None:
+    """Cut the streaming sources' delivery log back to what the resumed checkpoint had seen, so samples
+    delivered after it (read again on resume) are not listed twice; a fresh run starts it empty."""
+    size = saved.get("delivered_bytes") if saved else 0
+    if size is not None and _file_size(path) > size:
+        with open(path, "r+b") as f:
+            f.truncate(size)
+
+
+def _non_finite_parameter(module: nn.Module) -> str | None:
+    """The name of the first trainable parameter holding NaN/inf on this rank (its local shard under FSDP), or None."""
+    for name, p in module.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if p.requires_grad and not bool(torch.isfinite(local.detach()).all()):
+            return name
+    return None
+
+
+def _non_finite_error(what: str, at_step: int, last_saved: int, out: Path) -> SpecdraftError:
+    kept = (f"the last good checkpoint, {out / ckpt.CHECKPOINTS / f'step-{last_saved}'}, is kept (a rerun resumes from it)"
+            if last_saved >= 0 else "no checkpoint had been written yet")
+    return SpecdraftError(
+        f"training stopped at step {at_step}: {what}; nothing from this step on was saved and {kept}. "
+        "Lower --lr, check --grad-clip and --weight-decay, or look for broken samples in the data"
+    )
 
 
 def _full_states(wrapped: nn.Module, optimizer: torch.optim.Optimizer, frozen: set[str]) -> tuple[dict, dict]:

@@ -2,13 +2,15 @@
 
 Each concern declares a dataclass whose fields carry ``metadata={"help": ...}``; the CLI derives
 its flags from it (``add_dataclass_arguments``) and builds the config back (``dataclass_from_args``),
-so a default lives in exactly one place. Validation belongs in the dataclass ``__post_init__``.
+so a default lives in exactly one place. Validation belongs in the dataclass ``__post_init__``, which
+starts with ``require_finite(self)``: Python's ``float("nan")`` passes every ``< 0`` check.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, TypeVar
@@ -23,6 +25,19 @@ def config_field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def require_finite(config: Any) -> None:
+    """Refuse NaN/inf in every float field (and float list) of a dataclass config, naming the field."""
+    from specdraft.errors import SpecdraftError
+
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        bad = next((v for v in values if isinstance(v, float) and not math.isfinite(v)), None)
+        if bad is not None:
+            name = type(config).__name__
+            raise SpecdraftError(f"{name}: {f.name} must be a finite number, got {bad} ({_flag(f.name)})")
 
 
 def _flag(name: str) -> str:

@@ -1,10 +1,17 @@
-"""Which local address and interface reach a given host: what a process on a multi-homed node
-must advertise to its peers (not the 127.0.0.1 its host name often resolves to)."""
+"""Addresses and sockets as a node of a cluster sees them.
+
+``local_address_towards`` / ``interface_of``: which local address and interface reach a given host,
+what a process on a multi-homed node must advertise to its peers (not the 127.0.0.1 its host name
+often resolves to). ``listening_sockets`` reads ``/proc/net/tcp{,6}`` for the sockets a process
+holds, so code that links a library which binds on its own (Mooncake's transfer engine) can say
+what it exposes.
+"""
 
 from __future__ import annotations
 
 import fcntl
 import ipaddress
+import os
 import socket
 import struct
 
@@ -42,3 +49,50 @@ def interface_of(address: str) -> str | None:
         if socket.inet_ntoa(raw[20:24]) == address:
             return name
     return None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _proc_address(hex_addr: str) -> tuple[str, int]:
+    """``0100007F:1F90`` (/proc/net/tcp, host byte order per 32-bit word) -> ("127.0.0.1", 8080)."""
+    addr, port = hex_addr.split(":")
+    raw = bytes.fromhex(addr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, words), int(port, 16)
+
+
+def listening_sockets(pid: int | None = None) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state that process ``pid`` (default: this one) holds."""
+    pid = os.getpid() if pid is None else pid
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = open(f"/proc/net/{table}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A = TCP_LISTEN
+                found.append(_proc_address(fields[1]))
+    return sorted(set(found))
+
+
+def wildcard_listeners(pid: int | None = None) -> list[int]:
+    """Ports that process ``pid`` listens on for every interface (0.0.0.0 or ::)."""
+    return sorted({port for addr, port in listening_sockets(pid) if ipaddress.ip_address(addr).is_unspecified})

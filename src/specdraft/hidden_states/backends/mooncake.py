@@ -53,7 +53,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.backends.base import BACKENDS, HiddenStateBackend
 from specdraft.hidden_states.payload import STORAGE_DTYPES, TENSOR_KEYS, HiddenStatePayload
 from specdraft.integrations.mooncake.client import MooncakeClient, MooncakeClientConfig, parse_address, shared_client
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
 
 OBJECT_FORMAT = "specdraft.mooncake_sample"
 OBJECT_FORMAT_VERSION = 1
@@ -75,6 +75,7 @@ class MooncakeBackendConfig:
     )
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if not self.namespace or "/" in self.namespace:
             raise SpecdraftError(f"Mooncake namespace {self.namespace!r} must be non-empty and contain no '/'")
         if self.admin is not None:

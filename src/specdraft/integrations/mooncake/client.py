@@ -19,6 +19,18 @@ Facts this relies on (checked against mooncake-transfer-engine-non-cuda 0.3.13.p
     fit fails with -600, so batches are capped at half the buffer and larger blobs are sent from
     temporarily registered memory instead.
 
+Network exposure (checked against the 0.3.13.post1 sources, ``transfer_metadata_plugin.cpp``
+``findAvailableTcpPort``/``startHandshakeDaemon`` and ``tcp_transport.cpp`` ``TcpContext``): the
+engine binds its handshake/RPC socket to ``INADDR_ANY`` and its TCP data socket to ``::`` (dual
+stack) unconditionally; ``local_hostname`` (and ``MC_TCP_BIND_ADDRESS``) only set the address
+advertised to peers, and no API or variable chooses the bind address. So every client with a
+segment, trainers and producers alike, listens on all interfaces on two ports in 15000-17000
+(``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``); peers can read and write the registered memory there
+without authentication. Mitigation: firewall that range from other hosts (on one machine, drop
+non-loopback traffic to it), or run in a network namespace with only the interfaces the cluster
+uses. The client reads its own listening sockets after ``setup`` and logs the exposed ports
+(``exposed_ports``) so this is never silent.
+
 One client per process and master (:func:`shared_client`): the transfer engine is heavyweight
 (listening sockets, a registered buffer, a heartbeat thread), so loader threads share it. The
 engine does not survive ``fork``: a child forked from a process that holds a client hangs when it
@@ -29,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import logging
 import os
 import socket
 import threading
@@ -39,7 +52,10 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from specdraft.errors import SpecdraftError
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
+from specdraft.utils.net import wildcard_listeners
+
+log = logging.getLogger(__name__)
 
 METADATA_MODE = "P2PHANDSHAKE"
 """Peers exchange segment descriptors directly; no etcd/HTTP metadata server (the master's built-in
@@ -132,6 +148,7 @@ class MooncakeClientConfig:
     lease_timeout_s: float = config_field(30.0, help="how long a remove retries while a reader's lease is held (-706)")
 
     def __post_init__(self) -> None:
+        require_finite(self)
         host, port = parse_address(self.master)
         if not self.local_hostname:  # peers on other nodes cannot reach an advertised 127.0.0.1
             from specdraft.utils.net import local_address_towards
@@ -161,6 +178,7 @@ class MooncakeClient:
         check_reachable(host, port)
         module = import_store_module()
         self._store = module.MooncakeDistributedStore()
+        before = set(wildcard_listeners())
         rc = self._store.setup(
             config.local_hostname,
             METADATA_MODE,
@@ -175,6 +193,14 @@ class MooncakeClient:
                 f"Mooncake client setup against master {config.master} failed ({error_name(rc)}); check that the master "
                 f"is running (`specdraft store status`), that {config.local_hostname!r} is an address of this host and, "
                 f"for rdma, that devices {config.device_names!r} exist"
+            )
+        self.exposed_ports = sorted(set(wildcard_listeners()) - before)
+        if self.exposed_ports:
+            log.warning(
+                "Mooncake's transfer engine listens on all interfaces (TCP ports %s), not only on local_hostname %s: "
+                "mooncake-transfer-engine binds 0.0.0.0/:: unconditionally. Block ports 15000-17000 from other hosts "
+                "with a firewall (see specdraft/integrations/mooncake/client.py)",
+                ", ".join(map(str, self.exposed_ports)), config.local_hostname,
             )
         self._replicate = module.ReplicateConfig()
         self._replicate.with_hard_pin = config.hard_pin

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.errors import SpecdraftError
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.io import atomic_write_bytes, atomic_write_json
 
 PID_FILE = "master.pid"
@@ -53,6 +53,7 @@ class MasterConfig:
     wait_s: float = config_field(30.0, help="how long start waits for the master to accept connections")
 
     def __post_init__(self) -> None:
+        require_finite(self)
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise SpecdraftError(f"--{name.replace('_', '-')} {getattr(self, name)} is not a TCP port (0-65535)")

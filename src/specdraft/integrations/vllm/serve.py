@@ -17,6 +17,7 @@ from pathlib import Path
 from specdraft.errors import SpecdraftError
 from specdraft.integrations.vllm.engine import VllmServer, find_vllm_python
 from specdraft.utils.config import config_field
+from specdraft.utils.net import is_loopback
 from specdraft.utils.vllm_options import VllmServerOptions
 
 #: Methods whose proposer the vLLM-CPU model runner lacks (it has ngram, draft_model, eagle3, dflash).
@@ -28,8 +29,16 @@ class ServeConfig(VllmServerOptions):
     drafter: str = config_field(help="drafter checkpoint directory (speculators format, written by specdraft train)")
     target: str | None = config_field(None, help="target name or HF directory; default: the target recorded in the checkpoint")
     port: int | None = config_field(None, help="port on 127.0.0.1; default: a free one")
-    host: str = config_field("127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
+    host: str = config_field("127.0.0.1", help="address to bind; anything but loopback requires --token")
+    token: str | None = config_field(None, help="API key clients must send (Authorization: Bearer TOKEN; vLLM's --api-key)")
     num_speculative_tokens: int | None = config_field(None, help="draft tokens per round; default: the checkpoint's")
+
+    def __post_init__(self) -> None:
+        if not self.token and not is_loopback(self.host):
+            raise SpecdraftError(
+                f"--host {self.host} is reachable from other machines: pass --token SECRET (clients send it as a bearer token) "
+                "or bind 127.0.0.1"
+            )
 
 
 @dataclass(frozen=True)
@@ -91,4 +100,6 @@ def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmS
         "num_speculative_tokens": config.num_speculative_tokens or info.num_speculative_tokens,
     }
     args = ["--speculative-config", json.dumps(speculative), *shlex.split(config.vllm_args)]
+    if config.token:
+        args += ["--api-key", config.token]
     return VllmServer(target_dir, args, python=config.vllm_python, port=config.port, host=config.host, log_path=log_path)

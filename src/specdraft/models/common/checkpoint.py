@@ -29,6 +29,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.targets.loading import PICKLE_SUFFIXES
 from specdraft.utils.io import DirKind, atomic_dir, atomic_write_json, json_field_is, sha256_file
 
 CONFIG_FILE = "config.json"
@@ -40,7 +41,6 @@ DRAFTER_DIR = DirKind(
     frozenset({CONFIG_FILE, WEIGHTS_FILE, CALIBRATION_FILE, MODEL_CARD_FILE}),
 )
 SPECULATORS_VERSION = "0.9.0"  # the speculators format version we write and test against
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def slot_to_aux_id(slot: LayerSlot) -> int:

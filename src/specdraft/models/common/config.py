@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LAYER_PRESETS, LayerSlot, parse_slots
-from specdraft.utils.config import config_field
+from specdraft.utils.config import config_field, require_finite
 
 # Target-derived fields: None until ``resolve``.
 SHAPE_FIELDS = (
@@ -54,6 +54,7 @@ class DraftConfig:
     num_target_layers: int | None = config_field(None, help="decoder layers of the target (default: the target's)")
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if self.num_layers < 1:
             raise SpecdraftError(f"{self.method} config: num_layers must be >= 1, got {self.num_layers}")
         for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -178,9 +179,65 @@ class SpeculatorsDrafter(DrafterModel):
         }
 
     @classmethod
+    def speculators_fields(cls, cfg: dict, *, where: str) -> dict:
+        """Our config fields as read from the top-level speculators fields of ``config.json``."""
+        raise NotImplementedError
+
+    @classmethod
     def config_from_speculators(cls, cfg: dict, *, where: str) -> DraftConfig:
         """Build our config from a checkpoint that speculators (not specdraft) wrote."""
-        raise NotImplementedError
+        return cls.config_cls(**cls.speculators_fields(cfg, where=where))
+
+    @staticmethod
+    def compared_value(config: DraftConfig, name: str) -> Any:
+        """``config.name`` in the form the speculators fields and the ``specdraft`` block are compared in."""
+        return getattr(config, name)
+
+    @classmethod
+    def read_config(cls, cfg: dict, *, where: str, target: Any = None) -> tuple[DraftConfig, dict]:
+        """(config, verifier) from ``config.json``, strictly: missing or contradictory fields are errors.
+
+        With a ``specdraft`` block (our checkpoints) every config field must be recorded and agree with
+        the top-level speculators fields vLLM reads, and the block must name the target fingerprint,
+        checked against ``target``. Without it (a speculators-made checkpoint) the speculators fields
+        are all there is: those that shape the network are required, and the target is checked by what
+        speculators records (the verifier architectures) and by shape (width, vocabulary, layer count).
+        """
+        ours = cfg.get("specdraft")
+        if ours is None:
+            config = cls.config_from_speculators(cfg, where=where)
+            recorded = (cfg.get("speculators_config") or {}).get("verifier") or {}
+            archs = list(recorded.get("architectures") or [])
+            have = list(target.describe().get("architectures") or []) if target is not None else []
+            if archs and have and archs != have:
+                raise SpecdraftError(f"{where}: drafter was trained for a {archs} verifier, but target {target.name} is {have}")
+            return config, {"path": recorded.get("name_or_path")}
+        if not isinstance(ours, dict) or ours.get("method") != cls.method or not isinstance(ours.get("config"), dict):
+            raise SpecdraftError(f"{where}/config.json: specdraft.method must be {cls.method!r} (the speculators_model_type) "
+                                 f"beside a specdraft.config mapping, got {str(ours)[:80]!r}")
+        fields = {f.name for f in dataclasses.fields(cls.config_cls) if f.init}
+        missing = sorted(fields - set(ours["config"]))
+        if missing:
+            raise SpecdraftError(f"{where}/config.json: specdraft.config lacks {', '.join(missing)}; the checkpoint is incomplete "
+                                 "(re-save it with specdraft, or delete the specdraft block to load it as a speculators checkpoint)")
+        config = cls.config_cls.from_json(ours["config"], where=where)
+        theirs = cls.config_from_speculators(cfg, where=where)
+        for name in cls.speculators_fields(cfg, where=where):
+            a, b = cls.compared_value(config, name), cls.compared_value(theirs, name)
+            if a != b and not (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-6)):
+                raise SpecdraftError(f"{where}/config.json: specdraft.config.{name} is {a!r} but the speculators fields "
+                                     f"(what vLLM reads) say {b!r}; the checkpoint contradicts itself")
+        verifier = dict(ours.get("target") or {})
+        fingerprint = verifier.get("fingerprint")
+        if not fingerprint:
+            raise SpecdraftError(f"{where}/config.json: specdraft.target.fingerprint missing; cannot check which target "
+                                 "this drafter was trained for")
+        if target is not None and target.fingerprint != fingerprint:
+            raise SpecdraftError(
+                f"{where}: drafter was trained for target fingerprint {fingerprint} ({verifier.get('name')}), "
+                f"but the given target {target.name} has fingerprint {target.fingerprint}"
+            )
+        return config, verifier
 
     # ----- save / load ---------------------------------------------------------------------
     def saved_state(self) -> dict[str, torch.Tensor]:
@@ -197,19 +254,11 @@ class SpeculatorsDrafter(DrafterModel):
         kind = cfg.get("speculators_model_type")
         if kind != cls.method:
             raise SpecdraftError(f"{where}: speculators_model_type is {kind!r}, expected {cls.method!r}")
-        ours = cfg.get("specdraft")
-        if isinstance(ours, dict) and ours.get("method") == cls.method:
-            config = cls.config_cls.from_json(ours["config"], where=where)
-            verifier = dict(ours.get("target") or {})
-            fingerprint = verifier.get("fingerprint")
-            if target is not None and fingerprint and target.fingerprint != fingerprint:
-                raise SpecdraftError(
-                    f"{where}: drafter was trained for target fingerprint {fingerprint} ({verifier.get('name')}), "
-                    f"but the given target {target.name} has fingerprint {target.fingerprint}"
-                )
-        else:
-            config = cls.config_from_speculators(cfg, where=where)
-            verifier = {"path": (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")}
+        config, verifier = cls.read_config(cfg, where=where, target=target)
+        broken = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+        if broken is not None:
+            raise SpecdraftError(f"{where}/{ckpt.WEIGHTS_FILE}: tensor {broken!r} holds NaN/inf values, so this drafter cannot "
+                                 "draft; its training diverged or the file is damaged: use an earlier checkpoint or retrain")
         if target is not None and config.num_target_layers is None:
             config = dataclasses.replace(config, num_target_layers=target.num_layers)
         if target is None and cls.requires_target:
@@ -218,12 +267,23 @@ class SpeculatorsDrafter(DrafterModel):
                 "pass target=... to load it"
             )
         model = cls(config, verifier=verifier)
+        recorded = speculative_tokens_of(cfg)
+        if recorded is not None and recorded != model.speculative_tokens():
+            raise SpecdraftError(f"{where}/config.json: speculators_config.proposal_methods[0].speculative_tokens is {recorded} "
+                                 f"but the config gives {model.speculative_tokens()} (block_size {getattr(config, 'block_size', '-')})")
         expected = model.saved_state()
         ckpt.check_tensors(tensors, expected, where=where, ignore=cls.ignored_on_load)
         model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
         if target is not None:
             model.attach_target(target)
         return model
+
+
+def speculative_tokens_of(cfg: dict) -> int | None:
+    """``speculators_config.proposal_methods[0].speculative_tokens`` (what vLLM drafts per round), if recorded."""
+    proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    tokens = proposals[0].get("speculative_tokens") if isinstance(proposals[0], dict) else None
+    return tokens if isinstance(tokens, int) else None
 
 
 def load_drafter(directory: str | Path, *, target: Any = None) -> SpeculatorsDrafter:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdraft.errors import SpecdraftError
+
 
 @dataclass
 class DraftProposal:
@@ -24,7 +26,16 @@ class DraftProposal:
 
 
 def sample_token(logits: torch.Tensor, *, temperature: float, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [V] -> (token [] int64, probs [V]); argmax with a one-hot distribution at T <= 0."""
+    """logits [V] -> (token [] int64, probs [V]); argmax with a one-hot distribution at T <= 0.
+
+    NaN or +inf logits, or no finite one (a drafter whose activations overflow), are an error, not a
+    crash in ``multinomial`` or a garbage argmax; -inf alone marks ids outside a draft vocabulary.
+    """
+    if bool(torch.isnan(logits).any() | torch.isposinf(logits).any() | torch.isneginf(logits).all()):
+        raise SpecdraftError(
+            "the drafter produced non-finite logits (NaN/inf): its weights are broken or its activations overflow in this "
+            "dtype; decode in float32, use an earlier checkpoint or retrain it"
+        )
     if temperature <= 0:
         token = logits.argmax(-1)
         return token, F.one_hot(token, logits.shape[-1]).to(torch.float32)

@@ -179,27 +179,28 @@ class DFlashDrafter(SpeculatorsDrafter):
         }
 
     @classmethod
-    def config_fields_from_speculators(cls, cfg: dict, *, where: str) -> dict:
+    def speculators_fields(cls, cfg: dict, *, where: str) -> dict:
         shape = shape_from_layer_config(cfg.get("transformer_layer_config") or {}, where=where)
         draft_vocab = int(cfg.get("draft_vocab_size") or shape["vocab_size"])
         if not 0 < draft_vocab <= shape["vocab_size"]:
             raise SpecdraftError(f"{where}: draft_vocab_size {draft_vocab} must be in 1..{shape['vocab_size']} (the target vocabulary)")
         if bool(cfg.get("sample_from_anchor", cls.sample_from_anchor)) != cls.sample_from_anchor:
             raise SpecdraftError(f"{where}: sample_from_anchor={cfg.get('sample_from_anchor')} is not supported for {cls.method}")
-        ids = cfg.get("aux_hidden_state_layer_ids")
-        if not ids or cfg.get("mask_token_id") is None:
-            raise SpecdraftError(f"{where}: aux_hidden_state_layer_ids and mask_token_id are required for {cls.method}")
+        missing = [k for k in ("aux_hidden_state_layer_ids", "mask_token_id", "block_size") if cfg.get(k) in (None, [])]
+        if missing:
+            raise SpecdraftError(f"{where}/config.json: {', '.join(missing)} missing; required for a {cls.method} drafter")
         return {
             **shape,
-            "layers": ",".join(str(ckpt.aux_id_to_slot(int(i), "output")) for i in ids),
-            "block_size": int(cfg.get("block_size", 8)),
+            "layers": ",".join(str(ckpt.aux_id_to_slot(int(i), "output")) for i in cfg["aux_hidden_state_layer_ids"]),
+            "block_size": int(cfg["block_size"]),
             "mask_token_id": int(cfg["mask_token_id"]),
             "draft_vocab_size": draft_vocab if draft_vocab < shape["vocab_size"] else None,
         }
 
-    @classmethod
-    def config_from_speculators(cls, cfg: dict, *, where: str) -> DFlashConfig:
-        return cls.config_cls(**cls.config_fields_from_speculators(cfg, where=where))
+    @staticmethod
+    def compared_value(config: DFlashConfig, name: str) -> Any:
+        # None, 0 and the target vocabulary size all mean "full vocabulary"
+        return config.draft_vocab if name == "draft_vocab_size" else getattr(config, name)
 
     # ----- shared forward ------------------------------------------------------------------
     def context(self, aux_hidden: torch.Tensor) -> torch.Tensor:

@@ -102,17 +102,17 @@ class DSparkDrafter(DFlashDrafter):
         }
 
     @classmethod
-    def config_from_speculators(cls, cfg: dict, *, where: str) -> DSparkConfig:
+    def speculators_fields(cls, cfg: dict, *, where: str) -> dict:
         rank = int(cfg.get("markov_rank", 256))
         if rank <= 0:
             raise SpecdraftError(f"{where}: dspark with markov_rank {rank} (no Markov head) is not supported by specdraft")
-        return DSparkConfig(
-            **cls.config_fields_from_speculators(cfg, where=where),
-            markov_rank=rank,
-            markov_head=str(cfg.get("markov_head_type", "vanilla")),
-            confidence_head=bool(cfg.get("enable_confidence_head", True)),
-            confidence_with_markov=bool(cfg.get("confidence_head_with_markov", True)),
-        )
+        return {
+            **super().speculators_fields(cfg, where=where),
+            "markov_rank": rank,
+            "markov_head": str(cfg.get("markov_head_type", "vanilla")),
+            "confidence_head": bool(cfg.get("enable_confidence_head", True)),
+            "confidence_with_markov": bool(cfg.get("confidence_head_with_markov", True)),
+        }
 
     # ----- heads ---------------------------------------------------------------------------
     def confidence_logits(self, hidden: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor | None:

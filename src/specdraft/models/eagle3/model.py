@@ -30,7 +30,7 @@ from specdraft.models.base import DrafterBatch, TrainOutput
 from specdraft.models.common import checkpoint as ckpt
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.config import shape_from_layer_config
-from specdraft.models.common.drafter import SpeculatorsDrafter
+from specdraft.models.common.drafter import SpeculatorsDrafter, speculative_tokens_of
 from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from specdraft.models.common.masks import eagle3_ttt_mask
 from specdraft.models.common.metrics import position_metrics
@@ -146,7 +146,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
         }
 
     @classmethod
-    def config_from_speculators(cls, cfg: dict, *, where: str) -> Eagle3Config:
+    def speculators_fields(cls, cfg: dict, *, where: str) -> dict:
         for flag in ("norm_before_fc", "fc_norm", "norm_output"):
             if cfg.get(flag):
                 raise SpecdraftError(f"{where}: EAGLE-3 option {flag}=true is not supported by specdraft")
@@ -155,14 +155,17 @@ class Eagle3Drafter(SpeculatorsDrafter):
             raise SpecdraftError(f"{where}: eagle_aux_hidden_state_layer_ids is missing; cannot tell which target layers to read")
         shape = shape_from_layer_config(cfg.get("transformer_layer_config") or {}, where=where)
         layers = ",".join(str(ckpt.aux_id_to_slot(int(i), "input")) for i in ids)
-        steps = cfg["speculators_config"]["proposal_methods"][0].get("speculative_tokens", 7)
-        return Eagle3Config(
+        steps = speculative_tokens_of(cfg)
+        if steps is None:
+            raise SpecdraftError(f"{where}/config.json: speculators_config.proposal_methods[0].speculative_tokens missing; "
+                                 "required for an eagle3 drafter (its TTT steps)")
+        return {
             **shape,
-            layers=layers,
-            draft_vocab_size=int(cfg.get("draft_vocab_size") or shape["vocab_size"]),
-            ttt_steps=int(steps),
-            norm_before_residual=bool(cfg.get("norm_before_residual", False)),
-        )
+            "layers": layers,
+            "draft_vocab_size": int(cfg.get("draft_vocab_size") or shape["vocab_size"]),
+            "ttt_steps": int(steps),
+            "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
+        }
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
