@@ -78,12 +78,14 @@ def test_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_p
 
     from specdraft.train import checkpoint as ckpt
     from specdraft.train.data import DataPlan
+    from specdraft.train.split import dataset_split
     from specdraft.train.trainer import train
     from test_train_toy import ToyStore, ToyTarget, toy_config
 
     cfg = toy_config(tmp_path / "run", checkpoint_interval=2, eval_interval=0)
     store = ToyStore()
-    plan = DataPlan.build(store.sample_ids, store.lengths(), val_fraction=cfg.val_fraction, pack_tokens=cfg.pack_tokens,
+    split = dataset_split(store, val_fraction=cfg.val_fraction, seed=cfg.split_seed)
+    plan = DataPlan.build(store.sample_ids, store.lengths(), split=split, pack_tokens=cfg.pack_tokens,
                           batch_rows=cfg.batch_rows, seed=cfg.seed, world_size=1, rank=0)
     poisoned = plan.train_rows(2)[0][0]  # first read by step 3, after the step-2 checkpoint
     bad_step = 1 + next(s for s in range(cfg.max_steps) if any(poisoned in row for row in plan.train_rows(s)))
@@ -127,14 +129,18 @@ def _load(directory, target):
 
 
 def test_drafter_with_non_finite_weights_is_refused(saved_dspark, tmp_path, target):
-    from safetensors.torch import load_file, save_file
+    import json
+
+    from safetensors.torch import load_file
+
+    from specdraft.models.common.checkpoint import write_checkpoint
 
     broken = tmp_path / "nan"
     shutil.copytree(saved_dspark, broken)
     tensors = load_file(str(broken / "model.safetensors"))
     name = sorted(tensors)[0]
     tensors[name] = torch.full_like(tensors[name], NAN)
-    save_file(tensors, str(broken / "model.safetensors"))
+    write_checkpoint(broken, json.loads((broken / "config.json").read_text()), tensors)  # checksum matches: the NaN check must refuse it
     with pytest.raises(SpecdraftError, match=rf"tensor '{name}' holds NaN/inf values"):
         _load(broken, target)
 
@@ -274,6 +280,11 @@ def test_deleted_sample_of_a_complete_store_is_an_error(store):
     _, hs = store
     victim = sorted(p for p in hs.iterdir() if p.suffix == ".safetensors")[1]
     victim.unlink()
+    with pytest.raises(SpecdraftError, match="1 bad sample.*is listed in the store manifest but missing"):
+        _offline(hs)
+    manifest = json.loads((hs / "manifest.json").read_text())
+    del manifest["samples"]  # a store written before manifests listed their samples: the count still tells
+    (hs / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SpecdraftError, match="records 5 complete samples but 4 are stored"):
         _offline(hs)
 

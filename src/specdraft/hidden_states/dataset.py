@@ -76,7 +76,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if not self.sample_ids:
             raise SpecdraftError(f"{where} holds no samples; run `specdraft extract --out {where}`")
         recorded = int(manifest.get("count") or 0)
-        if manifest.get("complete") and len(stored) < recorded:
+        if manifest.get("complete") and "samples" not in manifest and len(stored) < recorded:  # older stores; else verify() names each
             # extract's last run stored `count` samples, the first ones of its selection: those are missing now
             lost = [sid for sid in self.prepared.sample_ids[:recorded] if sid not in stored]
             raise SpecdraftError(
