@@ -134,7 +134,9 @@ def test_vllm_dspark_model_loads_the_reference_drafter_and_drafts_as_specdraft(s
     print(f"blocks compared: {len(anchors)} x {drafts.shape[1]} drafts, identical {int((drafts == expected).sum())}/{drafts.numel()}, "
           f"max |confidence difference| {conf_diff:.2e}")
     assert got["unexpected"] == [] and got["skipped"] == ["t2d"]
-    assert got["missing"] == ["model.embed_tokens.weight"]  # shared from the target at serving time (load_dspark_model)
+    # Not in the checkpoint: the embedding (vLLM shares the target's, load_dspark_model) and vLLM's unused
+    # mask_embedding placeholder (DSpark embeds MASK slots through the vocabulary row mask_token_id).
+    assert got["missing"] == ["model.embed_tokens.weight", "model.mask_embedding"]
     assert got["causal"] == [False, False] and (got["sample_from_anchor"], got["bonus_anchor"]) == (True, False)
     assert got["num_speculative_tokens"] == drafter.config.block_size == drafts.shape[1]
     assert torch.equal(drafts, expected), (drafts, expected)

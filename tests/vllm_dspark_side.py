@@ -31,6 +31,9 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.model_loader import get_model  # noqa: E402
 from vllm.model_executor.models import utils as model_utils  # noqa: E402
 
+from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop  # noqa: E402
+
+_set_torch_accelerator_to_noop()  # what vLLM's CPU runner does before loading models
 torch.set_num_threads(2)
 checkpoint = load_file(f"{drafter_dir}/model.safetensors")
 num_tokens = json.load(open(f"{drafter_dir}/config.json"))["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
@@ -40,13 +43,19 @@ config = EngineArgs(model=target_dir, dtype="float32", enforce_eager=True, max_m
 draft_config = config.speculative_config.draft_model_config
 hf = draft_config.hf_config
 
-loaded: set[str] = set()
+loaded: set[str] = set()  # fully qualified parameter names the outermost AutoWeightsLoader call filled
+depth = [0]
 original_load = model_utils.AutoWeightsLoader.load_weights
 
 
 def recording_load(self, weights, *args, **kwargs):
-    names = original_load(self, weights, *args, **kwargs)
-    loaded.update(names)
+    depth[0] += 1
+    try:
+        names = original_load(self, weights, *args, **kwargs)
+    finally:
+        depth[0] -= 1
+    if depth[0] == 0:
+        loaded.update(names)
     return names
 
 
