@@ -160,6 +160,33 @@ def test_serve_refuses_dspark_on_the_cpu_runner(tmp_path):
         read_drafter_info(write_speculators_config(tmp_path / "bad", None))
 
 
+def test_serve_passes_dspark_to_a_cuda_vllm_as_trained_and_refuses_what_it_cannot_serve(tmp_path, monkeypatch):
+    """On a CUDA vLLM: the trained block as num_speculative_tokens, adaptive verification when asked; clear
+    refusals for a non-vanilla Markov head, another num_speculative_tokens, and adaptive verification elsewhere."""
+    from specdraft.errors import SpecdraftError
+    from specdraft.integrations.vllm import serve
+    from specdraft.integrations.vllm.serve import ServeConfig, drafter_server
+
+    monkeypatch.setattr(serve, "is_cpu_build", lambda python: False)
+    ckpt = write_speculators_config(tmp_path / "dspark", "dspark", tokens=7)
+
+    def speculative(**options) -> dict:
+        args = drafter_server(ServeConfig(drafter=str(ckpt), **options)).args
+        return json.loads(args[args.index("--speculative-config") + 1])
+
+    assert speculative() == {"method": "dspark", "model": str(ckpt.resolve()), "num_speculative_tokens": 7}
+    assert speculative(adaptive_verification=True, num_speculative_tokens=7)["enable_adaptive_verification"] is True
+    with pytest.raises(SpecdraftError, match="--num-speculative-tokens 4 differs from the trained block of 7 drafts"):
+        speculative(num_speculative_tokens=4)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "markov_head_type": "gated"}))
+    with pytest.raises(SpecdraftError, match="markov_head_type is 'gated'; vLLM 0.32 serves only the 'vanilla'"):
+        speculative()
+    eagle = write_speculators_config(tmp_path / "eagle3", "eagle3")
+    with pytest.raises(SpecdraftError, match="--adaptive-verification is a DSpark feature"):
+        drafter_server(ServeConfig(drafter=str(eagle), adaptive_verification=True))
+
+
 def varied_tiny_target(directory: Path, tokenizer_dir: Path):
     """A tiny random Llama whose weights are scaled x8 so greedy text varies (the default init repeats one token)."""
     from safetensors.torch import load_file, save_file
