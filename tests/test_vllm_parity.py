@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 from specdraft.integrations.vllm.engine import CPU_ENV_DEFAULTS
+from specdraft.models.dflash.config import DFlashConfig
+from specdraft.models.eagle3.config import Eagle3Config
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("SPECDRAFT_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
@@ -141,3 +143,58 @@ def test_vllm_dspark_model_loads_the_reference_drafter_and_drafts_as_specdraft(s
     assert got["num_speculative_tokens"] == drafter.config.block_size == drafts.shape[1]
     assert torch.equal(drafts, expected), (drafts, expected)
     assert conf_diff < 1e-4
+
+
+#: case -> (method, config of a drafter with 3 draft tokens per round)
+PARITY_DRAFTERS = {
+    "eagle3": ("eagle3", lambda: Eagle3Config(layers="input:1,input:3,input:4", draft_vocab_size=10**6, ttt_steps=3)),
+    "dflash-1": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4)),
+    "dflash-2": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=2, block_size=4)),
+}
+PARITY_PROMPTS = [("Name three colours.", "a"), ("Count to five.", "b"), ("Say hi.", "b"), ("Tell me about the sea.", "a")]
+PARITY_TOKENS = 32
+
+
+def trained_parity_drafter(case: str, target, out: Path) -> Path:
+    """A drafter trained (300 steps, seconds) on the target's greedy replies to PARITY_PROMPTS, saved to ``out``:
+    its acceptance is far above zero, so served and built-in acceptance can be told apart."""
+    from test_vllm import overfit_drafter
+
+    if not (out / "config.json").is_file():
+        method, make_config = PARITY_DRAFTERS[case]
+        chats = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+                 for text, _ in PARITY_PROMPTS]
+        overfit_drafter(method, make_config(), target, chats, new_tokens=PARITY_TOKENS).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity_target(smollm2_dir, tmp_path_factory):
+    from test_vllm import varied_tiny_target
+
+    return varied_tiny_target(tmp_path_factory.mktemp("parity") / "target", smollm2_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(PARITY_DRAFTERS))
+def test_eval_parity_served_tau_equals_builtin_tau(case, parity_target, tmp_path_factory):
+    """`specdraft eval --parity` on vLLM-CPU with trained drafters: the server it starts accepts what the built-in
+    runtime accepts (gap within 3%, not flagged), well above 1, with the target's greedy outputs. dflash-2 needs
+    both fixes: the non-causal block flag and the k_norm correction (2 draft layers)."""
+    from specdraft.decode.config import SamplingConfig
+    from specdraft.eval.config import EvalConfig
+    from specdraft.eval.parity import run_parity_eval
+
+    work = tmp_path_factory.mktemp(f"parity-{case}")
+    drafter = trained_parity_drafter(case, parity_target, work / "drafter")
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n" for text, d in PARITY_PROMPTS))
+    config = EvalConfig(out=str(work / "eval"), target=str(parity_target.path), prompts=str(prompts), drafters=[str(drafter)],
+                        max_new_tokens=PARITY_TOKENS, parity=True, vllm_args="--enforce-eager --dtype float32 --max-model-len 256", plots=False)
+    report = run_parity_eval(config, SamplingConfig(), target=parity_target, progress=False)
+    (row,) = report["drafters"]
+    print(f"\n{case}: built-in tau {row['builtin']['tau']:.3f}, served tau {row['served']['tau']:.3f}, gap {row['gap']:+.1%}")
+    assert row["served_identical_to_autoregressive"] == len(PARITY_PROMPTS)
+    assert row["builtin"]["tau"] > 2.0, row
+    assert not row["flagged"], row
+    assert "| ok |" in (work / "eval" / "parity.md").read_text()

@@ -2,7 +2,7 @@
 
 ``python -m specdraft.integrations.vllm.plugin <api_server flags>`` installs them and then runs
 vLLM's OpenAI server (``vllm.entrypoints.openai.api_server``) in the same process; ``VllmServer``
-launches every server this way. The engine core runs in that process (``CPU_ENV_DEFAULTS``) or in
+launches every server this way (``SPECDRAFT_VLLM_CORRECTIONS=off`` runs stock vLLM). The engine core runs in that process (``CPU_ENV_DEFAULTS``) or in
 one forked from it, so the patched classes are the ones that serve. This module runs only inside
 the vLLM environment.
 
@@ -16,6 +16,7 @@ normalised layer by layer instead, with the same kernel.
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 
@@ -45,7 +46,8 @@ def install() -> list[str]:
 
 
 def main() -> None:
-    install()
+    if os.environ.get("SPECDRAFT_VLLM_CORRECTIONS", "on") != "off":  # "off": stock vLLM, to measure what they change
+        install()
     sys.argv[0] = "vllm.entrypoints.openai.api_server"
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
