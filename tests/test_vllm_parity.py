@@ -148,8 +148,9 @@ def test_vllm_dspark_model_loads_the_reference_drafter_and_drafts_as_specdraft(s
 #: case -> (method, config of a drafter with 3 draft tokens per round)
 PARITY_DRAFTERS = {
     "eagle3": ("eagle3", lambda: Eagle3Config(layers="input:1,input:3,input:4", draft_vocab_size=10**6, ttt_steps=3)),
-    "dflash-1": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4)),
-    "dflash-2": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=2, block_size=4)),
+    # 8 anchors per reply and step keep training cheap (the head over the 49k-token vocabulary dominates)
+    "dflash-1": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4, max_anchors=8)),
+    "dflash-2": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=2, block_size=4, max_anchors=8)),
 }
 PARITY_PROMPTS = [("Name three colours.", "a"), ("Count to five.", "b"), ("Say hi.", "b"), ("Tell me about the sea.", "a")]
 PARITY_TOKENS = 32
