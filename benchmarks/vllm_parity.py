@@ -12,7 +12,7 @@ accepted) or, with ``--held-out``, on others (partial acceptance), in these vari
 
 Prints one Markdown table and writes ``WORK/parity.json``. One vLLM-CPU server per (case, variant).
 
-  PYTHONPATH=src .venv/bin/python benchmarks/vllm_parity.py --work runs/vllm-parity [--held-out]
+  PYTHONPATH=src .venv/bin/python benchmarks/vllm_parity.py --work runs/vllm-parity [--held-out] [--steps 40]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--work", required=True, help="directory for the target, drafters and reports (reused)")
     parser.add_argument("--cases", default="eagle3,dflash-1,dflash-2", help="comma-separated drafter cases")
     parser.add_argument("--variants", default="before,after", help=f"comma-separated of {', '.join(VARIANTS)}")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (fewer: a partly trained drafter, partial acceptance)")
     parser.add_argument("--held-out", action="store_true", help="evaluate on prompts the drafters were not trained on: partial "
                         "acceptance, small logit margins, where a served drafter that differs from the trained one shows")
     args = parser.parse_args()
@@ -55,24 +56,24 @@ def main() -> None:
     prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n" for text, d in (HELD_OUT if args.held_out else PARITY_PROMPTS)))
     rows = []
     for case in args.cases.split(","):
-        drafter = trained_parity_drafter(case, target, work / case)
+        drafter = trained_parity_drafter(case, target, work / (case if args.steps == 300 else f"{case}-{args.steps}steps"), steps=args.steps)
         for variant in args.variants.split(","):
             new_fields, corrections = VARIANTS[variant]
             path = drafter
             if not new_fields and case.startswith("dflash"):
-                path = work / f"{case}-old-fields"
+                path = work / f"{drafter.name}-old-fields"
                 shutil.copytree(drafter, path, dirs_exist_ok=True)
                 cfg = json.loads((path / "config.json").read_text())
                 (path / "config.json").write_text(json.dumps({**cfg, "sliding_window_non_causal": False}, indent=2))
             os.environ["SPECDRAFT_VLLM_CORRECTIONS"] = corrections
-            name = f"eval-{case}-{variant}{'-held-out' if args.held_out else ''}"
+            name = f"eval-{drafter.name}-{variant}{'-held-out' if args.held_out else ''}"
             config = EvalConfig(out=str(work / name), target=str(target_dir), prompts=str(prompts), drafters=[str(path)],
                                 max_new_tokens=PARITY_TOKENS, parity=True, vllm_args="--enforce-eager --dtype float32 --max-model-len 256",
                                 plots=False)
             (row,) = run_parity_eval(config, SamplingConfig(), target=target, progress=False)["drafters"]
-            rows.append({"case": case, "variant": variant, "held_out": args.held_out, **row})
+            rows.append({"case": case, "steps": args.steps, "variant": variant, "held_out": args.held_out, **row})
             print(f"{case} {variant}: built-in {row['builtin']['tau']:.3f} served {row['served']['tau']:.3f} gap {row['gap']:+.1%}", flush=True)
-    (work / f"parity{'-held-out' if args.held_out else ''}.json").write_text(json.dumps(rows, indent=2))
+    (work / f"parity-{args.steps}steps{'-held-out' if args.held_out else ''}.json").write_text(json.dumps(rows, indent=2))
     print("\n| drafter | variant | built-in tau | served tau | gap | served = AR |\n| --- | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['case']} | {r['variant']} | {r['builtin']['tau']:.3f} | {r['served']['tau']:.3f} | {r['gap']:+.1%} "

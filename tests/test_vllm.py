@@ -211,7 +211,8 @@ DRAFTERS = {  # case -> (method, config of a drafter with 3 draft tokens per rou
 EVAL_PROMPTS = [("Name three colours.", "a"), ("Count to five.", "b"), ("Say hi.", "b")]
 
 
-def overfit_drafter(method: str, config, target, prompts: list[list[int]], *, new_tokens: int = 20, steps: int = 300):
+def overfit_drafter(method: str, config, target, prompts: list[list[int]], *, new_tokens: int = 20, steps: int = 300,
+                    min_accuracy: float = 0.9):
     """A drafter trained on the target's own greedy continuations of ``prompts`` until it predicts them, so
     serving those prompts accepts drafts (a random drafter's acceptance is ~0 and would make the checks vacuous).
     Its draft vocabulary (when ``config`` asks for one) comes from the continuations' token counts."""
@@ -245,7 +246,7 @@ def overfit_drafter(method: str, config, target, prompts: list[list[int]], *, ne
         out.loss.backward()
         opt.step()
     with torch.no_grad():
-        assert float(model.training_forward(batch).position_acc[0]) > 0.9
+        assert float(model.training_forward(batch).position_acc[0]) >= min_accuracy
     return model
 
 

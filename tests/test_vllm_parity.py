@@ -161,16 +161,17 @@ PARITY_PROMPTS = [("Name three colours.", "a"), ("Count to five.", "b"), ("Say h
 PARITY_TOKENS = 32
 
 
-def trained_parity_drafter(case: str, target, out: Path) -> Path:
-    """A drafter trained (300 steps, seconds) on the target's greedy replies to PARITY_PROMPTS, saved to ``out``:
-    its acceptance is far above zero, so served and built-in acceptance can be told apart."""
+def trained_parity_drafter(case: str, target, out: Path, *, steps: int = 300) -> Path:
+    """A drafter trained (300 steps) on the target's greedy replies to PARITY_PROMPTS, saved to ``out``: its acceptance
+    is far above zero, so served and built-in acceptance can be told apart (fewer ``steps``: partly trained)."""
     from test_vllm import overfit_drafter
 
     if not (out / "config.json").is_file():
         method, make_config = PARITY_DRAFTERS[case]
         chats = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
                  for text, _ in PARITY_PROMPTS]
-        overfit_drafter(method, make_config(), target, chats, new_tokens=PARITY_TOKENS).save_pretrained(out)
+        overfit_drafter(method, make_config(), target, chats, new_tokens=PARITY_TOKENS, steps=steps,
+                        min_accuracy=0.9 if steps >= 300 else 0.0).save_pretrained(out)
     return out
 
 
