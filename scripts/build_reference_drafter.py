@@ -82,6 +82,24 @@ def data_origin(prepared: dict, args: argparse.Namespace) -> str:
             f"at {shard.get('generated_tokens_per_second', 0):.0f} tokens/s")
 
 
+#: What vLLM does with a DSpark drafter and its calibration (the card's serving section).
+VLLM_SERVING = [
+    "## Serving with vLLM",
+    "",
+    "- `specdraft serve` passes this drafter to a CUDA vLLM (0.32, GPU model runner) as `method: dspark` with "
+    "`num_speculative_tokens` = the block size (7; any other value is refused) and, with `--adaptive-verification`, "
+    "vLLM's `enable_adaptive_verification`. The vLLM-CPU runner has no DSpark; there `specdraft serve` refuses and "
+    "points to `specdraft generate`.",
+    "- vLLM reads the raw confidence head: it sizes verification from sigmoid(c_k) and ignores the calibrated "
+    "`confidence_temperatures` (they live in `specdraft.config`, which vLLM does not read), so its adaptive "
+    "verification sees the uncalibrated confidences; specdraft's `scheduled` policy uses the calibrated ones.",
+    "- Checked on CPU by `tests/test_vllm_parity.py::test_vllm_dspark_model_loads_the_reference_drafter_and_drafts_as_specdraft`: "
+    "vLLM's loader uses every tensor of this checkpoint (t2d excepted, which vLLM drops by design), and vLLM's modules "
+    "give the same greedy drafts and (uncalibrated) confidences as specdraft on 20 blocks.",
+    "",
+]
+
+
 def model_card(*, args: argparse.Namespace, facts: dict, manifest: dict, evals: dict[str, dict], size_mb: float, train_cfg: dict) -> str:
     train = facts["train"]
     lines = [
@@ -114,6 +132,7 @@ def model_card(*, args: argparse.Namespace, facts: dict, manifest: dict, evals: 
     for name, ev in evals.items():
         tables = render_tables(ev["report"]).split("\n", 1)[1]  # its own heading line gives way to the card's
         lines += [f"### {name}: `{ev['command']}`", tables]
+    lines += VLLM_SERVING
     lines += ["Rerun the evaluation: the commands above (`reference` is this directory).", ""]
     return "\n".join(lines)
 

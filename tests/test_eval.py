@@ -145,3 +145,39 @@ def test_report_tables_per_domain_speedup_and_verify_length():
     assert "| d | -" in tau and "| 2.00 |" in tau  # code had no drafting round: no tau
     assert "| d | 1.00x | 1.50x |" in speed  # columns are sorted: code, math
     assert "| d | - | 1.50 |" in verify
+
+
+def test_parity_compares_positional_tau_and_flags_gaps_above_3_percent():
+    """Per-position tau ignores the built-in runtime's shorter last rounds; a served tau 5% low is flagged, 1% is not."""
+    from specdraft.eval.parity import _compare, parity_summary, positional_tau
+
+    # 10 rounds of 3 drafts; the 2 last rounds of the runtime drafted only 1 (cut at max_new_tokens) and accepted it.
+    local = {"rounds": 10, "position_drafted": [10, 8, 8], "position_accepted": [10, 8, 8], "position_acceptance": [1.0, 1.0, 1.0]}
+    assert positional_tau(local) == pytest.approx(4.0)
+    prompt = {"outputs": {"autoregressive": {"1": {"tokens": [1, 2]}}, "endpoint:target": {"1": {"tokens": [1, 2]}}}}
+
+    def served(accepted: list[int]) -> dict:
+        overall = {"rounds": 10, "position_drafted": [10] * 3, "position_accepted": accepted, "position_acceptance": [a / 10 for a in accepted]}
+        return {"runs": [{"drafter": "endpoint:target", "overall": overall}], "prompts": [prompt]}
+
+    builtin = {"runs": [{"drafter": "autoregressive"}, {"drafter": "dflash:d@full", "overall": local}], "prompts": [prompt]}
+    close = _compare(builtin, served([10, 10, 9]), "d")  # tau 3.9: -2.5%
+    far = _compare(builtin, served([10, 9, 8]), "d")  # tau 3.7: -7.5%
+    assert not close["flagged"] and far["flagged"] and far["gap"] == pytest.approx(-0.075)
+    assert close["served_identical_to_autoregressive"] == 1
+    text = parity_summary({"gap_threshold": 0.03, "drafters": [close, far]})
+    assert "| dflash:d@full | 1 | 4.000 | 3.900 | -2.5% | 1/1 | ok |" in text and "| **GAP** |" in text
+    assert "parity gap: dflash:d@full accepts -7.5% when served by vLLM" in text
+
+
+def test_parity_refuses_what_it_cannot_compare(tmp_path):
+    from specdraft.eval.config import EvalConfig
+    from specdraft.eval.parity import run_parity_eval
+
+    with pytest.raises(SpecdraftError, match="'ngram' is not a checkpoint directory"):
+        run_parity_eval(EvalConfig(out=str(tmp_path), drafters=["ngram"], parity=True))
+    ckpt = tmp_path / "d"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    with pytest.raises(SpecdraftError, match="compares the one drafter that server serves"):
+        run_parity_eval(EvalConfig(out=str(tmp_path), drafters=[str(ckpt), str(ckpt)], parity=True, endpoint="http://127.0.0.1:1"))

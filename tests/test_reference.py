@@ -18,6 +18,7 @@ def test_reference_drafter_ships_small_calibrated_and_documented():
     assert config["specdraft"]["config"]["confidence_temperatures"], "calibrated for the scheduled verify policy"
     card = (path / "MODEL_CARD.md").read_text()
     assert "tau per domain" in card and "speed-up" in card and "scripts/build_reference_drafter.py" in card
+    assert "## Serving with vLLM" in card and "ignores the calibrated" in card  # what vLLM does with the calibration
     with pytest.raises(SpecdraftError, match="no reference drafter ships for target 'other'"):
         reference_drafter("other")
 

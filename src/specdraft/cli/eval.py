@@ -21,6 +21,13 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = dataclass_from_args(EvalConfig, args)
+    if config.parity:
+        from specdraft.eval.parity import parity_summary, run_parity_eval
+
+        parity = run_parity_eval(config, dataclass_from_args(SamplingConfig, args))
+        print(parity_summary(parity), end="")
+        print(f"report: {config.out}/parity.json")
+        return 0
     if config.endpoint:
         from specdraft.eval.endpoint import run_endpoint_eval
 

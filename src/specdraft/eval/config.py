@@ -40,6 +40,14 @@ class EvalConfig:
         "the built-in runtime; acceptance is read from its /metrics and --drafters is ignored"
     )
 
+    parity: bool = config_field(
+        False, help="acceptance parity: run each checkpoint drafter in --drafters through the built-in runtime and through vLLM "
+        "(the server at --endpoint, which must serve that one drafter, else a server started per drafter as `specdraft serve` "
+        "does) on the same prompts, and report tau side by side, flagging gaps above 3%%"
+    )
+    vllm_args: str = config_field("", help="--parity without --endpoint: extra vLLM api_server flags of the servers it starts")
+    vllm_python: str | None = config_field(None, help="--parity without --endpoint: python of the vLLM environment (default: .venv-vllm/bin/python)")
+
     def __post_init__(self) -> None:
         require_finite(self)
         if not self.drafters:

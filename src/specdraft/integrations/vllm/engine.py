@@ -25,6 +25,7 @@ from specdraft.errors import SpecdraftError
 CONNECTOR_MODULE = "specdraft.integrations.vllm.connector"
 CONNECTOR_CLASS = "SpecdraftHiddenStatesConnector"
 SERVED_NAME = "target"
+PLUGIN_MODULE = "specdraft.integrations.vllm.plugin"
 
 #: vLLM-CPU knobs (ignored by GPU builds): an in-process engine core that starts in seconds, OpenMP
 #: on every core with none reserved, and a 1 GiB KV cache. The caller's environment wins.
@@ -114,7 +115,7 @@ class VllmServer:
 
     def command(self) -> list[str]:
         return [
-            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            str(self.python), "-m", PLUGIN_MODULE,  # installs specdraft's vLLM corrections, then runs vLLM's api_server
             "--model", self.model, "--served-model-name", SERVED_NAME,
             "--host", self.host, "--port", str(self.port), *self.args,
         ]  # fmt: skip

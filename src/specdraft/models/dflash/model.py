@@ -175,7 +175,11 @@ class DFlashDrafter(SpeculatorsDrafter):
             "aux_hidden_state_layer_ids": aux_ids,
             "mask_token_id": self.config.mask_token_id,
             "sample_from_anchor": self.sample_from_anchor,
-            "sliding_window_non_causal": False,
+            # The block attends to itself non-causally. speculators reads this flag only for sliding-window
+            # layers (ours are all full attention, always non-causal there), but vLLM's speculators translation
+            # (`update_dflash`) turns it into dflash_config.causal = not flag for EVERY draft layer: False
+            # would make vLLM draft causally, a model it was never trained as.
+            "sliding_window_non_causal": True,
         }
 
     @classmethod
