@@ -178,3 +178,41 @@ def test_block_drafters_verify_their_whole_block_whatever_k(target, checkpoints,
     result = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[]).generate(PROMPTS)
     assert len(result.metrics.position_drafted) == block_drafts
     assert [o.tokens for o in result.outputs] == [reference_greedy(target.model, p, 24) for p in PROMPTS]
+
+
+def test_closed_draft_gate_does_no_drafter_work(target, checkpoints, monkeypatch):
+    """With the gate shut, a DSpark decoder's steps do what plain decoding does: no drafter call, no
+    drafter module forward, and no more tensor joins than autoregressive decoding (the features of
+    skipped steps are kept as chunks and joined only at the next drafting round)."""
+    from specdraft.decode.scheduler import DraftGate
+
+    config = DecodeConfig(drafter="dspark", drafter_path=str(checkpoints["dspark"]), max_new_tokens=12)
+    proposer = build_proposer(config, target)
+    drafter_forwards = []
+    for module in proposer.drafter.modules():
+        module.register_forward_hook(lambda *args: drafter_forwards.append(1))
+    propose_calls = []
+    real_propose = proposer.propose
+    monkeypatch.setattr(proposer, "propose", lambda inputs: propose_calls.append(1) or real_propose(inputs))
+    gated = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), scheduler=SchedulerConfig("scheduled"),
+                               sps=SpsTable((1, 16), (100.0, 90.0)), eos_token_ids=[])
+    gated.draft_gates[len(PROMPTS)] = DraftGate(plain_rate=100.0, skip_left=10**6)  # closed for the whole run
+    plain = SpeculativeDecoder(target.model, build_proposer(DecodeConfig(drafter="none", max_new_tokens=12)), config=config,
+                               sampling=SamplingConfig(), eos_token_ids=[])
+
+    def joins(decoder) -> tuple[int, list]:
+        calls = []
+        real_cat = torch.cat
+        monkeypatch.setattr(torch, "cat", lambda *a, **k: calls.append(1) or real_cat(*a, **k))
+        try:
+            result = decoder.generate(PROMPTS)
+        finally:
+            monkeypatch.setattr(torch, "cat", real_cat)
+        return len(calls), result
+
+    plain_joins, expected = joins(plain)
+    gated_joins, result = joins(gated)
+    assert [o.tokens for o in result.outputs] == [o.tokens for o in expected.outputs]
+    assert result.metrics.rounds == 0 and result.metrics.plain_steps == 11 * len(PROMPTS)
+    assert not propose_calls and not drafter_forwards
+    assert gated_joins == plain_joins
