@@ -3,8 +3,9 @@
 Loads the target once and decodes the same prompts with plain autoregressive decoding and with
 each DSpark drafter under the scheduled policy *with its draft gate held shut* (every round is a
 plain step), interleaved prompt by prompt and repeated, so machine load hits all of them alike.
-Reports the median time per output token of each (over prompt x repeat samples), their ratio to
-autoregressive, and whether any drafting happened (it must not). Drafters:
+Reports the median time per output token of each (over prompt x repeat samples) and its ratio to
+autoregressive, the same for CPU seconds of the process per output token (far less sensitive to
+other jobs on a shared machine than wall time), and how many tokens were drafted (none must be). Drafters:
 
 * ``quickstart``: a fresh DSpark drafter with the quickstart's recipe (``dspark``, 16 anchors);
   untrained weights cost what trained ones do;
@@ -79,23 +80,29 @@ def main() -> None:
     for decoder in decoders.values():
         decoder.generate([prompts[0][-16:]])  # one-off costs (allocator, lazy init)
     samples = {name: [] for name in decoders}
-    rounds = {name: 0 for name in decoders}
+    cpu = {name: [] for name in decoders}
+    drafted = {name: 0 for name in decoders}
     outputs = {name: [] for name in decoders}
     for _ in range(args.repeats):
         for prompt in prompts:
             for name, decoder in decoders.items():
+                started = time.process_time()
                 result = decoder.generate([prompt])
+                cpu[name].append((time.process_time() - started) / result.metrics.output_tokens)
                 samples[name].append(result.metrics.time_per_output_token_s)
-                rounds[name] += result.metrics.rounds
+                drafted[name] += result.metrics.drafted
                 outputs[name].append(result.outputs[0].tokens)
     base = statistics.median(samples["autoregressive"])
+    cpu_base = statistics.median(cpu["autoregressive"])
     report = {
         "target": target.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
         "threads": torch.get_num_threads(),
         "decoders": {
             name: {
                 "median_ms_per_token": 1e3 * statistics.median(s), "min_ms_per_token": 1e3 * min(s),
-                "cost_vs_autoregressive": statistics.median(s) / base, "drafting_rounds": rounds[name],
+                "cost_vs_autoregressive": statistics.median(s) / base,
+                "median_cpu_ms_per_token": 1e3 * statistics.median(cpu[name]), "cpu_cost_vs_autoregressive": statistics.median(cpu[name]) / cpu_base,
+                "drafted_tokens": drafted[name],
                 "identical_to_autoregressive": outputs[name] == outputs["autoregressive"],
             }
             for name, s in samples.items()

@@ -216,3 +216,26 @@ def test_closed_draft_gate_does_no_drafter_work(target, checkpoints, monkeypatch
     assert result.metrics.rounds == 0 and result.metrics.plain_steps == 11 * len(PROMPTS)
     assert not propose_calls and not drafter_forwards
     assert gated_joins == plain_joins
+
+
+@pytest.mark.parametrize("bf16_seconds, expected", [(0.2, "bf16"), (13.0, "fp32")])
+def test_draft_dtype_auto_picks_the_faster_round(target, checkpoints, tmp_path, monkeypatch, bf16_seconds, expected):
+    from specdraft.decode.proposers.drafters import DrafterProposer
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    real_round = DrafterProposer.round_seconds
+    timed = {}
+
+    def injected(self, dtype, **kwargs):
+        timed[dtype] = real_round(self, dtype, repeats=1)  # the real round runs in that dtype; its timing is replaced
+        return {"fp32": 1.0, "bf16": bf16_seconds}[dtype]
+
+    monkeypatch.setattr(DrafterProposer, "round_seconds", injected)
+    config = DecodeConfig(drafter="dspark", drafter_path=str(checkpoints["dspark"]), max_new_tokens=8)
+    proposer = build_proposer(config, target)
+    assert proposer.compute_dtype == expected and set(timed) == {"fp32", "bf16"} and all(t > 0 for t in timed.values())
+    assert not proposer.caches, "the probe's synthetic request is released"
+    assert build_proposer(config, target).compute_dtype == expected and len(timed) == 2  # cached: not timed again
+    assert build_proposer(DecodeConfig(**{**vars(config), "draft_dtype": "fp32"}), target).compute_dtype == "fp32"  # a flag wins
+    dec = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[])
+    assert [o.tokens for o in dec.generate(PROMPTS).outputs] == [reference_greedy(target.model, p, 8) for p in PROMPTS]

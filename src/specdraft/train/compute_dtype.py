@@ -9,6 +9,7 @@ AVX2-only CPU bf16 made DSpark training 13x slower, on AVX-512-BF16/AMX CPUs and
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, ContextManager
 
 import torch
@@ -49,7 +50,8 @@ def synthetic_batch(*, rows: int, tokens: int, slots: int, hidden: int, vocab: i
     )
 
 
-def measure_train_dtype(module: torch.nn.Module, batch: DrafterBatch, *, device: torch.device, context: dict[str, Any]) -> Measurement:
+def measure_train_dtype(module: torch.nn.Module, batch: DrafterBatch, *, device: torch.device, context: dict[str, Any],
+                        cache_dir: Path | None = None) -> Measurement:
     """Time forward + backward of ``module`` (the step module) on ``batch`` in each candidate dtype;
     gradients are cleared afterwards, parameters and optimizer are untouched."""
     batch = batch.to(device)
@@ -65,6 +67,6 @@ def measure_train_dtype(module: torch.nn.Module, batch: DrafterBatch, *, device:
     was_training = module.training
     module.train()
     try:
-        return measured_choice("train-dtype", context, timers, preferred="fp32", device=device)
+        return measured_choice("train-dtype", context, timers, preferred="fp32", device=device, cache_dir=cache_dir)
     finally:
         module.train(was_training)

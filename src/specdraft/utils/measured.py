@@ -109,6 +109,8 @@ def measured_choice(name: str, context: dict[str, Any], timers: dict[str, Callab
     from specdraft.targets.identity import cache_root
     from specdraft.utils.io import atomic_write_json
 
+    if len(timers) == 1:  # nothing to choose between: nothing to time
+        return Measurement(name, {}, next(iter(timers)))
     key = {"name": name, "machine": machine_identity(device), "context": context, "candidates": sorted(timers)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = (cache_dir or cache_root()) / "measured" / f"{name}-{digest}.json"
