@@ -11,8 +11,8 @@ Steps of ``train``:
    the checkpoint; wrap it for DDP/FSDP2, build AdamW and the warm-up + cosine schedule, restore their state.
 4. Step: batch = f(seed, step, rank) (``data.DataPlan``); reseed every RNG from (seed, rank, step);
    forward in the compute dtype (``--dtype auto``: the faster of fp32 and bf16 autocast for this
-   step on this machine, measured once and cached, ``compute_dtype.py``), backward, clip, AdamW, schedule. Log, validate and checkpoint on their
-   intervals; a SIGINT/SIGTERM or ``max_time`` ends the run with a checkpoint after the current step.
+   step on this machine, measured once and cached, ``compute_dtype.py``), backward, clip, AdamW,
+   schedule. Log, validate and checkpoint on their intervals; a SIGINT/SIGTERM or ``max_time`` ends the run with a checkpoint after the current step.
 5. At the end: validation, a last checkpoint and ``OUT/final`` (the drafter alone).
 
 Multi-process: run under ``torchrun``; the process group uses gloo on CPU and NCCL on GPU. DDP
@@ -46,7 +46,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, MethodSpec, TrainOutput
 from specdraft.registry import Registry
 from specdraft.train import checkpoint as ckpt
-from specdraft.train.compute_dtype import autocast, measure_train_dtype, synthetic_batch
+from specdraft.train.compute_dtype import COMPUTE_DTYPES, autocast, measure_train_dtype, synthetic_batch
 from specdraft.train.config import TrainConfig
 from specdraft.train.data import (
     DataPlan,
@@ -173,20 +173,18 @@ def _process_group_scope() -> Any:
             torch.distributed.destroy_process_group()
 
 
-def _compute_dtype(cfg: TrainConfig, module: nn.Module, drafter: DrafterModel, target: Any, identity: dict, dist_: "_Dist",
-                   device: torch.device) -> tuple[str, dict | None]:
+def _compute_dtype(cfg: TrainConfig, module: nn.Module, target: Any, identity: dict, dist_: "_Dist", device: torch.device) -> tuple[str, dict | None]:
     """``cfg.dtype``, or for ``auto`` the faster dtype for this step, timed on rank 0 (before the
-    module is wrapped) and sent to every rank so they all compute alike."""
-    if cfg.dtype != "auto":
-        return cfg.dtype, None
-    names = ["fp32", "bf16"]
+    module is wrapped) and sent to every rank so they all compute alike. A dry run computes nothing."""
+    if cfg.dtype != "auto" or cfg.dry_run:
+        return ("fp32" if cfg.dtype == "auto" else cfg.dtype), None
+    names = list(COMPUTE_DTYPES)
     probe = None
     if dist_.main:
         batch = synthetic_batch(rows=cfg.batch_rows, tokens=cfg.pack_tokens, slots=len(identity["slots"]),
                                 hidden=int(target.hidden_size), vocab=int(target.vocab_size))
         context = {k: identity[k] for k in ("method", "model_config", "slots")} | {"pack_tokens": cfg.pack_tokens, "batch_rows": cfg.batch_rows}
-        probe = measure_train_dtype(module, batch, device=device, context=context)
-        log.info("compute dtype %s (seconds per step: %s)", probe.choice, ", ".join(f"{k} {v:.3f}" for k, v in probe.seconds.items()))
+        probe = measure_train_dtype(module, batch, device=device, context=context)  # logs its figures
     choice = torch.tensor([names.index(probe.choice) if probe else 0], device=device)
     if dist_.world > 1:
         torch.distributed.broadcast(choice, src=0)
@@ -378,8 +376,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         step_module.load_state_dict(model_state, strict=False)
     replica = copy.deepcopy(drafter).cpu() if strategy.save_via_replica and dist_.main else None
     step_module.to(device)
-    compute_dtype, dtype_probe = ("fp32" if cfg.dtype == "auto" else cfg.dtype, None) if cfg.dry_run else \
-        _compute_dtype(cfg, step_module, drafter, target, identity, dist_, device)
+    compute_dtype, dtype_probe = _compute_dtype(cfg, step_module, target, identity, dist_, device)
     wrapped = strategy.wrap(step_module, device)
     optimizer = _build_optimizer(wrapped, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
