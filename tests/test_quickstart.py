@@ -110,6 +110,7 @@ def test_final_table_states_dtype_speed_steps_epochs_and_data():
 def test_a_slow_step_gets_a_smaller_complete_plan(tmp_path, monkeypatch):
     """The plan is what the probe's step time allows (after the probe's own time), with no floor that the
     budget cannot pay for; when not even one step fits, it says so."""
+    from specdraft.quickstart import training_table
     from specdraft.train import budget
     from specdraft.train.trainer import TrainResult
     from test_train_toy import toy_config
@@ -130,5 +131,6 @@ def test_a_slow_step_gets_a_smaller_complete_plan(tmp_path, monkeypatch):
     seconds = 20.0
     assert budget.steps_for_budget(cfg, 101.0)["steps"] == 4  # fewer steps, no floor of 8 that would be cut at step 4
     seconds = 200.0
-    with pytest.raises(SpecdraftError, match="a training step takes 200.0 s in fp32"):
-        budget.steps_for_budget(cfg, 100.0)
+    short = budget.steps_for_budget(cfg, 101.0)  # not even one step fits: one, and the table says what to change
+    assert short["steps"] == 1 and short["budget_short"]
+    assert "less than one 200.0 s step: raise --budget" in training_table({"size-training": short, "train": {"steps": 1}})

@@ -216,6 +216,9 @@ def training_table(stages: dict) -> str:
         ("epochs", f"{steps / per_epoch:.2f} ({per_epoch} steps each)" if steps and per_epoch else "n/a"),
         ("data", f"{data.get('kept', '?')} samples, {data.get('tokens', 0):,} tokens ({data.get('loss_tokens', 0):,} response tokens)"),
     ]
+    if plan.get("budget_short"):
+        rows.append(("note", f"the budget left {plan.get('train_seconds', 0):.0f} s for training, less than one "
+                             f"{plan.get('seconds_per_step', 0):.1f} s step: raise --budget or lower --pack-tokens"))
     if done.get("stopped_by_time_budget"):
         rows.append(("note", f"steps ran slower than the probe measured, so the time budget stopped training at step {steps} of "
                              f"{planned}; raise --budget or lower --samples / --pack-tokens"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.errors import SpecdraftError
+
+log = logging.getLogger(__name__)
 
 
 def seconds_per_step(metrics_path: Path) -> float:
@@ -81,11 +84,10 @@ def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Any = None, pro
     train_seconds = budget_seconds - (time.monotonic() - started)
     steps = int(headroom * train_seconds / per_step)
     if steps < 1:
-        raise SpecdraftError(
-            f"a training step takes {per_step:.1f} s in {result.compute_dtype} but only {max(train_seconds, 0):.0f} s are left for "
-            "training; raise the budget or lower --pack-tokens"
-        )
-    facts = {"seconds_per_step": per_step, "train_seconds": train_seconds, "steps": steps, "dtype": result.compute_dtype,
+        log.warning("a training step takes %.1f s in %s but only %.0f s are left for training: planning 1 step; raise the budget "
+                    "or lower --pack-tokens", per_step, result.compute_dtype, max(train_seconds, 0.0))
+    facts = {"seconds_per_step": per_step, "train_seconds": train_seconds, "steps": max(steps, 1), "budget_short": steps < 1,
+             "dtype": result.compute_dtype,
              "dtype_probe": result.dtype_probe, "anchors_per_s": anchors_per_s, "steps_per_epoch": epoch_steps(dataclasses.replace(cfg, epochs=1))}
     if cap_at_epochs:
         facts["epoch_steps"] = epoch_steps(cfg)
