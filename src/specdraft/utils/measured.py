@@ -9,7 +9,9 @@ what was timed (e.g. the drafter's config and pack size), and logged with the ch
 setting always wins: callers measure only for ``auto``.
 
 A candidate other than the preferred one (the exact one, fp32) must be faster by more than
-``margin`` to be chosen, so timing noise on a shared machine does not flip a near tie.
+``margin`` to be chosen, so timing noise on a shared machine does not flip a near tie. Each
+figure is the fastest of a few repeats (interference only adds time); a decision measured under
+heavy load still persists, so the log names the cache file: delete it to measure again.
 """
 
 from __future__ import annotations
