@@ -204,6 +204,37 @@ def test_regenerate_greedy_matches_unbatched_generation(tmp_path, tiny_target, t
         assert ids[len(prompt) :] == expected
 
 
+PROMPT_ONLY_ROWS = [
+    {"id": "p0", "messages": [{"role": "user", "content": "Name a colour."}]},
+    {"id": "p1", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi."}, {"role": "user", "content": "Still there?"}]},
+    {"id": "p2", "conversations": [{"from": "system", "value": SYSTEM}, {"from": "human", "value": "Count to three."}]},
+]
+
+
+def test_regenerate_answers_prompt_only_rows(tmp_path, tiny_target, tiny_llama_dir):
+    """Rows of system/user messages and no assistant turn are prompts: --regenerate answers every message of them."""
+    no_user = {"id": "s0", "messages": [{"role": "system", "content": SYSTEM}]}
+    summary, ds = _prepare(tmp_path, tiny_llama_dir, PROMPT_ONLY_ROWS + [no_user], regenerate=True, max_new_tokens=3, batch_size=2)
+    assert summary["kept"] == summary["regenerated"] == 3 and summary["skipped"] == {"no_user": 1}
+    tok = tiny_target.tokenizer
+    for row, item in zip(PROMPT_ONLY_ROWS, ds):
+        messages = row.get("messages") or [{"role": {"human": "user"}.get(t["from"], t["from"]), "content": t["value"]} for t in row["conversations"]]
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
+        assert item["sample_id"] == row["id"] and ids[: len(prompt)] == prompt
+        assert len(ids) > len(prompt) and not any(mask[: len(prompt)]) and all(mask[len(prompt) :])
+
+
+def test_prompt_only_rows_without_regenerate_name_the_flag(tmp_path, tiny_llama_dir, caplog):
+    with pytest.raises(SpecdraftError, match=r"no_assistant=3; .*pass --regenerate") as info:
+        _prepare(tmp_path, tiny_llama_dir, PROMPT_ONLY_ROWS)
+    assert "max-length" not in str(info.value)  # the old hint named the wrong fix
+    (tmp_path / "mixed").mkdir()
+    summary, _ = _prepare(tmp_path / "mixed", tiny_llama_dir, PROMPT_ONLY_ROWS + [OPENAI_ROW])
+    assert summary["kept"] == 1 and summary["skipped"] == {"no_assistant": 3}
+    assert "pass --regenerate" in caplog.text
+
+
 def test_regenerate_resumes_after_a_crash(tmp_path, tiny_llama_dir, monkeypatch):
     rows = _conversations(5)
     options = dict(regenerate=True, max_new_tokens=4, batch_size=2, temperature=0.9, seed=3)

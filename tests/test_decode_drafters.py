@@ -178,3 +178,64 @@ def test_block_drafters_verify_their_whole_block_whatever_k(target, checkpoints,
     result = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[]).generate(PROMPTS)
     assert len(result.metrics.position_drafted) == block_drafts
     assert [o.tokens for o in result.outputs] == [reference_greedy(target.model, p, 24) for p in PROMPTS]
+
+
+def test_closed_draft_gate_does_no_drafter_work(target, checkpoints, monkeypatch):
+    """With the gate shut, a DSpark decoder's steps do what plain decoding does: no drafter call, no
+    drafter module forward, and no more tensor joins than autoregressive decoding (the features of
+    skipped steps are kept as chunks and joined only at the next drafting round)."""
+    from specdraft.decode.scheduler import DraftGate
+
+    config = DecodeConfig(drafter="dspark", drafter_path=str(checkpoints["dspark"]), max_new_tokens=12)
+    proposer = build_proposer(config, target)
+    drafter_forwards = []
+    for module in proposer.drafter.modules():
+        module.register_forward_hook(lambda *args: drafter_forwards.append(1))
+    propose_calls = []
+    real_propose = proposer.propose
+    monkeypatch.setattr(proposer, "propose", lambda inputs: propose_calls.append(1) or real_propose(inputs))
+    gated = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), scheduler=SchedulerConfig("scheduled"),
+                               sps=SpsTable((1, 16), (100.0, 90.0)), eos_token_ids=[])
+    gated.draft_gates[len(PROMPTS)] = DraftGate(plain_rate=100.0, skip_left=10**6)  # closed for the whole run
+    plain = SpeculativeDecoder(target.model, build_proposer(DecodeConfig(drafter="none", max_new_tokens=12)), config=config,
+                               sampling=SamplingConfig(), eos_token_ids=[])
+
+    def joins(decoder) -> tuple[int, list]:
+        calls = []
+        real_cat = torch.cat
+        monkeypatch.setattr(torch, "cat", lambda *a, **k: calls.append(1) or real_cat(*a, **k))
+        try:
+            result = decoder.generate(PROMPTS)
+        finally:
+            monkeypatch.setattr(torch, "cat", real_cat)
+        return len(calls), result
+
+    plain_joins, expected = joins(plain)
+    gated_joins, result = joins(gated)
+    assert [o.tokens for o in result.outputs] == [o.tokens for o in expected.outputs]
+    assert result.metrics.rounds == 0 and result.metrics.plain_steps == 11 * len(PROMPTS)
+    assert not propose_calls and not drafter_forwards
+    assert gated_joins == plain_joins
+
+
+@pytest.mark.parametrize("bf16_seconds, expected", [(0.2, "bf16"), (13.0, "fp32")])
+def test_draft_dtype_auto_picks_the_faster_round(target, checkpoints, tmp_path, monkeypatch, bf16_seconds, expected):
+    from specdraft.decode.proposers.drafters import DrafterProposer
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    real_round = DrafterProposer.round_seconds
+    timed = {}
+
+    def injected(self, dtype, **kwargs):
+        timed[dtype] = real_round(self, dtype, repeats=1)  # the real round runs in that dtype; its timing is replaced
+        return {"fp32": 1.0, "bf16": bf16_seconds}[dtype]
+
+    monkeypatch.setattr(DrafterProposer, "round_seconds", injected)
+    config = DecodeConfig(drafter="dspark", drafter_path=str(checkpoints["dspark"]), max_new_tokens=8)
+    proposer = build_proposer(config, target)
+    assert proposer.compute_dtype == expected and set(timed) == {"fp32", "bf16"} and all(t > 0 for t in timed.values())
+    assert not proposer.caches, "the probe's synthetic request is released"
+    assert build_proposer(config, target).compute_dtype == expected and len(timed) == 2  # cached: not timed again
+    assert build_proposer(DecodeConfig(**{**vars(config), "draft_dtype": "fp32"}), target).compute_dtype == "fp32"  # a flag wins
+    dec = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[])
+    assert [o.tokens for o in dec.generate(PROMPTS).outputs] == [reference_greedy(target.model, p, 8) for p in PROMPTS]

@@ -47,6 +47,7 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
     assert (run / "eval" / "tau_per_domain.png").is_file()
     out = capsys.readouterr().out
     assert "| dspark:final@scheduled | 1 |" in out and "report:" in out
+    assert "| compute dtype | fp32 |" in out and f"| steps | {sized['steps']} done of {sized['steps']} planned" in out
 
     # A rerun skips every finished stage and only redoes the comparison.
     assert main(argv) == 0
@@ -86,3 +87,50 @@ def test_training_cut_by_the_time_budget_counts_as_done_but_a_signal_does_not(tm
     assert _train_facts(TrainResult(tmp_path, 100, 100, True, None, tmp_path / "final", None))["stopped_by_time_budget"] is False
     with pytest.raises(SpecdraftError, match="stopped early \\(signal\\) at step 40"):
         _train_facts(TrainResult(tmp_path, 40, 100, False, "signal", None, None))
+
+
+def test_final_table_states_dtype_speed_steps_epochs_and_data():
+    from specdraft.quickstart import training_table
+
+    stages = {
+        "prepare": {"kept": 400, "tokens": 123456, "loss_tokens": 51000},
+        "size-training": {"steps": 120, "seconds_per_step": 0.41, "steps_per_epoch": 50, "dtype": "fp32", "anchors_per_s": 60.0,
+                          "dtype_probe": {"choice": "fp32", "seconds": {"fp32": 0.412, "bf16": 5.31}, "cached": False}},
+        "train": {"steps": 120, "dtype": "fp32", "anchors_per_s": 61.25, "stopped_by_time_budget": False},
+    }
+    table = training_table(stages)
+    assert "| compute dtype | fp32 (step probe: fp32 0.412 s, bf16 5.310 s) |" in table
+    assert "| anchors/s | 61.2 |" in table and "| steps | 120 done of 120 planned" in table
+    assert "| epochs | 2.40 (50 steps each) |" in table and "| data | 400 samples, 123,456 tokens (51,000 response tokens) |" in table
+    assert "note" not in table
+    stages["train"].update(steps=80, stopped_by_time_budget=True)
+    assert "stopped training at step 80 of 120; raise --budget" in training_table(stages)
+
+
+def test_a_slow_step_gets_a_smaller_complete_plan(tmp_path, monkeypatch):
+    """The plan is what the probe's step time allows (after the probe's own time), with no floor that the
+    budget cannot pay for; when not even one step fits, it says so."""
+    from specdraft.quickstart import training_table
+    from specdraft.train import budget
+    from specdraft.train.trainer import TrainResult
+    from test_train_toy import toy_config
+
+    def fake_train(cfg, target=None):
+        path = budget.Path(cfg.out)
+        path.mkdir(parents=True)
+        lines = [{"split": "train", "step": i + 1, "seconds": seconds, "anchors_per_s": 50.0} for i in range(4)]
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        return TrainResult(path, 4, 4, True, None, None, None, "fp32", {"choice": "fp32", "seconds": {"fp32": seconds, "bf16": 13 * seconds}})
+
+    monkeypatch.setattr("specdraft.train.trainer.train", fake_train)
+    monkeypatch.setattr(budget, "epoch_steps", lambda cfg: 1000 * cfg.epochs)
+    cfg = toy_config(tmp_path / "run")
+    seconds = 2.0
+    fast = budget.steps_for_budget(cfg, 101.0)
+    assert fast["steps"] == 45 and fast["dtype"] == "fp32" and fast["anchors_per_s"] == 50.0  # 0.9 * (101 s - the probe's) / 2 s
+    seconds = 20.0
+    assert budget.steps_for_budget(cfg, 101.0)["steps"] == 4  # fewer steps, no floor of 8 that would be cut at step 4
+    seconds = 200.0
+    short = budget.steps_for_budget(cfg, 101.0)  # not even one step fits: one, and the table says what to change
+    assert short["steps"] == 1 and short["budget_short"]
+    assert "less than one 200.0 s step: raise --budget" in training_table({"size-training": short, "train": {"steps": 1}})

@@ -110,6 +110,7 @@ class ToyTarget:
     fingerprint: str = "toyfp0001"
     num_layers: int = 6
     hidden_size: int = 8
+    vocab_size: int = VOCAB
 
 
 class ToyStore:

@@ -3,11 +3,14 @@
 Rules, applied per row in file order until ``max_samples`` rows are kept:
 
 * Assistant turns before the first user turn are dropped (ShareGPT splits long chats, so some rows
-  start mid-conversation; such a reply has no prompt). A row with no assistant turn left is
-  skipped (``no_assistant``), a row longer than ``max_length`` tokens is skipped (``too_long``).
+  start mid-conversation; such a reply has no prompt). A row with no assistant turn left is a
+  *prompt*: ``--regenerate`` answers it, otherwise it is skipped (``no_assistant``, and the
+  summary's hint names ``--regenerate``). A row longer than ``max_length`` tokens is skipped
+  (``too_long``); a prompt without a user turn is skipped (``no_user``).
 * Pre-tokenized rows are kept unchanged (also with ``--regenerate``; there is no text to prompt).
 * ``--regenerate`` keeps only the first exchange of each conversation: the system prompt(s) and
-  user message(s) before the first assistant reply, followed by the target's own reply
+  user message(s) before the first assistant reply (all of them in a prompt-only row), followed by
+  the target's own reply
   (including its end-of-turn token; a reply cut by ``max_new_tokens`` has none). Later turns are
   dropped: regenerating them turn by turn would condition on answers the target never gave.
   The sample's tokens are exactly the prompt ids plus the generated ids, so training sees the
@@ -32,7 +35,7 @@ import jinja2
 from specdraft.data.dataset import PREPARED_DIR, WORK_DIR, PreparedDataset, write_prepared
 from specdraft.data.regenerate import REGENERATION_ENGINES
 from specdraft.data.render import render_with_mask
-from specdraft.data.sources import RawRow, conversation, first_reply_index, iter_rows, prepared_sources, split_sources
+from specdraft.data.sources import USER, RawRow, conversation, first_reply_index, iter_rows, prepared_sources, split_sources
 from specdraft.errors import SpecdraftError
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.utils.config import config_field, require_finite
@@ -156,15 +159,19 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
             continue
         messages = target.family.system_folded(conversation(row.messages))
         first_reply = first_reply_index(messages)
-        if first_reply is None:
+        if first_reply is None and not config.regenerate:
             skipped["no_assistant"] += 1
             continue
         if sum(len(m["content"]) for m in (messages[:first_reply] if config.regenerate else messages)) > max_chars:
             skipped["too_long"] += 1  # certainly over max_length tokens: skip it before paying for the tokenizer
             continue
         if config.regenerate:
+            prompt = messages[:first_reply]  # a prompt-only row: all of its system/user messages
+            if not any(m["role"] == USER for m in prompt):
+                skipped["no_user"] += 1
+                continue
             try:
-                ids = tokenizer.apply_chat_template(messages[:first_reply], add_generation_prompt=True, tokenize=True, return_dict=False)
+                ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
             except jinja2.TemplateError as exc:
                 _template_rejected(row, exc, skipped)
                 continue
@@ -189,12 +196,15 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     generation = None
     if prompts:
         samples, generation = _regenerate(config, target, samples, prompts, eot_ids, skipped, progress)
+    hints = skip_hints(skipped)
     if not samples:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "none"
         raise SpecdraftError(
             f"no samples left from --data {config.data!r}: read {stats['read']} rows, skipped {reasons}; "
-            f"raise --max-length or check the data"
+            + ("; ".join(hints) if hints else "check the data")
         )
+    for hint in hints:
+        log.warning("prepare: %s", hint)
     summary: dict[str, Any] = {
         "read": stats["read"],
         "kept": len(samples),
@@ -232,6 +242,20 @@ def _template_rejected(row: RawRow, exc: Exception, skipped: Counter) -> None:
     skipped["template_rejected"] += 1
     if skipped["template_rejected"] <= 5:
         log.warning("%s: skipped, the target's chat template rejects it: %s", row.where, exc)
+#: What to change when rows are skipped for each reason.
+_SKIP_HINTS = {
+    "no_assistant": "rows without an assistant turn are prompts: pass --regenerate to have the target answer them",
+    "too_long": "raise --max-length to keep longer conversations",
+    "too_long_after_generation": "raise --max-length or lower --max-new-tokens",
+    "not_regenerated": "raise --regen-budget (or rerun: finished batches are reused)",
+    "no_user": "prompts need at least one user message",
+    "template_rejected": "the target's chat template refused these rows (the log names them): fix their roles or drop them",
+}
+
+
+def skip_hints(skipped: Counter) -> list[str]:
+    """One actionable hint per skip reason that occurred."""
+    return [_SKIP_HINTS[reason] for reason in sorted(skipped) if skipped[reason] and reason in _SKIP_HINTS]
 
 
 def _regenerate(config, target, samples, prompts, eot_ids, skipped, progress):

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from specdraft.errors import SpecdraftError
 from specdraft.utils.config import config_field, require_finite
 
+DRAFT_DTYPES = ("auto", "fp32", "bf16")
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -21,9 +23,16 @@ class DecodeConfig:
     seed: int = config_field(0, help="seed of the sampling generator (temperature > 0)")
     ngram_max: int = config_field(3, help="ngram drafter: longest context suffix looked up earlier in the context")
     ngram_min: int = config_field(2, help="ngram drafter: shortest suffix tried before giving up for this round (1-gram matches are mostly wrong)")
+    draft_dtype: str = config_field(
+        "auto", help="compute dtype of a trained drafter's rounds: fp32, bf16 autocast, or auto (times a draft round in both "
+        "once per machine and drafter configuration, cached under the specdraft cache, and picks the faster)",
+        metadata={"choices": list(DRAFT_DTYPES)},
+    )
 
     def __post_init__(self) -> None:
         require_finite(self)
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise SpecdraftError(f"draft_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
         if self.max_new_tokens <= 0:
             raise SpecdraftError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.num_draft_tokens < 0:

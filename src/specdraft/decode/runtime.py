@@ -253,7 +253,7 @@ class SpeculativeDecoder:
             tokens=[list(p) for p in prompts],
             generated=[0] * rows,
             next_pos=torch.tensor([len(p) for p in prompts], device=device),
-            new_hidden=[captured[i, width - len(p) :] for i, p in enumerate(prompts)] if captured is not None else None,
+            new_hidden=[[captured[i, width - len(p) :]] for i, p in enumerate(prompts)] if captured is not None else None,
             new_start=[0] * rows,
         )
         outputs: list[RequestOutput | None] = [None] * rows
@@ -294,7 +294,7 @@ class SpeculativeDecoder:
             draft = self.proposer.propose(ProposalInput(
                 row_ids=list(state.row_ids),
                 tokens=[torch.tensor(t, dtype=torch.long, device=device) for t in state.tokens],
-                new_hidden=state.new_hidden,
+                new_hidden=[torch.cat(chunks) if len(chunks) > 1 else chunks[0] for chunks in state.new_hidden] if state.new_hidden is not None else None,
                 new_start=list(state.new_start),
                 max_draft=max_draft,
                 sampling=self.sampling,
@@ -329,9 +329,10 @@ class SpeculativeDecoder:
         if captured is not None:
             fresh = [captured[i, : int(n) + 1] for i, n in enumerate(accepted.tolist())]
             if drafting:
-                state.new_hidden, state.new_start = fresh, state.next_pos.tolist()
-            else:  # the proposer has not seen the previous unseen features yet: keep them
-                state.new_hidden = [torch.cat([old, new]) for old, new in zip(state.new_hidden, fresh)]
+                state.new_hidden, state.new_start = [[f] for f in fresh], state.next_pos.tolist()
+            else:  # the proposer has not seen the earlier chunks yet: keep them, joined only when it drafts
+                for chunks, f in zip(state.new_hidden, fresh):
+                    chunks.append(f)
         elif drafting:
             state.new_start = state.next_pos.tolist()
         state.next_pos = state.next_pos + accepted + 1
@@ -430,7 +431,7 @@ class _Rows:
     tokens: list[list[int]]  # prompt + committed output; the last token is the anchor
     generated: list[int]
     next_pos: torch.Tensor  # [R] position of the anchor
-    new_hidden: list[torch.Tensor] | None  # features the proposer has not seen yet
+    new_hidden: list[list[torch.Tensor]] | None  # per row, chunks of features the proposer has not seen yet
     new_start: list[int]
 
     def select(self, keep: list[int]) -> None:

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from specdraft.errors import SpecdraftError
+
+log = logging.getLogger(__name__)
 
 
 def seconds_per_step(metrics_path: Path) -> float:
@@ -45,11 +49,23 @@ def epoch_steps(cfg: Any) -> int:
     return plan.total_steps(cfg.epochs)
 
 
-def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Any = None, probe_steps: int = 4, min_steps: int = 8,
+def median_record(metrics_path: Path, key: str) -> float | None:
+    """Median of ``key`` over the training records of a metrics.jsonl (None when none has it)."""
+    values = sorted(r[key] for r in map(json.loads, Path(metrics_path).read_text().splitlines())
+                    if r.get("split", "train") == "train" and isinstance(r.get(key), (int, float)))
+    return values[len(values) // 2] if values else None
+
+
+def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Any = None, probe_steps: int = 4, headroom: float = 0.9,
                      cap_at_epochs: bool = False) -> dict:
     """Steps that fill ``budget_seconds`` of training with ``cfg`` (a TrainConfig), timed by a short
     probe run in a scratch directory (evaluation and checkpoints off, nothing kept).
 
+    The probe is a real run of the configuration, so with ``dtype: auto`` it also settles the compute
+    dtype (measured once per machine, then cached) and times the steps in it: a machine where a
+    step is slow gets fewer steps, a complete schedule, rather than a cut one. The probe's own time
+    comes out of the budget, and only ``headroom`` of the rest is planned (validation, checkpoints
+    and step-time drift take the remainder).
     ``cap_at_epochs``: no more than ``cfg.epochs`` passes over the data even when time would allow
     more (on a small dataset further passes only overfit; the run then ends before its budget).
     """
@@ -58,14 +74,23 @@ def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Any = None, pro
     if budget_seconds <= 0:
         raise SpecdraftError(f"no time left for training (budget {budget_seconds:.0f} s); raise the budget")
     scratch = Path(tempfile.mkdtemp(prefix="specdraft-probe-"))
+    started = time.monotonic()
     try:
         probe = dataclasses.replace(cfg, out=str(scratch / "run"), max_steps=probe_steps, max_time=0, eval_interval=0,
                                     checkpoint_interval=0, log_interval=1)
-        train(probe, target=target)
+        result = train(probe, target=target)
         per_step = seconds_per_step(scratch / "run" / "metrics.jsonl")
+        anchors_per_s = median_record(scratch / "run" / "metrics.jsonl", "anchors_per_s")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    facts = {"seconds_per_step": per_step, "train_seconds": budget_seconds, "steps": max(min_steps, int(budget_seconds / per_step))}
+    train_seconds = budget_seconds - (time.monotonic() - started)
+    steps = int(headroom * train_seconds / per_step)
+    if steps < 1:
+        log.warning("a training step takes %.1f s in %s but only %.0f s are left for training: planning 1 step; raise the budget "
+                    "or lower --pack-tokens", per_step, result.compute_dtype, max(train_seconds, 0.0))
+    facts = {"seconds_per_step": per_step, "train_seconds": train_seconds, "steps": max(steps, 1), "budget_short": steps < 1,
+             "dtype": result.compute_dtype,
+             "dtype_probe": result.dtype_probe, "anchors_per_s": anchors_per_s, "steps_per_epoch": epoch_steps(dataclasses.replace(cfg, epochs=1))}
     if cap_at_epochs:
         facts["epoch_steps"] = epoch_steps(cfg)
         facts["steps"] = min(facts["steps"], facts["epoch_steps"])

@@ -93,7 +93,8 @@ class TrainConfig:
     keep_checkpoints: int = config_field(2, help="keep only the newest N step checkpoints (0 = keep all)")
     log_interval: int = config_field(1, help="append a metrics.jsonl record every N steps")
     dtype: str = config_field(
-        "auto", help="compute dtype: bf16 autocast, fp32, or auto (bf16 on a GPU that supports it, else fp32)", metadata={"choices": DTYPE_CHOICES}
+        "auto", help="compute dtype: bf16 autocast, fp32, or auto (times this run's step in both once per machine, "
+        "cached under the specdraft cache, and picks the faster)", metadata={"choices": DTYPE_CHOICES}
     )
     device: str = config_field("auto", help="torch device: auto (the local CUDA device if any, else cpu), cpu, cuda")
     parallel: str = config_field(

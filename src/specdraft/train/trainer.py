@@ -10,8 +10,10 @@ Steps of ``train``:
 3. Build the drafter (seeded); a fresh run warm-starts it (``warm_start``), a resumed one restores
    the checkpoint; wrap it for DDP/FSDP2, build AdamW and the warm-up + cosine schedule, restore their state.
 4. Step: batch = f(seed, step, rank) (``data.DataPlan``); reseed every RNG from (seed, rank, step);
-   forward under autocast, backward, clip, AdamW, schedule. Log, validate and checkpoint on their
-   intervals; a SIGINT/SIGTERM or ``max_time`` ends the run with a checkpoint after the current step.
+   forward in the compute dtype (``--dtype auto``: the faster of fp32 and bf16 autocast for this
+   step on this machine, measured once and cached, ``compute_dtype.py``), backward, clip, AdamW,
+   schedule. Log, validate and checkpoint on their intervals; a SIGINT/SIGTERM or ``max_time`` ends
+   the run with a checkpoint after the current step.
 5. At the end: validation, a last checkpoint and ``OUT/final`` (the drafter and its ``MODEL_CARD.md``).
 
 Validation (``train/split.py``: whole conversations, no prompt on both sides, recorded in
@@ -51,6 +53,7 @@ from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, MethodSpe
 from specdraft.models.common.checkpoint import DRAFTER_DIR
 from specdraft.registry import Registry
 from specdraft.train import checkpoint as ckpt
+from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch
 from specdraft.train.config import TrainConfig
 from specdraft.train.data import (
     DELIVERY_LOG,
@@ -68,6 +71,7 @@ from specdraft.train.acceptance import TEACHER_FORCED_ANCHORS, DecodeProbe, last
 from specdraft.train.metrics import MetricSums, MetricsLog, lr_factor
 from specdraft.train.split import SPLIT_FILE, resolve_split, write_split
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
+from specdraft.utils.compute import COMPUTE_DTYPES, autocast
 from specdraft.utils.io import check_replaceable
 
 log = logging.getLogger(__name__)
@@ -86,6 +90,8 @@ class TrainResult:
     final: Path | None
     drafter: DrafterModel | None = None  # the trained module (this process's replica)
     stop_signal: int | None = None  # the signal number when stopped_by == "signal" (the CLI exits 128 + it)
+    compute_dtype: str | None = None  # what the steps ran in (``--dtype auto`` resolved)
+    dtype_probe: dict | None = None  # the seconds per step that decided it (``--dtype auto`` only)
 
 
 class _StepModule(nn.Module):
@@ -200,11 +206,22 @@ def _process_group_scope() -> Any:
             torch.distributed.destroy_process_group()
 
 
-def _autocast(cfg: TrainConfig, device: torch.device):
-    use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
-    if use_bf16:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def _compute_dtype(cfg: TrainConfig, module: nn.Module, target: Any, identity: dict, dist_: "_Dist", device: torch.device) -> tuple[str, dict | None]:
+    """``cfg.dtype``, or for ``auto`` the faster dtype for this step, timed on rank 0 (before the
+    module is wrapped) and sent to every rank so they all compute alike. A dry run computes nothing."""
+    if cfg.dtype != "auto" or cfg.dry_run:
+        return ("fp32" if cfg.dtype == "auto" else cfg.dtype), None
+    names = list(COMPUTE_DTYPES)
+    probe = None
+    if dist_.main:
+        batch = synthetic_batch(rows=cfg.batch_rows, tokens=cfg.pack_tokens, slots=len(identity["slots"]),
+                                hidden=int(target.hidden_size), vocab=int(target.vocab_size))
+        context = {k: identity[k] for k in ("method", "model_config", "slots")} | {"pack_tokens": cfg.pack_tokens, "batch_rows": cfg.batch_rows}
+        probe = measure_train_dtype(module, batch, device=device, context=context)  # logs its figures
+    choice = torch.tensor([names.index(probe.choice) if probe else 0], device=device)
+    if dist_.world > 1:
+        torch.distributed.broadcast(choice, src=0)
+    return names[int(choice.item())], probe.to_json() if probe else None
 
 
 def _reseed(value: int) -> None:
@@ -405,6 +422,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         step_module.load_state_dict({k: v for k, v in model_state.items() if k not in frozen}, strict=False)
     replica = copy.deepcopy(drafter).cpu() if strategy.save_via_replica and dist_.main else None
     step_module.to(device)
+    compute_dtype, dtype_probe = _compute_dtype(cfg, step_module, target, identity, dist_, device)
     wrapped = strategy.wrap(step_module, device)
     optimizer = _build_optimizer(wrapped, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -421,7 +439,8 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     else:
         step = 0
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    log.info("%s drafter: %.2fM trainable parameters, %d steps, %s on %s x%d", spec.name, n_train / 1e6, total_steps, strategy_name, device, dist_.world)
+    log.info("%s drafter: %.2fM trainable parameters, %d steps, %s on %s x%d, %s", spec.name, n_train / 1e6, total_steps, strategy_name,
+             device, dist_.world, compute_dtype)
 
     def savable(model_state: dict[str, torch.Tensor]) -> DrafterModel:
         """The module to call ``save_pretrained`` on (rank 0 only)."""
@@ -461,7 +480,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     if cfg.dry_run:
         if saved is None:
             log.info("dry run: wrote %s", save(0))
-        return TrainResult(out, step, total_steps, False, None, None, drafter)
+        return TrainResult(out, step, total_steps, False, None, None, drafter, compute_dtype, dtype_probe)
 
     # 4. the loop
     def evaluate(at_step: int) -> dict | None:
@@ -472,7 +491,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         with torch.no_grad():
             for rows in batches:
                 batch = _load_batch(dataset, rows, cfg, slot_index).to(device)
-                with _autocast(cfg, device):
+                with autocast(compute_dtype, device):
                     sums.add(wrapped(batch), int((batch.segment_ids >= 0).sum()))
         sums.all_reduce()
         if not sums.batches:
@@ -512,7 +531,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
             batch = collate(items, pack_tokens=cfg.pack_tokens, slot_index=slot_index).to(device)
             _reseed(step_seed(cfg.seed, dist_.rank, step))
             lr = scheduler.get_last_lr()[0]
-            with _autocast(cfg, device):
+            with autocast(compute_dtype, device):
                 output = wrapped(batch)
             optimizer.zero_grad(set_to_none=True)
             output.loss.backward()
@@ -531,7 +550,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
             if step % cfg.log_interval == 0 or step == total_steps:
                 sums.all_reduce()
                 epoch, _ = plan.locate(step - 1)
-                record = {"split": "train", "step": step, "epoch": epoch, "lr": lr, "grad_norm": grad_norm, **sums.summary(),
+                record = {"split": "train", "step": step, "epoch": epoch, "dtype": compute_dtype, "lr": lr, "grad_norm": grad_norm, **sums.summary(),
                           "tokens": sums.tokens, "tokens_per_s": sums.tokens / max(window_seconds, 1e-9), "seconds": window_seconds,
                           "fetch_fraction": fetch_seconds / max(window_seconds, 1e-9)}
                 if "anchors" in record:
@@ -572,7 +591,8 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         dist_.barrier()
     if stopped_by:
         log.warning("stopped by %s at step %d of %d; rerun the same command to resume", stopped_by, step, total_steps)
-    return TrainResult(out, step, total_steps, step >= total_steps, stopped_by, final, drafter, stop_signal=stop.signal)
+    return TrainResult(out, step, total_steps, step >= total_steps, stopped_by, final, drafter, stop_signal=stop.signal,
+                       compute_dtype=compute_dtype, dtype_probe=dtype_probe)
 
 
 def _load_batch(dataset: SampleSource, rows: list[list[int]], cfg: TrainConfig, slot_index: list[int] | None) -> DrafterBatch:

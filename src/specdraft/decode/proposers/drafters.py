@@ -4,6 +4,11 @@ Each request keeps its own draft-side cache (EAGLE-3: the drafter's KV cache; DF
 the injected context K/V), extended every round with the target features of the positions
 the previous round verified, exactly as the papers' inference loops do. Requests are drafted
 one after another (the drafter helpers work on one sequence); verification stays batched.
+
+Rounds run in ``DecodeConfig.draft_dtype``; ``auto`` times a typical round (a few new positions
+after a cached context) in fp32 and bf16 autocast once per machine and drafter configuration
+(``utils/measured.py``) and keeps the faster. Drafts stay lossless whatever the dtype: the
+target verifies them against the distribution they were actually drawn from.
 """
 
 from __future__ import annotations
@@ -15,8 +20,13 @@ import torch
 
 from specdraft.decode.config import DecodeConfig
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
+from specdraft.decode.sampling import SamplingConfig
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
+from specdraft.utils.compute import autocast, candidates
+from specdraft.utils.measured import Measurement, fastest_time, measured_choice
+
+_PROBE_ROW = -1  # request id of the synthetic rounds that time the drafter
 
 
 class DrafterProposer(Proposer):
@@ -28,6 +38,7 @@ class DrafterProposer(Proposer):
         self.provides_confidences = provides_confidences
         self.confidences_calibrated = confidences_calibrated
         self.caches: dict[int, Any] = {}
+        self.compute_dtype = "fp32"
 
     @abstractmethod
     def draft_row(self, cache: Any, inputs: ProposalInput, row: int) -> Any:
@@ -38,11 +49,12 @@ class DrafterProposer(Proposer):
         if inputs.new_hidden is None:
             raise SpecdraftError("a trained drafter needs target hidden states; the runtime was not asked to capture them")
         proposals = []
-        for i, rid in enumerate(inputs.row_ids):
-            cache = self.caches.get(rid)
-            if cache is None:
-                cache = self.caches[rid] = self.drafter.new_cache()
-            proposals.append(self.draft_row(cache, inputs, i))
+        with autocast(self.compute_dtype, inputs.max_draft.device):
+            for i, rid in enumerate(inputs.row_ids):
+                cache = self.caches.get(rid)
+                if cache is None:
+                    cache = self.caches[rid] = self.drafter.new_cache()
+                proposals.append(self.draft_row(cache, inputs, i))
         rows, device = len(proposals), inputs.max_draft.device
         width = max((int(p.tokens.shape[0]) for p in proposals), default=0)
         vocab = int(proposals[0].probs.shape[-1]) if proposals else 0
@@ -60,6 +72,44 @@ class DrafterProposer(Proposer):
     def release(self, row_ids: Sequence[int]) -> None:
         for rid in row_ids:
             self.caches.pop(rid, None)
+
+    def round_seconds(self, dtype: str, *, context: int = 128, step: int = 3, repeats: int = 3) -> float:
+        """Seconds of a typical round in ``dtype``: ``step`` new positions after ``context`` cached ones
+        (random tokens and features: the work does not depend on the values)."""
+        c = self.drafter.config
+        device = next(self.drafter.parameters()).device
+        g = torch.Generator().manual_seed(0)
+        n = context + step * (repeats + 1) + 1
+        tokens = torch.randint(0, c.vocab_size, (n,), generator=g).to(device)
+        features = torch.randn(n, len(self.layer_slots), c.hidden_size, generator=g).to(device)
+        max_draft = torch.tensor([self.block_length or getattr(self, "num_draft_tokens", 4)], device=device)
+        end = [0]
+
+        def one_round() -> None:  # the first (untimed warm-up) call fills the context
+            start = end[0]
+            end[0] = start + (step if start else context)
+            self.propose(ProposalInput(row_ids=[_PROBE_ROW], tokens=[tokens[: end[0] + 1]], new_hidden=[features[start : end[0]]],
+                                       new_start=[start], max_draft=max_draft, sampling=SamplingConfig(), generator=g))
+
+        saved, self.compute_dtype = self.compute_dtype, dtype
+        try:
+            return fastest_time(one_round, repeats=repeats, sync=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None))
+        finally:
+            self.compute_dtype = saved
+            self.release([_PROBE_ROW])
+
+    def set_compute_dtype(self, requested: str) -> Measurement | None:
+        """Use ``requested`` (fp32 / bf16), or for ``auto`` the dtype whose round was faster here (measured once, cached)."""
+        if requested != "auto":
+            self.compute_dtype = requested
+            return None
+        device = next(self.drafter.parameters()).device
+        context = {"method": self.drafter.method, "config": self.drafter.config.to_json(), "block": self.block_length,
+                   "draft_tokens": getattr(self, "num_draft_tokens", None)}
+        timers = {name: (lambda name=name: self.round_seconds(name)) for name in candidates(device)}
+        measurement = measured_choice("draft-dtype", context, timers, preferred="fp32", device=device)
+        self.compute_dtype = measurement.choice
+        return measurement
 
 
 class BlockDrafterProposer(DrafterProposer):
@@ -140,7 +190,14 @@ def dspark_proposer(drafter: Any, config: DecodeConfig) -> Proposer:
 
 
 def _from_checkpoint(method: str) -> Callable[[DecodeConfig, Any], Proposer]:
-    return lambda config, target: DRAFTER_PROPOSERS.get(method)(load_checkpoint(config, target), config)
+    """A checkpoint's proposer, drafting in ``config.draft_dtype`` (``auto``: the faster here, measured once)."""
+
+    def build(config: DecodeConfig, target: Any) -> Proposer:
+        proposer = DRAFTER_PROPOSERS.get(method)(load_checkpoint(config, target), config)
+        proposer.set_compute_dtype(config.draft_dtype)
+        return proposer
+
+    return build
 
 
 for _method in DRAFTER_PROPOSERS.names():

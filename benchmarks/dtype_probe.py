@@ -1,0 +1,55 @@
+"""What ``--dtype auto`` (training) and ``--draft-dtype auto`` (decoding) measure and choose on this machine.
+
+Runs the same probes as the trainer and the decoder on the quickstart's drafter for the embedded
+target: forward + backward of the step at ``--pack-tokens`` (``train/compute_dtype.py``) and a
+draft round (``DrafterProposer.round_seconds``), in fp32 and bf16 autocast, into a fresh scratch
+cache (so it always measures), and prints the seconds and choices as JSON.
+
+  .venv/bin/python benchmarks/dtype_probe.py --pack-tokens 512 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m", help="embedded target name")
+    parser.add_argument("--pack-tokens", type=int, default=512, help="tokens per training step (the quickstart's 512)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    args = parser.parse_args()
+
+    import torch
+
+    from gate_floor import quickstart_drafter
+    from specdraft.decode.proposers.drafters import BlockDrafterProposer
+    from specdraft.targets import load_target
+    from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch
+    from specdraft.train.trainer import _StepModule
+    from specdraft.utils.measured import machine_identity, measured_choice
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    drafter = quickstart_drafter(target)
+    slots = len(drafter.config.slots())
+    batch = synthetic_batch(rows=1, tokens=args.pack_tokens, slots=slots, hidden=target.hidden_size, vocab=target.vocab_size)
+    with tempfile.TemporaryDirectory() as scratch:
+        train = measure_train_dtype(_StepModule(drafter), batch, device=torch.device("cpu"), context={"pack_tokens": args.pack_tokens},
+                                    cache_dir=Path(scratch))
+        proposer = BlockDrafterProposer(drafter.eval(), provides_confidences=True)
+        draft = measured_choice("draft-dtype", {}, {d: (lambda d=d: proposer.round_seconds(d)) for d in ("fp32", "bf16")},
+                                preferred="fp32", cache_dir=Path(scratch))
+    print(json.dumps({
+        "machine": machine_identity(), "pack_tokens": args.pack_tokens,
+        "train_step_seconds": train.seconds, "train_dtype": train.choice,
+        "draft_round_seconds": draft.seconds, "draft_dtype": draft.choice,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The draft gate's floor: with the gate closed, decoding must cost at most 3% more than autoregressive.
+
+Loads the target once and decodes the same prompts with plain autoregressive decoding and with
+each DSpark drafter under the scheduled policy *with its draft gate held shut* (every round is a
+plain step), interleaved prompt by prompt and repeated, so machine load hits all of them alike.
+Reports the median time per output token of each (over prompt x repeat samples) and its ratio to
+autoregressive, the same for CPU seconds of the process per output token (far less sensitive to
+other jobs on a shared machine than wall time), and how many tokens were drafted (none must be). Drafters:
+
+* ``quickstart``: a fresh DSpark drafter with the quickstart's recipe (``dspark``, 16 anchors);
+  untrained weights cost what trained ones do;
+* ``reference``: the drafter shipped for the target (``src/specdraft/reference``).
+
+  .venv/bin/python benchmarks/gate_floor.py --prompts 4 --max-new-tokens 32 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def quickstart_drafter(target):
+    """A fresh drafter of the quickstart's configuration (what `specdraft quickstart` trains)."""
+    from specdraft.models import METHODS
+    from specdraft.quickstart import QuickstartConfig
+    from specdraft.train.config import resolve_config
+    from specdraft.train.trainer import build_method_config
+
+    qs = QuickstartConfig()
+    cfg = resolve_config(qs.recipe, {"model": {"max_anchors": qs.max_anchors}})
+    spec = METHODS.get(cfg.method)
+    model = build_method_config(spec, cfg.model)
+    import torch
+
+    torch.manual_seed(0)
+    counts = torch.arange(target.vocab_size, 0, -1, dtype=torch.int64)  # draft vocabulary: any tokens cost the same
+    return spec.build(model, target, counts=counts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m", help="embedded target name")
+    parser.add_argument("--prompts", type=int, default=4, help="eval prompts (the quickstart suite's first ones)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the prompts")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    args = parser.parse_args()
+
+    import torch
+
+    from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfig
+    from specdraft.decode.proposers import PROPOSERS
+    from specdraft.decode.proposers.drafters import BlockDrafterProposer
+    from specdraft.decode.runtime import SpeculativeDecoder
+    from specdraft.decode.scheduler import DraftGate
+    from specdraft.decode.sps import load_or_measure_sps
+    from specdraft.eval.suites import load_prompts
+    from specdraft.models.common.drafter import load_drafter
+    from specdraft.reference import reference_drafter
+    from specdraft.targets import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    prompts = [p.token_ids(target.tokenizer) for p in load_prompts("quick", None, None)[: args.prompts]]
+    sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint)
+    config = DecodeConfig(drafter="none", max_new_tokens=args.max_new_tokens)
+    decoders = {"autoregressive": SpeculativeDecoder(target.model, PROPOSERS.get("none")(config, target), config=config, sampling=SamplingConfig())}
+    drafters = {"quickstart": quickstart_drafter(target), "reference": load_drafter(reference_drafter(args.target), target=target)}
+    scheduled = SchedulerConfig(verify_policy="scheduled")
+    for name, drafter in drafters.items():
+        proposer = BlockDrafterProposer(drafter, provides_confidences=True, confidences_calibrated=True)
+        decoders[name] = SpeculativeDecoder(target.model, proposer, config=DecodeConfig(drafter="dspark", max_new_tokens=args.max_new_tokens),
+                                            sampling=SamplingConfig(), scheduler=scheduled, sps=sps)
+        decoders[name].draft_gates[1] = DraftGate(plain_rate=sps(1), skip_left=10**9)  # closed for the whole run
+
+    for decoder in decoders.values():
+        decoder.generate([prompts[0][-16:]])  # one-off costs (allocator, lazy init)
+    samples = {name: [] for name in decoders}
+    cpu = {name: [] for name in decoders}
+    drafted = {name: 0 for name in decoders}
+    outputs = {name: [] for name in decoders}
+    for _ in range(args.repeats):
+        for prompt in prompts:
+            for name, decoder in decoders.items():
+                started = time.process_time()
+                result = decoder.generate([prompt])
+                cpu[name].append((time.process_time() - started) / result.metrics.output_tokens)
+                samples[name].append(result.metrics.time_per_output_token_s)
+                drafted[name] += result.metrics.drafted
+                outputs[name].append(result.outputs[0].tokens)
+    base = statistics.median(samples["autoregressive"])
+    cpu_base = statistics.median(cpu["autoregressive"])
+    report = {
+        "target": target.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "decoders": {
+            name: {
+                "median_ms_per_token": 1e3 * statistics.median(s), "min_ms_per_token": 1e3 * min(s),
+                "cost_vs_autoregressive": statistics.median(s) / base,
+                "median_cpu_ms_per_token": 1e3 * statistics.median(cpu[name]), "cpu_cost_vs_autoregressive": statistics.median(cpu[name]) / cpu_base,
+                "drafted_tokens": drafted[name],
+                "identical_to_autoregressive": outputs[name] == outputs["autoregressive"],
+            }
+            for name, s in samples.items()
+        },
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Speed-dependent defaults measured on the machine at hand, not fixed in code or recipes.
+
+Whether bf16 pays depends on the machine: on an AVX2-only EPYC a bf16 matmul at a drafter's
+shapes ran at 1.3 GFLOP/s against 83 for fp32 (training 13x slower), while AVX-512-BF16/AMX CPUs
+and GPUs run it faster than fp32. So ``auto`` settings time the real work in each candidate once
+and pick the fastest; the figures are cached as JSON under ``<cache>/measured/`` (``cache_root``),
+keyed by the machine and software (device, CPU model and flags, torch version, threads) and by
+what was timed (e.g. the drafter's config and pack size), and logged with the choice. An explicit
+setting always wins: callers measure only for ``auto``.
+
+A candidate other than the preferred one (the exact one, fp32) must be faster by more than
+``margin`` to be chosen, so timing noise on a shared machine does not flip a near tie. Each
+figure is the fastest of a few repeats (interference only adds time); a decision measured under
+heavy load still persists, so the log names the cache file: delete it to measure again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+MEASURED_FORMAT = "specdraft-measured-v1"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Seconds per unit of work of each candidate, the choice made from them, and where they came from."""
+
+    name: str
+    seconds: dict[str, float]
+    choice: str
+    cached: bool = False
+    path: str | None = None
+
+    def describe(self) -> str:
+        figures = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items())
+        return f"{self.name}: {self.choice} ({figures}; {'cached' if self.cached else 'measured'}{f' in {self.path}' if self.path else ''})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"choice": self.choice, "seconds": dict(self.seconds), "cached": self.cached}
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu() -> tuple[str, str]:
+    """(CPU model name, hash of its feature flags) from /proc/cpuinfo, else what ``platform`` knows."""
+    model, flags = "", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and not model:
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine()
+    return model, hashlib.sha256(flags.encode()).hexdigest()[:16]
+
+
+def machine_identity(device: Any = "cpu") -> dict[str, Any]:
+    """What decides relative speeds besides the work itself: device, CPU model and flags, torch, threads."""
+    import torch
+
+    device = torch.device(device)
+    model, flags = _cpu()
+    identity: dict[str, Any] = {"device": device.type, "cpu": model, "cpu_flags": flags, "torch": torch.__version__,
+                                "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        identity["gpu"] = torch.cuda.get_device_name(device)
+        identity["capability"] = list(torch.cuda.get_device_capability(device))
+    return identity
+
+
+def choose(seconds: dict[str, float], *, preferred: str, margin: float = 0.1) -> str:
+    """The fastest candidate; ``preferred`` unless another takes less than (1 - margin) of its time."""
+    if not seconds:
+        raise ValueError("no candidates were timed")
+    fastest = min(seconds, key=seconds.__getitem__)
+    if preferred in seconds and seconds[fastest] >= (1.0 - margin) * seconds[preferred]:
+        return preferred
+    return fastest
+
+
+def fastest_time(fn: Callable[[], Any], *, repeats: int = 2, sync: Callable[[], None] = lambda: None) -> float:
+    """Seconds of the fastest of ``repeats`` calls after one warm-up call (interference only adds time)."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measured_choice(name: str, context: dict[str, Any], timers: dict[str, Callable[[], float]], *, preferred: str,
+                    margin: float = 0.1, device: Any = "cpu", cache_dir: Path | None = None) -> Measurement:
+    """Time each candidate (``timers[c]()`` returns seconds per unit of work) once per machine and
+    ``context``, cache the figures, log them and return the choice."""
+    from specdraft.targets.identity import cache_root
+    from specdraft.utils.io import atomic_write_json
+
+    if len(timers) == 1:  # nothing to choose between: nothing to time
+        return Measurement(name, {}, next(iter(timers)))
+    key = {"name": name, "machine": machine_identity(device), "context": context, "candidates": sorted(timers)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    path = (cache_dir or cache_root()) / "measured" / f"{name}-{digest}.json"
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("format") == MEASURED_FORMAT and set(cached["seconds"]) == set(timers):
+            seconds = {k: float(v) for k, v in cached["seconds"].items()}
+            found = Measurement(name, seconds, choose(seconds, preferred=preferred, margin=margin), cached=True, path=str(path))
+            log.info("%s", found.describe())
+            return found
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    seconds = {candidate: float(timer()) for candidate, timer in timers.items()}
+    result = Measurement(name, seconds, choose(seconds, preferred=preferred, margin=margin), path=str(path))
+    try:
+        atomic_write_json(path, {"format": MEASURED_FORMAT, **key, "seconds": seconds, "choice": result.choice})
+    except OSError:  # a read-only cache only costs a probe next time
+        pass
+    log.info("%s", result.describe())
+    return result

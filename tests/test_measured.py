@@ -1,0 +1,67 @@
+"""Measured speed defaults (utils/measured.py, train/compute_dtype.py): the decision logic with injected
+timings, the per-machine cache, and `--dtype auto` deciding what training runs in."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdraft.utils import measured
+from specdraft.utils.measured import choose, machine_identity, measured_choice
+
+
+@pytest.mark.parametrize("seconds, expected", [
+    ({"fp32": 1.0, "bf16": 0.5}, "bf16"),  # AVX-512-BF16 / AMX / GPU: bf16 wins
+    ({"fp32": 1.0, "bf16": 13.0}, "fp32"),  # AVX2-only EPYC: bf16 13x slower
+    ({"fp32": 1.0, "bf16": 0.95}, "fp32"),  # within the margin: keep the exact one
+    ({"fp32": 1.0}, "fp32"),
+])
+def test_choice_follows_the_timings(seconds, expected):
+    assert choose(seconds, preferred="fp32", margin=0.1) == expected
+
+
+def test_measurements_are_cached_per_machine_and_context(tmp_path, monkeypatch):
+    calls = []
+
+    def timers(fp32: float, bf16: float):
+        return {"fp32": lambda: calls.append("fp32") or fp32, "bf16": lambda: calls.append("bf16") or bf16}
+
+    first = measured_choice("probe", {"shape": 1}, timers(1.0, 0.4), preferred="fp32", cache_dir=tmp_path)
+    assert first.choice == "bf16" and not first.cached and calls == ["fp32", "bf16"]
+    again = measured_choice("probe", {"shape": 1}, timers(9.0, 9.0), preferred="fp32", cache_dir=tmp_path)
+    assert again.cached and again.choice == "bf16" and again.seconds == {"fp32": 1.0, "bf16": 0.4} and len(calls) == 2
+    stored = json.loads(next((tmp_path / "measured").glob("probe-*.json")).read_text())
+    assert stored["machine"] == machine_identity() and stored["machine"]["torch"] and stored["choice"] == "bf16"
+    # other work, or other software on the same machine, is measured afresh -- and here bf16 is the slow one
+    other = measured_choice("probe", {"shape": 2}, timers(1.0, 13.0), preferred="fp32", cache_dir=tmp_path)
+    assert other.choice == "fp32" and not other.cached
+    monkeypatch.setattr(measured, "machine_identity", lambda device="cpu": {"torch": "9.9"})
+    assert not measured_choice("probe", {"shape": 1}, timers(1.0, 2.0), preferred="fp32", cache_dir=tmp_path).cached
+
+
+@pytest.mark.parametrize("bf16_seconds, expected", [(0.01, "bf16"), (13.0, "fp32")])
+def test_dtype_auto_trains_in_the_measured_dtype(tmp_path, monkeypatch, bf16_seconds, expected):
+    """The trainer's probe times its real step in each dtype; with injected timings the choice flips."""
+    from specdraft.train import compute_dtype
+    from specdraft.train.trainer import train
+    from test_train_toy import ToyStore, ToyTarget, toy_config
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    timed, autocast_dtypes = [], []
+
+    def fake_fastest_time(fn, **kwargs):
+        fn()  # the real step runs (forward + backward); only its timing is injected (fp32 first, then bf16)
+        timed.append(fn)
+        return 1.0 if len(timed) == 1 else bf16_seconds
+
+    monkeypatch.setattr(compute_dtype, "fastest_time", fake_fastest_time)
+    real_autocast = compute_dtype.autocast
+    monkeypatch.setattr("specdraft.train.trainer.autocast", lambda name, device: autocast_dtypes.append(name) or real_autocast(name, device))
+    result = train(toy_config(tmp_path / "run", dtype="auto", max_steps=2), target=ToyTarget(), dataset=ToyStore())
+    assert len(timed) == 2 and result.completed
+    assert result.compute_dtype == expected and set(autocast_dtypes) == {expected}
+    assert result.dtype_probe == {"choice": expected, "seconds": {"fp32": 1.0, "bf16": bf16_seconds}, "cached": False}
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["dtype"] for r in records if r["split"] == "train"} == {expected}
+    assert list((tmp_path / "cache" / "measured").glob("train-dtype-*.json"))
