@@ -403,9 +403,12 @@ def _plan(args: argparse.Namespace, rank: int):
     """Rank ``rank``'s ``DataPlan``, exactly as the trainer computes it."""
     from specdraft.data.dataset import PreparedDataset
     from specdraft.train.data import DataPlan
+    from specdraft.train.split import SplitKey, compute_split
 
     prepared = PreparedDataset(args.dataset)
-    return DataPlan.build(list(prepared.sample_ids), [int(n) for n in prepared.lengths()], val_fraction=0.0,
+    ids = [str(sid) for sid in prepared.sample_ids]
+    split = compute_split(ids, [SplitKey(sid, sid) for sid in ids], val_fraction=0.0, seed=0)  # TRAIN holds nothing out
+    return DataPlan.build(ids, [int(n) for n in prepared.lengths()], split=split,
                           pack_tokens=TRAIN["pack_tokens"], batch_rows=TRAIN["batch_rows"], seed=TRAIN["seed"], world_size=2, rank=rank)
 
 

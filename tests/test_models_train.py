@@ -86,7 +86,7 @@ def test_block_labels_stop_at_segment_and_prompt(target, method):
         ("dspark", 250, {}),
         # reduced draft vocabulary chosen by coverage of the batch's own tokens (every label reachable)
         ("dflash", 120, {"draft_vocab_coverage": 1.0}),
-        ("dspark", 250, {"draft_vocab_coverage": 1.0}),
+        ("dspark", 300, {"draft_vocab_coverage": 1.0}),
     ],
     ids=["eagle3", "dflash", "dspark", "dflash-draft-vocab", "dspark-draft-vocab"],
 )

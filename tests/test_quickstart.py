@@ -120,7 +120,7 @@ def test_a_slow_step_gets_a_smaller_complete_plan(tmp_path, monkeypatch):
         path.mkdir(parents=True)
         lines = [{"split": "train", "step": i + 1, "seconds": seconds, "anchors_per_s": 50.0} for i in range(4)]
         (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-        return TrainResult(path, 4, 4, True, None, None, None, "fp32", {"choice": "fp32", "seconds": {"fp32": seconds, "bf16": 13 * seconds}})
+        return TrainResult(path, 4, 4, True, None, None, None, compute_dtype="fp32", dtype_probe={"choice": "fp32", "seconds": {"fp32": seconds, "bf16": 13 * seconds}})
 
     monkeypatch.setattr("specdraft.train.trainer.train", fake_train)
     monkeypatch.setattr(budget, "epoch_steps", lambda cfg: 1000 * cfg.epochs)
