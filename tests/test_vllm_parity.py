@@ -182,9 +182,10 @@ def parity_target(smollm2_dir, tmp_path_factory):
     return varied_tiny_target(tmp_path_factory.mktemp("parity") / "target", smollm2_dir)
 
 
-#: Each case trains 300 steps and starts a vLLM server (minutes on 2 cores): CI runs one, set
-#: SPECDRAFT_PARITY_CASES=eagle3,dflash-1,dflash-2 (or "all") for the rest.
-_CASES = os.environ.get("SPECDRAFT_PARITY_CASES", "dflash-1")
+#: Each case trains 300 steps and starts a vLLM server (about a minute each on 2 quiet cores). The EAGLE-3
+#: case is left out by default: its drafter does not reach the 0.9 accuracy it needs in 300 steps (issue 14);
+#: SPECDRAFT_PARITY_CASES=eagle3 (or "all") runs it.
+_CASES = os.environ.get("SPECDRAFT_PARITY_CASES", "dflash-1,dflash-2")
 PARITY_CASES = list(PARITY_DRAFTERS) if _CASES == "all" else [c for c in _CASES.split(",") if c]
 
 
