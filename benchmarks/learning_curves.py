@@ -1,29 +1,40 @@
-"""Learning curves at equal wall-clock budget: held-out acceptance length against training time.
+"""Learning curves at equal training-time budget: decoded acceptance length against training time.
 
-Every run trains one drafter on the same hidden-state store for the same training-time budget and
-logs the held-out expected acceptance length (validation split, ``1 + sum_j prod_{i<=j} acc_i``,
-the trainer's ``accept_len``) every budget/--points of training time. The LR schedule of each
-run is fitted to the budget: a short probe measures the run's seconds per step and the run gets
-``budget / step_time`` steps, so every method finishes its warm-up + cosine inside the budget.
-Optionally (``--decode-suite``) the final checkpoints are then decoded side by side with plain
-decoding (``specdraft eval``) for the real tau and speed-up.
+Every run trains one drafter on the same hidden-state store for the same training-time budget. At
+every budget/--points of training time the trainer validates (``specdraft train``'s evaluation):
+it decodes --decode-prompts held-out validation prompts greedily with the built-in runtime
+(``tau_decoded``, the figure users get: anchors wherever the previous round stopped) and logs the
+teacher-forced estimate beside it (``tau_teacher_forced``, uniform anchors). The curves, the
+table and the ratios are drawn from the decoded tau; the teacher-forced one is kept for reference.
+The validation split is ``train/split.py``'s (whole conversations, no prompt on both sides), the
+same for every run. The LR schedule of each run is fitted to the budget: a short probe measures
+the run's seconds per step and the run gets ``budget / step_time`` steps, so every method finishes
+its warm-up + cosine inside the budget. Optionally (``--decode-suite``) the final checkpoints are
+then decoded side by side with plain decoding (``specdraft eval``) on a held-out suite for tau per
+domain and speed-up.
 
 A run is ``LABEL|METHOD|EXTRA TRAIN ARGS``; the same script serves method comparisons and
 recipe ablations (one piece switched off per run):
 
-    .venv/bin/python benchmarks/learning_curves.py --data runs/ref/hidden_states --budget-min 10 \\
-        --run 'dspark|dspark|' --run 'dflash|dflash|' --run 'eagle3|eagle3|' --out runs/curves
+    .venv/bin/python benchmarks/learning_curves.py --data runs/r16/hidden_states --budget-min 6 \\
+        --run 'dspark|dspark|' --run 'dflash|dflash|' --run 'eagle3|eagle3|' --decode-suite domains --out runs/curves
 
-    .venv/bin/python benchmarks/learning_curves.py --data runs/ref/hidden_states --budget-min 6 \\
-        --run 'all|dspark|' --run 'no-target-init|dspark|--no-init-from-target' --out runs/ablation
+    .venv/bin/python benchmarks/learning_curves.py --data runs/r16/hidden_states --budget-min 4 \\
+        --run 'recipe|dspark|' --run 'no-target-init|dspark|--no-init-from-target' --out runs/ablation
+
+``--lock FILE`` holds an exclusive flock on FILE around each training run and the decode eval, so
+other measurements sharing the machine queue instead of overlapping (and skewing) the step times.
 
 Output under --out: curves.json (every point, every run's command), curves.png, table.md (final
-held-out tau per run and the ratios of the first run to the others), and one train dir per run.
+decoded and teacher-forced tau per run and the ratios of the first run to the others), and one
+train dir per run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import shlex
 import shutil
@@ -46,7 +57,8 @@ def parse_run(text: str) -> tuple[str, str, list[str]]:
 def train_command(method: str, data: str, out: Path, extra: list[str], args: argparse.Namespace, **flags: object) -> list[str]:
     cmd = [SPECDRAFT, "train", "--config", method, "--data", data, "--out", str(out),
            "--num-threads", str(args.threads), "--checkpoint-interval", "0", "--seed", str(args.seed),
-           "--val-max-batches", str(args.val_batches)]
+           "--val-max-batches", str(args.val_batches), "--decode-prompts", str(args.decode_prompts),
+           "--decode-tokens", str(args.decode_prompt_tokens)]
     for name, value in flags.items():
         cmd += [f"--{name.replace('_', '-')}", str(value)]
     return cmd + extra
@@ -63,21 +75,38 @@ def probe_seconds_per_step(method: str, data: str, work: Path, extra: list[str],
 
     out = work / "probe"
     shutil.rmtree(str(out), ignore_errors=True)
-    cmd = train_command(method, data, out, extra, args, max_steps=PROBE_STEPS, eval_interval=0, val_fraction=0.0)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    cmd = train_command(method, data, out, extra, args, max_steps=PROBE_STEPS, eval_interval=0, decode_prompts=0)
+    with held(args.lock):
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     per_step = seconds_per_step(out / "metrics.jsonl")
     shutil.rmtree(str(out), ignore_errors=True)
     return per_step
 
 
+@contextlib.contextmanager
+def held(lock: str | None):
+    """An exclusive flock on ``lock`` for the duration (nothing without one)."""
+    if not lock:
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def curve(run_dir: Path) -> list[dict]:
-    """(training minutes, held-out accept_len) at each validation, training time = sum of step times."""
+    """Decoded and teacher-forced tau at each validation; training time = sum of step times."""
     elapsed, points = 0.0, []
     for r in records(run_dir):
         if r.get("split") == "train":
             elapsed += r["seconds"]
         elif r.get("split") == "val":
-            points.append({"step": r["step"], "minutes": elapsed / 60, "accept_len": r["accept_len"],
+            decoded = r.get("decoded") or {}
+            points.append({"step": r["step"], "minutes": elapsed / 60, "tau_decoded": r.get("tau_decoded"),
+                           "decoded_rounds": decoded.get("rounds"), "tau_teacher_forced": r["accept_len"],
                            "acc_pos1": (r.get("position_acc") or [None])[0]})
     return points
 
@@ -90,30 +119,41 @@ def plot(runs: list[dict], path: Path, budget_min: float) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
-        pts = run["curve"]
-        ax.plot([p["minutes"] for p in pts], [p["accept_len"] for p in pts], marker="o", label=run["label"])
+        pts = [p for p in run["curve"] if p["tau_decoded"] is not None]
+        line, = ax.plot([p["minutes"] for p in pts], [p["tau_decoded"] for p in pts], marker="o", label=f"{run['label']} (decoded)")
+        ax.plot([p["minutes"] for p in run["curve"]], [p["tau_teacher_forced"] for p in run["curve"]], linestyle="--",
+                color=line.get_color(), alpha=0.5, label=f"{run['label']} (teacher-forced)")
     ax.set_xlabel("training time (min, sum of step times)")
-    ax.set_ylabel("held-out expected acceptance length")
+    ax.set_ylabel("tau on held-out validation prompts")
     ax.set_xlim(0, max([budget_min] + [p["minutes"] for run in runs for p in run["curve"]]) * 1.05)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title("Learning curves at equal training-time budget")
+    ax.set_title("Learning curves at equal training-time budget (solid: decoded, dashed: teacher-forced)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def table(runs: list[dict], decode: dict | None) -> str:
-    lines = ["| run | method | steps done / planned | s/step | held-out tau (val) | acc pos 1 | decode tau | speed-up |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| run | method | steps done / planned | s/step | tau decoded (val prompts, rounds) | tau teacher-forced (val) | acc pos 1 "
+             "| suite tau | speed-up |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for run in runs:
         last = run["curve"][-1] if run["curve"] else {}
         d = (decode or {}).get(run["label"], {})
         fmt = lambda v, spec=".3f": "-" if v is None else format(v, spec)  # noqa: E731
         done = max((r["step"] for r in records(Path(run["dir"])) if r.get("split") == "train"), default=0)
+        decoded = "-" if last.get("tau_decoded") is None else f"{last['tau_decoded']:.3f} ({last['decoded_rounds']})"
         lines.append(f"| {run['label']} | {run['method']} | {done} / {run['steps']} | {fmt(run['seconds_per_step'], '.2f')} | "
-                     f"{fmt(last.get('accept_len'))} | {fmt(last.get('acc_pos1'))} | {fmt(d.get('tau'))} | {fmt(d.get('speedup'), '.2f')} |")
-    if len(runs) > 1 and all(r["curve"] for r in runs):
+                     f"{decoded} | {fmt(last.get('tau_teacher_forced'))} | {fmt(last.get('acc_pos1'))} | {fmt(d.get('tau'))} | "
+                     f"{fmt(d.get('speedup'), '.2f')} |")
+    if decode and any(d.get("domains") for d in decode.values()):
+        domains = sorted({name for d in decode.values() for name in d.get("domains", {})})
+        lines += ["", "| run | " + " | ".join(f"{name} tau" for name in domains) + " |", "| --- |" + " ---: |" * len(domains)]
+        for run in runs:
+            per = (decode.get(run["label"]) or {}).get("domains", {})
+            lines.append(f"| {run['label']} | " + " | ".join(fmt(per.get(name)) for name in domains) + " |")
+    if len(runs) > 1 and all(any(p["tau_decoded"] is not None for p in r["curve"]) for r in runs):
         first = runs[0]
         lines.append("")
         for other in runs[1:]:
@@ -121,16 +161,19 @@ def table(runs: list[dict], decode: dict | None) -> str:
             # both at the earlier end, interpolating the other curve linearly
             at = min(first["curve"][-1]["minutes"], other["curve"][-1]["minutes"])
             ratio = tau_at(first["curve"], at) / tau_at(other["curve"], at)
-            line = f"- {first['label']} / {other['label']}: held-out tau ratio {ratio:.3f} at {at:.1f} min of training"
+            tf_ratio = tau_at(first["curve"], at, "tau_teacher_forced") / tau_at(other["curve"], at, "tau_teacher_forced")
+            line = (f"- {first['label']} / {other['label']}: decoded tau ratio {ratio:.3f} at {at:.1f} min of training "
+                    f"(teacher-forced {tf_ratio:.3f})")
             if decode and first["label"] in decode and other["label"] in decode:
-                line += f", decode tau ratio {decode[first['label']]['tau'] / decode[other['label']]['tau']:.3f}"
+                line += f", suite tau ratio {decode[first['label']]['tau'] / decode[other['label']]['tau']:.3f}"
             lines.append(line)
     return "\n".join(lines) + "\n"
 
 
-def tau_at(points: list[dict], minutes: float) -> float:
-    """Held-out tau of a curve at ``minutes`` of training (linear between points, flat outside)."""
-    xs, ys = [p["minutes"] for p in points], [p["accept_len"] for p in points]
+def tau_at(points: list[dict], minutes: float, key: str = "tau_decoded") -> float:
+    """A curve's tau (``key``) at ``minutes`` of training (linear between points, flat outside)."""
+    points = [p for p in points if p[key] is not None]
+    xs, ys = [p["minutes"] for p in points], [p[key] for p in points]
     if minutes <= xs[0]:
         return ys[0]
     for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
@@ -147,14 +190,16 @@ def decode_eval(runs: list[dict], args: argparse.Namespace) -> dict:
     cmd = [SPECDRAFT, "eval", "--drafters", drafters, "--suite", args.decode_suite,
            "--limit-per-domain", str(args.decode_limit), "--max-new-tokens", str(args.decode_tokens), "--threads", str(args.threads),
            "--out", str(out), "--no-plots"]
-    subprocess.run(cmd, check=True)
+    with held(args.lock):
+        subprocess.run(cmd, check=True)
     report = json.loads((out / "report.json").read_text())
     by_dir = {r["dir"] + "/final": r["label"] for r in runs}
     result = {}
     for run in report["runs"]:
         name = run["drafter"].split("@")[0]
         if name in by_dir:
-            result[by_dir[name]] = {"tau": run["overall"]["tau"], "speedup": run["speedup"], "tok_per_s": run["overall"]["tokens_per_s"]}
+            result[by_dir[name]] = {"tau": run["overall"]["tau"], "speedup": run["speedup"], "tok_per_s": run["overall"]["tokens_per_s"],
+                                    "domains": {d: m["tau"] for d, m in run["per_domain"].items()}}
     return {"command": " ".join(shlex.quote(c) for c in cmd), "runs": result}
 
 
@@ -164,7 +209,10 @@ def main() -> None:
     parser.add_argument("--run", action="append", default=[], help="'LABEL|METHOD|EXTRA TRAIN ARGS' (repeatable)")
     parser.add_argument("--budget-min", type=float, default=10.0, help="training-time budget per run, minutes")
     parser.add_argument("--points", type=int, default=6, help="validations per run (evenly spaced in steps)")
-    parser.add_argument("--val-batches", type=int, default=4, help="validation batches per point")
+    parser.add_argument("--val-batches", type=int, default=4, help="validation batches per point (teacher-forced estimate)")
+    parser.add_argument("--decode-prompts", type=int, default=6, help="validation prompts decoded at every point (decoded tau)")
+    parser.add_argument("--decode-prompt-tokens", type=int, default=48, help="tokens generated per validation prompt")
+    parser.add_argument("--lock", help="hold an exclusive flock on this file around each training run and the decode eval")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--decode-suite", default="", help="after training, decode this suite with every final checkpoint")
@@ -195,8 +243,9 @@ def main() -> None:
                             max_time=int(args.budget_min * 60 * 1.25))
         print(f"[{label}] {step_s:.2f} s/step -> {steps} steps: {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
         shutil.rmtree(str(run_dir), ignore_errors=True)
-        started = time.time()
-        subprocess.run(cmd, check=True)
+        with held(args.lock):
+            started = time.time()
+            subprocess.run(cmd, check=True)
         runs.append({"label": label, "method": method, "extra": extra, "dir": str(run_dir), "seconds_per_step": step_s, "steps": steps,
                      "wall_s": time.time() - started, "command": " ".join(shlex.quote(c) for c in cmd), "curve": curve(run_dir)})
         (out / "curves.json").write_text(json.dumps({"budget_min": args.budget_min, "runs": runs}, indent=1))

@@ -8,8 +8,11 @@ damaged stores, duplicated delivery logs, signals, oversized and non-UTF-8 input
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -369,3 +372,33 @@ def test_non_utf8_input_names_the_line(tmp_path):
     path.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a": "caf\xe9"}\n')
     with pytest.raises(SpecdraftError, match=r"bad.jsonl:3: not UTF-8 \(byte 0xe9 at column 11"):
         list(iter_json_values(path))
+
+
+def test_sigterm_stops_the_private_vllm_server(tmp_path):
+    """SIGTERM to a command that started a vLLM server (its own session) stops the server too: the
+    default action ended specdraft at once and left the server running with its memory and cores."""
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import os, signal, sys
+from specdraft.cli import prepare as cli_prepare
+from specdraft.cli.main import main
+from specdraft.integrations.vllm.engine import VllmServer
+
+def fake_prepare(args):
+    server = VllmServer("unused", python=sys.executable)
+    server.command = lambda: [sys.executable, "-c", "import time; time.sleep(600)"]
+    server._wait_healthy = lambda: None
+    with server:
+        open({str(tmp_path / 'pid')!r}, "w").write(str(server.process.pid))
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()
+
+cli_prepare.run = fake_prepare
+sys.exit(main(["prepare", "--data", "x", "--out", {str(tmp_path / 'out')!r}]))
+""")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "terminated; rerun the same command to resume" in proc.stderr
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

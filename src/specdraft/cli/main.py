@@ -8,9 +8,12 @@ imported inside those functions so ``specdraft --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import signal
 import sys
+from typing import Any, Iterator
 
 from specdraft.errors import SpecdraftError
 from specdraft.utils.allocator import tune_malloc
@@ -38,19 +41,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is so every ``with`` block unwinds on the way out: the default
+    action would end the process at once and orphan what it started in a session of its own (a private
+    vLLM server keeps its memory and cores) and leave half-written outputs behind."""
+
+    signum = signal.SIGTERM
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     tune_malloc()
     try:
-        result = args.func(args)
+        with sigterm_unwinds():
+            result = args.func(args)
     except SpecdraftError as exc:
         print(f"specdraft {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"specdraft {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        print(f"specdraft {args.command}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}; rerun the same command "
+              "to resume", file=sys.stderr)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     return int(result or 0)
 
 
