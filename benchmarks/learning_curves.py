@@ -134,17 +134,19 @@ def plot(runs: list[dict], path: Path, budget_min: float) -> None:
     plt.close(fig)
 
 
-def table(runs: list[dict], decode: dict | None) -> str:
-    lines = ["| run | method | steps done / planned | s/step | tau decoded (val prompts, rounds) | tau teacher-forced (val) | acc pos 1 "
+def table(runs: list[dict], decode: dict | None, equal_steps: bool = False) -> str:
+    lines = ["| run | method | steps done / planned | s/step (mean) | tau decoded (val prompts, rounds) | tau teacher-forced (val) | acc pos 1 "
              "| suite tau | speed-up |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for run in runs:
         last = run["curve"][-1] if run["curve"] else {}
         d = (decode or {}).get(run["label"], {})
         fmt = lambda v, spec=".3f": "-" if v is None else format(v, spec)  # noqa: E731
-        done = max((r["step"] for r in records(Path(run["dir"])) if r.get("split") == "train"), default=0)
+        train = [r for r in records(Path(run["dir"])) if r.get("split") == "train"]
+        done = max((r["step"] for r in train), default=0)
+        per_step = sum(r["seconds"] for r in train) / len(train) if train else None
         decoded = "-" if last.get("tau_decoded") is None else f"{last['tau_decoded']:.3f} ({last['decoded_rounds']})"
-        lines.append(f"| {run['label']} | {run['method']} | {done} / {run['steps']} | {fmt(run['seconds_per_step'], '.2f')} | "
+        lines.append(f"| {run['label']} | {run['method']} | {done} / {run['steps']} | {fmt(per_step, '.2f')} | "
                      f"{decoded} | {fmt(last.get('tau_teacher_forced'))} | {fmt(last.get('acc_pos1'))} | {fmt(d.get('tau'))} | "
                      f"{fmt(d.get('speedup'), '.2f')} |")
     if decode and any(d.get("domains") for d in decode.values()):
@@ -159,26 +161,28 @@ def table(runs: list[dict], decode: dict | None) -> str:
         for other in runs[1:]:
             # runs end at slightly different training times (step times drift with machine load): compare
             # both at the earlier end, interpolating the other curve linearly
-            at = min(first["curve"][-1]["minutes"], other["curve"][-1]["minutes"])
-            ratio = tau_at(first["curve"], at) / tau_at(other["curve"], at)
-            tf_ratio = tau_at(first["curve"], at, "tau_teacher_forced") / tau_at(other["curve"], at, "tau_teacher_forced")
-            line = (f"- {first['label']} / {other['label']}: decoded tau ratio {ratio:.3f} at {at:.1f} min of training "
-                    f"(teacher-forced {tf_ratio:.3f})")
+            axis = "step" if equal_steps else "minutes"
+            at = min(first["curve"][-1][axis], other["curve"][-1][axis])
+            ratio = tau_at(first["curve"], at, axis=axis) / tau_at(other["curve"], at, axis=axis)
+            tf_ratio = (tau_at(first["curve"], at, "tau_teacher_forced", axis=axis)
+                        / tau_at(other["curve"], at, "tau_teacher_forced", axis=axis))
+            where = f"step {at}" if equal_steps else f"{at:.1f} min of training"
+            line = f"- {first['label']} / {other['label']}: decoded tau ratio {ratio:.3f} at {where} (teacher-forced {tf_ratio:.3f})"
             if decode and first["label"] in decode and other["label"] in decode:
                 line += f", suite tau ratio {decode[first['label']]['tau'] / decode[other['label']]['tau']:.3f}"
             lines.append(line)
     return "\n".join(lines) + "\n"
 
 
-def tau_at(points: list[dict], minutes: float, key: str = "tau_decoded") -> float:
-    """A curve's tau (``key``) at ``minutes`` of training (linear between points, flat outside)."""
+def tau_at(points: list[dict], at: float, key: str = "tau_decoded", axis: str = "minutes") -> float:
+    """A curve's tau (``key``) at ``at`` on ``axis`` (minutes of training or step; linear between points, flat outside)."""
     points = [p for p in points if p[key] is not None]
-    xs, ys = [p["minutes"] for p in points], [p[key] for p in points]
-    if minutes <= xs[0]:
+    xs, ys = [p[axis] for p in points], [p[key] for p in points]
+    if at <= xs[0]:
         return ys[0]
     for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-        if minutes <= x1:
-            return y0 + (y1 - y0) * (minutes - x0) / (x1 - x0) if x1 > x0 else y1
+        if at <= x1:
+            return y0 + (y1 - y0) * (at - x0) / (x1 - x0) if x1 > x0 else y1
     return ys[-1]
 
 
@@ -208,6 +212,8 @@ def main() -> None:
     parser.add_argument("--data", help="hidden-state store holding every method's layer slots")
     parser.add_argument("--run", action="append", default=[], help="'LABEL|METHOD|EXTRA TRAIN ARGS' (repeatable)")
     parser.add_argument("--budget-min", type=float, default=10.0, help="training-time budget per run, minutes")
+    parser.add_argument("--steps", type=int, default=0, help="give every run this many steps instead of fitting them to --budget-min "
+                        "(ratios are then taken at the last point, equal steps and data)")
     parser.add_argument("--points", type=int, default=6, help="validations per run (evenly spaced in steps)")
     parser.add_argument("--val-batches", type=int, default=4, help="validation batches per point (teacher-forced estimate)")
     parser.add_argument("--decode-prompts", type=int, default=6, help="validation prompts decoded at every point (decoded tau)")
@@ -220,7 +226,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=96)
     parser.add_argument("--decode-policy", default="", help="verify policy for the decode eval (default: the eval's)")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--report-only", action="store_true", help="re-render table.md and curves.png from OUT/curves.json")
+    parser.add_argument("--report-only", action="store_true", help="re-render table.md and curves.png from OUT/curves.json "
+                        "(with --decode-suite: decode the saved runs' final checkpoints first)")
     args = parser.parse_args()
 
     out = Path(args.out)
@@ -228,7 +235,10 @@ def main() -> None:
         saved = json.loads((out / "curves.json").read_text())
         for run in saved["runs"]:
             run["curve"] = curve(Path(run["dir"]))  # also picks up points logged after the JSON was written
-        write_outputs(out, saved["runs"], (saved.get("decode") or {}).get("runs"), saved["budget_min"])
+        if args.decode_suite:  # decode the saved runs' final checkpoints now
+            saved["decode"] = decode_eval(saved["runs"], args)
+            (out / "curves.json").write_text(json.dumps(saved, indent=1))
+        write_outputs(out, saved["runs"], (saved.get("decode") or {}).get("runs"), saved["budget_min"], bool(saved.get("steps")))
         return
     if not args.data or not args.run:
         parser.error("--data and at least one --run are needed (or --report-only)")
@@ -237,27 +247,30 @@ def main() -> None:
     for text in args.run:
         label, method, extra = parse_run(text)
         run_dir = out / label
-        step_s = probe_seconds_per_step(method, args.data, out, extra, args)
-        steps = max(args.points, int(args.budget_min * 60 / step_s))
-        cmd = train_command(method, args.data, run_dir, extra, args, max_steps=steps, eval_interval=max(1, steps // args.points),
-                            max_time=int(args.budget_min * 60 * 1.25))
-        print(f"[{label}] {step_s:.2f} s/step -> {steps} steps: {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+        if args.steps:  # equal steps: runs of one architecture cost the same per step, whatever the load
+            step_s, steps, limit = None, args.steps, {}
+        else:
+            step_s = probe_seconds_per_step(method, args.data, out, extra, args)
+            steps = max(args.points, int(args.budget_min * 60 / step_s))
+            limit = {"max_time": int(args.budget_min * 60 * 2)}  # a safety stop: load can slow steps past the probe
+        cmd = train_command(method, args.data, run_dir, extra, args, max_steps=steps, eval_interval=max(1, steps // args.points), **limit)
+        print(f"[{label}] {steps} steps: {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
         shutil.rmtree(str(run_dir), ignore_errors=True)
         with held(args.lock):
             started = time.time()
             subprocess.run(cmd, check=True)
         runs.append({"label": label, "method": method, "extra": extra, "dir": str(run_dir), "seconds_per_step": step_s, "steps": steps,
                      "wall_s": time.time() - started, "command": " ".join(shlex.quote(c) for c in cmd), "curve": curve(run_dir)})
-        (out / "curves.json").write_text(json.dumps({"budget_min": args.budget_min, "runs": runs}, indent=1))
+        (out / "curves.json").write_text(json.dumps({"budget_min": args.budget_min, "steps": args.steps, "runs": runs}, indent=1))
 
     decode = decode_eval(runs, args) if args.decode_suite else None
-    result = {"budget_min": args.budget_min, "argv": sys.argv, "runs": runs, "decode": decode}
+    result = {"budget_min": args.budget_min, "steps": args.steps, "argv": sys.argv, "runs": runs, "decode": decode}
     (out / "curves.json").write_text(json.dumps(result, indent=1))
-    write_outputs(out, runs, decode["runs"] if decode else None, args.budget_min)
+    write_outputs(out, runs, decode["runs"] if decode else None, args.budget_min, bool(args.steps))
 
 
-def write_outputs(out: Path, runs: list[dict], decode: dict | None, budget_min: float) -> None:
-    text = table(runs, decode)
+def write_outputs(out: Path, runs: list[dict], decode: dict | None, budget_min: float, equal_steps: bool = False) -> None:
+    text = table(runs, decode, equal_steps)
     (out / "table.md").write_text(text)
     plot(runs, out / "curves.png", budget_min)
     print(text)
