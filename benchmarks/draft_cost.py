@@ -14,15 +14,15 @@ Prints one JSON object with median and mean ms/round per draft vocabulary and te
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
+from _common import benchmark_parser, load_benchmark_target
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m", help="embedded target name or HF directory")
+    parser = benchmark_parser(__doc__, threads=1)
     parser.add_argument("--draft-vocab", default="0,8192", help="comma-separated draft_vocab_size values (0 = full vocabulary)")
     parser.add_argument("--num-layers", type=int, default=2, help="DSpark draft layers")
     parser.add_argument("--block-size", type=int, default=7, help="DSpark block size (tokens drafted per round)")
@@ -31,17 +31,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=50, help="timed rounds per configuration (after 5 warm-up rounds)")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     parser.add_argument("--counts", default="", help="token_counts.safetensors of a prepared dataset (optional)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args()
 
     import torch
     from safetensors.torch import load_file
 
     from specdraft.models import METHODS
-    from specdraft.targets import load_target
 
-    torch.set_num_threads(args.threads)
-    target = load_target(args.target)
+    target = load_benchmark_target(args)
     vocab = target.vocab_size
     if args.counts:
         counts = next(iter(load_file(args.counts).values())).to(torch.int64)

@@ -10,31 +10,26 @@ cache (so it always measures), and prints the seconds and choices as JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
+from _common import benchmark_parser, load_benchmark_target, quickstart_drafter
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m", help="embedded target name")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--pack-tokens", type=int, default=512, help="tokens per training step (the quickstart's 512)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     args = parser.parse_args()
 
     import torch
 
-    from gate_floor import quickstart_drafter
     from specdraft.decode.proposers.drafters import BlockDrafterProposer
-    from specdraft.targets import load_target
     from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch
     from specdraft.train.trainer import _StepModule
     from specdraft.utils.measured import machine_identity, measured_choice
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target = load_target(args.target)
+    target = load_benchmark_target(args)
     drafter = quickstart_drafter(target)
     slots = len(drafter.config.slots())
     batch = synthetic_batch(rows=1, tokens=args.pack_tokens, slots=slots, hidden=target.hidden_size, vocab=target.vocab_size)

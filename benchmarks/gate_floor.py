@@ -16,37 +16,18 @@ other jobs on a shared machine than wall time), and how many tokens were drafted
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
-
-def quickstart_drafter(target):
-    """A fresh drafter of the quickstart's configuration (what `specdraft quickstart` trains)."""
-    from specdraft.models import METHODS
-    from specdraft.quickstart import QuickstartConfig
-    from specdraft.train.config import resolve_config
-    from specdraft.train.trainer import build_method_config
-
-    qs = QuickstartConfig()
-    cfg = resolve_config(qs.recipe, {"model": {"max_anchors": qs.max_anchors}})
-    spec = METHODS.get(cfg.method)
-    model = build_method_config(spec, cfg.model)
-    import torch
-
-    torch.manual_seed(0)
-    counts = torch.arange(target.vocab_size, 0, -1, dtype=torch.int64)  # draft vocabulary: any tokens cost the same
-    return spec.build(model, target, counts=counts)
+from _common import benchmark_parser, load_benchmark_target, quickstart_drafter
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m", help="embedded target name")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--prompts", type=int, default=4, help="eval prompts (the quickstart suite's first ones)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="passes over the prompts")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     args = parser.parse_args()
 
     import torch
@@ -60,11 +41,8 @@ def main() -> None:
     from specdraft.eval.suites import load_prompts
     from specdraft.models.common.drafter import load_drafter
     from specdraft.reference import reference_drafter
-    from specdraft.targets import load_target
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target = load_target(args.target)
+    target = load_benchmark_target(args)
     prompts = [p.token_ids(target.tokenizer) for p in load_prompts("quick", None, None)[: args.prompts]]
     sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint)
     config = DecodeConfig(drafter="none", max_new_tokens=args.max_new_tokens)

@@ -14,13 +14,14 @@ trainer's, ``train/split.py``: the run's split.json with ``--split``, else whole
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
+from _common import benchmark_parser, load_benchmark_target
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__, target=False)  # the target is the store's
     parser.add_argument("--drafter", required=True, help="drafter checkpoint directory (DSpark or DFlash)")
     parser.add_argument("--data", required=True, help="hidden-state store holding the drafter's layers")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of conversations (the training run's)")
@@ -29,7 +30,6 @@ def main() -> None:
     parser.add_argument("--pack-tokens", type=int, default=2048, help="tokens per packed row")
     parser.add_argument("--max-rows", type=int, default=0, help="evaluate at most this many packed rows (0 = all)")
     parser.add_argument("--seed", type=int, default=0, help="anchor-sampling seed (the same for every sampler)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     args = parser.parse_args()
 
     import dataclasses
@@ -39,15 +39,12 @@ def main() -> None:
 
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.models.common.drafter import load_drafter
-    from specdraft.targets import load_target
     from specdraft.train.data import collate, pack_rows, select_slots
     from specdraft.train.split import resolve_split
     from specdraft.train.metrics import MetricSums
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     dataset = HiddenStateDataset(args.data)
-    target = load_target(dataset.target_info["name"])
+    target = load_benchmark_target(args, dataset.target_info["name"])
     drafter = load_drafter(args.drafter, target=target).eval()
     slot_index = select_slots(dataset.slots, drafter.config.slots(), where=args.data)
     held_out = resolve_split(dataset, val_fraction=args.val_fraction, seed=0, recorded=Path(args.split) if args.split else None).val

@@ -306,40 +306,57 @@ def test_real_target_greedy_ngram_matches_hf_generate(smollm2_dir):
     assert result.metrics.accepted > 0
 
 
+class VirtualClock:
+    """The decoder's clock in a test: time passes only as the test says (``advance``), so timing-driven
+    decisions do not depend on the machine's load."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class GatedRecorder(FeatureRecorder):
     """A feature-reading drafter with confidences whose quality is set by ``miss``; each draft costs
-    ``cost_s`` of wall time, like a real drafter's forward."""
+    ``cost_s`` on ``clock``, like a real drafter's forward."""
 
     provides_confidences = confidences_calibrated = True
 
-    def __init__(self, continuations, *, miss: float, cost_s: float):
+    def __init__(self, continuations, *, miss: float, cost_s: float, clock: VirtualClock):
         super().__init__(continuations)
         self.oracle = OracleProposer(PROMPTS, continuations, vocab=64, miss=miss)
-        self.cost_s = cost_s
+        self.cost_s, self.clock = cost_s, clock
         self.calls = 0
 
     def propose(self, inputs: ProposalInput) -> Draft:
-        import time
-
         self.calls += 1
         for i, rid in enumerate(inputs.row_ids):
             self.features.setdefault(rid, []).append((inputs.new_start[i], inputs.new_hidden[i]))
-        time.sleep(self.cost_s)
+        self.clock.advance(self.cost_s)
         draft = self.oracle.propose(inputs)
         return Draft(tokens=draft.tokens, lengths=draft.lengths, confidences=torch.full(draft.tokens.shape, 0.95))
 
 
 @pytest.mark.parametrize("miss, drafts_mostly", [(1.0, False), (0.0, True)])
-def test_draft_gate_skips_drafting_only_when_it_does_not_pay(model, miss, drafts_mostly):
+def test_draft_gate_skips_drafting_only_when_it_does_not_pay(model, miss, drafts_mostly, request):
     from specdraft.decode.sps import SpsTable
     from specdraft.hidden_states.capture import HiddenStateCapture
 
     refs = [reference_greedy(model, p, 48) for p in PROMPTS]
-    proposer = GatedRecorder([r + [0] * 8 for r in refs], miss=miss, cost_s=0.01)
+    # injected timings: a draft costs 10 ms and a target forward of any width 5 ms (what the SPS profile says), so a
+    # drafting round commits 5 tokens a row in 15 ms with miss 0 (drafting pays, 333/s > 200/s) and 1 with miss 1 (67/s)
+    clock = VirtualClock()
+    hook = model.register_forward_hook(lambda *_: clock.advance(0.005))
+    request.addfinalizer(hook.remove)
+    proposer = GatedRecorder([r + [0] * 8 for r in refs], miss=miss, cost_s=0.01, clock=clock)
     config = DecodeConfig(max_new_tokens=48, num_draft_tokens=4)
-    flat = SpsTable((1, 64), (200.0, 200.0))  # 5 ms per forward of any width
+    flat = SpsTable((1, 64), (200.0, 200.0))
     dec = SpeculativeDecoder(model, proposer, config=config, sampling=SamplingConfig(), scheduler=SchedulerConfig("scheduled"),
-                             sps=flat, eos_token_ids=[])
+                             sps=flat, eos_token_ids=[], clock=clock)
     result = dec.generate(PROMPTS)
     assert [o.tokens for o in result.outputs] == refs
     m = result.metrics
@@ -358,7 +375,7 @@ def test_draft_gate_skips_drafting_only_when_it_does_not_pay(model, miss, drafts
         again = dec.generate(PROMPTS)
         assert [o.tokens for o in again.outputs] == refs
         assert again.metrics.rounds < m.rounds and again.metrics.drafting_fraction < 0.1
-    off = SpeculativeDecoder(model, GatedRecorder([r + [0] * 8 for r in refs], miss=miss, cost_s=0.0), config=config,
+    off = SpeculativeDecoder(model, GatedRecorder([r + [0] * 8 for r in refs], miss=miss, cost_s=0.0, clock=clock), config=config,
                              sampling=SamplingConfig(), scheduler=SchedulerConfig("scheduled", adaptive_drafting=False), sps=flat,
-                             eos_token_ids=[]).generate(PROMPTS)
+                             eos_token_ids=[], clock=clock).generate(PROMPTS)
     assert off.metrics.plain_steps == 0 and [o.tokens for o in off.outputs] == refs

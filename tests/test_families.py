@@ -254,14 +254,24 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-def _side(python: Path, script: str, job: dict, tmp: Path, timeout: int) -> dict:
+def _run_side(python: Path, script: str, job: dict, tmp: Path, timeout: int) -> tuple[dict, str]:
+    """Run ``script`` on ``job`` in another environment: its ``RESULT {...}`` lines merged, and the output's tail
+    (what a test shows when a result it needs is not there)."""
     (tmp / "side.py").write_text(script)
     (tmp / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
     proc = subprocess.run([str(python), str(tmp / "side.py"), str(tmp / "job.json")], capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            results.update(json.loads(line.removeprefix("RESULT ")))
+    return results, f"exit status {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+
+
+def _side(python: Path, script: str, job: dict, tmp: Path, timeout: int) -> dict:
+    results, log = _run_side(python, script, job, tmp, timeout)
+    assert results and log.startswith("exit status 0\n"), log
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +291,27 @@ def test_checkpoint_loads_in_speculators(speculators_loaded, family):
     assert loaded["unexpected"] == [] and all(k.startswith(("embed_tokens", "verifier", "lm_head")) for k in loaded["missing"]), loaded
 
 
-VLLM_LOAD = r'''
-import json, sys, socket
+# One vLLM process serves both vLLM checks (each process pays vLLM's ~25 s import): first what vLLM's model
+# classes claim, then every family's tiny target and trained drafter through vLLM's loader.
+VLLM_SIDE = r'''
+import inspect, json, re, socket, sys
+from vllm.model_executor.models import ModelRegistry
+from vllm.model_executor.models.interfaces import supports_eagle3
+job = json.load(open(sys.argv[1]))
+out = {}
+for model_type, arch in job["claims"].items():
+    cls = ModelRegistry._try_load_model_cls(arch)
+    ours = lambda c: inspect.isclass(c) and c.__module__.startswith("vllm.model_executor.models")
+    modules = {inspect.getmodule(c) for c in cls.__mro__ if ours(c)}
+    # the decoder stacks those modules use (Qwen3Model subclasses qwen2.py's Qwen2Model)
+    modules |= {inspect.getmodule(b) for m in list(modules) for c in vars(m).values() if ours(c) and c.__name__.endswith("Model")
+                for b in c.__mro__ if ours(b)}
+    source = "".join(inspect.getsource(m) for m in modules)
+    # id start_layer (0) before the first layer, id idx + 1 after layer idx: id i = HF hidden_states[i]
+    convention = bool(re.search(r"(aux_hidden_states|\[\]), self\.start_layer, hidden_states, residual", source))
+    after = bool(re.search(r"aux_hidden_states, (layer_)?idx \+ 1, hidden_states, residual", source))
+    out[model_type] = {"eagle3": bool(supports_eagle3(cls)), "convention": convention and after}
+print("RESULT " + json.dumps({"claims": out}), flush=True)  # kept if a load below fails
 import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.config import set_current_vllm_config
@@ -293,9 +322,9 @@ from vllm.model_executor.model_loader import get_model
 torch.accelerator.synchronize = lambda *a, **k: None
 torch.accelerator.empty_cache = lambda *a, **k: None
 configs = {}
-for family, job in json.load(open(sys.argv[1])).items():
-    args = EngineArgs(model=job["target"], dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=2,
-                      speculative_config={"method": "dflash", "model": job["drafter"], "num_speculative_tokens": 3})
+for family, paths in job["load"].items():
+    args = EngineArgs(model=paths["target"], dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=2,
+                      speculative_config={"method": "dflash", "model": paths["drafter"], "num_speculative_tokens": 3})
     configs[family] = args.create_engine_config()
 # one process group for all: set up under a MoE config when there is one (dense configs create no expert group)
 first = next((c for c in configs.values() if c.model_config.is_moe), next(iter(configs.values())))
@@ -314,17 +343,34 @@ for family, config in configs.items():
                        "aux_ids": list(draft_config.hf_config.eagle_aux_hidden_state_layer_ids),
                        "mask_token_id": draft_config.hf_config.dflash_config["mask_token_id"],
                        "drafter_params": sum(p.numel() for p in drafter.parameters())}
-print("RESULT " + json.dumps(out))
+print("RESULT " + json.dumps({"load": out}))
 '''
 
 
 @pytest.fixture(scope="module")
-def vllm_loaded(runs, tmp_path_factory):
+def vllm_side(runs, tmp_path_factory) -> tuple[dict, str]:
+    """``VLLM_SIDE``'s results ("claims", "load") and output, shared by the two vLLM tests."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from specdraft.targets.families import FAMILIES
+
     if not VLLM_PYTHON.exists():
         pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
-    job = {f: {"target": str(run.stage("target_dir")), "drafter": str(run.stage("train").final)}
-           for f, run in runs.items() if run.stage("target").family.vllm_aux_hidden_states}
-    return _side(VLLM_PYTHON, VLLM_LOAD, job, tmp_path_factory.mktemp("vllm-load"), timeout=900)
+    job = {"claims": {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name] for name in FAMILIES},
+           "load": {f: {"target": str(run.stage("target_dir")), "drafter": str(run.stage("train").final)}
+                    for f, run in runs.items() if run.stage("target").family.vllm_aux_hidden_states}}
+    return _run_side(VLLM_PYTHON, VLLM_SIDE, job, tmp_path_factory.mktemp("vllm-side"), timeout=900)
+
+
+def _vllm_result(vllm_side: tuple[dict, str], part: str) -> dict:
+    results, log = vllm_side
+    assert part in results, log
+    return results[part]
+
+
+@pytest.fixture(scope="module")
+def vllm_loaded(vllm_side) -> dict:
+    return _vllm_result(vllm_side, "load")
 
 
 @pytest.mark.slow
@@ -341,39 +387,13 @@ def test_checkpoint_loads_in_vllm(runs, vllm_loaded, family):
     assert loaded["aux_ids"] == written["aux_hidden_state_layer_ids"] and loaded["mask_token_id"] == written["mask_token_id"]
 
 
-VLLM_CLAIMS = r'''
-import inspect, json, re, sys
-from vllm.model_executor.models import ModelRegistry
-from vllm.model_executor.models.interfaces import supports_eagle3
-out = {}
-for model_type, arch in json.load(open(sys.argv[1])).items():
-    cls = ModelRegistry._try_load_model_cls(arch)
-    ours = lambda c: inspect.isclass(c) and c.__module__.startswith("vllm.model_executor.models")
-    modules = {inspect.getmodule(c) for c in cls.__mro__ if ours(c)}
-    # the decoder stacks those modules use (Qwen3Model subclasses qwen2.py's Qwen2Model)
-    modules |= {inspect.getmodule(b) for m in list(modules) for c in vars(m).values() if ours(c) and c.__name__.endswith("Model")
-                for b in c.__mro__ if ours(b)}
-    source = "".join(inspect.getsource(m) for m in modules)
-    # id start_layer (0) before the first layer, id idx + 1 after layer idx: id i = HF hidden_states[i]
-    convention = bool(re.search(r"(aux_hidden_states|\[\]), self\.start_layer, hidden_states, residual", source))
-    after = bool(re.search(r"aux_hidden_states, (layer_)?idx \+ 1, hidden_states, residual", source))
-    out[model_type] = {"eagle3": bool(supports_eagle3(cls)), "convention": convention and after}
-print("RESULT " + json.dumps(out))
-'''
-
-
 @pytest.mark.slow
-def test_vllm_claims_of_every_family_match_vllm(tmp_path):
+def test_vllm_claims_of_every_family_match_vllm(vllm_side):
     """``Family.vllm_aux_hidden_states`` against vLLM 0.32's own model classes: aux hidden states exist
     (``SupportsEagle3``) exactly where claimed, and use specdraft's layer-id convention."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     from specdraft.targets.families import FAMILIES
 
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
-    archs = {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name] for name in FAMILIES}
-    found = _side(VLLM_PYTHON, VLLM_CLAIMS, archs, tmp_path, timeout=600)
+    found = _vllm_result(vllm_side, "claims")
     for name in FAMILIES:
         claim = FAMILIES.get(name).vllm_aux_hidden_states
         assert found[name]["eagle3"] == claim, name

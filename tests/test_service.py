@@ -87,10 +87,12 @@ def test_bad_requests_get_a_4xx_with_a_clear_message(service, data, token, statu
 
 
 def test_unknown_path_and_client_errors(service):
-    request = urllib.request.Request(service.url + "/nope", headers={"Authorization": f"Bearer {TOKEN}"})
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(request, timeout=10)
-    assert err.value.code == 404 and "POST /extract" in json.loads(err.value.read())["error"]
+    for method, path in (("GET", "/nope"), ("POST", "/nope"), ("GET", "/extract"), ("POST", "/health")):
+        request = urllib.request.Request(service.url + path, data=b"{}" if method == "POST" else None, method=method,
+                                         headers={"Authorization": f"Bearer {TOKEN}"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=10)
+        assert err.value.code == 404 and "POST /extract" in json.loads(err.value.read())["error"], (method, path)
     client = ProducerClient([service.url], token=TOKEN)
     with pytest.raises(SpecdraftError, match=r"refused the request \(400\).*out of range"):
         client.extract({**body("b", [1]), "slots": [{"layer": 99, "side": "input"}]})

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 import torch
@@ -280,16 +282,21 @@ def test_moved_store_reads_with_dataset_and_the_error_says_so(store, tmp_path):
 
 
 def test_deleted_sample_of_a_complete_store_is_an_error(store):
-    _, hs = store
-    victim = sorted(p for p in hs.iterdir() if p.suffix == ".safetensors")[1]
-    victim.unlink()
-    with pytest.raises(SpecdraftError, match="1 bad sample.*is listed in the store manifest but missing"):
+    data, hs = store
+    files = sorted(p for p in hs.iterdir() if p.suffix == ".safetensors")
+    victim = unquote(files[1].stem)
+    files[1].unlink()
+    fix = f"rerun `specdraft extract --dataset {data} --out {hs}`"
+    with pytest.raises(SpecdraftError, match=f"1 bad sample.*{victim!r} is listed in the store manifest but missing.*{re.escape(fix)}"):
         _offline(hs)
     manifest = json.loads((hs / "manifest.json").read_text())
-    del manifest["samples"]  # a store written before manifests listed their samples: the count still tells
+    del manifest["samples"]  # a store written before manifests listed their samples: the count still tells which
     (hs / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(SpecdraftError, match="records 5 complete samples but 4 are stored"):
+    files[3].write_bytes(files[3].read_bytes()[:-64])
+    with pytest.raises(SpecdraftError) as info:  # one check reports both: the counted sample gone and the damaged one
         _offline(hs)
+    assert re.search(f"2 bad sample.*{victim!r} is missing \\(the store manifest records 5 complete samples but 4 are stored\\)", str(info.value))
+    assert f"{files[3].name} is truncated or damaged" in str(info.value) and fix in str(info.value)
 
 
 def test_quickstart_budgets_must_be_meaningful():

@@ -10,11 +10,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from safetensors.torch import load_file, save_file
 
 from specdraft.cli.main import main
 from specdraft.errors import SpecdraftError
+from specdraft.models.common import checkpoint as drafter_ckpt
 from specdraft.models.common.drafter import load_drafter
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.trainer import train
@@ -171,7 +173,7 @@ def test_a_flipped_byte_in_the_trainer_state_stops_the_resume(run, tmp_path):
         ckpt.read_state(out / "checkpoints/step-2")
 
 
-def test_a_flipped_byte_in_a_final_drafter_is_refused(run, tmp_path):
+def test_a_flipped_byte_in_a_final_drafter_is_refused(run, tmp_path, monkeypatch):
     target, _, reference = run
     final = tmp_path / "final"
     shutil.copytree(reference / "final", final)
@@ -185,6 +187,13 @@ def test_a_flipped_byte_in_a_final_drafter_is_refused(run, tmp_path):
     (final / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecdraftError, match="records no checksum of model.safetensors.*add \"checksums\""):
         load_drafter(final, target=target)
+    # an intact one is hashed and parsed once
+    shutil.copy(reference / "final/config.json", final / "config.json")
+    calls = []
+    for module, name in ((drafter_ckpt, "sha256_file"), (safetensors.torch, "load_file")):
+        monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name, **k: calls.append(_n) or _f(*a, **k))
+    load_drafter(final, target=target)
+    assert sorted(calls) == ["load_file", "sha256_file"]
 
 
 # ----- the store, verified before the first step ---------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -163,7 +163,10 @@ def decoder_for_target(
 
 
 class SpeculativeDecoder:
-    """Generates with a target ``model`` (HF causal LM) and a ``proposer``; reusable across calls."""
+    """Generates with a target ``model`` (HF causal LM) and a ``proposer``; reusable across calls.
+
+    ``clock`` (seconds) times the rounds, for the metrics and the draft gate's decisions; tests inject one.
+    """
 
     def __init__(
         self,
@@ -175,8 +178,10 @@ class SpeculativeDecoder:
         scheduler: SchedulerConfig = SchedulerConfig(),
         sps: StepRate | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.model = model
+        self.clock = clock
         self.proposer = proposer
         self.config = config
         self.sampling = sampling
@@ -228,7 +233,7 @@ class SpeculativeDecoder:
         device = self.device
         generator = torch.Generator(device=device).manual_seed(self.config.seed)
         metrics = DecodeMetrics(requests=len(prompts))
-        start = time.perf_counter()
+        start = self.clock()
 
         # Prefill, left-padded so that every row's last prompt token is the last column.
         rows = len(prompts)
@@ -245,7 +250,7 @@ class SpeculativeDecoder:
         logits = logits[:, -1]
         metrics.target_forwards += 1
         first, _ = sample_from_logits(logits, self.sampling, generator)
-        metrics.ttft_s = time.perf_counter() - start
+        metrics.ttft_s = self.clock() - start
 
         limits = [min(self.config.max_new_tokens, self.context_length - len(p)) if self.context_length else self.config.max_new_tokens for p in prompts]
         state = _Rows(
@@ -265,7 +270,7 @@ class SpeculativeDecoder:
             valid, finished = self._round(state, valid, cache, limits, outputs, generator, metrics, gate)
             valid = self._drop(state, finished, valid, cache)
 
-        metrics.wall_s = time.perf_counter() - start
+        metrics.wall_s = self.clock() - start
         final = [o for o in outputs if o is not None]
         metrics.output_tokens = sum(len(o.tokens) for o in final)
         return DecodeResult(outputs=final, metrics=metrics)
@@ -289,7 +294,7 @@ class SpeculativeDecoder:
         max_draft = (remaining - 1).clamp(min=0, max=self.proposer.block_length or self.config.num_draft_tokens)
         drafting = gate is None or gate.should_draft()
 
-        t0 = time.perf_counter()
+        t0 = self.clock()
         if drafting:
             draft = self.proposer.propose(ProposalInput(
                 row_ids=list(state.row_ids),
@@ -301,14 +306,14 @@ class SpeculativeDecoder:
                 generator=generator,
             ))
             lengths = self._draft_lengths(draft, max_draft)
-            sps = with_draft_cost(self.sps, time.perf_counter() - t0) if self.sps is not None else None
+            sps = with_draft_cost(self.sps, self.clock() - t0) if self.sps is not None else None
             lengths = choose_verify_lengths(confidences=draft.confidences, lengths=lengths, config=self.scheduler, sps=sps)
             width = int(lengths.max()) if lengths.numel() else 0
             drafts, draft_probs = draft.tokens[:, :width], draft.probs
         else:
             width, lengths, draft_probs = 0, torch.zeros(rows, dtype=torch.long, device=device), None
             drafts = torch.zeros((rows, 0), dtype=torch.long, device=device)
-        t1 = time.perf_counter()
+        t1 = self.clock()
 
         anchors = torch.tensor([t[-1] for t in state.tokens], dtype=torch.long, device=device)
         block = torch.cat([anchors[:, None], drafts.clamp(min=0)], dim=1)
@@ -319,7 +324,7 @@ class SpeculativeDecoder:
         metrics.target_forwards += 1
         result = self._verify(drafts, lengths, draft_probs, logits, generator)
         metrics.draft_s += t1 - t0
-        metrics.verify_s += time.perf_counter() - t1
+        metrics.verify_s += self.clock() - t1
 
         accepted = result.num_accepted
         kept = int(accepted.max()) + 1
@@ -342,7 +347,7 @@ class SpeculativeDecoder:
             metrics.plain_steps += rows
         finished = self._commit(state, [result.committed(i) for i in range(rows)], limits, outputs)
         if gate is not None and metrics.target_forwards > 2:  # the first round also absorbs the prompt's features
-            gate.record(drafted=drafting, tokens=int(accepted.sum()) + rows, seconds=time.perf_counter() - t0, rows=rows)
+            gate.record(drafted=drafting, tokens=int(accepted.sum()) + rows, seconds=self.clock() - t0, rows=rows)
         return valid, finished
 
     def _draft_lengths(self, draft: Draft, max_draft: torch.Tensor) -> torch.Tensor:

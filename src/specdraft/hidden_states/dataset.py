@@ -7,8 +7,9 @@ a :class:`HiddenStateBackend`, so the same reader serves files today and Mooncak
 
 The store is also checked when it is opened (``verify``), so a bad sample stops a run before its
 first step instead of when training reaches it: ``quick`` (the default) requires every sample the
-manifest lists to be present and each stored object whole (sizes); ``full`` also reads every
-sample and checks it against the sha256 its payload records.
+manifest lists (or, in a store written before manifests listed them, counts) to be present and each
+stored object whole (sizes); ``full`` also reads every sample and checks it against the sha256 its
+payload records. One error names every kind of problem found.
 """
 
 from __future__ import annotations
@@ -75,15 +76,6 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self.sample_ids = [sid for sid in self.prepared.sample_ids if sid in stored]
         if not self.sample_ids:
             raise SpecdraftError(f"{where} holds no samples; run `specdraft extract --out {where}`")
-        recorded = int(manifest.get("count") or 0)
-        if manifest.get("complete") and "samples" not in manifest and len(stored) < recorded:  # older stores; else verify() names each
-            # extract's last run stored `count` samples, the first ones of its selection: those are missing now
-            lost = [sid for sid in self.prepared.sample_ids[:recorded] if sid not in stored]
-            raise SpecdraftError(
-                f"{where}: the manifest records {recorded} complete samples but {len(stored)} are stored "
-                f"({recorded - len(stored)} missing{', e.g. ' + repr(lost[0]) if lost else ''}); rerun "
-                f"`specdraft extract --dataset {self.prepared.directory} --out {where}` (with the same --max-samples) to redo them"
-            )
         if not manifest.get("complete"):
             log.warning("%s: extraction did not finish; reading the %d samples stored so far", where, len(self.sample_ids))
         self.verify(verify)
@@ -92,10 +84,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         """Check the store before use (see the module docstring); one error lists what is wrong."""
         if level not in VERIFY_LEVELS:
             raise SpecdraftError(f"verify level must be one of {', '.join(VERIFY_LEVELS)}, got {level!r}")
-        where = self.backend.location
-        present = set(self.sample_ids)
-        problems = {key: f"sample {key!r} is listed in the store manifest but missing"
-                    for key in self.manifest.get("samples") or () if key not in present}
+        problems = self._missing()
         problems.update(self.backend.stored_problems(self.sample_ids))
         if level == "full":
             from tqdm import tqdm
@@ -109,7 +98,25 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if problems:
             shown = "; ".join(problems[k] for k in sorted(problems)[:3])
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-            raise SpecdraftError(f"{where}: {len(problems)} bad sample(s): {shown}{more}; rerun `specdraft extract` to redo them")
+            where = self.backend.location
+            raise SpecdraftError(
+                f"{where}: {len(problems)} bad sample(s): {shown}{more}; rerun `specdraft extract --dataset {self.prepared.directory} "
+                f"--out {where}` with the options in the manifest's \"config\" to redo them (intact samples are kept)"
+            )
+
+    def _missing(self) -> dict[str, str]:
+        """Samples the manifest says extraction stored that are gone (key -> why).
+
+        Those it lists; a store written before manifests listed their samples has only its count, and a
+        complete one's stored samples are the first ``count`` of the dataset (extract selects a prefix).
+        """
+        present = set(self.sample_ids)
+        listed = self.manifest.get("samples")
+        if listed is not None:
+            return {key: f"sample {key!r} is listed in the store manifest but missing" for key in listed if key not in present}
+        count = int(self.manifest.get("count") or 0) if self.manifest.get("complete") else 0
+        why = f"the store manifest records {count} complete samples but {len(present)} are stored"
+        return {key: f"sample {key!r} is missing ({why})" for key in self.prepared.sample_ids[:count] if key not in present}
 
     @property
     def slots(self) -> list[LayerSlot]:

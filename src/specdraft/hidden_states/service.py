@@ -412,18 +412,18 @@ def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
                 self._send(exc.status, {"error": str(exc)})
 
         def do_GET(self) -> None:  # noqa: N802 - stdlib name
-            if self.path != "/health":
-                self.close_connection = True
-                self._send(404, {"error": f"no such endpoint {self.path!r}; use GET /health or POST /extract"})
-                return
-            self._guard(service.health)
+            self._route("/health", service.health)
 
         def do_POST(self) -> None:  # noqa: N802 - stdlib name
-            if self.path != "/extract":
+            self._route("/extract", self._extract)
+
+        def _route(self, path: str, fn) -> None:
+            """Answer with ``fn`` when the request is for ``path`` (this method's one endpoint), else 404."""
+            if self.path != path:
                 self.close_connection = True
                 self._send(404, {"error": f"no such endpoint {self.path!r}; use GET /health or POST /extract"})
                 return
-            self._guard(self._extract)
+            self._guard(fn)
 
         def _extract(self) -> dict:
             length = self.headers.get("Content-Length")

@@ -91,18 +91,15 @@ def verify_weights(directory: Path, config: dict) -> None:
         )
 
 
-def read_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read a drafter directory; raise ``SpecdraftError`` for anything but config.json + safetensors."""
+def read_checkpoint_config(directory: str | os.PathLike) -> dict:
+    """``config.json`` of a drafter directory that holds safetensors weights (not read or verified here)."""
     import json
-
-    from safetensors.torch import load_file
 
     directory = Path(directory)
     if not directory.is_dir():
         raise SpecdraftError(f"drafter checkpoint {directory} is not a directory")
     config_path = directory / CONFIG_FILE
-    weights_path = directory / WEIGHTS_FILE
-    if not weights_path.is_file():
+    if not (directory / WEIGHTS_FILE).is_file():
         pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise SpecdraftError(
@@ -118,7 +115,17 @@ def read_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch
         raise SpecdraftError(f"{config_path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise SpecdraftError(f"{config_path} is not a JSON object")
+    return config
+
+
+def read_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a drafter directory, weights verified; raise ``SpecdraftError`` for anything but config.json + safetensors."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config = read_checkpoint_config(directory)
     verify_weights(directory, config)
+    weights_path = directory / WEIGHTS_FILE
     try:
         tensors = load_file(str(weights_path))
     except Exception as exc:  # safetensors raises its own error types

@@ -287,8 +287,8 @@ def speculative_tokens_of(cfg: dict) -> int | None:
 
 
 def load_drafter(directory: str | Path, *, target: Any = None) -> SpeculatorsDrafter:
-    """Load any drafter checkpoint, dispatching on its ``speculators_model_type``."""
-    cfg, _ = ckpt.read_checkpoint(directory)
+    """Load any drafter checkpoint, dispatching on its ``speculators_model_type`` (the family's loader reads and verifies the weights)."""
+    cfg = ckpt.read_checkpoint_config(directory)
     kind = cfg.get("speculators_model_type")
     if not isinstance(kind, str):
         raise SpecdraftError(f"{directory}/config.json has no speculators_model_type; is this a drafter checkpoint?")

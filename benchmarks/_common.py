@@ -1,0 +1,51 @@
+"""What the benchmarks share: the command line they start from, and loading the target they measure.
+
+Imported as ``from _common import ...``: a benchmark runs as ``python benchmarks/NAME.py``, so this
+folder is on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+DEFAULT_TARGET = "smollm2-135m"
+
+
+def benchmark_parser(doc: str, *, target: bool = True, threads: int = 0) -> argparse.ArgumentParser:
+    """A parser described by ``doc``'s first line, with ``--threads`` (default ``threads``) and, if ``target``, ``--target``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if target:
+        parser.add_argument("--target", default=DEFAULT_TARGET, help="embedded target name or HF directory")
+    parser.add_argument("--threads", type=int, default=threads, help="torch CPU threads (0 = torch's default)")
+    return parser
+
+
+def load_benchmark_target(args: argparse.Namespace, name: str | None = None) -> Any:
+    """Apply ``--threads``, then load the target ``name`` (default: ``--target``)."""
+    import torch
+
+    from specdraft.targets import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_target(name or args.target)
+
+
+def quickstart_drafter(target: Any) -> Any:
+    """A fresh drafter of the quickstart's configuration (what `specdraft quickstart` trains); untrained
+    weights cost what trained ones do."""
+    import torch
+
+    from specdraft.models import METHODS
+    from specdraft.quickstart import QuickstartConfig
+    from specdraft.train.config import resolve_config
+    from specdraft.train.trainer import build_method_config
+
+    qs = QuickstartConfig()
+    cfg = resolve_config(qs.recipe, {"model": {"max_anchors": qs.max_anchors}})
+    spec = METHODS.get(cfg.method)
+    model = build_method_config(spec, cfg.model)
+    torch.manual_seed(0)
+    counts = torch.arange(target.vocab_size, 0, -1, dtype=torch.int64)  # draft vocabulary: any tokens cost the same
+    return spec.build(model, target, counts=counts)
