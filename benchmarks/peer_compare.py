@@ -6,9 +6,12 @@ schedule) train on the same training samples for the same number of epochs, so b
 the training split's tokens times ``--epochs`` (both pack whole samples into rows of at most
 2048 tokens and drop none; the step counts can differ by a row or two of packing). The draft shape
 is matched where both expose it: the peer gets our recipe's layers, block size, draft vocabulary (its
-d2t/t2d written from the counts ours uses) and, for DSpark, Markov rank; ``--peer-anchors`` sets its
-anchors per sequence (``recipe`` = ours, ``default`` = its 512). Every other default stays each
-trainer's own and is listed in the output.
+d2t/t2d written from the counts ours uses) and, for DSpark, Markov rank. Anchors are counted
+differently: ours draws up to ``max_anchors`` (64) per *sample*, the peer ``--max-anchors`` (512) per
+packed 2048-token *row*; on regenerated ShareGPT rows (~14 samples) ours drew 704-753 blocks a step,
+so ``--peer-anchors matched`` (default) gives the peer our run's mean blocks per step, equal
+draft work per token, and ``default`` leaves its 512. Every other default stays each trainer's own and
+is listed in the output.
 
 Both drafters are then decoded through specdraft's runtime: greedy, on the store's validation prompts
 (``DecodeProbe``, as ``specdraft train`` logs ``tau_decoded``) and with ``specdraft eval --suite``.
@@ -93,23 +96,25 @@ def train_ours(method: str, args: argparse.Namespace, out: Path) -> dict:
     train = [r for r in records if r.get("split") == "train"]
     tokens, seconds = sum(r["tokens"] for r in train), sum(r["seconds"] for r in train)
     return {"checkpoint": str(final), "steps": train[-1]["step"], "tokens": tokens, "step_seconds": round(seconds, 3),
-            "tokens_per_s": tokens / seconds, "wall_s": wall, "dtype": train[-1].get("dtype")}
+            "tokens_per_s": tokens / seconds, "wall_s": wall, "dtype": train[-1].get("dtype"),
+            "anchors_per_step": round(sum(r.get("anchors", 0) for r in train) / len(train))}
 
 
-def peer_flags(method: str, args: argparse.Namespace) -> list[str]:
-    """The peer flags that give its drafter our recipe's shape (and anchors, per ``--peer-anchors``)."""
+def peer_flags(method: str, args: argparse.Namespace, ours: dict) -> list[str]:
+    """The peer flags that give its drafter our recipe's shape (and, per ``--peer-anchors``, our run's
+    blocks per step: ``ours`` is ``train_ours``' result)."""
     model = ours_config(method, args).model
     flags = [x for key, flag in SHAPE_FLAGS.items() if key in model for x in (flag, str(model[key]))]
-    if args.peer_anchors == "recipe":
-        flags += ["--max-anchors", str(model["max_anchors"])]
+    if args.peer_anchors == "matched":
+        flags += ["--max-anchors", str(ours["anchors_per_step"])]
     return flags
 
 
-def train_peer(method: str, args: argparse.Namespace, out: Path) -> dict:
+def train_peer(method: str, args: argparse.Namespace, out: Path, ours: dict) -> dict:
     summary = out / "summary.json"
     wall = None
     if args.retrain or not summary.is_file():
-        flags = peer_flags(method, args)
+        flags = peer_flags(method, args, ours)
         vocab = flags.pop(flags.index("--draft-vocab-size") + 1)
         flags.remove("--draft-vocab-size")
         cmd = [str(INTEROP_PYTHON), str(ROOT / "benchmarks/peer_trainer.py"), "--store", args.store, "--target", args.target,
@@ -139,7 +144,7 @@ def defaults(method: str, args: argparse.Namespace, ours_dir: Path, peer_dir: Pa
         ("schedule", f"{ours['warmup_ratio']:.0%} warm-up, cosine", f"{peer['scheduler_type']}, warm-up {peer['scheduler_warmup_steps'] or peer['scheduler_warmup_ratio'] or '1% of steps'}"),
         ("loss", ours_loss, f"{peer['loss_fn']}, {peer['per_position_loss_weight']} position weights (gamma {peer['dflash_decay_gamma']})"
          + (f", confidence BCE x{peer['confidence_head_alpha']}" if method == "dspark" else "")),
-        ("anchors per sequence", f"{model['max_anchors']} ({model.get('anchor_sampling')})", str(peer["max_anchors"])),
+        ("anchors", f"up to {model['max_anchors']} per sample ({model.get('anchor_sampling')})", f"{peer['max_anchors']} per packed row"),
         ("warm start", f"draft layers from target: {ours['init_from_target']}, fc {ours['fc_init']}"
          + (f", Markov {ours['markov_init']}" if method == "dspark" else ""), "random init (embeddings/lm_head from the verifier)"),
         ("compute dtype", str(ours["dtype"]), f"autocast {peer['hidden_states_dtype']}"),
@@ -203,8 +208,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2, help="passes over the training split, both trainers (our recipes' 2)")
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--split-seed", type=int, default=0)
-    parser.add_argument("--peer-anchors", choices=["recipe", "default"], default="recipe",
-                        help="the peer's --max-anchors: our recipe's (equal draft work per token) or its default 512")
+    parser.add_argument("--peer-anchors", choices=["matched", "default"], default="matched",
+                        help="the peer's --max-anchors (blocks per packed row): our run's mean blocks per step, or its default 512")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every training and decoding process")
     parser.add_argument("--lock", default=None, help="flock file held during each training run (e.g. /tmp/heavy.lock)")
     parser.add_argument("--val-prompts", type=int, default=10, help="validation prompts decoded per drafter")
@@ -234,7 +239,8 @@ def main() -> None:
                                              capture_output=True, text=True).stdout.strip(), "methods": {}}
     for method in args.methods.split(","):
         ours_dir, peer_dir = out / f"ours-{method}", out / f"peer-{method}"
-        train = {"ours": train_ours(method, args, ours_dir), "peer": train_peer(method, args, peer_dir)}
+        ours = train_ours(method, args, ours_dir)
+        train = {"ours": ours, "peer": train_peer(method, args, peer_dir, ours)}
         if args.train_only:
             print(json.dumps({method: train}, indent=1))
             continue
@@ -242,7 +248,7 @@ def main() -> None:
                                       split_seed=args.split_seed, prompts=args.val_prompts, tokens=args.val_tokens)
                for who, t in train.items()}
         suite = suite_taus(method, args, train["ours"]["checkpoint"], train["peer"]["checkpoint"], out / f"eval-{method}") if args.suite else {}
-        result["methods"][method] = {"train": train, "val_tau": val, "suite_tau": suite, "peer_shape_flags": peer_flags(method, args),
+        result["methods"][method] = {"train": train, "val_tau": val, "suite_tau": suite, "peer_shape_flags": peer_flags(method, args, ours),
                                      "defaults": defaults(method, args, ours_dir, peer_dir)}
         (out / "peer_compare.json").write_text(json.dumps(result, indent=1))
     if not args.train_only:
