@@ -39,41 +39,66 @@ import time
 from pathlib import Path
 
 
-def convert(store: str, out: Path, *, val_fraction: float, split_seed: int) -> dict:
-    """Write ``out`` (speculators' data layout) from our store; returns the layer ids and split sizes."""
+def convert(store: str, out: Path, *, method: str, val_fraction: float, split_seed: int, draft_vocab_size: int | None = None) -> dict:
+    """Write ``out`` (speculators' data layout) from our store; returns the layer ids and split sizes.
+
+    Only ``method``'s slots are written (a store may hold several methods' slots). With
+    ``draft_vocab_size`` also ``d2t-N.npy``/``t2d-N.npy`` (the peer's cached mapping names), built from
+    the counts our trainer selects its draft vocabulary from, so both drafters share one vocabulary.
+    A directory converted from the same store, slots and split (``converted.json``) is reused."""
+    import numpy as np
     import torch
     from datasets import Dataset
     from safetensors.torch import save_file
 
+    import specdraft.models  # noqa: F401  (registers the methods)
     from specdraft.hidden_states.dataset import HiddenStateDataset
+    from specdraft.models.base import METHODS
     from specdraft.models.common.checkpoint import slot_to_aux_id
+    from specdraft.models.common.vocab import build_draft_vocab
+    from specdraft.train.data import select_slots
+    from specdraft.train.trainer import token_counts
     from specdraft.train.split import dataset_split
 
     dataset = HiddenStateDataset(store)
-    split = dataset_split(dataset, val_fraction=val_fraction, seed=split_seed)
-    if not split.val:
-        raise SystemExit(f"{store}: no sample falls in the validation split (val_fraction {val_fraction}); the peer needs one")
-    order = split.train + split.val  # the peer holds out the last rows
-    (out / "hidden_states").mkdir(parents=True, exist_ok=True)
-    columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    for row, index in enumerate(order):
-        item = dataset[index]
-        tokens = torch.as_tensor(item["token_ids"], dtype=torch.long)
-        stacked = torch.cat([item["hidden_states"], item["last_hidden"].unsqueeze(1)], dim=1).contiguous()
-        save_file({"token_ids": tokens, "hidden_states": stacked}, str(out / "hidden_states" / f"hs_{row}.safetensors"))
-        columns["input_ids"].append(tokens.tolist())
-        columns["loss_mask"].append([int(m) for m in torch.as_tensor(item["loss_mask"]).tolist()])
-        columns["seq_len"].append(len(tokens))
-    Dataset.from_dict(columns).with_format("torch").save_to_disk(str(out))
-    layer_ids = [slot_to_aux_id(slot) for slot in dataset.slots]
-    return {"layer_ids": layer_ids, "train_rows": len(split.train), "val_rows": len(split.val),
-            # the peer cuts at int(rows * ratio): half a row more keeps float rounding on the right side
-            "train_data_ratio": (len(split.train) + 0.5) / len(order), "tokens": sum(columns["seq_len"])}
+    slots = METHODS.get(method).layer_slots(int(dataset.target_info["num_layers"]))
+    key = {"store": str(Path(store).resolve()), "slots": [str(s) for s in slots], "val_fraction": val_fraction, "split_seed": split_seed}
+    done = out / "converted.json"
+    if done.is_file() and (facts := json.loads(done.read_text()))["key"] == key:
+        facts.pop("key")
+    else:
+        slot_index = select_slots(dataset.slots, slots, where=store)
+        split = dataset_split(dataset, val_fraction=val_fraction, seed=split_seed)
+        if not split.val:
+            raise SystemExit(f"{store}: no sample falls in the validation split (val_fraction {val_fraction}); the peer needs one")
+        order = split.train + split.val  # the peer holds out the last rows
+        (out / "hidden_states").mkdir(parents=True, exist_ok=True)
+        columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+        for row, index in enumerate(order):
+            item = dataset[index]
+            tokens = torch.as_tensor(item["token_ids"], dtype=torch.long)
+            stacked = torch.cat([item["hidden_states"][:, slot_index], item["last_hidden"].unsqueeze(1)], dim=1).contiguous()
+            save_file({"token_ids": tokens, "hidden_states": stacked}, str(out / "hidden_states" / f"hs_{row}.safetensors"))
+            columns["input_ids"].append(tokens.tolist())
+            columns["loss_mask"].append([int(m) for m in torch.as_tensor(item["loss_mask"]).tolist()])
+            columns["seq_len"].append(len(tokens))
+        Dataset.from_dict(columns).with_format("torch").save_to_disk(str(out))
+        train_tokens = sum(columns["seq_len"][: len(split.train)])
+        facts = {"layer_ids": [slot_to_aux_id(slot) for slot in slots], "train_rows": len(split.train), "val_rows": len(split.val),
+                 # the peer cuts at int(rows * ratio): half a row more keeps float rounding on the right side
+                 "train_data_ratio": (len(split.train) + 0.5) / len(order), "tokens": sum(columns["seq_len"]), "train_tokens": train_tokens}
+        done.write_text(json.dumps({**facts, "key": key}))
+    if draft_vocab_size:
+        d2t, t2d = build_draft_vocab(token_counts(dataset), draft_vocab_size)
+        np.save(out / f"d2t-{draft_vocab_size}.npy", d2t.numpy())
+        np.save(out / f"t2d-{draft_vocab_size}.npy", t2d.numpy())
+    return facts
 
 
-def decode_peer(args: argparse.Namespace, run: Path) -> dict:
-    """Greedy decoded tau of the peer's last checkpoint on our validation prompts, in our runtime (as
-    ``specdraft train`` measures its own drafter: ``train/acceptance.py``)."""
+def decode_validation(store: str, target_dir: str, checkpoint: Path, *, val_fraction: float, split_seed: int, prompts: int,
+                      tokens: int) -> dict:
+    """Greedy decoded tau of ``checkpoint`` (ours or the peer's) on our first validation prompts, in our
+    runtime, as ``specdraft train`` logs its own ``tau_decoded`` (``train/acceptance.py``)."""
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.models import load_drafter
     from specdraft.targets import load_target
@@ -81,14 +106,50 @@ def decode_peer(args: argparse.Namespace, run: Path) -> dict:
     from specdraft.train.data import token_rows
     from specdraft.train.split import dataset_split
 
-    checkpoint = max((p for p in run.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
-    dataset = HiddenStateDataset(args.store)
-    val = dataset_split(dataset, val_fraction=args.val_fraction, seed=args.split_seed).val
-    probe = DecodeProbe.from_split(token_rows(dataset, val), [dataset.sample_ids[i] for i in val],
-                                   count=args.decode_prompts, tokens=args.decode_tokens)
-    target = load_target(args.target)
+    dataset = HiddenStateDataset(store)
+    val = dataset_split(dataset, val_fraction=val_fraction, seed=split_seed).val
+    probe = DecodeProbe.from_split(token_rows(dataset, val), [dataset.sample_ids[i] for i in val], count=prompts, tokens=tokens)
+    target = load_target(target_dir)
     drafter = load_drafter(checkpoint, target=target)
-    return {"checkpoint": str(checkpoint), "prompt_ids": list(probe.sample_ids), **probe.run(drafter, args.method, target)}
+    return {"checkpoint": str(checkpoint), "prompt_ids": list(probe.sample_ids), **probe.run(drafter, drafter.method, target)}
+
+
+def last_checkpoint(run: Path) -> Path:
+    """The peer's newest checkpoint directory under its ``--save-path`` (named by epoch or step)."""
+    return max((p for p in run.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def record_metrics(path: Path) -> None:
+    """Append every record of the peer's metric logger (``speculators.metrics``: per step its losses and
+    ``profile``, the step timer's fetch/forward/backward/optimizer times) to ``path`` as JSON lines.
+    The handler is added after the peer configures its loggers, which would drop an earlier one."""
+    import logging
+
+    import speculators.train.cli as peer_cli
+
+    class JsonLines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if isinstance(record.msg, dict):
+                with path.open("a") as f:
+                    f.write(json.dumps(record.msg, default=float) + "\n")
+
+    setup = peer_cli.setup_metric_logger
+
+    def setup_then_record(*args, **kwargs):
+        setup(*args, **kwargs)
+        logging.getLogger("speculators.metrics").addHandler(JsonLines())
+
+    peer_cli.setup_metric_logger = setup_then_record
+
+
+def step_summary(path: Path) -> dict:
+    """Steps, tokens and seconds in steps (fetch + forward + backward + optimizer, validation excluded)
+    from ``record_metrics``' file: what ``specdraft train`` sums into its ``tokens_per_s``."""
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    steps = [r for r in steps if r.get("profile") and "global_step" in r]
+    seconds = sum(r["profile"]["step_ms"] for r in steps) / 1000
+    tokens = sum(round(r["profile"]["tokens_per_s"] * r["profile"]["step_ms"] / 1000) for r in steps)
+    return {"steps": len(steps), "tokens": tokens, "step_seconds": round(seconds, 3), "tokens_per_s": tokens / seconds if seconds else 0.0}
 
 
 #: Configuration the peer needs on CPU: FlexAttention has no CPU backward, the fused losses need Triton.
@@ -122,12 +183,17 @@ def main() -> None:
     parser.add_argument("--store", required=True, help="specdraft hidden-state store (its layers are the drafter's)")
     parser.add_argument("--target", required=True, help="the target's Hugging Face directory (the peer's --verifier-name-or-path)")
     parser.add_argument("--method", default="dspark", choices=["dspark", "dflash"], help="the peer's --speculator-type")
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (the peer's --max-steps)")
-    parser.add_argument("--out", required=True, help="work directory: data/ (converted), run/ (the peer's checkpoints)")
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps (the peer's --max-steps; 0 = as many as --epochs take)")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the training rows (the peer's --epochs)")
+    parser.add_argument("--out", required=True, help="work directory: data/ (converted), run/ (the peer's checkpoints), metrics.jsonl")
+    parser.add_argument("--data-dir", default=None, help="where the converted data goes (default OUT/data; reused when converted from "
+                        "the same store, slots and split, e.g. by dspark and dflash, which read the same slots)")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="our split's val_fraction (its validation rows go last)")
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--total-seq-len", type=int, default=2048, help="the peer's packed sequence length")
     parser.add_argument("--dtype", default="bfloat16", help="the peer's --hidden-states-dtype (its default; float32 runs without autocast)")
+    parser.add_argument("--draft-vocab-size", type=int, default=None,
+                        help="the peer's --draft-vocab-size, its mapping built from our store's counts (as our trainer builds its own)")
     parser.add_argument("--cpu-harness", action=argparse.BooleanOptionalAction, default=True,
                         help="patch the device choice so the trainer runs on CPU (see the module docstring)")
     parser.add_argument("--decode-only", action="store_true",
@@ -140,22 +206,32 @@ def main() -> None:
 
     out = Path(args.out)
     if args.decode_only:
-        print(json.dumps(decode_peer(args, out / "run"), indent=1))
+        print(json.dumps(decode_validation(args.store, args.target, last_checkpoint(out / "run"), val_fraction=args.val_fraction,
+                                           split_seed=args.split_seed, prompts=args.decode_prompts, tokens=args.decode_tokens), indent=1))
         return
 
     from speculators.train.cli import main as peer_main
     from speculators.train.config import TrainConfig
 
-    facts = convert(args.store, out / "data", val_fraction=args.val_fraction, split_seed=args.split_seed)
+    data = Path(args.data_dir) if args.data_dir else out / "data"
+    facts = convert(args.store, data, method=args.method, val_fraction=args.val_fraction, split_seed=args.split_seed,
+                    draft_vocab_size=args.draft_vocab_size)
     on_cpu = args.cpu_harness and install_cpu_harness()
-    argv = ["--speculator-type", args.method, "--verifier-name-or-path", args.target, "--data-path", str(out / "data"),
-            "--save-path", str(out / "run"), "--log-dir", str(out / "logs"), "--max-steps", str(args.steps), "--epochs", "1",
+    metrics = out / "metrics.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    metrics.unlink(missing_ok=True)
+    record_metrics(metrics)
+    argv = ["--speculator-type", args.method, "--verifier-name-or-path", args.target, "--data-path", str(data),
+            "--save-path", str(out / "run"), "--log-dir", str(out / "logs"), "--epochs", str(args.epochs),
+            *(["--max-steps", str(args.steps)] if args.steps else []),
             "--total-seq-len", str(args.total_seq_len), "--train-data-ratio", str(facts["train_data_ratio"]), "--hidden-states-dtype", args.dtype,
             "--num-workers", "0", "--on-missing", "raise", "--target-layer-ids", *map(str, facts["layer_ids"]),
+            *(["--draft-vocab-size", str(args.draft_vocab_size)] if args.draft_vocab_size else []),
             *(CPU_FLAGS if on_cpu else []), *args.extra.split()]
     started = time.perf_counter()
     peer_main(TrainConfig.resolve(argv))
-    facts.update(seconds=round(time.perf_counter() - started, 3), argv=argv)
+    facts.update(seconds=round(time.perf_counter() - started, 3), argv=argv, **step_summary(metrics))
+    (out / "summary.json").write_text(json.dumps(facts, indent=1))
     print(json.dumps(facts, indent=1))
 
 

@@ -1,0 +1,260 @@
+"""Head-to-head: specdraft's trainer against speculators 0.9.0's on one store (issue 16, item 4).
+
+For each method (DSpark, DFlash): ``specdraft train --config METHOD`` and the peer's own entry point
+(``benchmarks/peer_trainer.py``: our store converted to its data, its losses, optimizer and
+schedule) train on the same training samples for the same number of epochs, so both consume exactly
+the training split's tokens times ``--epochs`` (both pack whole samples into rows of at most
+2048 tokens and drop none; the step counts can differ by a row or two of packing). The draft shape
+is matched where both expose it: the peer gets our recipe's layers, block size, draft vocabulary (its
+d2t/t2d written from the counts ours uses) and, for DSpark, Markov rank. Anchors are counted
+differently: ours draws up to ``max_anchors`` (64) per *sample*, the peer ``--max-anchors`` (512) per
+packed 2048-token *row*; on regenerated ShareGPT rows (~14 samples) ours drew 704-753 blocks a step,
+so ``--peer-anchors matched`` (default) gives the peer our run's mean blocks per step, equal
+draft work per token, and ``default`` leaves its 512. Every other default stays each trainer's own and
+is listed in the output.
+
+Both drafters are then decoded through specdraft's runtime: greedy, on the store's validation prompts
+(``DecodeProbe``, as ``specdraft train`` logs ``tau_decoded``) and with ``specdraft eval --suite``.
+Training tokens/s is each trainer's own step clock (fetch + forward + backward + optimizer; validation,
+checkpoints and logging excluded): ``metrics.jsonl`` ``tokens / seconds`` for ours, the peer's
+``profile`` records for it, with ``--threads`` torch threads each. Each training run takes
+``--lock`` (flock) so timed runs do not overlap; decoding does not. Runs already finished under
+``--out`` are reused (``--retrain`` redoes them). Writes ``OUT/peer_compare.json`` and ``.md``.
+
+Run from the repository root in .venv (the peer trains in .venv-interop)::
+
+  PYTHONPATH=src nice -n 5 .venv/bin/python benchmarks/peer_compare.py --store runs/r16/hidden_states \\
+      --out runs/peer_compare --epochs 2 --lock /tmp/heavy.lock --train-only
+  PYTHONPATH=src nice -n 15 .venv/bin/python benchmarks/peer_compare.py --store runs/r16/hidden_states \\
+      --out runs/peer_compare --epochs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_trainer import decode_validation, last_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+INTEROP_PYTHON = ROOT / ".venv-interop/bin/python"
+#: Our config field -> the peer flag that sets the same quantity (DSpark-only ones are skipped for DFlash).
+SHAPE_FLAGS = {"num_layers": "--num-layers", "block_size": "--block-size", "draft_vocab_size": "--draft-vocab-size",
+               "markov_rank": "--markov-rank"}
+
+
+@contextmanager
+def held(lock: str | None):
+    """Hold ``lock`` (flock) for the duration of one timed run; no lock when None."""
+    if not lock:
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def run_logged(cmd: list[str], log: Path, threads: int, lock: str | None) -> float:
+    """Run ``cmd`` with ``threads`` torch threads, output to ``log``; wall seconds. A failure names the log."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(threads)}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with held(lock), log.open("w") as out:
+        started = time.perf_counter()
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+        seconds = time.perf_counter() - started
+    if code:
+        raise SystemExit(f"{' '.join(cmd[:6])} ... failed (exit {code}); see {log}")
+    return round(seconds, 1)
+
+
+def ours_config(method: str, args: argparse.Namespace):
+    from specdraft.train.config import resolve_config
+
+    return resolve_config(method, {"epochs": args.epochs, "val_fraction": args.val_fraction, "split_seed": args.split_seed})
+
+
+def train_ours(method: str, args: argparse.Namespace, out: Path) -> dict:
+    final = out / "final"
+    wall = None
+    if args.retrain or not final.is_dir():
+        cmd = [sys.executable, "-m", "specdraft.cli.main", "train", "--config", method, "--data", args.store, "--out", str(out),
+               "--epochs", str(args.epochs), "--val-fraction", str(args.val_fraction), "--split-seed", str(args.split_seed),
+               "--num-threads", str(args.threads)]
+        wall = run_logged(cmd, out.with_suffix(".log"), args.threads, args.lock)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("split") == "train"]
+    tokens, seconds = sum(r["tokens"] for r in train), sum(r["seconds"] for r in train)
+    return {"checkpoint": str(final), "steps": train[-1]["step"], "tokens": tokens, "step_seconds": round(seconds, 3),
+            "tokens_per_s": tokens / seconds, "wall_s": wall, "dtype": train[-1].get("dtype"),
+            "anchors_per_step": round(sum(r.get("anchors", 0) for r in train) / len(train))}
+
+
+def peer_flags(method: str, args: argparse.Namespace, ours: dict) -> list[str]:
+    """The peer flags that give its drafter our recipe's shape (and, per ``--peer-anchors``, our run's
+    blocks per step: ``ours`` is ``train_ours``' result)."""
+    model = ours_config(method, args).model
+    flags = [x for key, flag in SHAPE_FLAGS.items() if key in model for x in (flag, str(model[key]))]
+    if args.peer_anchors == "matched":
+        flags += ["--max-anchors", str(ours["anchors_per_step"])]
+    return flags
+
+
+def train_peer(method: str, args: argparse.Namespace, out: Path, ours: dict) -> dict:
+    summary = out / "summary.json"
+    wall = None
+    if args.retrain or not summary.is_file():
+        flags = peer_flags(method, args, ours)
+        vocab = flags.pop(flags.index("--draft-vocab-size") + 1)
+        flags.remove("--draft-vocab-size")
+        cmd = [str(INTEROP_PYTHON), str(ROOT / "benchmarks/peer_trainer.py"), "--store", args.store, "--target", args.target,
+               "--method", method, "--epochs", str(args.epochs), "--out", str(out), "--data-dir", str(Path(args.out) / "peer-data"),
+               "--val-fraction", str(args.val_fraction), "--split-seed", str(args.split_seed), "--draft-vocab-size", vocab,
+               "--extra", " ".join(flags)]
+        wall = run_logged(cmd, out.with_suffix(".log"), args.threads, args.lock)
+    facts = json.loads(summary.read_text())
+    return {"checkpoint": str(last_checkpoint(out / "run")), "steps": facts["steps"], "tokens": facts["tokens"],
+            "step_seconds": facts["step_seconds"], "tokens_per_s": facts["tokens_per_s"], "wall_s": wall,
+            "train_tokens_per_epoch": facts["train_tokens"], "argv": facts["argv"]}
+
+
+def defaults(method: str, args: argparse.Namespace, ours_dir: Path, peer_dir: Path) -> list[tuple[str, str, str]]:
+    """(setting, ours, peer) for the training choices left at each trainer's own value."""
+    import yaml
+
+    ours = yaml.safe_load((ours_dir / "config.resolved.yaml").read_text())
+    run_yaml = yaml.safe_load((peer_dir / "run" / "run.yaml").read_text())["train"]
+    peer = _peer_resolved(run_yaml)
+    model = ours["model"]
+    ours_loss = {"dspark": "0.1 CE + 0.9 L1 + 1.0 BCE (confidence), exp(-k/4) position weights",
+                 "dflash": "CE (hard target argmax), exp(-k/gamma) position weights"}[method]
+    return [
+        ("optimizer", f"AdamW lr {ours['lr']}, wd {ours['weight_decay']}, betas {ours['betas']}",
+         f"{peer['optimizer']} lr {peer['lr']} (muon_lr {peer['muon_lr']}), wd {peer['weight_decay']}, muon wd {peer['muon_weight_decay']}"),
+        ("schedule", f"{ours['warmup_ratio']:.0%} warm-up, cosine", f"{peer['scheduler_type']}, warm-up {peer['scheduler_warmup_steps'] or peer['scheduler_warmup_ratio'] or '1% of steps'}"),
+        ("loss", ours_loss, f"{peer['loss_fn']}, {peer['per_position_loss_weight']} position weights (gamma {peer['dflash_decay_gamma']})"
+         + (f", confidence BCE x{peer['confidence_head_alpha']}" if method == "dspark" else "")),
+        ("anchors", f"up to {model['max_anchors']} per sample ({model.get('anchor_sampling')})", f"{peer['max_anchors']} per packed row"),
+        ("warm start", f"draft layers from target: {ours['init_from_target']}, fc {ours['fc_init']}"
+         + (f", Markov {ours['markov_init']}" if method == "dspark" else ""), "random init (embeddings/lm_head from the verifier)"),
+        ("compute dtype", str(ours["dtype"]), f"autocast {peer['hidden_states_dtype']}"),
+        ("grad clip", str(ours["grad_clip"]), "1.0"),
+        ("seed", str(ours["seed"]), str(peer["seed"])),
+    ]
+
+
+def _peer_resolved(run_yaml: dict) -> dict:
+    """The peer's flat config for a run.yaml (its defaults filled in by its own schema)."""
+    code = ("import json, sys, yaml; from speculators.train.config import TrainConfig; "
+            "print(json.dumps(TrainConfig(**yaml.safe_load(sys.stdin.read())).flatten(), default=str))")
+    import yaml
+
+    done = subprocess.run([str(INTEROP_PYTHON), "-c", code], input=yaml.safe_dump(run_yaml), capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def suite_taus(method: str, args: argparse.Namespace, ours: str, peer: str, out: Path) -> dict:
+    """tau per domain of both checkpoints with ``specdraft eval`` (same prompts, same runtime)."""
+    report = out / "report.json"
+    if args.retrain or not report.is_file():
+        cmd = [sys.executable, "-m", "specdraft.cli.main", "eval", "--target", args.target, "--drafters", f"{ours},{peer}",
+               "--suite", args.suite, "--limit-per-domain", str(args.limit_per_domain), "--max-new-tokens", str(args.max_new_tokens),
+               "--verify-policy", "full", "--threads", str(args.threads), "--out", str(out), "--no-plots"]
+        run_logged(cmd, out.with_suffix(".log"), args.threads, None)
+    runs = {r["drafter"]: r for r in json.loads(report.read_text())["runs"]}  # checkpoints are labelled METHOD:DIRNAME
+    picked = {}
+    for who, path in (("ours", ours), ("peer", peer)):
+        run = runs[f"{method}:{Path(path).name}"]
+        picked[who] = {"overall": run["overall"]["tau"], **{d: m["tau"] for d, m in run["per_domain"].items() if m.get("rounds")}}
+    return picked
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# specdraft vs speculators {result['peer_version']} trainer, same store and tokens", "",
+             f"Store `{result['store']}` ({result['train_samples']} training / {result['val_samples']} validation samples), "
+             f"{result['epochs']} epoch(s), {result['threads']} torch threads, peer anchors: {result['peer_anchors']}. "
+             f"Command: `{result['command']}`", ""]
+    domains = sorted({d for m in result["methods"].values() for d in m["suite_tau"]["ours"] if d != "overall"})
+    head = "| method | trainer | steps | train tokens | tokens/s | tau val prompts | tau suite | " + " | ".join(domains) + " |"
+    lines += [head, "|" + " --- |" * 2 + " ---: |" * (5 + len(domains))]
+    for method, m in result["methods"].items():
+        for who in ("ours", "peer"):
+            t, s = m["train"][who], m["suite_tau"][who]
+            lines.append(f"| {method} | {who} | {t['steps']} | {t['tokens']} | {t['tokens_per_s']:.0f} | {m['val_tau'][who]['tau']:.3f} | "
+                         f"{s['overall']:.3f} | " + " | ".join(f"{s[d]:.3f}" if d in s else "-" for d in domains) + " |")
+    for method, m in result["methods"].items():
+        lines += ["", f"## {method}: matched shape `{' '.join(m['peer_shape_flags'])}`; defaults left to each trainer", "",
+                  "| setting | ours | peer |", "| --- | --- | --- |"]
+        lines += [f"| {name} | {ours} | {peer} |" for name, ours, peer in m["defaults"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", required=True, help="specdraft hidden-state store holding the methods' slots")
+    parser.add_argument("--target", default=None, help="the target's Hugging Face directory (default: the one the store recorded)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--methods", default="dspark,dflash")
+    parser.add_argument("--epochs", type=int, default=2, help="passes over the training split, both trainers (our recipes' 2)")
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--split-seed", type=int, default=0)
+    parser.add_argument("--peer-anchors", choices=["matched", "default"], default="matched",
+                        help="the peer's --max-anchors (blocks per packed row): our run's mean blocks per step, or its default 512")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every training and decoding process")
+    parser.add_argument("--lock", default=None, help="flock file held during each training run (e.g. /tmp/heavy.lock)")
+    parser.add_argument("--val-prompts", type=int, default=10, help="validation prompts decoded per drafter")
+    parser.add_argument("--val-tokens", type=int, default=64, help="tokens generated per validation prompt")
+    parser.add_argument("--suite", default="domains", help="`specdraft eval --suite` prompts ('' to skip)")
+    parser.add_argument("--limit-per-domain", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--retrain", action="store_true", help="redo runs already finished under --out")
+    parser.add_argument("--train-only", action="store_true",
+                        help="stop after training (run this stage at the lock's priority, the decoding stage at a lower one)")
+    args = parser.parse_args()
+
+    import torch
+
+    from specdraft.hidden_states.dataset import HiddenStateDataset
+    from specdraft.train.split import dataset_split
+
+    torch.set_num_threads(args.threads)
+    dataset = HiddenStateDataset(args.store)
+    args.target = args.target or dataset.target_info["path"]
+    split = dataset_split(dataset, val_fraction=args.val_fraction, seed=args.split_seed)
+    out = Path(args.out)
+    result = {"store": args.store, "epochs": args.epochs, "threads": args.threads, "peer_anchors": args.peer_anchors,
+              "train_samples": len(split.train), "val_samples": len(split.val), "command": " ".join(sys.argv),
+              "train_tokens_per_epoch": sum(dataset.lengths()[i] for i in split.train),
+              "peer_version": subprocess.run([str(INTEROP_PYTHON), "-c", "import speculators; print(speculators.__version__)"],
+                                             capture_output=True, text=True).stdout.strip(), "methods": {}}
+    for method in args.methods.split(","):
+        ours_dir, peer_dir = out / f"ours-{method}", out / f"peer-{method}"
+        ours = train_ours(method, args, ours_dir)
+        train = {"ours": ours, "peer": train_peer(method, args, peer_dir, ours)}
+        if args.train_only:
+            print(json.dumps({method: train}, indent=1))
+            continue
+        val = {who: decode_validation(args.store, args.target, Path(t["checkpoint"]), val_fraction=args.val_fraction,
+                                      split_seed=args.split_seed, prompts=args.val_prompts, tokens=args.val_tokens)
+               for who, t in train.items()}
+        suite = suite_taus(method, args, train["ours"]["checkpoint"], train["peer"]["checkpoint"], out / f"eval-{method}") if args.suite else {}
+        result["methods"][method] = {"train": train, "val_tau": val, "suite_tau": suite, "peer_shape_flags": peer_flags(method, args, ours),
+                                     "defaults": defaults(method, args, ours_dir, peer_dir)}
+        (out / "peer_compare.json").write_text(json.dumps(result, indent=1))
+    if not args.train_only:
+        (out / "peer_compare.md").write_text(markdown(result))
+        print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
