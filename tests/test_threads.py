@@ -76,3 +76,19 @@ def test_training_steps_run_at_the_measured_count(tmp_path, monkeypatch, one_thr
     assert {r["threads"] for r in records if r["split"] == "train"} == {expected}
     flagged = train(toy_config(tmp_path / "flag", num_threads=2, max_steps=1), target=ToyTarget(), dataset=ToyStore())
     assert flagged.threads == {"threads": 2, "threads_source": "flag"}
+
+
+def test_eval_decodes_at_the_measured_count_and_reports_it(tmp_path, tiny_target, monkeypatch):
+    from specdraft.decode.config import SamplingConfig
+    from specdraft.eval.config import EvalConfig
+    from specdraft.eval.runner import run_eval
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    timed = inject(monkeypatch, {1: 0.1, 2: 1.0}, cores=2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hello."}) + "\n")
+    report = run_eval(EvalConfig(out=str(tmp_path / "e"), prompts=str(prompts), max_new_tokens=3, plots=False), SamplingConfig(),
+                      target=tiny_target, progress=False)
+    assert sorted(timed) == [1, 2] and torch.get_num_threads() == 1
+    assert (report["threads"], report["threads_source"], report["threads_seconds"]) == (1, "measured", {"1": 0.1, "2": 1.0})
+    assert "1 CPU threads (measured: 1 100.0 ms, 2 1000.0 ms)" in (tmp_path / "e" / "report.md").read_text()
