@@ -28,7 +28,7 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
     run = tmp_path / "run"
     argv = ["quickstart", "--out", str(run), "--target", str(tiny_llama_dir), "--recipe", str(recipe), "--samples", "6",
             "--max-new-tokens", "8", "--regen-batch-size", "6", "--budget", "1.5", "--eval-reserve", "1", "--data-budget", "0.3", "--epochs", "2",
-            "--eval-max-new-tokens", "6", "--threads", "1"]
+            "--eval-max-new-tokens", "6", "--threads", "1", "--engine", "hf"]
     assert main(argv) == 0
     journal = json.loads((run / "quickstart.json").read_text())
     stages = journal["stages"]

@@ -92,3 +92,18 @@ def test_eval_decodes_at_the_measured_count_and_reports_it(tmp_path, tiny_target
     assert sorted(timed) == [1, 2] and torch.get_num_threads() == 1
     assert (report["threads"], report["threads_source"], report["threads_seconds"]) == (1, "measured", {"1": 0.1, "2": 1.0})
     assert "1 CPU threads (measured: 1 100.0 ms, 2 1000.0 ms)" in (tmp_path / "e" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("one_thread_seconds, expected", [(0.1, 1), (5.0, 2)])
+def test_extraction_forwards_at_the_measured_count(tmp_path, monkeypatch, one_thread_seconds, expected):
+    from test_extract import make_dataset, random_llama_target, run
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    timed = inject(monkeypatch, {1: one_thread_seconds, 2: 1.0}, cores=2)
+    target = random_llama_target()
+    summary = run(target, make_dataset(tmp_path / "data", target), tmp_path / "hs", batch_size=2)
+    assert summary.samples_extracted == 5 and sorted(timed) == [1, 2] and torch.get_num_threads() == expected
+    stored = json.loads(next((tmp_path / "cache" / "measured").glob("forward-threads-*.json")).read_text())
+    assert stored["context"]["rows"] == 2 and stored["context"]["tokens"] == 8  # the median length 7, rounded up
+    run(target, make_dataset(tmp_path / "data2", target), tmp_path / "hs2", batch_size=2, threads=2)  # a flag wins: nothing timed
+    assert len(timed) == 2 and torch.get_num_threads() == 2

@@ -66,7 +66,15 @@ class QuickstartConfig:
     compare_reference: bool = config_field(
         True, help="also evaluate the reference drafter shipped with specdraft for this target (if one ships), to show a trained one"
     )
-    threads: int = config_field(0, help="torch CPU threads (0 = torch's default)")
+    threads: int = config_field(
+        0, help="torch CPU threads (0 = auto: each stage uses the count that ran its own work fastest here, measured once per "
+        "machine and cached)"
+    )
+    engine: str = config_field(
+        "auto", help="what regenerates the answers: hf, vllm, or auto (where .venv-vllm exists, the one that regenerates more "
+        "within --data-budget here, vLLM's server start included; measured once per machine and cached)",
+        metadata={"choices": ["auto", "hf", "vllm"]},
+    )
 
     def __post_init__(self) -> None:
         require_finite(self)
@@ -140,10 +148,10 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     journal.run("prepare", lambda: prepare(PrepareConfig(
         out=str(data), target=config.target, data="sharegpt", max_samples=config.samples, max_length=config.max_length,
         regenerate=True, max_new_tokens=config.max_new_tokens, batch_size=config.regen_batch_size, threads=config.threads,
-        regen_budget=config.data_budget,
+        regen_budget=config.data_budget, engine=config.engine,
     )))
     journal.run("extract", lambda: extract_hidden_states(
-        ExtractConfig(dataset=str(data), out=str(states), method=METHOD), target=target
+        ExtractConfig(dataset=str(data), out=str(states), method=METHOD, threads=config.threads), target=target
     ).to_dict())
 
     recipe = recipe_path(config.recipe)
@@ -165,7 +173,8 @@ def run_quickstart(config: QuickstartConfig) -> dict:
         # Steps are sized by a short probe, but step times drift (load, a slowing process): max_time keeps the
         # budget, stopping with a final checkpoint before the schedule ends if it must.
         result = train(train_config(max_steps=steps, max_time=max(60.0, training_seconds_left())), target=target)
-        return {**_train_facts(result), "dtype": result.compute_dtype, "anchors_per_s": median_record(train_dir / "metrics.jsonl", "anchors_per_s")}
+        return {**_train_facts(result), "dtype": result.compute_dtype, **(result.threads or {}),
+                "anchors_per_s": median_record(train_dir / "metrics.jsonl", "anchors_per_s")}
 
     journal.run("train", train_in_budget)
     final = train_dir / "final"
@@ -216,10 +225,12 @@ def training_table(stages: dict) -> str:
     anchors = done.get("anchors_per_s") or plan.get("anchors_per_s")
     rows = [
         ("compute dtype", dtype),
+        ("CPU threads", _threads(done)),
         ("anchors/s", f"{anchors:.1f}" if anchors else "n/a"),
         ("steps", f"{steps} done of {planned} planned ({plan.get('seconds_per_step', 0):.2f} s/step in the probe)"),
         ("epochs", f"{steps / per_epoch:.2f} ({per_epoch} steps each)" if steps and per_epoch else "n/a"),
         ("data", f"{data.get('kept', '?')} samples, {data.get('tokens', 0):,} tokens ({data.get('loss_tokens', 0):,} response tokens)"),
+        ("regeneration", _regeneration(data)),
     ]
     if plan.get("budget_short"):
         rows.append(("note", f"the budget left {plan.get('train_seconds', 0):.0f} s for training, less than one "
@@ -228,6 +239,28 @@ def training_table(stages: dict) -> str:
         rows.append(("note", f"steps ran slower than the probe measured, so the time budget stopped training at step {steps} of "
                              f"{planned}; raise --budget or lower --samples / --pack-tokens"))
     return "\n".join(["| training | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+
+
+def _threads(facts: dict) -> str:
+    """``2 (measured: 1 12 ms, 2 9 ms)``: the thread count a stage used and why."""
+    if "threads" not in facts:
+        return "n/a"
+    figures = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in (facts.get("threads_seconds") or {}).items())
+    return f"{facts['threads']} ({facts.get('threads_source', '?')}{': ' + figures if figures else ''})"
+
+
+def _regeneration(data: dict) -> str:
+    """The engine that regenerated the answers, why, and its speed."""
+    if "engine" not in data:
+        return "n/a"
+    figures = data.get("engine_figures") or {}
+    why = data.get("engine_source", "?")
+    if figures:
+        why += (f": hf {figures['hf_tokens_per_s']:.1f}, vllm {figures['vllm_tokens_per_s']:.1f} tokens/s + "
+                f"{figures['vllm_start_s']:.0f} s start")
+    threads = f", {data['threads']} CPU threads ({data.get('threads_source', '?')})" if data["engine"] == "hf" and "threads" in data else ""
+    return (f"{data['engine']} ({why}); {data.get('generated_tokens', 0):,} tokens at {data.get('generated_tokens_per_second', 0):.1f} "
+            f"tokens/s{threads}")
 
 
 def _train_facts(result: Any) -> dict:

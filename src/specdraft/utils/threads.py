@@ -66,3 +66,25 @@ def threads_facts(requested: int, measurement: Measurement | None) -> dict[str, 
         return {"threads": torch.get_num_threads(), "threads_source": "flag" if requested else "default"}
     return {"threads": int(measurement.choice), "threads_source": "cached" if measurement.cached else "measured",
             "threads_seconds": measurement.seconds}
+
+
+def power_of_two_at_least(n: int) -> int:
+    """``n`` rounded up to a power of two: probe shapes (and cache keys) that many datasets share."""
+    return 1 << max(int(n) - 1, 1).bit_length()
+
+
+def resolve_forward_threads(requested: int, model: Any, *, fingerprint: str, rows: int, tokens: int) -> Measurement | None:
+    """:func:`resolve_threads` for work that is forward passes of ``model`` (hidden-state extraction and
+    serving): timed on one no-grad forward of ``rows`` x ``tokens`` (rounded up to a power of two) random ids."""
+    import torch
+
+    param = next(model.parameters())
+    tokens = power_of_two_at_least(tokens)
+    ids = torch.randint(0, int(model.config.vocab_size), (rows, tokens), generator=torch.Generator().manual_seed(0)).to(param.device)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(input_ids=ids)
+
+    context = {"work": "forward", "target": fingerprint, "dtype": str(param.dtype), "rows": rows, "tokens": tokens}
+    return resolve_threads(requested, "forward-threads", context, forward, device=param.device)
