@@ -59,7 +59,7 @@ class FakeServer:
 def fake_vllm(tmp_path, monkeypatch):
     """A clock that only the fakes advance: HF generates ``hf`` tokens/s, the server starts in ``start`` s and
     generates ``vllm`` tokens/s; records the servers started."""
-    clock = SimpleNamespace(now=1000.0, started=[], hf=8.0, vllm=48.0, start=97.0, fail=None)
+    clock = SimpleNamespace(now=1000.0, started=[], hf=8.0, vllm=48.0, start=97.0, fail=None, fail_probe=None)
     monkeypatch.setattr(regen, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=lambda: clock.now))
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
 
@@ -75,6 +75,8 @@ def fake_vllm(tmp_path, monkeypatch):
         return clock.started[-1]
 
     def probe_batch(server, request, prompts):
+        if clock.fail_probe:
+            raise SpecdraftError(clock.fail_probe)
         clock.now += len(prompts) * request.settings.max_new_tokens / clock.vllm
         return [[1] * request.settings.max_new_tokens for _ in prompts]
 
@@ -126,6 +128,9 @@ def test_no_vllm_environment_or_a_failed_start_means_hf_and_nothing_cached(fake_
     failed = resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=None)
     assert failed.engine == "hf" and "exited with code 1" in failed.facts["engine_source"]
     assert not list(_cached())
+    fake_vllm.fail, fake_vllm.fail_probe = None, "the vLLM server answered HTTP 500"
+    assert resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=None).engine == "hf"
+    assert fake_vllm.started[0].stopped == 1 and not list(_cached())  # the server the failed probe started is stopped
 
     def missing(explicit=None):
         raise SpecdraftError("no vLLM environment")

@@ -26,6 +26,7 @@ them for each budget. A server the probe started is kept for the regeneration wh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -187,8 +188,6 @@ def choose_engine(figures: dict[str, float], *, work_tokens: int, budget_s: floa
 
 
 def _hf_tokens_per_s(request: EngineRequest, prompts: list[list[int]], tokens: int) -> float:
-    import dataclasses
-
     settings = dataclasses.replace(request.settings, max_new_tokens=tokens)
     started = time.perf_counter()
     out = generate_batch(request.target.model, prompts, pad_id=request.pad_id, eos_ids=set(request.eos_ids), settings=settings, seed=settings.seed)
@@ -196,11 +195,9 @@ def _hf_tokens_per_s(request: EngineRequest, prompts: list[list[int]], tokens: i
 
 
 def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requested: str, threads: int,
-                   deadline: float | None) -> EngineChoice:
+                   deadline: float | None, cache_dir: Path | None = None) -> EngineChoice:
     """The engine of ``--engine`` (``auto``: measured, see the module docstring) and, where HF generates in this
     process, its CPU thread count (``threads``, or for 0 the count that ran a short generate fastest here)."""
-    import dataclasses
-
     from specdraft.utils.measured import measured_figures
     from specdraft.utils.threads import power_of_two_at_least, resolve_threads, threads_facts
 
@@ -212,7 +209,7 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
         context = {"work": "hf-generate", "target": request.target.fingerprint, "rows": len(probe),
                    "prompt_tokens": power_of_two_at_least(lengths[len(lengths) // 2]), "tokens": THREAD_PROBE_TOKENS}
         measured = resolve_threads(threads, "regenerate-threads", context, lambda: _hf_tokens_per_s(request, probe, THREAD_PROBE_TOKENS),
-                                   device=next(request.target.model.parameters()).device)
+                                   device=next(request.target.model.parameters()).device, cache_dir=cache_dir)
         facts.update(threads_facts(threads, measured))
     if requested != "auto":
         return EngineChoice(requested, facts={**facts, "engine_source": "flag"})
@@ -236,18 +233,24 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
             raise _NoVllm("the budget ran out before a vLLM server could be started")
         try:
             started.append(start_server(request, [(0, prompts)], startup_timeout=left or 600.0))
-        except SpecdraftError as exc:
+            start_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = probe_batch(started[0], dataclasses.replace(request, settings=dataclasses.replace(settings, max_new_tokens=PROBE_TOKENS)), probe)
+        except SpecdraftError as exc:  # vLLM is broken here: HF regenerates
             raise _NoVllm(str(exc).splitlines()[0]) from None
-        start_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = probe_batch(started[0], dataclasses.replace(request, settings=dataclasses.replace(settings, max_new_tokens=PROBE_TOKENS)), probe)
         return {"hf_tokens_per_s": hf, "vllm_tokens_per_s": sum(map(len, out)) / (time.perf_counter() - t0), "vllm_start_s": start_s}
 
     context = {"target": request.target.fingerprint, "rows": len(probe), "tokens": PROBE_TOKENS, "temperature": settings.temperature,
                "vllm": vllm_version(python), "vllm_args": request.vllm_args}
     try:
-        figures, cached, path = measured_figures("regen-engine", context, measure, device=next(request.target.model.parameters()).device)
-    except _NoVllm as exc:  # not cached: a later run with more budget (or a fixed environment) measures again
+        figures, cached, path = measured_figures("regen-engine", context, measure, device=next(request.target.model.parameters()).device,
+                                                 cache_dir=cache_dir)
+    except BaseException as exc:
+        for server in started:  # a probe that failed (or was interrupted) after the start leaves no server behind
+            server.stop()
+        if not isinstance(exc, _NoVllm):
+            raise
+        # not cached: a later run with more budget (or a fixed environment) measures again
         log.warning("--engine auto: regenerating with hf, vLLM could not be measured: %s", exc)
         return EngineChoice("hf", facts={**facts, "engine_source": f"hf: vLLM not measured ({exc})"})
     work = len(prompts) * settings.max_new_tokens
