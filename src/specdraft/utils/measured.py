@@ -101,10 +101,11 @@ def choose(seconds: dict[str, float], *, preferred: str, margin: float = 0.1) ->
     return fastest
 
 
-def fastest_time(fn: Callable[[], Any], *, repeats: int = 2, sync: Callable[[], None] = lambda: None) -> float:
+def fastest_time(fn: Callable[[], Any], *, repeats: int = 2, sync: Callable[[], None] = lambda: None, warmup: bool = True) -> float:
     """Seconds of the fastest of ``repeats`` calls after one warm-up call (interference only adds time)."""
-    fn()
-    sync()
+    if warmup:
+        fn()
+        sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

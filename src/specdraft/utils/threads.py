@@ -42,11 +42,14 @@ def resolve_threads(requested: int, name: str, context: dict[str, Any], work: Ca
     if torch.device(device).type != "cpu":
         return None
     cores = available_cores()
+    warm = []
 
     def timer(count: int) -> Callable[[], float]:
         def run() -> float:
             torch.set_num_threads(count)
-            return fastest_time(work, repeats=repeats)
+            if not warm:  # one warm-up call in all, at the first (cheapest) count: on a crowded CPU a call at the
+                warm.append(work())  # wrong count can take 15x longer, so no candidate pays for one twice
+            return fastest_time(work, repeats=repeats, warmup=False)
 
         return run
 
