@@ -39,7 +39,8 @@ class EvalConfig:
         "per machine and target and cached)"
     )
     max_time: float = config_field(
-        0.0, help="seconds the comparison may take: no prompt batch is started that the mean batch time so far says would "
+        0.0, help="seconds the comparison may take, its set-up (thread probe, warm-ups) included: no prompt batch is started "
+        "that the mean batch time so far says would "
         "end past it, and the report covers the batches finished, each run by every drafter (0 = no limit)"
     )
     seed: int = config_field(0, help="sampling seed (temperature > 0)")

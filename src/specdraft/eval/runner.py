@@ -115,6 +115,7 @@ def run_eval(
     from specdraft.targets import load_target
     from specdraft.utils.threads import threads_facts
 
+    setup_started = time.perf_counter()  # the thread probe, decoder builds and warm-ups count against --max-time too
     prompts = load_prompts(
         None if config.prompts else config.suite, config.prompts or None, config.limit_per_domain or None
     )
@@ -139,13 +140,14 @@ def run_eval(
     total = sum(len(_batches(prompts, c)) for c in config.concurrency) * len(decoders)
     bar = tqdm(total=total, desc="eval", unit="batch", disable=not progress)
     started = time.perf_counter()
+    max_time = max(config.max_time - (started - setup_started), 1e-9) if config.max_time else 0.0
     batches_done, cut_by_time = 0, False
     for concurrency in config.concurrency:
         merged: dict[str, Any] = {label: None for label in decoders}
         domain_metrics: dict[str, dict[str, Any]] = {label: {} for label in decoders}
         for batch in _batches(prompts, concurrency):
             elapsed = time.perf_counter() - started
-            if config.max_time and batches_done and elapsed + elapsed / batches_done > config.max_time:
+            if max_time and batches_done and elapsed + elapsed / batches_done > max_time:
                 cut_by_time = True
                 break
             batches_done += 1
