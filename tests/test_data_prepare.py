@@ -48,6 +48,8 @@ def _masked_runs(tokenizer, ids, mask) -> list[str]:
 
 
 def _prepare(tmp_path, target_dir, rows, **overrides) -> tuple[dict, PreparedDataset]:
+    """``prepare`` with the HF engine unless told otherwise (``auto`` would time a vLLM server start where .venv-vllm exists)."""
+    overrides = {"engine": "hf", **overrides}
     config = PrepareConfig(out=str(tmp_path / "out"), target=str(target_dir), data=_jsonl(tmp_path / "in.jsonl", rows), **overrides)
     summary = prepare(config, progress=False)
     return summary, PreparedDataset(config.out)
@@ -283,7 +285,8 @@ def test_cli_prepare_regenerate_on_embedded_target(tmp_path, smollm2_dir, capsys
     from specdraft.targets import fingerprint
 
     out = tmp_path / "data"
-    argv = ["prepare", "--data", "sharegpt", "--max-samples", "4", "--regenerate", "--max-new-tokens", "16", "--out", str(out)]
+    argv = ["prepare", "--data", "sharegpt", "--max-samples", "4", "--regenerate", "--max-new-tokens", "16", "--engine", "hf",
+            "--out", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "generated_tokens_per_second" in printed and f"wrote {out}" in printed
@@ -323,8 +326,9 @@ def test_regeneration_engine_option_is_validated():
         PrepareConfig(out="o", regenerate=True, engine="onnx")
     with pytest.raises(SpecdraftError, match="only apply with --regenerate"):
         PrepareConfig(out="o", engine="vllm")
-    with pytest.raises(SpecdraftError, match="need --engine vllm"):
-        PrepareConfig(out="o", regenerate=True, vllm_args="--enforce-eager")
+    with pytest.raises(SpecdraftError, match="need --engine vllm or auto"):
+        PrepareConfig(out="o", regenerate=True, engine="hf", vllm_args="--enforce-eager")
+    assert PrepareConfig(out="o").engine == "auto" and PrepareConfig(out="o", regenerate=True, vllm_args="--enforce-eager").engine == "auto"
 
 
 def test_engine_is_part_of_the_work_key_and_a_finished_run_starts_no_engine(tmp_path):

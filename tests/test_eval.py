@@ -181,3 +181,33 @@ def test_parity_refuses_what_it_cannot_compare(tmp_path):
     (ckpt / "config.json").write_text("{}")
     with pytest.raises(SpecdraftError, match="compares the one drafter that server serves"):
         run_parity_eval(EvalConfig(out=str(tmp_path), drafters=[str(ckpt), str(ckpt)], parity=True, endpoint="http://127.0.0.1:1"))
+
+
+@pytest.mark.parametrize("draft_dtype, bf16_seconds, expected, source", [
+    ("auto", 13.0, "fp32", "measured"),  # bf16 is the slow one here: the report says fp32, measured
+    ("auto", 0.2, "bf16", "measured"),
+    ("bf16", 13.0, "bf16", "flag"),  # a flag wins and is not measured
+])
+def test_eval_report_records_the_resolved_draft_dtype(tmp_path, tiny_target, monkeypatch, draft_dtype, bf16_seconds, expected, source):
+    import torch
+
+    from specdraft.decode.proposers.drafters import DrafterProposer
+    from specdraft.models import METHODS
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(DrafterProposer, "round_seconds", lambda self, dtype, **kw: {"fp32": 1.0, "bf16": bf16_seconds}[dtype])
+    spec = METHODS.get("dspark")
+    torch.manual_seed(0)
+    drafter = spec.build(spec.config_cls(block_size=4, num_layers=1, markov_rank=16), tiny_target,
+                         counts=torch.arange(tiny_target.vocab_size, dtype=torch.int64))
+    drafter.save_pretrained(tmp_path / "ckpt")
+    config = EvalConfig(out=str(tmp_path / "eval"), prompts=str(_prompt_file(tmp_path)), drafters=[str(tmp_path / "ckpt")],
+                        max_new_tokens=4, limit_per_domain=1, plots=False, threads=1, draft_dtype=draft_dtype)
+    run_eval(config, SamplingConfig(), target=tiny_target, progress=False)
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    entry = report["drafters"]["dspark:ckpt"]
+    assert entry["draft_dtype"] == expected and entry["draft_dtype_source"] == source and entry["draft_dtype_requested"] == draft_dtype
+    assert entry.get("draft_dtype_seconds") == ({"fp32": 1.0, "bf16": bf16_seconds} if source == "measured" else None)
+    assert report["drafters"]["autoregressive"]["draft_dtype"] is None
+    assert report["threads"] == 1 and report["threads_source"] == "flag"
+    assert f"dspark:ckpt drafts in {expected} ({source}" in (tmp_path / "eval" / "report.md").read_text()

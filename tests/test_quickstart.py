@@ -28,7 +28,7 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
     run = tmp_path / "run"
     argv = ["quickstart", "--out", str(run), "--target", str(tiny_llama_dir), "--recipe", str(recipe), "--samples", "6",
             "--max-new-tokens", "8", "--regen-batch-size", "6", "--budget", "1.5", "--eval-reserve", "1", "--data-budget", "0.3", "--epochs", "2",
-            "--eval-max-new-tokens", "6", "--threads", "1"]
+            "--eval-max-new-tokens", "6", "--threads", "1", "--engine", "hf"]
     assert main(argv) == 0
     journal = json.loads((run / "quickstart.json").read_text())
     stages = journal["stages"]
@@ -93,12 +93,17 @@ def test_final_table_states_dtype_speed_steps_epochs_and_data():
     from specdraft.quickstart import training_table
 
     stages = {
-        "prepare": {"kept": 400, "tokens": 123456, "loss_tokens": 51000},
+        "prepare": {"kept": 400, "tokens": 123456, "loss_tokens": 51000, "engine": "vllm", "engine_source": "measured",
+                    "engine_figures": {"hf_tokens_per_s": 8.0, "vllm_tokens_per_s": 48.0, "vllm_start_s": 97.0},
+                    "generated_tokens": 9000, "generated_tokens_per_second": 47.5},
         "size-training": {"steps": 120, "seconds_per_step": 0.41, "steps_per_epoch": 50, "dtype": "fp32", "anchors_per_s": 60.0,
                           "dtype_probe": {"choice": "fp32", "seconds": {"fp32": 0.412, "bf16": 5.31}, "cached": False}},
-        "train": {"steps": 120, "dtype": "fp32", "anchors_per_s": 61.25, "stopped_by_time_budget": False},
+        "train": {"steps": 120, "dtype": "fp32", "anchors_per_s": 61.25, "stopped_by_time_budget": False, "threads": 1,
+                  "threads_source": "measured", "threads_seconds": {"1": 0.4, "2": 0.9}},
     }
     table = training_table(stages)
+    assert "| CPU threads | 1 (measured: 1 400 ms, 2 900 ms) |" in table
+    assert "| regeneration | vllm (measured: hf 8.0, vllm 48.0 tokens/s + 97 s start); 9,000 tokens at 47.5 tokens/s |" in table
     assert "| compute dtype | fp32 (step probe: fp32 0.412 s, bf16 5.310 s) |" in table
     assert "| anchors/s | 61.2 |" in table and "| steps | 120 done of 120 planned" in table
     assert "| epochs | 2.40 (50 steps each) |" in table and "| data | 400 samples, 123,456 tokens (51,000 response tokens) |" in table

@@ -399,7 +399,7 @@ def test_vllm_regeneration_equals_hf_regeneration(smollm2_dir, tmp_path):
     (tmp_path / "target" / "generation_config.json").write_text(json.dumps(generation))
 
     common = dict(target=str(tmp_path / "target"), data=str(data), regenerate=True, max_new_tokens=12, batch_size=4)
-    hf_summary = prepare(PrepareConfig(out=str(tmp_path / "hf"), **common), progress=False)
+    hf_summary = prepare(PrepareConfig(out=str(tmp_path / "hf"), engine="hf", **common), progress=False)
     config = PrepareConfig(out=str(tmp_path / "vllm"), engine="vllm", vllm_args=EAGER, **common)
     summary = prepare(config, progress=False)
     assert summary["engine"] == "vllm" and summary["generated_batches"] == 2 and summary["regenerated"] == len(rows)

@@ -19,7 +19,10 @@ class GenerateConfig:
     prompt: str = config_field("", help="one user message (rendered with the target's chat template)")
     prompts_file: str = config_field("", help="text file with one user message per line (blank lines skipped)")
     batch_size: int = config_field(1, help="requests decoded together in one batch")
-    threads: int = config_field(0, help="torch CPU threads (0 = torch's default)")
+    threads: int = config_field(
+        0, help="torch CPU threads (0 = auto: the count at which plain decoding of the target ran fastest here, measured once "
+        "per machine and target and cached)"
+    )
     metrics_out: str = config_field("", help="write the metrics (and the generated texts) to this JSON file")
 
 
@@ -34,9 +37,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import torch
-
-    from specdraft.decode.runtime import decoder_for_target
+    from specdraft.decode.runtime import decoder_for_target, resolve_decode_threads
     from specdraft.errors import SpecdraftError
     from specdraft.targets import load_target
     from specdraft.utils.io import atomic_write_json
@@ -53,10 +54,8 @@ def run(args: argparse.Namespace) -> int:
             raise SpecdraftError(f"cannot read --prompts-file {job.prompts_file}: {exc}") from None
     if not messages:
         raise SpecdraftError("nothing to generate: pass --prompt TEXT or --prompts-file FILE")
-    if job.threads:
-        torch.set_num_threads(job.threads)
-
     target = load_target(job.target, dtype=job.dtype, device=job.device)
+    resolve_decode_threads(target, job.threads, rows=job.batch_size)  # before the decoder: its probes run at the count used
     decoder = decoder_for_target(target, config=config, sampling=sampling, scheduler=scheduler)
     tok = target.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages]

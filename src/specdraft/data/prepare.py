@@ -16,8 +16,9 @@ Rules, applied per row in file order until ``max_samples`` rows are kept:
   The sample's tokens are exactly the prompt ids plus the generated ids, so training sees the
   sequence the target produced, not a re-tokenization of it. ``max_samples`` counts prompts, so a
   reply that pushes a sample past ``max_length`` (``too_long_after_generation``) leaves fewer.
-  ``--engine`` picks what generates (``hf`` or ``vllm``, see ``regenerate.py``): same format and
-  settings; greedy replies differ only where the target's top logits nearly tie (numerics).
+  ``--engine`` picks what generates (``hf``, ``vllm``, or ``auto``: the one measured to regenerate
+  more within the budget here; see ``regenerate.py``): same format and settings; greedy replies
+  differ only where the target's top logits nearly tie (numerics).
 """
 
 from __future__ import annotations
@@ -70,13 +71,18 @@ class PrepareConfig(VllmServerOptions):
         "(0 = no limit)"
     )
     engine: str = config_field(
-        "hf",
-        help="with --regenerate: what generates the replies: hf (transformers generate, in this process) or vllm "
-        "(a private vLLM server from .venv-vllm, continuous batching)",
-        metadata={"choices": REGENERATION_ENGINES.names()},
+        "auto",
+        help="with --regenerate: what generates the replies: hf (transformers generate, in this process), vllm "
+        "(a private vLLM server from .venv-vllm, continuous batching) or auto (where .venv-vllm exists, the one that "
+        "regenerates more within --regen-budget here: one batch timed in each, vLLM's server start included, cached per "
+        "machine; a server it started is kept for the job)",
+        metadata={"choices": [*REGENERATION_ENGINES.names(), "auto"]},
     )
     device: str = config_field("cpu", help="torch device for the target")
-    threads: int = config_field(0, help="torch CPU threads (0 = torch's default); 1 is ~4x faster on a busy shared CPU")
+    threads: int = config_field(
+        0, help="torch CPU threads of HF regeneration (0 = auto: the count that ran a short generate of these prompts fastest "
+        "here, measured once per machine and cached; 1 was ~4x faster than 2 on a busy shared 2-core CPU)"
+    )
 
     def __post_init__(self) -> None:
         require_finite(self)
@@ -93,11 +99,12 @@ class PrepareConfig(VllmServerOptions):
         for name, ok, rule in checks:
             if not ok:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
-        REGENERATION_ENGINES.get(self.engine)  # an unknown name raises with the list of engines
-        if not self.regenerate and (self.engine != "hf" or self.vllm_args or self.vllm_python):
+        if self.engine != "auto":
+            REGENERATION_ENGINES.get(self.engine)  # an unknown name raises with the list of engines
+        if not self.regenerate and (self.engine == "vllm" or self.vllm_args or self.vllm_python):
             raise SpecdraftError(f"--engine {self.engine}, --vllm-args and --vllm-python only apply with --regenerate")
-        if self.engine != "vllm" and (self.vllm_args or self.vllm_python):
-            raise SpecdraftError(f"--vllm-args and --vllm-python need --engine vllm (got --engine {self.engine})")
+        if self.engine == "hf" and (self.vllm_args or self.vllm_python):
+            raise SpecdraftError("--vllm-args and --vllm-python need --engine vllm or auto (got --engine hf)")
 
 
 @dataclass
@@ -193,9 +200,9 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
             continue
         samples.append(_Sample(row.sample_id, source, ids, mask))
 
-    generation = None
+    generation, engine_facts = None, {}
     if prompts:
-        samples, generation = _regenerate(config, target, samples, prompts, eot_ids, skipped, progress)
+        samples, generation, engine_facts = _regenerate(config, target, samples, prompts, eot_ids, skipped, progress)
     hints = skip_hints(skipped)
     if not samples:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "none"
@@ -217,7 +224,7 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         summary.update(
             regenerated=len(prompts) - skipped.get("too_long_after_generation", 0) - skipped.get("not_regenerated", 0),
             generated_tokens=generation.generated_tokens,
-            engine=config.engine,
+            **engine_facts,
             engine_start_seconds=round(generation.engine_start_seconds, 3),
             generation_seconds=round(generation.seconds, 3),
             generated_tokens_per_second=round(generation.tokens_per_second, 2),
@@ -259,16 +266,26 @@ def skip_hints(skipped: Counter) -> list[str]:
 
 
 def _regenerate(config, target, samples, prompts, eot_ids, skipped, progress):
-    from specdraft.data.regenerate import EngineRequest, GenerationSettings, regenerate, work_key
+    import dataclasses
 
-    settings = GenerationSettings(config.max_new_tokens, config.temperature, config.batch_size, config.seed, config.engine)
-    keyed = [(samples[i].sample_id, ids) for i, ids in prompts]
-    work_dir = Path(config.out) / WORK_DIR / f"regenerate-{work_key(target.fingerprint, keyed, settings)}"
+    from specdraft.data.regenerate import EngineRequest, GenerationSettings, regenerate, resolve_engine, work_key
+
+    deadline = time.monotonic() + config.regen_budget * 60 if config.regen_budget else None  # the engine probe counts too
+    settings = GenerationSettings(config.max_new_tokens, config.temperature, config.batch_size, config.seed,
+                                  "hf" if config.engine == "auto" else config.engine)
     pad_id = target.tokenizer.pad_token_id
     pad_id = min(eot_ids) if pad_id is None else pad_id
     request = EngineRequest(target, pad_id, frozenset(eot_ids), settings, vllm_python=config.vllm_python, vllm_args=config.vllm_args)
-    deadline = time.monotonic() + config.regen_budget * 60 if config.regen_budget else None
-    completions, generation = regenerate(request, keyed, work_dir=work_dir, progress=progress, deadline=deadline)
+    choice = resolve_engine(request, [ids for _, ids in prompts], requested=config.engine, threads=config.threads, deadline=deadline)
+    try:
+        settings = dataclasses.replace(settings, engine=choice.engine)
+        request = dataclasses.replace(request, settings=settings, server=choice.server)
+        keyed = [(samples[i].sample_id, ids) for i, ids in prompts]
+        work_dir = Path(config.out) / WORK_DIR / f"regenerate-{work_key(target.fingerprint, keyed, settings)}"
+        completions, generation = regenerate(request, keyed, work_dir=work_dir, progress=progress, deadline=deadline)
+    finally:
+        if choice.server is not None:
+            choice.server.stop()
     kept = []
     waiting = {i for i, _ in prompts}
     for i, sample in enumerate(samples):
@@ -282,7 +299,7 @@ def _regenerate(config, target, samples, prompts, eot_ids, skipped, progress):
                 continue
             sample = _Sample(sample.sample_id, sample.source, sample.input_ids + reply, sample.loss_mask + [1] * len(reply))
         kept.append(sample)
-    return kept, generation
+    return kept, generation, {"engine": choice.engine, **choice.facts}
 
 
 def format_summary(summary: dict) -> str:

@@ -14,20 +14,32 @@ Engines (:data:`REGENERATION_ENGINES`, ``--engine``) run the pending batches: ``
 left-padded ``generate`` per batch in this process; ``vllm`` keeps ``batch_size`` requests in
 flight on a private vLLM server (continuous batching, ``integrations/vllm/generate.py``) and is
 started only when some batch is pending.
+
+``--engine auto`` (:func:`resolve_engine`) picks the engine that regenerates more of the data
+within the budget on this machine: it times one batch of real prompts (``PROBE_TOKENS`` new tokens
+each) with HF and, where a vLLM environment exists, with a vLLM server, whose start-up is timed too
+(~100 s on a 2-core CPU, so with a small budget HF can win although vLLM generates faster). The
+figures are cached per machine and settings (``utils/measured.py``); the decision is remade from
+them for each budget. A server the probe started is kept for the regeneration when vLLM wins.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
+from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
 from specdraft.utils.io import atomic_write_json
+
+log = logging.getLogger(__name__)
 
 #: (batch index, prompt ids of its rows); an engine answers (batch index, completion ids per row).
 Batch = tuple[int, list[list[int]]]
@@ -52,6 +64,7 @@ class EngineRequest:
     settings: GenerationSettings
     vllm_python: str | None = None
     vllm_args: str = ""
+    server: Any = None  # a vLLM server the engine probe started and left running for the vllm engine (the caller stops it)
 
 
 @dataclass
@@ -131,6 +144,130 @@ def _vllm_engine(request: EngineRequest, batches: list[Batch]) -> ContextManager
     from specdraft.integrations.vllm.generate import vllm_batches
 
     return vllm_batches(request, batches)
+
+
+#: New tokens per reply in the engine probe: enough decoding steps to weigh beside the prefill, few enough to stay cheap.
+PROBE_TOKENS = 16
+#: New tokens per reply in the thread-count probe of HF generation (it runs twice per candidate count).
+THREAD_PROBE_TOKENS = 4
+
+
+@dataclass
+class EngineChoice:
+    engine: str
+    server: Any = None  # the probe's vLLM server when vllm won (the caller stops it)
+    facts: dict[str, Any] = field(default_factory=dict)  # what decided it, for the prepared dataset's summary
+
+
+def probe_prompts(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
+    """One batch of prompts spread over the length range (batches are cut by length, so the first is the shortest)."""
+    ordered = sorted(prompts, key=len)
+    return ordered[:: max(1, len(ordered) // batch_size)][:batch_size]
+
+
+def engine_plan(figures: dict[str, float], *, work_tokens: int, budget_s: float | None, server_running: bool) -> dict[str, dict]:
+    """Per engine: the start-up still to pay, the seconds it would take for all ``work_tokens`` and the tokens it
+    would generate within ``budget_s`` (None: no limit, all of them)."""
+    plan = {}
+    for name, start in (("hf", 0.0), ("vllm", 0.0 if server_running else figures["vllm_start_s"])):
+        rate = max(figures[f"{name}_tokens_per_s"], 1e-9)
+        tokens = work_tokens if budget_s is None else min(work_tokens, max(0.0, budget_s - start) * rate)
+        plan[name] = {"start_s": round(start, 1), "seconds": round(start + work_tokens / rate, 1), "tokens": int(tokens)}
+    return plan
+
+
+def choose_engine(figures: dict[str, float], *, work_tokens: int, budget_s: float | None, server_running: bool,
+                  margin: float = 0.1) -> tuple[str, dict[str, dict]]:
+    """``(engine, plan)``: hf (in this process, nothing to start) unless vLLM regenerates clearly more of the data
+    within the budget or, where both would finish it, finishes clearly sooner."""
+    plan = engine_plan(figures, work_tokens=work_tokens, budget_s=budget_s, server_running=server_running)
+    hf, vllm = plan["hf"], plan["vllm"]
+    more = vllm["tokens"] > (1 + margin) * hf["tokens"]
+    sooner = vllm["tokens"] >= hf["tokens"] and vllm["seconds"] < (1 - margin) * hf["seconds"]
+    return ("vllm" if more or sooner else "hf"), plan
+
+
+def _hf_tokens_per_s(request: EngineRequest, prompts: list[list[int]], tokens: int) -> float:
+    settings = dataclasses.replace(request.settings, max_new_tokens=tokens)
+    started = time.perf_counter()
+    out = generate_batch(request.target.model, prompts, pad_id=request.pad_id, eos_ids=set(request.eos_ids), settings=settings, seed=settings.seed)
+    return sum(map(len, out)) / (time.perf_counter() - started)
+
+
+def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requested: str, threads: int,
+                   deadline: float | None, cache_dir: Path | None = None) -> EngineChoice:
+    """The engine of ``--engine`` (``auto``: measured, see the module docstring) and, where HF generates in this
+    process, its CPU thread count (``threads``, or for 0 the count that ran a short generate fastest here)."""
+    from specdraft.utils.measured import measured_figures
+    from specdraft.utils.threads import power_of_two_at_least, resolve_threads, threads_facts
+
+    settings = request.settings
+    probe = probe_prompts(prompts, settings.batch_size)
+    facts: dict[str, Any] = {}
+    if requested in ("hf", "auto"):
+        lengths = sorted(map(len, probe))
+        context = {"work": "hf-generate", "target": request.target.fingerprint, "rows": len(probe),
+                   "prompt_tokens": power_of_two_at_least(lengths[len(lengths) // 2]), "tokens": THREAD_PROBE_TOKENS}
+        measured = resolve_threads(threads, "regenerate-threads", context, lambda: _hf_tokens_per_s(request, probe, THREAD_PROBE_TOKENS),
+                                   device=next(request.target.model.parameters()).device, cache_dir=cache_dir)
+        facts.update(threads_facts(threads, measured))
+    if requested != "auto":
+        return EngineChoice(requested, facts={**facts, "engine_source": "flag"})
+    from specdraft.integrations.vllm.engine import find_vllm_python, vllm_version
+
+    try:
+        python = find_vllm_python(request.vllm_python)
+    except SpecdraftError:
+        if request.vllm_python:
+            raise
+        return EngineChoice("hf", facts={**facts, "engine_source": "no .venv-vllm: hf, the only engine here"})
+    started: list[Any] = []
+
+    def measure() -> dict[str, float]:
+        from specdraft.integrations.vllm.generate import probe_batch, start_server
+
+        hf = _hf_tokens_per_s(request, probe, PROBE_TOKENS)
+        t0 = time.perf_counter()
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise _NoVllm("the budget ran out before a vLLM server could be started")
+        try:
+            started.append(start_server(request, [(0, prompts)], startup_timeout=left or 600.0))
+            start_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = probe_batch(started[0], dataclasses.replace(request, settings=dataclasses.replace(settings, max_new_tokens=PROBE_TOKENS)), probe)
+        except SpecdraftError as exc:  # vLLM is broken here: HF regenerates
+            raise _NoVllm(str(exc).splitlines()[0]) from None
+        return {"hf_tokens_per_s": hf, "vllm_tokens_per_s": sum(map(len, out)) / (time.perf_counter() - t0), "vllm_start_s": start_s}
+
+    context = {"target": request.target.fingerprint, "rows": len(probe), "tokens": PROBE_TOKENS, "temperature": settings.temperature,
+               "vllm": vllm_version(python), "vllm_args": request.vllm_args}
+    try:
+        figures, cached, path = measured_figures("regen-engine", context, measure, device=next(request.target.model.parameters()).device,
+                                                 cache_dir=cache_dir)
+    except BaseException as exc:
+        for server in started:  # a probe that failed (or was interrupted) after the start leaves no server behind
+            server.stop()
+        if not isinstance(exc, _NoVllm):
+            raise
+        # not cached: a later run with more budget (or a fixed environment) measures again
+        log.warning("--engine auto: regenerating with hf, vLLM could not be measured: %s", exc)
+        return EngineChoice("hf", facts={**facts, "engine_source": f"hf: vLLM not measured ({exc})"})
+    work = len(prompts) * settings.max_new_tokens
+    budget = None if deadline is None else max(0.0, deadline - time.monotonic())
+    engine, plan = choose_engine(figures, work_tokens=work, budget_s=budget, server_running=bool(started))
+    server = started[0] if started and engine == "vllm" else None
+    if started and server is None:
+        started[0].stop()
+    log.info("--engine auto: %s (%s; generated tokens/s hf %.1f, vllm %.1f, vLLM start %.0f s; for %d tokens%s: %s; figures %s)",
+             engine, "cached" if cached else "measured", figures["hf_tokens_per_s"], figures["vllm_tokens_per_s"], figures["vllm_start_s"],
+             work, "" if budget is None else f" in {budget:.0f} s", plan, path)
+    return EngineChoice(engine, server, {**facts, "engine_source": "cached" if cached else "measured", "engine_figures": figures,
+                                         "engine_plan": plan})
+
+
+class _NoVllm(Exception):
+    """vLLM could not be timed here (no time left, or its server failed to start)."""
 
 
 def regenerate(

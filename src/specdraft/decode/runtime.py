@@ -162,6 +162,20 @@ def decoder_for_target(
                               eos_token_ids=eos)
 
 
+def resolve_decode_threads(target: Any, requested: int, *, rows: int = 1, tokens: int = 8) -> Any:
+    """Set the CPU thread count of decoding: ``requested`` when > 0, else the count at which plain
+    decoding of ``rows`` x ``tokens`` (the target step every speculative round also pays) ran fastest
+    here, measured once per machine and target (``utils/threads.py``). Returns the measurement or None."""
+    from specdraft.utils.threads import resolve_threads
+
+    param = next(target.model.parameters())
+    config = DecodeConfig(drafter="none", max_new_tokens=tokens)
+    decoder = SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig())
+    prompt = [int(t) % int(target.vocab_size) for t in range(100, 132)]
+    context = {"work": "plain-decode", "target": target.fingerprint, "dtype": str(param.dtype), "rows": rows, "tokens": tokens}
+    return resolve_threads(requested, "decode-threads", context, lambda: decoder.generate([prompt] * rows), device=param.device)
+
+
 class SpeculativeDecoder:
     """Generates with a target ``model`` (HF causal LM) and a ``proposer``; reusable across calls.
 

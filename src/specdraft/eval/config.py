@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdraft.decode.config import DRAFT_DTYPES
 from specdraft.errors import SpecdraftError
 from specdraft.utils.config import config_field, require_finite
 
@@ -27,10 +28,19 @@ class EvalConfig:
     num_draft_tokens: int = config_field(4, help="k: drafted tokens per round for chain drafters (block drafters use their block size)")
     concurrency: list[int] = config_field([1], help="comma-separated numbers of requests decoded together, e.g. 1,2,4")
     dtype: str = config_field("float32", help="target weights dtype: float32 | bfloat16")
+    draft_dtype: str = config_field(
+        "auto", help="compute dtype of the trained drafters' rounds: fp32, bf16 autocast, or auto (the faster here, measured "
+        "once per machine and drafter configuration); the report records the dtype used and why",
+        metadata={"choices": list(DRAFT_DTYPES)},
+    )
     device: str = config_field("cpu", help="torch device, e.g. cpu or cuda")
-    threads: int = config_field(0, help="torch CPU threads (0 = torch's default)")
+    threads: int = config_field(
+        0, help="torch CPU threads (0 = auto: the count at which plain decoding of the target ran fastest here, measured once "
+        "per machine and target and cached)"
+    )
     max_time: float = config_field(
-        0.0, help="seconds the comparison may take: no prompt batch is started that the mean batch time so far says would "
+        0.0, help="seconds the comparison may take, its set-up (thread probe, warm-ups) included: no prompt batch is started "
+        "that the mean batch time so far says would "
         "end past it, and the report covers the batches finished, each run by every drafter (0 = no limit)"
     )
     seed: int = config_field(0, help="sampling seed (temperature > 0)")
@@ -58,5 +68,7 @@ class EvalConfig:
             raise SpecdraftError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.limit_per_domain < 0:
             raise SpecdraftError(f"--limit-per-domain must be >= 0, got {self.limit_per_domain}")
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise SpecdraftError(f"--draft-dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
         if self.max_time < 0:
             raise SpecdraftError(f"--max-time must be >= 0 seconds, got {self.max_time}")

@@ -59,6 +59,7 @@ def render_tables(report: dict[str, Any]) -> str:
             f"| {r['drafter']} | {r['concurrency']} | {_fmt(r['tau'])} | {_fmt(r['accept_rate'])} | {_fmt(r['verify_len'])} | {_fmt(r['drafting'])} | {_fmt(r['tok_per_s'])} "
             f"| {_fmt(r['speedup'])}x | {_fmt(r['ttft_ms'], '.0f')} | {_fmt(r['tpot_ms'], '.1f')} | {identical} |"
         )
+    lines += ["", compute_line(report)]
     first = report["config"]["concurrency"][0]
     runs = [r for r in report["runs"] if r["concurrency"] == first]
     domains = sorted({d for r in runs for d in r["per_domain"]})
@@ -87,6 +88,23 @@ def render_tables(report: dict[str, Any]) -> str:
             lines.append(f"- {r['drafter']}: " + ", ".join(f"l={l}: {n}" for l, n in enumerate(hist) if n)
                          + (f"; {skipped} steps decoded without drafting (draft gate)" if skipped else ""))
     return "\n".join(lines) + "\n"
+
+
+def compute_line(report: dict[str, Any]) -> str:
+    """How the run computed and why: CPU threads, and each trained drafter's resolved draft dtype."""
+
+    def why(source: str, seconds: dict | None, unit: float, suffix: str) -> str:
+        figures = ", ".join(f"{k} {v * unit:.1f} {suffix}" for k, v in (seconds or {}).items())
+        return f"{source}: {figures}" if figures else source
+
+    parts = []
+    if "threads" in report:
+        parts.append(f"{report['threads']} CPU threads ({why(report.get('threads_source', '?'), report.get('threads_seconds'), 1e3, 'ms')})")
+    for label, drafter in report.get("drafters", {}).items():
+        if drafter.get("draft_dtype"):
+            parts.append(f"{label} drafts in {drafter['draft_dtype']} "
+                         f"({why(drafter.get('draft_dtype_source', '?'), drafter.get('draft_dtype_seconds'), 1e3, 'ms/round')})")
+    return "compute: " + ("; ".join(parts) if parts else "-")
 
 
 def write_report(report: dict[str, Any], out: Path, *, plots: bool = True) -> list[Path]:

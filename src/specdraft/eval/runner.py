@@ -34,7 +34,8 @@ class DrafterSpec:
     verify_policy: str | None = None  # None: the run's --verify-policy (trained drafters) or 'full'
 
 
-def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, seed: int, target: str = "") -> DrafterSpec:
+def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, seed: int, target: str = "",
+                    draft_dtype: str = "auto") -> DrafterSpec:
     """'ngram' / 'none', 'reference' (the drafter shipped for the embedded ``target``), or a checkpoint
     directory whose config.json names its method, optionally followed by '@POLICY' to pick that
     drafter's verify policy (e.g. 'runs/x/final@scheduled')."""
@@ -42,7 +43,7 @@ def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, se
     from specdraft.decode.scheduler import VERIFY_POLICIES
     from specdraft.reference import reference_drafter
 
-    common = {"num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "seed": seed}
+    common = {"num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "seed": seed, "draft_dtype": draft_dtype}
     name, _, policy = text.partition("@")
     if policy:
         VERIFY_POLICIES.get(policy)
@@ -82,6 +83,13 @@ def _scheduler_for(spec: DrafterSpec, default: SchedulerConfig) -> SchedulerConf
     return default if spec.decode.drafter not in ("none", "ngram") else SchedulerConfig()
 
 
+def _dtype_facts(spec: DrafterSpec, proposer: Any) -> dict[str, Any]:
+    """A trained drafter's resolved draft dtype and why (the ``--draft-dtype`` flag, or ``auto`` measured
+    or cached, with the figures) in place of the requested value; ngram / autoregressive draft no tensors."""
+    facts = getattr(proposer, "dtype_facts", None) or {"draft_dtype": None}
+    return {**facts, "draft_dtype_requested": spec.decode.draft_dtype}
+
+
 def _batches(prompts: list[EvalPrompt], size: int) -> list[list[int]]:
     """Indices into ``prompts`` grouped into single-domain batches of at most ``size``."""
     by_domain: dict[str, list[int]] = {}
@@ -102,20 +110,22 @@ def run_eval(
     import torch
     from tqdm import tqdm
 
-    from specdraft.decode.runtime import decoder_for_target
+    from specdraft.decode.runtime import decoder_for_target, resolve_decode_threads
     from specdraft.eval.report import write_report
     from specdraft.targets import load_target
+    from specdraft.utils.threads import threads_facts
 
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    setup_started = time.perf_counter()  # the thread probe, decoder builds and warm-ups count against --max-time too
     prompts = load_prompts(
         None if config.prompts else config.suite, config.prompts or None, config.limit_per_domain or None
     )
     if target is None:
         target = load_target(config.target, dtype=config.dtype, device=config.device)
+    # before any decoder is built: the SPS profile and the draft-dtype probe are measured at the count used
+    threads = resolve_decode_threads(target, config.threads)
     specs = [resolve_drafter("none", num_draft_tokens=0, max_new_tokens=config.max_new_tokens, seed=config.seed)]
     specs += [resolve_drafter(d, num_draft_tokens=config.num_draft_tokens, max_new_tokens=config.max_new_tokens, seed=config.seed,
-                              target=config.target) for d in config.drafters]
+                              target=config.target, draft_dtype=config.draft_dtype) for d in config.drafters]
     if len({s.label for s in specs}) != len(specs):
         raise SpecdraftError(f"--drafters names the same drafter twice: {config.drafters}")
     decoders = {s.label: decoder_for_target(target, config=s.decode, sampling=sampling, scheduler=_scheduler_for(s, scheduler))
@@ -130,13 +140,14 @@ def run_eval(
     total = sum(len(_batches(prompts, c)) for c in config.concurrency) * len(decoders)
     bar = tqdm(total=total, desc="eval", unit="batch", disable=not progress)
     started = time.perf_counter()
+    max_time = max(config.max_time - (started - setup_started), 1e-9) if config.max_time else 0.0
     batches_done, cut_by_time = 0, False
     for concurrency in config.concurrency:
         merged: dict[str, Any] = {label: None for label in decoders}
         domain_metrics: dict[str, dict[str, Any]] = {label: {} for label in decoders}
         for batch in _batches(prompts, concurrency):
             elapsed = time.perf_counter() - started
-            if config.max_time and batches_done and elapsed + elapsed / batches_done > config.max_time:
+            if max_time and batches_done and elapsed + elapsed / batches_done > max_time:
                 cut_by_time = True
                 break
             batches_done += 1
@@ -188,7 +199,8 @@ def run_eval(
         "config": asdict(config),
         "sampling": asdict(sampling),
         "scheduler": asdict(scheduler),
-        "drafters": {s.label: asdict(s.decode) for s in specs},
+        "drafters": {s.label: {**asdict(s.decode), **_dtype_facts(s, decoders[s.label].proposer)} for s in specs},
+        **threads_facts(config.threads, threads),
         "num_prompts": len(per_prompt),
         "prompts_planned": len(prompts),
         "cut_by_time": cut_by_time,

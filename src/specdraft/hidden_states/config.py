@@ -42,6 +42,10 @@ class ExtractConfig(VllmAttachOptions):
     backend: str = config_field("file", help="storage backend (registered name)")
     queue_size: int = config_field(8, help="payloads that may wait for the writer before capture blocks")
     writer_threads: int = config_field(1, help="background threads serialising and writing payloads")
+    threads: int = config_field(
+        0, help="--engine hf: torch CPU threads of the target's forward passes (0 = auto: the count that ran one batch-sized "
+        "forward fastest here, measured once per machine and cached)"
+    )
     engine: str = config_field(
         "hf",
         help="what runs the target: hf (transformers, in this process) or vllm (a private vLLM server from "
@@ -60,6 +64,8 @@ class ExtractConfig(VllmAttachOptions):
         for name in ("batch_size", "queue_size", "writer_threads"):
             if getattr(self, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise SpecdraftError(f"--threads must be >= 0, got {self.threads}")
         if self.max_samples is not None and self.max_samples < 1:
             raise SpecdraftError(f"--max-samples must be >= 1, got {self.max_samples}")
         self.check_vllm_options(self.engine)

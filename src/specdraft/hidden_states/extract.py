@@ -142,9 +142,14 @@ def _extract(backend, config, dataset, pending, target, target_info, slots, prog
     """Capture ``pending`` rows (longest first, so padding is small and OOM shows up at once)."""
     from tqdm import tqdm
 
+    from specdraft.utils.threads import resolve_forward_threads
+
     capture = HiddenStateCapture(target.model, slots)
     lengths = dataset.lengths()
     order = sorted(pending, key=lambda i: -int(lengths[i]))
+    if order:  # the probe's batch: as many rows as a batch, of the median length
+        resolve_forward_threads(config.threads, target.model, fingerprint=target.fingerprint, rows=min(config.batch_size, len(order)),
+                                tokens=int(lengths[order[len(order) // 2]]))
     tokens = 0
     start = time.perf_counter()
     with AsyncWriter(backend, max_pending=config.queue_size, num_threads=config.writer_threads) as writer, tqdm(

@@ -79,7 +79,10 @@ class ServiceConfig(VllmAttachOptions):
     )
     target_dtype: str = config_field("float32", help="dtype the target runs in", metadata={"choices": list(TARGET_DTYPES)})
     device: str = config_field("cpu", help="device the target runs on (cpu, cuda, cuda:1, ...); --engine hf only")
-    num_threads: int = config_field(0, help="torch CPU threads (0 = torch's default); --engine hf only")
+    num_threads: int = config_field(
+        0, help="--engine hf: torch CPU threads (0 = auto: the count that ran a --max-batch x 256-token forward fastest here, "
+        "measured once per machine and cached)"
+    )
     engine: str = config_field(
         "hf",
         help="what runs the target: hf (transformers, in this process) or vllm (a vLLM server from .venv-vllm whose "
@@ -160,14 +163,14 @@ class HFProducer:
     """The HF model in this process; ``target`` may be passed pre-loaded (tests)."""
 
     def __init__(self, config: ServiceConfig, backend: Any, target: Any = None):
-        if config.num_threads:
-            import torch
+        from specdraft.utils.threads import resolve_forward_threads
 
-            torch.set_num_threads(config.num_threads)
         if target is None:
             from specdraft.targets import load_target
 
             target = load_target(config.target, dtype=config.target_dtype, device=config.device)
+        resolve_forward_threads(config.num_threads, target.model, fingerprint=target.fingerprint, rows=config.max_batch,
+                                tokens=min(256, config.max_tokens))
         self.target = target
         self.target_info = target.describe()
         self.max_tokens = config.max_tokens

@@ -33,23 +33,20 @@ def synthetic_batch(*, rows: int, tokens: int, slots: int, hidden: int, vocab: i
     )
 
 
+def train_step(module: torch.nn.Module, batch: DrafterBatch, dtype: str, device: torch.device) -> None:
+    """One forward + backward of ``module`` on ``batch`` in compute dtype ``dtype``; gradients are cleared
+    afterwards (parameters and optimizer untouched): the unit of work the training probes time."""
+    with autocast(dtype, device):
+        output = module(batch)
+    output.loss.backward()
+    module.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure_train_dtype(module: torch.nn.Module, batch: DrafterBatch, *, device: torch.device, context: dict[str, Any],
                         cache_dir: Path | None = None) -> Measurement:
-    """Time forward + backward of ``module`` (the step module) on ``batch`` in each candidate dtype;
-    gradients are cleared afterwards, parameters and optimizer are untouched."""
+    """Time :func:`train_step` of ``module`` (the step module, in training mode) on ``batch`` in each candidate dtype."""
     batch = batch.to(device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-    def step(name: str) -> None:
-        with autocast(name, device):
-            output = module(batch)
-        output.loss.backward()
-        module.zero_grad(set_to_none=True)
-
-    timers = {name: (lambda name=name: fastest_time(lambda: step(name), sync=sync)) for name in candidates(device)}
-    was_training = module.training
-    module.train()
-    try:
-        return measured_choice("train-dtype", context, timers, preferred="fp32", device=device, cache_dir=cache_dir)
-    finally:
-        module.train(was_training)
+    timers = {name: (lambda name=name: fastest_time(lambda: train_step(module, batch, name, device))) for name in candidates(device)}
+    return measured_choice("train-dtype", context, timers, preferred="fp32", device=device, cache_dir=cache_dir)

@@ -100,7 +100,10 @@ class TrainConfig:
     parallel: str = config_field(
         "auto", help="multi-process strategy under torchrun: ddp, fsdp (FSDP2 fully_shard; meant for GPUs) or auto (= ddp)", metadata={"choices": PARALLEL_CHOICES}
     )
-    num_threads: int = config_field(0, help="torch CPU threads per process (0 = torch's default)")
+    num_threads: int = config_field(
+        0, help="torch CPU threads per process (0 = auto: the count that ran this run's step fastest here, measured once per "
+        "machine and cached)"
+    )
     dry_run: bool = config_field(False, help="build the drafter, write an initialised checkpoint and exit")
     init_from_target: bool = config_field(
         False, help="fresh runs: start draft layer i from target layer L-N+i (the last N) where tensor shapes match (train/warm_start.py)"

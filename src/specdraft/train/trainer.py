@@ -11,7 +11,8 @@ Steps of ``train``:
    the checkpoint; wrap it for DDP/FSDP2, build AdamW and the warm-up + cosine schedule, restore their state.
 4. Step: batch = f(seed, step, rank) (``data.DataPlan``); reseed every RNG from (seed, rank, step);
    forward in the compute dtype (``--dtype auto``: the faster of fp32 and bf16 autocast for this
-   step on this machine, measured once and cached, ``compute_dtype.py``), backward, clip, AdamW,
+   step on this machine, measured once and cached, ``compute_dtype.py``; ``--num-threads 0``: the
+   CPU thread count that ran the step fastest, ``utils/threads.py``), backward, clip, AdamW,
    schedule. Log, validate and checkpoint on their intervals; a SIGINT/SIGTERM or ``max_time`` ends
    the run with a checkpoint after the current step.
 5. At the end: validation, a last checkpoint and ``OUT/final`` (the drafter and its ``MODEL_CARD.md``).
@@ -53,7 +54,7 @@ from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, MethodSpe
 from specdraft.models.common.checkpoint import DRAFTER_DIR
 from specdraft.registry import Registry
 from specdraft.train import checkpoint as ckpt
-from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch
+from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch, train_step
 from specdraft.train.config import TrainConfig
 from specdraft.train.data import (
     DELIVERY_LOG,
@@ -92,6 +93,7 @@ class TrainResult:
     stop_signal: int | None = None  # the signal number when stopped_by == "signal" (the CLI exits 128 + it)
     compute_dtype: str | None = None  # what the steps ran in (``--dtype auto`` resolved)
     dtype_probe: dict | None = None  # the seconds per step that decided it (``--dtype auto`` only)
+    threads: dict | None = None  # the CPU thread count of the steps and why (``threads_facts``: flag, measured, cached)
 
 
 class _StepModule(nn.Module):
@@ -206,22 +208,38 @@ def _process_group_scope() -> Any:
             torch.distributed.destroy_process_group()
 
 
-def _compute_dtype(cfg: TrainConfig, module: nn.Module, target: Any, identity: dict, dist_: "_Dist", device: torch.device) -> tuple[str, dict | None]:
-    """``cfg.dtype``, or for ``auto`` the faster dtype for this step, timed on rank 0 (before the
-    module is wrapped) and sent to every rank so they all compute alike. A dry run computes nothing."""
-    if cfg.dtype != "auto" or cfg.dry_run:
-        return ("fp32" if cfg.dtype == "auto" else cfg.dtype), None
+def _measured_settings(cfg: TrainConfig, module: nn.Module, target: Any, identity: dict, dist_: "_Dist",
+                       device: torch.device) -> tuple[str, dict | None, dict]:
+    """The compute dtype and CPU thread count of the steps: ``cfg.dtype`` / ``cfg.num_threads``, or for
+    ``auto`` / 0 what ran this step fastest here -- first the dtype, then the thread count in it --,
+    timed on rank 0 (before the module is wrapped) and sent to every rank so they all compute alike.
+    Returns (dtype, its probe, the thread facts). A dry run computes nothing."""
+    from specdraft.utils.threads import resolve_threads, threads_facts
+
+    if cfg.dry_run:
+        return ("fp32" if cfg.dtype == "auto" else cfg.dtype), None, threads_facts(cfg.num_threads, None)
     names = list(COMPUTE_DTYPES)
-    probe = None
+    dtype, probe, threads = ("fp32" if cfg.dtype == "auto" else cfg.dtype), None, None
     if dist_.main:
         batch = synthetic_batch(rows=cfg.batch_rows, tokens=cfg.pack_tokens, slots=len(identity["slots"]),
-                                hidden=int(target.hidden_size), vocab=int(target.vocab_size))
+                                hidden=int(target.hidden_size), vocab=int(target.vocab_size)).to(device)
         context = {k: identity[k] for k in ("method", "model_config", "slots")} | {"pack_tokens": cfg.pack_tokens, "batch_rows": cfg.batch_rows}
-        probe = measure_train_dtype(module, batch, device=device, context=context)  # logs its figures
-    choice = torch.tensor([names.index(probe.choice) if probe else 0], device=device)
+        was_training = module.training
+        module.train()
+        try:
+            if cfg.dtype == "auto":
+                probe = measure_train_dtype(module, batch, device=device, context=context)  # logs its figures
+                dtype = probe.choice
+            threads = resolve_threads(cfg.num_threads, "train-threads", {**context, "dtype": dtype},
+                                      lambda: train_step(module, batch, dtype, device), device=device)
+        finally:
+            module.train(was_training)
+    chosen = torch.tensor([names.index(dtype), torch.get_num_threads()], device=device)
     if dist_.world > 1:
-        torch.distributed.broadcast(choice, src=0)
-    return names[int(choice.item())], probe.to_json() if probe else None
+        torch.distributed.broadcast(chosen, src=0)
+        if not cfg.num_threads and device.type == "cpu":
+            torch.set_num_threads(int(chosen[1].item()))
+    return names[int(chosen[0].item())], probe.to_json() if probe else None, threads_facts(cfg.num_threads, threads)
 
 
 def _reseed(value: int) -> None:
@@ -422,7 +440,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
         step_module.load_state_dict({k: v for k, v in model_state.items() if k not in frozen}, strict=False)
     replica = copy.deepcopy(drafter).cpu() if strategy.save_via_replica and dist_.main else None
     step_module.to(device)
-    compute_dtype, dtype_probe = _compute_dtype(cfg, step_module, target, identity, dist_, device)
+    compute_dtype, dtype_probe, threads = _measured_settings(cfg, step_module, target, identity, dist_, device)
     wrapped = strategy.wrap(step_module, device)
     optimizer = _build_optimizer(wrapped, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -439,8 +457,8 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     else:
         step = 0
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    log.info("%s drafter: %.2fM trainable parameters, %d steps, %s on %s x%d, %s", spec.name, n_train / 1e6, total_steps, strategy_name,
-             device, dist_.world, compute_dtype)
+    log.info("%s drafter: %.2fM trainable parameters, %d steps, %s on %s x%d, %s, %d CPU threads (%s)", spec.name, n_train / 1e6,
+             total_steps, strategy_name, device, dist_.world, compute_dtype, threads["threads"], threads["threads_source"])
 
     def savable(model_state: dict[str, torch.Tensor]) -> DrafterModel:
         """The module to call ``save_pretrained`` on (rank 0 only)."""
@@ -480,7 +498,8 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     if cfg.dry_run:
         if saved is None:
             log.info("dry run: wrote %s", save(0))
-        return TrainResult(out, step, total_steps, False, None, None, drafter, compute_dtype, dtype_probe)
+        return TrainResult(out, step, total_steps, False, None, None, drafter, compute_dtype=compute_dtype, dtype_probe=dtype_probe,
+                           threads=threads)
 
     # 4. the loop
     def evaluate(at_step: int) -> dict | None:
@@ -550,7 +569,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
             if step % cfg.log_interval == 0 or step == total_steps:
                 sums.all_reduce()
                 epoch, _ = plan.locate(step - 1)
-                record = {"split": "train", "step": step, "epoch": epoch, "dtype": compute_dtype, "lr": lr, "grad_norm": grad_norm, **sums.summary(),
+                record = {"split": "train", "step": step, "epoch": epoch, "dtype": compute_dtype, "threads": threads["threads"], "lr": lr, "grad_norm": grad_norm, **sums.summary(),
                           "tokens": sums.tokens, "tokens_per_s": sums.tokens / max(window_seconds, 1e-9), "seconds": window_seconds,
                           "fetch_fraction": fetch_seconds / max(window_seconds, 1e-9)}
                 if "anchors" in record:
@@ -592,7 +611,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     if stopped_by:
         log.warning("stopped by %s at step %d of %d; rerun the same command to resume", stopped_by, step, total_steps)
     return TrainResult(out, step, total_steps, step >= total_steps, stopped_by, final, drafter, stop_signal=stop.signal,
-                       compute_dtype=compute_dtype, dtype_probe=dtype_probe)
+                       compute_dtype=compute_dtype, dtype_probe=dtype_probe, threads=threads)
 
 
 def _load_batch(dataset: SampleSource, rows: list[list[int]], cfg: TrainConfig, slot_index: list[int] | None) -> DrafterBatch:

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -67,14 +68,23 @@ def _cpu() -> tuple[str, str]:
     return model, hashlib.sha256(flags.encode()).hexdigest()[:16]
 
 
-def machine_identity(device: Any = "cpu") -> dict[str, Any]:
-    """What decides relative speeds besides the work itself: device, CPU model and flags, torch, threads."""
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def machine_identity(device: Any = "cpu", *, threads: bool = True) -> dict[str, Any]:
+    """What decides relative speeds besides the work itself: device, CPU model and flags, torch, and the
+    thread count (``threads=False``: the cores available instead, for the probe that picks the count)."""
     import torch
 
     device = torch.device(device)
     model, flags = _cpu()
-    identity: dict[str, Any] = {"device": device.type, "cpu": model, "cpu_flags": flags, "torch": torch.__version__,
-                                "threads": torch.get_num_threads()}
+    identity: dict[str, Any] = {"device": device.type, "cpu": model, "cpu_flags": flags, "torch": torch.__version__}
+    identity.update({"threads": torch.get_num_threads()} if threads else {"cores": available_cores()})
     if device.type == "cuda":
         identity["gpu"] = torch.cuda.get_device_name(device)
         identity["capability"] = list(torch.cuda.get_device_capability(device))
@@ -91,10 +101,11 @@ def choose(seconds: dict[str, float], *, preferred: str, margin: float = 0.1) ->
     return fastest
 
 
-def fastest_time(fn: Callable[[], Any], *, repeats: int = 2, sync: Callable[[], None] = lambda: None) -> float:
+def fastest_time(fn: Callable[[], Any], *, repeats: int = 2, sync: Callable[[], None] = lambda: None, warmup: bool = True) -> float:
     """Seconds of the fastest of ``repeats`` calls after one warm-up call (interference only adds time)."""
-    fn()
-    sync()
+    if warmup:
+        fn()
+        sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -104,32 +115,47 @@ def fastest_time(fn: Callable[[], Any], *, repeats: int = 2, sync: Callable[[], 
     return best
 
 
-def measured_choice(name: str, context: dict[str, Any], timers: dict[str, Callable[[], float]], *, preferred: str,
-                    margin: float = 0.1, device: Any = "cpu", cache_dir: Path | None = None) -> Measurement:
-    """Time each candidate (``timers[c]()`` returns seconds per unit of work) once per machine and
-    ``context``, cache the figures, log them and return the choice."""
+def measured_figures(name: str, context: dict[str, Any], measure: Callable[[], dict[str, float]], *, device: Any = "cpu",
+                     machine: dict[str, Any] | None = None, cache_dir: Path | None = None,
+                     decide: Callable[[dict[str, float]], Any] | None = None) -> tuple[dict[str, float], bool, Path]:
+    """``(figures, cached, cache file)``: ``measure()``'s figures, taken once per machine (``machine``,
+    default :func:`machine_identity`) and ``context``, then read back from the cache (which also
+    records ``decide(figures)``, the choice they gave, for whoever reads the file)."""
     from specdraft.targets.identity import cache_root
     from specdraft.utils.io import atomic_write_json
 
-    if len(timers) == 1:  # nothing to choose between: nothing to time
-        return Measurement(name, {}, next(iter(timers)))
-    key = {"name": name, "machine": machine_identity(device), "context": context, "candidates": sorted(timers)}
+    key = {"name": name, "machine": machine or machine_identity(device), "context": context}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = (cache_dir or cache_root()) / "measured" / f"{name}-{digest}.json"
     try:
         cached = json.loads(path.read_text())
-        if cached.get("format") == MEASURED_FORMAT and set(cached["seconds"]) == set(timers):
-            seconds = {k: float(v) for k, v in cached["seconds"].items()}
-            found = Measurement(name, seconds, choose(seconds, preferred=preferred, margin=margin), cached=True, path=str(path))
-            log.info("%s", found.describe())
-            return found
-    except (OSError, ValueError, KeyError, TypeError):
+        if cached.get("format") == MEASURED_FORMAT:
+            return {k: float(v) for k, v in cached["seconds"].items()}, True, path
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    seconds = {candidate: float(timer()) for candidate, timer in timers.items()}
-    result = Measurement(name, seconds, choose(seconds, preferred=preferred, margin=margin), path=str(path))
+    figures = {k: float(v) for k, v in measure().items()}
     try:
-        atomic_write_json(path, {"format": MEASURED_FORMAT, **key, "seconds": seconds, "choice": result.choice})
+        choice = {"choice": decide(figures)} if decide else {}
+        atomic_write_json(path, {"format": MEASURED_FORMAT, **key, "seconds": figures, **choice})
     except OSError:  # a read-only cache only costs a probe next time
         pass
+    return figures, False, path
+
+
+def measured_choice(name: str, context: dict[str, Any], timers: dict[str, Callable[[], float]], *, preferred: str,
+                    margin: float = 0.1, device: Any = "cpu", machine: dict[str, Any] | None = None,
+                    cache_dir: Path | None = None) -> Measurement:
+    """Time each candidate (``timers[c]()`` returns seconds per unit of work) once per machine and
+    ``context``, cache the figures, log them and return the choice."""
+    if len(timers) == 1:  # nothing to choose between: nothing to time
+        return Measurement(name, {}, next(iter(timers)))
+    context = {**context, "candidates": sorted(timers)}
+    decide = functools.partial(choose, preferred=preferred, margin=margin)
+    seconds, cached, path = measured_figures(name, context, lambda: {c: timer() for c, timer in timers.items()}, device=device,
+                                             machine=machine, cache_dir=cache_dir, decide=decide)
+    if set(seconds) != set(timers):  # a foreign or damaged file: measure again
+        seconds = {c: float(timer()) for c, timer in timers.items()}
+        cached = False
+    result = Measurement(name, seconds, decide(seconds), cached=cached, path=str(path))
     log.info("%s", result.describe())
     return result

@@ -39,6 +39,7 @@ class DrafterProposer(Proposer):
         self.confidences_calibrated = confidences_calibrated
         self.caches: dict[int, Any] = {}
         self.compute_dtype = "fp32"
+        self.dtype_facts: dict[str, Any] = {"draft_dtype": "fp32", "draft_dtype_source": "default"}  # what reports record
 
     @abstractmethod
     def draft_row(self, cache: Any, inputs: ProposalInput, row: int) -> Any:
@@ -99,9 +100,11 @@ class DrafterProposer(Proposer):
             self.release([_PROBE_ROW])
 
     def set_compute_dtype(self, requested: str) -> Measurement | None:
-        """Use ``requested`` (fp32 / bf16), or for ``auto`` the dtype whose round was faster here (measured once, cached)."""
+        """Use ``requested`` (fp32 / bf16), or for ``auto`` the dtype whose round was faster here (measured
+        once, cached); ``dtype_facts`` records the dtype and why (flag, measured or cached, with the figures)."""
         if requested != "auto":
             self.compute_dtype = requested
+            self.dtype_facts = {"draft_dtype": requested, "draft_dtype_source": "flag"}
             return None
         device = next(self.drafter.parameters()).device
         context = {"method": self.drafter.method, "config": self.drafter.config.to_json(), "block": self.block_length,
@@ -109,6 +112,8 @@ class DrafterProposer(Proposer):
         timers = {name: (lambda name=name: self.round_seconds(name)) for name in candidates(device)}
         measurement = measured_choice("draft-dtype", context, timers, preferred="fp32", device=device)
         self.compute_dtype = measurement.choice
+        self.dtype_facts = {"draft_dtype": measurement.choice, "draft_dtype_source": "cached" if measurement.cached else "measured",
+                            "draft_dtype_seconds": measurement.seconds}
         return measurement
 
 

@@ -53,6 +53,13 @@ def find_vllm_python(explicit: str | None = None) -> Path:
     )
 
 
+def vllm_version(python: str | os.PathLike) -> str:
+    """The vLLM version installed for ``python`` (from its venv's dist-info; no interpreter is started), or ""."""
+    venv = Path(python).parent.parent  # .venv-vllm/bin/python -> .venv-vllm (not resolved: bin/python links out of the venv)
+    found = sorted(venv.glob("lib/python*/site-packages/vllm*-*.dist-info"))
+    return found[-1].name.removesuffix(".dist-info") if found else ""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

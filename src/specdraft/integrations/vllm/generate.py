@@ -60,20 +60,41 @@ def completion_ids(answer: dict, eos_ids: frozenset[int] | set[int], *, url: str
     return cut_at_eos([int(t) for t in tokens], eos_ids)
 
 
-@contextlib.contextmanager
-def vllm_batches(request: Any, batches: list[Batch]) -> Iterator[Iterator[Batch]]:
-    """Start a server for ``request.target`` sized for ``batches``; yield their completions as batches finish."""
+def start_server(request: Any, batches: list[Batch], *, startup_timeout: float = 600.0) -> VllmServer:
+    """A started regeneration server for ``request.target``, sized for ``batches`` (the caller stops it)."""
     settings = request.settings
     longest = max(len(p) for _, prompts in batches for p in prompts)
     dtype = str(request.target.model.dtype).removeprefix("torch.")
     args = server_args(dtype=dtype, max_model_len=longest + settings.max_new_tokens, max_num_seqs=settings.batch_size, extra=request.vllm_args)
-    with VllmServer(request.target.path, args, python=request.vllm_python) as server:
-        log.info("vLLM server up (log: %s)", server.log_path)
+    server = VllmServer(request.target.path, args, python=request.vllm_python, startup_timeout=startup_timeout).start()
+    log.info("vLLM server up (log: %s)", server.log_path)
+    return server
+
+
+@contextlib.contextmanager
+def vllm_batches(request: Any, batches: list[Batch]) -> Iterator[Iterator[Batch]]:
+    """Yield the completions of ``batches`` as they finish, from ``request.server`` (one the engine probe
+    started, sized for every prompt; the caller stops it) or else a server started for them here."""
+    own = request.server is None
+    server = start_server(request, batches) if own else request.server
+    try:
         finished = _run(server, request, batches)
         try:
             yield finished
         finally:
             finished.close()  # cancels the queued requests before the server stops
+    finally:
+        if own:
+            server.stop()
+
+
+def probe_batch(server: VllmServer, request: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """The completions of one batch (``request.settings``), all requests in flight together: what the engine probe times."""
+    finished = _run(server, request, [(0, prompts)])
+    try:
+        return next(finished)[1]
+    finally:
+        finished.close()
 
 
 def _run(server: VllmServer, request: Any, batches: list[Batch]) -> Iterator[Batch]:

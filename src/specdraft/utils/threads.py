@@ -1,0 +1,93 @@
+"""The torch CPU thread count: the user's, or for ``0`` (auto) the count whose real work ran fastest here.
+
+torch's default (every core) is not always the fastest: on a busy shared 2-core CPU one thread
+regenerated ~4x faster than two, while an idle machine wants them all; small matmuls stop scaling
+long before large ones do. So each command that computes on the CPU times a short piece of its own
+work (a training step, a few decoding steps, a short generate) at each candidate count once per
+machine and work (``utils/measured.py``: the cache is keyed by the cores available, not the
+current count), logs the figures and sets the fastest. Candidates are 1, 2, 4, ... and the number of
+cores available; all cores is preferred unless another count is clearly faster. An explicit count
+always wins and is never measured; GPU work keeps torch's default (its CPU threads barely matter).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+from specdraft.utils.measured import Measurement, available_cores, fastest_time, machine_identity, measured_choice
+
+log = logging.getLogger(__name__)
+
+
+def thread_candidates(cores: int) -> list[int]:
+    """1, 2, 4, ... below ``cores``, then ``cores`` itself: a few probes even on a 128-core machine."""
+    counts, n = [], 1
+    while n < cores:
+        counts.append(n)
+        n *= 2
+    return counts + [max(cores, 1)]
+
+
+def resolve_threads(requested: int, name: str, context: dict[str, Any], work: Callable[[], Any], *, device: Any = "cpu",
+                    repeats: int = 1, cache_dir: Path | None = None) -> Measurement | None:
+    """Set torch's thread count: ``requested`` when > 0, else the candidate whose ``work()`` was fastest
+    (measured once per machine and ``context``); returns the measurement (None when nothing was measured)."""
+    import torch
+
+    if requested:
+        torch.set_num_threads(requested)
+        return None
+    if torch.device(device).type != "cpu":
+        return None
+    cores = available_cores()
+    warm = []
+
+    def timer(count: int) -> Callable[[], float]:
+        def run() -> float:
+            torch.set_num_threads(count)
+            if not warm:  # one warm-up call in all, at the first (cheapest) count: on a crowded CPU a call at the
+                warm.append(work())  # wrong count can take 15x longer, so no candidate pays for one twice
+            return fastest_time(work, repeats=repeats, warmup=False)
+
+        return run
+
+    timers = {str(n): timer(n) for n in thread_candidates(cores)}
+    measurement = measured_choice(name, context, timers, preferred=str(cores), device=device,
+                                  machine={**machine_identity(device, threads=False), "cores": cores}, cache_dir=cache_dir)
+    torch.set_num_threads(int(measurement.choice))
+    return measurement
+
+
+def threads_facts(requested: int, measurement: Measurement | None) -> dict[str, Any]:
+    """What reports and summaries record: the count used and why (flag, measured, cached, or torch's
+    default where nothing was measured)."""
+    import torch
+
+    if measurement is None:
+        return {"threads": torch.get_num_threads(), "threads_source": "flag" if requested else "default"}
+    return {"threads": int(measurement.choice), "threads_source": "cached" if measurement.cached else "measured",
+            "threads_seconds": measurement.seconds}
+
+
+def power_of_two_at_least(n: int) -> int:
+    """``n`` rounded up to a power of two: probe shapes (and cache keys) that many datasets share."""
+    return 1 << max(int(n) - 1, 1).bit_length()
+
+
+def resolve_forward_threads(requested: int, model: Any, *, fingerprint: str, rows: int, tokens: int) -> Measurement | None:
+    """:func:`resolve_threads` for work that is forward passes of ``model`` (hidden-state extraction and
+    serving): timed on one no-grad forward of ``rows`` x ``tokens`` (rounded up to a power of two) random ids."""
+    import torch
+
+    param = next(model.parameters())
+    tokens = power_of_two_at_least(tokens)
+    ids = torch.randint(0, int(model.config.vocab_size), (rows, tokens), generator=torch.Generator().manual_seed(0)).to(param.device)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(input_ids=ids)
+
+    context = {"work": "forward", "target": fingerprint, "dtype": str(param.dtype), "rows": rows, "tokens": tokens}
+    return resolve_threads(requested, "forward-threads", context, forward, device=param.device)

@@ -1,0 +1,166 @@
+"""``prepare --engine auto``: the regeneration engine chosen by measured tokens/s and vLLM's server start against
+the data budget. Timings are injected (a fake clock, a fake server), so the decision is tested on any machine."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdraft.data import regenerate as regen
+from specdraft.data.regenerate import EngineRequest, GenerationSettings, choose_engine, resolve_engine
+from specdraft.errors import SpecdraftError
+from specdraft.integrations.vllm import engine as vllm_engine
+from specdraft.integrations.vllm import generate as vllm_generate
+
+#: What benchmarks/regenerate_throughput.py measured on a busy 2-core CPU (README): HF 8, vLLM 48 tokens/s, 97 s start.
+SLOW_CPU = {"hf_tokens_per_s": 8.0, "vllm_tokens_per_s": 48.0, "vllm_start_s": 97.0}
+
+
+@pytest.mark.parametrize("work, budget, running, expected", [
+    (512 * 128, 300.0, False, "vllm"),  # the quickstart's 5 minutes: 9,744 tokens with vLLM vs 2,400 with HF
+    (512 * 128, 60.0, False, "hf"),  # a minute: the server would still be starting when the budget ends
+    (512 * 128, 60.0, True, "vllm"),  # ... unless the probe already started it
+    (64, None, False, "hf"),  # no limit but little work: 8 s with HF vs 98 s with vLLM
+    (512 * 128, None, False, "vllm"),  # no limit, much work: 2.3 h vs 24 min
+    (1000, 100.0, False, "hf"),  # HF finishes all of it within the budget, vLLM would not
+])
+def test_the_engine_that_regenerates_more_within_the_budget_wins(work, budget, running, expected):
+    engine, plan = choose_engine(SLOW_CPU, work_tokens=work, budget_s=budget, server_running=running)
+    assert engine == expected
+    assert plan["vllm"]["start_s"] == (0.0 if running else 97.0) and plan["hf"]["start_s"] == 0.0
+
+
+def test_a_near_tie_keeps_hf():
+    figures = {"hf_tokens_per_s": 10.0, "vllm_tokens_per_s": 10.5, "vllm_start_s": 0.0}
+    assert choose_engine(figures, work_tokens=10_000, budget_s=None, server_running=True)[0] == "hf"
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+class FakeServer:
+    def __init__(self):
+        self.stopped = 0
+
+    def stop(self):
+        self.stopped += 1
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A clock that only the fakes advance: HF generates ``hf`` tokens/s, the server starts in ``start`` s and
+    generates ``vllm`` tokens/s; records the servers started."""
+    clock = SimpleNamespace(now=1000.0, started=[], hf=8.0, vllm=48.0, start=97.0, fail=None, fail_probe=None)
+    monkeypatch.setattr(regen, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=lambda: clock.now))
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+
+    def hf_rate(request, prompts, tokens):
+        clock.now += len(prompts) * tokens / clock.hf
+        return clock.hf
+
+    def start_server(request, batches, *, startup_timeout):
+        if clock.fail:
+            raise SpecdraftError(clock.fail)
+        clock.now += clock.start
+        clock.started.append(FakeServer())
+        return clock.started[-1]
+
+    def probe_batch(server, request, prompts):
+        if clock.fail_probe:
+            raise SpecdraftError(clock.fail_probe)
+        clock.now += len(prompts) * request.settings.max_new_tokens / clock.vllm
+        return [[1] * request.settings.max_new_tokens for _ in prompts]
+
+    monkeypatch.setattr(regen, "_hf_tokens_per_s", hf_rate)
+    monkeypatch.setattr(vllm_generate, "start_server", start_server)
+    monkeypatch.setattr(vllm_generate, "probe_batch", probe_batch)
+    monkeypatch.setattr(vllm_engine, "find_vllm_python", lambda explicit=None: tmp_path / ".venv-vllm/bin/python")
+    return clock
+
+
+def _request(**settings):
+    target = SimpleNamespace(fingerprint="f" * 16, model=torch.nn.Linear(1, 1))
+    return EngineRequest(target, 0, frozenset({2}), GenerationSettings(**{"max_new_tokens": 128, "temperature": 0.0, "batch_size": 16,
+                                                                          "seed": 0, **settings}))
+
+
+PROMPTS = [[5] * (10 + i) for i in range(512)]
+
+
+def test_auto_measures_once_keeps_the_started_server_and_decides_per_budget(fake_vllm):
+    choice = resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=fake_vllm.now + 300)
+    assert choice.engine == "vllm" and choice.server is fake_vllm.started[0] and not choice.server.stopped  # reused, not restarted
+    assert choice.facts["engine_source"] == "measured" and choice.facts["threads_source"] == "flag"
+    assert choice.facts["engine_figures"] == pytest.approx(SLOW_CPU)
+    assert choice.facts["engine_plan"]["vllm"]["start_s"] == 0.0  # already paid
+    stored = json.loads(next(_cached()).read_text())
+    assert stored["seconds"] == pytest.approx(SLOW_CPU) and stored["context"]["rows"] == 16
+
+    # Cached: nothing is timed or started again; with one minute left the start cannot pay off, so HF.
+    short = resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=fake_vllm.now + 60)
+    assert short.engine == "hf" and short.server is None and len(fake_vllm.started) == 1 and short.facts["engine_source"] == "cached"
+    assert resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=fake_vllm.now + 300).engine == "vllm"
+
+
+def _cached():
+    from specdraft.targets.identity import cache_root
+
+    return (cache_root() / "measured").glob("regen-engine-*.json")
+
+
+def test_hf_wins_where_vllm_is_slow_here_and_its_server_is_stopped(fake_vllm):
+    fake_vllm.vllm = 6.0  # e.g. a vLLM-CPU build without the kernels this CPU needs
+    choice = resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=None)
+    assert choice.engine == "hf" and choice.server is None and fake_vllm.started[0].stopped == 1
+
+
+def test_no_vllm_environment_or_a_failed_start_means_hf_and_nothing_cached(fake_vllm, monkeypatch):
+    fake_vllm.fail = "vLLM server exited with code 1 while starting"
+    failed = resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=None)
+    assert failed.engine == "hf" and "exited with code 1" in failed.facts["engine_source"]
+    assert not list(_cached())
+    fake_vllm.fail, fake_vllm.fail_probe = None, "the vLLM server answered HTTP 500"
+    assert resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=None).engine == "hf"
+    assert fake_vllm.started[0].stopped == 1 and not list(_cached())  # the server the failed probe started is stopped
+
+    def missing(explicit=None):
+        raise SpecdraftError("no vLLM environment")
+
+    monkeypatch.setattr(vllm_engine, "find_vllm_python", missing)
+    assert resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=None).facts["engine_source"].startswith("no .venv-vllm")
+    with pytest.raises(SpecdraftError, match="no vLLM environment"):  # an explicit --vllm-python that does not exist is an error
+        resolve_engine(dataclasses.replace(_request(), vllm_python="/nope/python"), PROMPTS, requested="auto", threads=1, deadline=None)
+
+
+def test_an_explicit_engine_is_not_measured(fake_vllm):
+    for engine in ("hf", "vllm"):
+        choice = resolve_engine(_request(), PROMPTS, requested=engine, threads=1, deadline=None)
+        assert (choice.engine, choice.server, choice.facts["engine_source"]) == (engine, None, "flag")
+    assert fake_vllm.started == [] and fake_vllm.now == 1000.0
+
+
+def test_prepare_auto_regenerates_on_the_probes_server_and_stops_it(tmp_path, tiny_llama_dir, fake_vllm, monkeypatch):
+    """The probe's server generates the data (no second start) and is stopped when prepare ends."""
+    from test_data_prepare import _conversations, _prepare
+
+    used = []
+
+    @contextlib.contextmanager
+    def fake_batches(request, batches):
+        used.append(request.server)
+        yield ((index, [[7, 2] for _ in prompts]) for index, prompts in batches)
+
+    monkeypatch.setattr(vllm_generate, "vllm_batches", fake_batches)
+    summary, ds = _prepare(tmp_path, tiny_llama_dir, _conversations(40), regenerate=True, max_new_tokens=200, batch_size=4,
+                           engine="auto", threads=1)
+    assert summary["engine"] == "vllm" and summary["engine_source"] == "measured" and summary["regenerated"] == 40
+    assert used == fake_vllm.started and len(fake_vllm.started) == 1 and fake_vllm.started[0].stopped == 1
