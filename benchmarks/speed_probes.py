@@ -29,7 +29,7 @@ def main() -> None:
 
     import torch
 
-    from gate_floor import quickstart_drafter
+    from _common import quickstart_drafter
     from specdraft.data.regenerate import EngineRequest, GenerationSettings, choose_engine, resolve_engine
     from specdraft.data.sources import conversation, iter_rows
     from specdraft.decode.runtime import resolve_decode_threads
