@@ -128,7 +128,7 @@ def plot(runs: list[dict], path: Path, budget_min: float) -> None:
     ax.set_xlim(0, max([budget_min] + [p["minutes"] for run in runs for p in run["curve"]]) * 1.05)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title("Learning curves at equal training-time budget (solid: decoded, dashed: teacher-forced)")
+    ax.set_title("Learning curves (solid: decoded tau, dashed: teacher-forced)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
