@@ -357,3 +357,26 @@ def test_vllm_answers_are_cut_at_the_first_end_of_turn():
         completion_ids({"choices": [{"text": "hi"}]}, {2}, url="u")
     args = server_args(dtype="float32", max_model_len=300, max_num_seqs=4, extra="--dtype bfloat16")
     assert args[args.index("--generation-config") + 1] == "vllm" and args[-2:] == ["--dtype", "bfloat16"]  # the user's flags come last
+
+
+def test_select_samples_gives_the_ids_sources_and_prompts_of_a_regenerated_dataset_without_generating(tmp_path, tiny_target, tiny_llama_dir, monkeypatch):
+    """What split_leak.py rebuilds a regenerated dataset's split keys from: the rows prepare keeps, before any reply."""
+    from types import SimpleNamespace
+
+    from specdraft.data.prepare import select_samples
+    from specdraft.train.split import sample_key, sample_keys
+
+    rows = [SHAREGPT_ROW, {**SHAREGPT_ROW, "id": "sg1_1"}, OPENAI_ROW, *PROMPT_ONLY_ROWS]
+    summary, ds = _prepare(tmp_path, tiny_llama_dir, rows, regenerate=True, max_new_tokens=3, batch_size=2, max_samples=5)
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("select_samples generated a reply")
+
+    monkeypatch.setattr(regenerate_module, "generate_batch", no_generation)
+    config = PrepareConfig(out="-", target=str(tiny_llama_dir), data=str(tmp_path / "in.jsonl"), regenerate=True, max_samples=5)
+    selection = select_samples(config, tiny_target)
+    assert selection.stats["read"] == summary["read"] == 5 and [i for i, _ in selection.prompts] == list(range(5))
+    assert [s.sample_id for s in selection.samples] == list(ds.sample_ids)
+    rebuilt = [sample_key(s.sample_id, s.source, s.input_ids, s.loss_mask) for s in selection.samples]
+    assert rebuilt == sample_keys(SimpleNamespace(prepared=ds, sample_ids=list(ds.sample_ids)))
+    assert rebuilt[0].group == rebuilt[1].group == "sg1" and rebuilt[0].prompt == rebuilt[1].prompt

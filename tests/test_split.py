@@ -139,3 +139,26 @@ def test_sharegpt_suite_holds_no_prompt_or_conversation_of_a_training_side():
     first_ids = {r.sample_id for r, _ in rows}
     val_ids = {r.sample_id for (r, _), v in zip(rows, flags) if v}
     assert suite_ids & first_ids and suite_ids & first_ids <= val_ids
+
+
+def test_split_leak_benchmark_counts_the_old_rules_leaks_and_its_clean_subset(tmp_path):
+    """benchmarks/split_leak.py (and split_tau.py's "after" set): the old rule's leaking rows and the rest."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from split_leak import analyse
+
+    from specdraft.train.split import sample_keys
+
+    rows = _rows()
+    keys = sample_keys(_dataset(tmp_path, rows))
+    result = analyse([r["sample_id"] for r in rows], keys, val_fraction=0.3, seed=7)
+    old, clean = set(result["old_validation"]), set(result["old_clean"])
+    group = lambda row: row["sample_id"].split("@")[0].rsplit("_", 1)[0]  # noqa: E731
+    prompt = lambda row: tuple(row["input_ids"][: row["loss_mask"].index(1)])  # noqa: E731
+    train = [r for i, r in enumerate(rows) if i not in old]
+    leaking = {i for i in old if group(rows[i]) in {group(r) for r in train} or prompt(rows[i]) in {prompt(r) for r in train}}
+    assert leaking and clean and clean == old - leaking
+    assert result["old"]["sharing_either"] == len(leaking) and result["new"]["sharing_either"] == 0
+    assert result["old"]["validation_rows"] - result["moved_validation_to_training"] + result["moved_training_to_validation"] == result["new"]["validation_rows"]

@@ -127,22 +127,23 @@ def _rows(config: PrepareConfig, stats: Counter, done: Callable[[], bool]) -> It
         yield row
 
 
-def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
-    """Build the dataset at ``config.out`` and return the summary stored in its manifest."""
-    from specdraft.targets import load_target
+@dataclass
+class Selection:
+    """What ``prepare`` keeps from the rows, before any reply is generated: the samples in file order
+    (a regenerated one holds only its prompt ids, loss mask all 0) and which of them await a reply."""
 
-    started = time.perf_counter()
-    inputs = [source for source in split_sources(config.data) if Path(source).expanduser().exists()]
-    check_replaceable(config.out, PREPARED_DIR, inputs=inputs)  # before any work; checked again before the swap
-    if config.threads:
-        import torch
+    samples: list[_Sample]
+    prompts: list[tuple[int, list[int]]]  # (index into samples, prompt ids) awaiting regeneration
+    stats: Counter  # "read" and "format:<name>" counts
+    skipped: Counter  # reason -> rows
 
-        torch.set_num_threads(config.threads)
-    target = load_target(config.target, device=config.device)
+
+def select_samples(config: PrepareConfig, target: Any) -> Selection:
+    """The rows ``prepare`` keeps and the prompts it would regenerate (the rules of the module docstring up
+    to generation). Sample ids, sources and prompts never depend on the replies, so this also rebuilds the
+    split keys of a regenerated dataset without regenerating (``benchmarks/split_leak.py``)."""
     tokenizer = target.tokenizer
     eot_ids = target.end_of_turn_ids
-    for directory in prepared_sources(config.data):
-        PreparedDataset(directory).check_target(target)  # its token ids must mean this target's tokens
     # No token covers more characters than its vocabulary string has, so a text longer than
     # max_length * the longest one cannot fit in max_length tokens.
     max_chars = config.max_length * max(len(t) for t in tokenizer.get_vocab())
@@ -199,6 +200,26 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
             skipped["too_long"] += 1
             continue
         samples.append(_Sample(row.sample_id, source, ids, mask))
+    return Selection(samples, prompts, stats, skipped)
+
+
+def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
+    """Build the dataset at ``config.out`` and return the summary stored in its manifest."""
+    from specdraft.targets import load_target
+
+    started = time.perf_counter()
+    inputs = [source for source in split_sources(config.data) if Path(source).expanduser().exists()]
+    check_replaceable(config.out, PREPARED_DIR, inputs=inputs)  # before any work; checked again before the swap
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    target = load_target(config.target, device=config.device)
+    eot_ids = target.end_of_turn_ids
+    for directory in prepared_sources(config.data):
+        PreparedDataset(directory).check_target(target)  # its token ids must mean this target's tokens
+    selected = select_samples(config, target)
+    stats, skipped, samples, prompts = selected.stats, selected.skipped, selected.samples, selected.prompts
 
     generation, engine_facts = None, {}
     if prompts:

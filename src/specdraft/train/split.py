@@ -97,8 +97,6 @@ def sample_keys(dataset: Any) -> list[SplitKey]:
     """The keys of every sample of a ``SampleSource``, from its prepared dataset when it has one (ids,
     source labels, tokens; no hidden states read), else from its ``token_row(i)`` -> (token ids, loss
     mask) or, lacking that, its items (in-memory sources)."""
-    from specdraft.data.sources import conversation_group
-
     prepared = getattr(dataset, "prepared", None)
     token_row = getattr(dataset, "token_row", None)
     keys = []
@@ -111,8 +109,15 @@ def sample_keys(dataset: Any) -> list[SplitKey]:
         else:
             item = dataset[i]
             source, tokens, mask = "", item["token_ids"], item["loss_mask"]
-        keys.append(SplitKey(conversation_group(str(sid), source), prompt_digest(tokens[: prompt_length(mask)])))
+        keys.append(sample_key(str(sid), source, tokens, mask))
     return keys
+
+
+def sample_key(sample_id: str, source: str, tokens: Any, mask: Any) -> SplitKey:
+    """The key of one prepared sample: ``source`` its row's label, ``tokens``/``mask`` its ids and loss mask."""
+    from specdraft.data.sources import conversation_group
+
+    return SplitKey(conversation_group(sample_id, source), prompt_digest(tokens[: prompt_length(mask)]))
 
 
 @dataclass

@@ -503,15 +503,10 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
 
     # 4. the loop
     def evaluate(at_step: int) -> dict | None:
-        batches = plan.val_batches(cfg.val_max_batches)
-        sums = MetricSums()
         wrapped.eval()
-        _reseed(step_seed(cfg.seed, dist_.rank, at_step, EVAL_SEED_KIND))
-        with torch.no_grad():
-            for rows in batches:
-                batch = _load_batch(dataset, rows, cfg, slot_index).to(device)
-                with autocast(compute_dtype, device):
-                    sums.add(wrapped(batch), int((batch.segment_ids >= 0).sum()))
+        sums = teacher_forced(wrapped, dataset, plan.val_batches(cfg.val_max_batches), pack_tokens=cfg.pack_tokens,
+                              slot_index=slot_index, device=device, compute_dtype=compute_dtype,
+                              seed=step_seed(cfg.seed, dist_.rank, at_step, EVAL_SEED_KIND))
         sums.all_reduce()
         if not sums.batches:
             wrapped.train()
@@ -614,8 +609,21 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
                        compute_dtype=compute_dtype, dtype_probe=dtype_probe, threads=threads)
 
 
-def _load_batch(dataset: SampleSource, rows: list[list[int]], cfg: TrainConfig, slot_index: list[int] | None) -> DrafterBatch:
-    return collate([[dataset[i] for i in row] for row in rows], pack_tokens=cfg.pack_tokens, slot_index=slot_index)
+def teacher_forced(forward: Callable[[DrafterBatch], TrainOutput], dataset: SampleSource, batches: list[list[list[int]]], *,
+                   pack_tokens: int, slot_index: list[int] | None, device: torch.device | str, compute_dtype: str,
+                   seed: int) -> MetricSums:
+    """The validation pass's teacher-forced sums (``accept_len`` = ``tau_teacher_forced``) over ``batches``
+    (``DataPlan.val_batches``), every RNG seeded with ``seed`` first. ``forward`` is the step module or a
+    drafter's ``training_forward``, already in eval mode (uniform anchors); the benchmarks score other
+    held-out sets through this same pass. The caller all-reduces across processes."""
+    sums = MetricSums()
+    _reseed(seed)
+    with torch.no_grad():
+        for rows in batches:
+            batch = collate([[dataset[i] for i in row] for row in rows], pack_tokens=pack_tokens, slot_index=slot_index).to(device)
+            with autocast(compute_dtype, device):
+                sums.add(forward(batch), int((batch.segment_ids >= 0).sum()))
+    return sums
 
 
 def _build_optimizer(module: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
