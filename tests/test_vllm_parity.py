@@ -152,7 +152,11 @@ def test_vllm_dspark_model_loads_the_reference_drafter_and_drafts_as_specdraft(s
 
 #: case -> (method, config of a drafter with 3 draft tokens per round)
 PARITY_DRAFTERS = {
-    "eagle3": ("eagle3", lambda: Eagle3Config(layers="input:1,input:3,input:4", draft_vocab_size=10**6, ttt_steps=3)),
+    # EAGLE-3 learns the target's distribution (soft targets), and over the full 49k vocabulary the tiny random
+    # target's is nearly uniform (9.98 of at most 10.80 nats, median top-2 logit margin 0.20): 300 steps reach 0.86
+    # accuracy at ~1 s each. On the draft vocabulary of its replies (121 tokens: 3.31 nats, margin 1.09) it reaches
+    # 0.99 in 100 steps at ~0.1 s each, and vLLM maps the draft ids through d2t.
+    "eagle3": ("eagle3", lambda: Eagle3Config(layers="input:1,input:3,input:4", draft_vocab_coverage=1.0, ttt_steps=3)),
     # 8 anchors per reply and step keep training cheap (the head over the 49k-token vocabulary dominates)
     "dflash-1": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4, max_anchors=8)),
     "dflash-2": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=2, block_size=4, max_anchors=8)),
@@ -161,16 +165,18 @@ PARITY_PROMPTS = [("Name three colours.", "a"), ("Count to five.", "b"), ("Say h
 PARITY_TOKENS = 32
 
 
-def trained_parity_drafter(case: str, target, out: Path, *, steps: int = 300) -> Path:
-    """A drafter trained (300 steps) on the target's greedy replies to PARITY_PROMPTS, saved to ``out``: its acceptance
-    is far above zero, so served and built-in acceptance can be told apart (fewer ``steps``: partly trained)."""
+def trained_parity_drafter(case: str, target, out: Path, *, steps: int = 300, prompts: list[str] | None = None,
+                           new_tokens: int = PARITY_TOKENS) -> Path:
+    """A drafter trained (300 steps) on the target's greedy replies (``new_tokens`` each) to ``prompts`` (default
+    PARITY_PROMPTS), saved to ``out``: its acceptance is far above zero, so served and built-in acceptance can be
+    told apart (fewer ``steps``: partly trained, partial acceptance)."""
     from test_vllm import overfit_drafter
 
     if not (out / "config.json").is_file():
         method, make_config = PARITY_DRAFTERS[case]
         chats = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
-                 for text, _ in PARITY_PROMPTS]
-        overfit_drafter(method, make_config(), target, chats, new_tokens=PARITY_TOKENS, steps=steps,
+                 for text in prompts or [text for text, _ in PARITY_PROMPTS]]
+        overfit_drafter(method, make_config(), target, chats, new_tokens=new_tokens, steps=steps,
                         min_accuracy=0.9 if steps >= 300 else 0.0).save_pretrained(out)
     return out
 
@@ -182,11 +188,9 @@ def parity_target(smollm2_dir, tmp_path_factory):
     return varied_tiny_target(tmp_path_factory.mktemp("parity") / "target", smollm2_dir)
 
 
-#: Each case trains 300 steps and starts a vLLM server (about a minute each on 2 quiet cores). The EAGLE-3
-#: case is left out by default: its drafter does not reach the 0.9 accuracy it needs in 300 steps (issue 14);
-#: SPECDRAFT_PARITY_CASES=eagle3 (or "all") runs it.
-_CASES = os.environ.get("SPECDRAFT_PARITY_CASES", "dflash-1,dflash-2")
-PARITY_CASES = list(PARITY_DRAFTERS) if _CASES == "all" else [c for c in _CASES.split(",") if c]
+#: Each case trains 300 steps and starts a vLLM server (about a minute each on 2 quiet cores);
+#: SPECDRAFT_PARITY_CASES (comma-separated) runs a subset.
+PARITY_CASES = [c for c in os.environ.get("SPECDRAFT_PARITY_CASES", ",".join(PARITY_DRAFTERS)).split(",") if c]
 
 
 @pytest.mark.slow
