@@ -15,7 +15,7 @@ method: dspark
 model: {num_layers: 1, block_size: 4, markov_rank: 16, max_anchors: 8, intermediate_size: 64}
 pack_tokens: 256
 val_fraction: 0.3
-eval_interval: 0
+eval_interval: 1
 checkpoint_interval: 0
 dtype: fp32
 """
@@ -39,6 +39,9 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
     assert stages["train"]["steps"] == sized["steps"] == sized["epoch_steps"] < sized["train_seconds"] / sized["seconds_per_step"]
     assert stages["prepare"]["kept"] == 6 and stages["prepare"]["generated_tokens"] > 0
     assert stages["extract"]["samples_extracted"] == 6
+    # validation runs once, at the end, whatever the recipe's eval_interval: its decoding is not in the step plan
+    records = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("split") == "val"] == [stages["train"]["steps"]]
     assert len(json.loads((run / "train" / "final" / "config.json").read_text())["specdraft"]["config"]["confidence_temperatures"]) == 4
     report = json.loads((run / "eval" / "report.json").read_text())
     labels = {r["drafter"] for r in report["runs"]}
