@@ -7,7 +7,9 @@ folder is on ``sys.path``.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import contextlib
+import fcntl
+from typing import Any, Iterator
 
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -49,3 +51,18 @@ def quickstart_drafter(target: Any) -> Any:
     torch.manual_seed(0)
     counts = torch.arange(target.vocab_size, 0, -1, dtype=torch.int64)  # draft vocabulary: any tokens cost the same
     return spec.build(model, target, counts=counts)
+
+
+@contextlib.contextmanager
+def held(lock: str | None) -> Iterator[None]:
+    """An exclusive flock on ``lock`` for the duration (nothing without one): timed runs of benchmarks that
+    share the machine queue instead of overlapping."""
+    if not lock:
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

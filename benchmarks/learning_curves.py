@@ -33,8 +33,6 @@ train dir per run.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import shlex
 import shutil
@@ -42,6 +40,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _common import held
 
 PROBE_STEPS = 5
 SPECDRAFT = str(Path(sys.executable).with_name("specdraft"))  # the console script of this venv
@@ -81,20 +81,6 @@ def probe_seconds_per_step(method: str, data: str, work: Path, extra: list[str],
     per_step = seconds_per_step(out / "metrics.jsonl")
     shutil.rmtree(str(out), ignore_errors=True)
     return per_step
-
-
-@contextlib.contextmanager
-def held(lock: str | None):
-    """An exclusive flock on ``lock`` for the duration (nothing without one)."""
-    if not lock:
-        yield
-        return
-    with open(lock, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def curve(run_dir: Path) -> list[dict]:

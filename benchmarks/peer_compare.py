@@ -32,16 +32,15 @@ Run from the repository root in .venv (the peer trains in .venv-interop)::
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import held  # noqa: E402
 from peer_trainer import decode_validation, last_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,20 +48,6 @@ INTEROP_PYTHON = ROOT / ".venv-interop/bin/python"
 #: Our config field -> the peer flag that sets the same quantity (DSpark-only ones are skipped for DFlash).
 SHAPE_FLAGS = {"num_layers": "--num-layers", "block_size": "--block-size", "draft_vocab_size": "--draft-vocab-size",
                "markov_rank": "--markov-rank"}
-
-
-@contextmanager
-def held(lock: str | None):
-    """Hold ``lock`` (flock) for the duration of one timed run; no lock when None."""
-    if not lock:
-        yield
-        return
-    with open(lock, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def run_logged(cmd: list[str], log: Path, threads: int, lock: str | None) -> float:
