@@ -9,7 +9,12 @@ other jobs on a shared machine than wall time), and how many tokens were drafted
 
 * ``quickstart``: a fresh DSpark drafter with the quickstart's recipe (``dspark``, 16 anchors);
   untrained weights cost what trained ones do;
-* ``reference``: the drafter shipped for the target (``src/specdraft/reference``).
+* ``reference``: the drafter shipped for the target (``src/specdraft/reference``);
+* ``autoregressive+capture``: plain decoding that also captures the reference drafter's layer slots
+  (the hooks and feature bookkeeping a closed gate keeps paying), to tell that cost from the rest.
+
+Per decoder it also splits the time per output token into the target forward + verification
+(``verify_s``), drafting (``draft_s``) and the rest of the loop.
 
   .venv/bin/python benchmarks/gate_floor.py --prompts 4 --max-new-tokens 32 --repeats 3
 """
@@ -55,21 +60,34 @@ def main() -> None:
                                             sampling=SamplingConfig(), scheduler=scheduled, sps=sps)
         decoders[name].draft_gates[1] = DraftGate(plain_rate=sps(1), skip_left=10**9)  # closed for the whole run
 
+    capture = PROPOSERS.get("none")(config, target)
+    capture.layer_slots = decoders["reference"].proposer.layer_slots
+    decoders["autoregressive+capture"] = SpeculativeDecoder(target.model, capture, config=config, sampling=SamplingConfig())
+
     for decoder in decoders.values():
         decoder.generate([prompts[0][-16:]])  # one-off costs (allocator, lazy init)
     samples = {name: [] for name in decoders}
     cpu = {name: [] for name in decoders}
     drafted = {name: 0 for name in decoders}
     outputs = {name: [] for name in decoders}
-    for _ in range(args.repeats):
-        for prompt in prompts:
-            for name, decoder in decoders.items():
+    parts = {name: {"verify_s": 0.0, "draft_s": 0.0, "other_s": 0.0, "tokens": 0} for name in decoders}
+    order = list(decoders)
+    for repeat in range(args.repeats):
+        for p, prompt in enumerate(prompts):
+            shift = (repeat * len(prompts) + p) % len(order)  # each decoder takes every place in the order in turn
+            for name in order[shift:] + order[:shift]:
+                decoder = decoders[name]
                 started = time.process_time()
                 result = decoder.generate([prompt])
                 cpu[name].append((time.process_time() - started) / result.metrics.output_tokens)
                 samples[name].append(result.metrics.time_per_output_token_s)
                 drafted[name] += result.metrics.drafted
                 outputs[name].append(result.outputs[0].tokens)
+                m = result.metrics
+                parts[name]["verify_s"] += m.verify_s
+                parts[name]["draft_s"] += m.draft_s
+                parts[name]["other_s"] += m.wall_s - m.ttft_s - m.verify_s - m.draft_s
+                parts[name]["tokens"] += m.output_tokens - m.requests
     base = statistics.median(samples["autoregressive"])
     cpu_base = statistics.median(cpu["autoregressive"])
     report = {
@@ -81,6 +99,7 @@ def main() -> None:
                 "cost_vs_autoregressive": statistics.median(s) / base,
                 "median_cpu_ms_per_token": 1e3 * statistics.median(cpu[name]), "cpu_cost_vs_autoregressive": statistics.median(cpu[name]) / cpu_base,
                 "drafted_tokens": drafted[name],
+                **{f"{k[:-2]}_ms_per_token": 1e3 * v / parts[name]["tokens"] for k, v in parts[name].items() if k != "tokens"},
                 "identical_to_autoregressive": outputs[name] == outputs["autoregressive"],
             }
             for name, s in samples.items()

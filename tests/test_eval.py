@@ -72,6 +72,52 @@ def test_eval_max_time_keeps_whole_batches_and_says_so(tmp_path, tiny_target, mo
     assert not unlimited["cut_by_time"] and unlimited["num_prompts"] == 3 and len(unlimited["runs"]) == 4
 
 
+def test_eval_decoders_take_turns_and_tpot_is_the_median_over_batches(tmp_path, tiny_target, monkeypatch):
+    """No decoder always runs after the same other one, and one stalled batch does not move the
+    reported time per output token (nor the draft gate's floor line built from it)."""
+    from specdraft.decode.runtime import SpeculativeDecoder
+
+    generate = SpeculativeDecoder.generate
+    calls = []
+    injected = {"NoDraftProposer": iter([1.0, 1.0, 100.0]), "NgramProposer": iter([1.02, 1.02, 1.02])}
+
+    def timed(self, prompts):
+        result = generate(self, prompts)
+        name = type(self.proposer).__name__
+        calls.append(name)
+        if len(calls) > 2:  # after the two warm-ups: a batch's time per output token is what the test says
+            m = result.metrics
+            m.ttft_s, m.wall_s = 0.0, next(injected[name]) * (m.output_tokens - m.requests)
+        return result
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", timed)
+    out = tmp_path / "eval"
+    config = EvalConfig(out=str(out), prompts=str(_prompt_file(tmp_path)), drafters=["ngram"], max_new_tokens=6, concurrency=[1],
+                        threads=1, plots=False)
+    report = run_eval(config, SamplingConfig(), target=tiny_target, progress=False)
+    firsts = calls[2::2]
+    assert firsts == ["NgramProposer", "NoDraftProposer", "NgramProposer"]  # the order rotates batch by batch
+    runs = {r["drafter"]: r for r in report["runs"]}
+    assert runs["autoregressive"]["median_tpot_s"] == pytest.approx(1.0)  # the mean would be 34
+    assert runs["ngram"]["tpot_vs_autoregressive"] == pytest.approx(1.02)
+    assert "| 1000.0 | 1.000 |" in (out / "report.md").read_text()
+
+
+def test_report_states_the_draft_gate_floor():
+    from specdraft.eval.report import gate_floor_lines
+
+    def run(name: str, drafting: float, ratio: float) -> dict:
+        overall = {"tau": 1.0, "acceptance_rate": 0.0, "drafted": 0, "rounds": 1, "drafting_fraction": drafting, "tokens_per_s": 1.0,
+                   "mean_ttft_s": 0.1, "time_per_output_token_s": 0.05}
+        return {"drafter": name, "concurrency": 1, "overall": overall, "speedup": 1.0, "identical_to_autoregressive": 1,
+                "median_tpot_s": 0.05 * ratio, "tpot_vs_autoregressive": ratio}
+
+    lines = gate_floor_lines({"runs": [run("autoregressive", 1.0, 1.0), run("full", 1.0, 1.5), run("gated", 0.01, 1.012),
+                                        run("slow", 0.02, 1.05)]})
+    assert lines[1:] == ["- draft gate floor, gated (c=1): drafted in 1% of steps, median TPOT +1.2% vs autoregressive (within the 3% floor)",
+                         "- draft gate floor, slow (c=1): drafted in 2% of steps, median TPOT +5.0% vs autoregressive (OVER the 3% floor)"]
+
+
 def test_eval_sampling_reports_no_identity_check(tmp_path, tiny_target):
     config = EvalConfig(out=str(tmp_path / "e"), prompts=str(_prompt_file(tmp_path)), max_new_tokens=6, plots=False, threads=1)
     report = run_eval(config, SamplingConfig(temperature=0.8, top_p=0.9), target=tiny_target, progress=False)

@@ -199,10 +199,13 @@ def test_draft_gate_backs_off_and_recovers():
             gate.record(drafted=True, tokens=4, seconds=0.01)
     assert gate.interval == 1 and gate.skip_left == 0 and gate.draft_rate > gate.plain_rate
     assert all(gate.should_draft() for _ in range(3))
-    # a costly useless probe buys a long plain stretch at once: 30 ms extra per probe at 2% -> 150 rounds of 10 ms
+    # a costly useless probe buys a long plain stretch at once: 15 ms extra per probe at 1% -> 150 rounds of 10 ms
     costly = DraftGate(plain_rate=100.0)
-    costly.record(drafted=True, tokens=1, seconds=0.04)
+    costly.record(drafted=True, tokens=1, seconds=0.025)
     assert costly.skip_left == 150
+    ruinous = DraftGate(plain_rate=100.0)  # 30 ms extra would buy 300: capped at max_interval
+    ruinous.record(drafted=True, tokens=1, seconds=0.04)
+    assert ruinous.skip_left == ruinous.max_interval == 256
     with pytest.raises(ValueError):
         DraftGate(plain_rate=0.0)
 

@@ -212,10 +212,11 @@ EVAL_PROMPTS = [("Name three colours.", "a"), ("Count to five.", "b"), ("Say hi.
 
 
 def overfit_drafter(method: str, config, target, prompts: list[list[int]], *, new_tokens: int = 20, steps: int = 300,
-                    min_accuracy: float = 0.9):
+                    min_accuracy: float = 0.9, init=None):
     """A drafter trained on the target's own greedy continuations of ``prompts`` until it predicts them, so
     serving those prompts accepts drafts (a random drafter's acceptance is ~0 and would make the checks vacuous).
-    Its draft vocabulary (when ``config`` asks for one) comes from the continuations' token counts."""
+    Its draft vocabulary (when ``config`` asks for one) comes from the continuations' token counts; ``init(model)``,
+    when given, changes the fresh weights before training."""
     from specdraft.models import METHODS, DrafterBatch
 
     sequences = [target.model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0]
@@ -225,6 +226,8 @@ def overfit_drafter(method: str, config, target, prompts: list[list[int]], *, ne
     counts = torch.bincount(tokens[mask], minlength=target.vocab_size)
     torch.manual_seed(0)
     model = METHODS.get(method).build(config, target, counts=counts)
+    if init is not None:
+        init(model)
     slots = model.config.slots()
     captured = []
     hook = target.model.get_decoder().norm.register_forward_hook(lambda mod, args, out: captured.append(args[0][0]))

@@ -166,10 +166,10 @@ PARITY_TOKENS = 32
 
 
 def trained_parity_drafter(case: str, target, out: Path, *, steps: int = 300, prompts: list[str] | None = None,
-                           new_tokens: int = PARITY_TOKENS) -> Path:
+                           new_tokens: int = PARITY_TOKENS, init=None) -> Path:
     """A drafter trained (300 steps) on the target's greedy replies (``new_tokens`` each) to ``prompts`` (default
     PARITY_PROMPTS), saved to ``out``: its acceptance is far above zero, so served and built-in acceptance can be
-    told apart (fewer ``steps``: partly trained, partial acceptance)."""
+    told apart (fewer ``steps``: partly trained, partial acceptance). ``init`` see ``overfit_drafter``."""
     from test_vllm import overfit_drafter
 
     if not (out / "config.json").is_file():
@@ -177,7 +177,7 @@ def trained_parity_drafter(case: str, target, out: Path, *, steps: int = 300, pr
         chats = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
                  for text in prompts or [text for text, _ in PARITY_PROMPTS]]
         overfit_drafter(method, make_config(), target, chats, new_tokens=new_tokens, steps=steps,
-                        min_accuracy=0.9 if steps >= 300 else 0.0).save_pretrained(out)
+                        min_accuracy=0.9 if steps >= 300 else 0.0, init=init).save_pretrained(out)
     return out
 
 

@@ -87,7 +87,7 @@ class DraftGate:
 
     plain_rate: float
     max_interval: int = 256
-    probe_cost: float = 0.02
+    probe_cost: float = 0.01  # probes add at most ~1% to plain decoding: with a plain step's own <1% (benchmarks/gate_floor.py), inside the 3% floor
     smoothing: float = 0.5
     draft_rate: float | None = None
     interval: int = 1

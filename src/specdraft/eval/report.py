@@ -31,7 +31,8 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             "tok_per_s": m["tokens_per_s"],
             "speedup": run["speedup"],
             "ttft_ms": m["mean_ttft_s"] * 1000,
-            "tpot_ms": m["time_per_output_token_s"] * 1000,
+            "tpot_ms": (run.get("median_tpot_s") or m["time_per_output_token_s"]) * 1000,  # median over batches when recorded
+            "tpot_vs_ar": run.get("tpot_vs_autoregressive"),
             "identical": run["identical_to_autoregressive"],
         })
     return rows
@@ -50,16 +51,16 @@ def render_tables(report: dict[str, Any]) -> str:
         f"# specdraft eval — target {report['target']['name']}, {prompts}, "
         f"max {report['config']['max_new_tokens']} new tokens, temperature {report['sampling']['temperature']}",
         "",
-        "| drafter | concurrency | tau | acceptance | mean verify len | drafting | tok/s | speed-up | TTFT ms | TPOT ms | identical to AR |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| drafter | concurrency | tau | acceptance | mean verify len | drafting | tok/s | speed-up | TTFT ms | TPOT ms (median) | TPOT vs AR | identical to AR |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in summary_rows(report):
         identical = "-" if r["identical"] is None else f"{r['identical']}/{n}"
         lines.append(
             f"| {r['drafter']} | {r['concurrency']} | {_fmt(r['tau'])} | {_fmt(r['accept_rate'])} | {_fmt(r['verify_len'])} | {_fmt(r['drafting'])} | {_fmt(r['tok_per_s'])} "
-            f"| {_fmt(r['speedup'])}x | {_fmt(r['ttft_ms'], '.0f')} | {_fmt(r['tpot_ms'], '.1f')} | {identical} |"
+            f"| {_fmt(r['speedup'])}x | {_fmt(r['ttft_ms'], '.0f')} | {_fmt(r['tpot_ms'], '.1f')} | {_fmt(r['tpot_vs_ar'], '.3f')} | {identical} |"
         )
-    lines += ["", compute_line(report)]
+    lines += [*gate_floor_lines(report), "", compute_line(report)]
     first = report["config"]["concurrency"][0]
     runs = [r for r in report["runs"] if r["concurrency"] == first]
     domains = sorted({d for r in runs for d in r["per_domain"]})
@@ -88,6 +89,22 @@ def render_tables(report: dict[str, Any]) -> str:
             lines.append(f"- {r['drafter']}: " + ", ".join(f"l={l}: {n}" for l, n in enumerate(hist) if n)
                          + (f"; {skipped} steps decoded without drafting (draft gate)" if skipped else ""))
     return "\n".join(lines) + "\n"
+
+
+#: The most a closed draft gate may add to autoregressive decoding's median time per output token.
+GATE_FLOOR = 1.03
+
+
+def gate_floor_lines(report: dict[str, Any]) -> list[str]:
+    """For drafters whose draft gate decoded most steps plainly: their median time per output token
+    against autoregressive decoding's, and whether that stays within the floor's 3%."""
+    lines = []
+    for r in summary_rows(report):
+        if r["drafting"] is not None and r["drafting"] < 0.5 and r["tpot_vs_ar"] is not None:
+            within = "within" if r["tpot_vs_ar"] <= GATE_FLOOR else "OVER"
+            lines.append(f"- draft gate floor, {r['drafter']} (c={r['concurrency']}): drafted in {r['drafting']:.0%} of steps, median TPOT "
+                         f"{r['tpot_vs_ar'] - 1:+.1%} vs autoregressive ({within} the {GATE_FLOOR - 1:.0%} floor)")
+    return ["", *lines] if lines else []
 
 
 def compute_line(report: dict[str, Any]) -> str:

@@ -65,8 +65,10 @@ class TrainConfig:
     model: dict = config_field(
         {}, help="method config overrides, 'key=value,key=value' (values parsed as YAML) or a YAML mapping in the recipe"
     )
-    lr: float = config_field(6e-4, help="peak learning rate (AdamW)")
-    weight_decay: float = config_field(0.0, help="AdamW weight decay (matrices only; norms and biases never decay)")
+    optimizer: str = config_field("adamw", help="adamw, or muon (Muon on hidden weight matrices, AdamW on the rest; train/optimizers.py)",
+                                  metadata={"choices": ["adamw", "muon"]})
+    lr: float = config_field(6e-4, help="peak learning rate (AdamW; Muon's steps are scaled to AdamW's update size)")
+    weight_decay: float = config_field(0.0, help="decoupled weight decay (matrices only; norms and biases never decay)")
     betas: list[float] = config_field([0.9, 0.95], help="AdamW betas, 'b1,b2'")
     warmup_ratio: float = config_field(0.04, help="fraction of total steps with linear warm-up, then cosine decay")
     min_lr_ratio: float = config_field(0.0, help="cosine floor as a fraction of the peak learning rate")

@@ -8,7 +8,7 @@ Steps of ``train``:
 2. Check ``OUT``: a fresh directory, or a run whose latest checkpoint has the same identity
    (method, model config, target, layers) -- otherwise stop before anything is written.
 3. Build the drafter (seeded); a fresh run warm-starts it (``warm_start``), a resumed one restores
-   the checkpoint; wrap it for DDP/FSDP2, build AdamW and the warm-up + cosine schedule, restore their state.
+   the checkpoint; wrap it for DDP/FSDP2, build the optimizer (AdamW or Muon) and the warm-up + cosine schedule, restore their state.
 4. Step: batch = f(seed, step, rank) (``data.DataPlan``); reseed every RNG from (seed, rank, step);
    forward in the compute dtype (``--dtype auto``: the faster of fp32 and bf16 autocast for this
    step on this machine, measured once and cached, ``compute_dtype.py``; ``--num-threads 0``: the
@@ -627,15 +627,11 @@ def teacher_forced(forward: Callable[[DrafterBatch], TrainOutput], dataset: Samp
 
 
 def _build_optimizer(module: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (norm gains and biases are not shrunk towards 0)."""
-    decay, no_decay = [], []
-    for _, p in module.named_parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    if not decay and not no_decay:
-        raise SpecdraftError("the drafter has no trainable parameters")
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), foreach=device.type == "cuda")
+    """The configured optimizer (``train/optimizers.py``)."""
+    from specdraft.train.optimizers import OPTIMIZERS
+
+    return OPTIMIZERS.get(cfg.optimizer)(module, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                                         fused_loops=device.type == "cuda")
 
 
 def _clip(module: nn.Module, max_norm: float) -> float | None:
