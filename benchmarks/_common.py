@@ -37,20 +37,11 @@ def load_benchmark_target(args: argparse.Namespace, name: str | None = None) -> 
 def quickstart_drafter(target: Any) -> Any:
     """A fresh drafter of the quickstart's configuration (what `specdraft quickstart` trains); untrained
     weights cost what trained ones do."""
-    import torch
-
-    from specdraft.models import METHODS
-    from specdraft.quickstart import QuickstartConfig
+    from specdraft.quickstart import QuickstartConfig, fresh_drafter
     from specdraft.train.config import resolve_config
-    from specdraft.train.trainer import build_method_config
 
     qs = QuickstartConfig()
-    cfg = resolve_config(qs.recipe, {"model": {"max_anchors": qs.max_anchors}})
-    spec = METHODS.get(cfg.method)
-    model = build_method_config(spec, cfg.model)
-    torch.manual_seed(0)
-    counts = torch.arange(target.vocab_size, 0, -1, dtype=torch.int64)  # draft vocabulary: any tokens cost the same
-    return spec.build(model, target, counts=counts)
+    return fresh_drafter(resolve_config(qs.recipe, {"model": {"max_anchors": qs.max_anchors}}), target)
 
 
 @contextlib.contextmanager

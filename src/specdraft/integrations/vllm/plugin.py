@@ -1,10 +1,15 @@
 """specdraft's corrections to vLLM, applied in the vLLM server process before the engine starts.
 
-``python -m specdraft.integrations.vllm.plugin <api_server flags>`` installs them and then runs
-vLLM's OpenAI server (``vllm.entrypoints.openai.api_server``) in the same process; ``VllmServer``
-launches every server this way (``SPECDRAFT_VLLM_CORRECTIONS=off`` runs stock vLLM). The engine core runs in that process (``CPU_ENV_DEFAULTS``) or in
-one forked from it, so the patched classes are the ones that serve. This module runs only inside
-the vLLM environment.
+They must be installed in the process that drafts. vLLM-CPU starts its engine core with ``spawn``
+(``platforms/cpu.py`` sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn``, even with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a patch made only in the API-server process never reaches
+the engine: that is how specdraft's first version of this correction served nothing. ``register`` is
+therefore a vLLM general plugin (entry point ``vllm.general_plugins`` in pyproject.toml), which vLLM
+calls in every process it starts, the spawned engine core and workers included.
+``SPECDRAFT_VLLM_CORRECTIONS=off`` (inherited by those processes) leaves stock vLLM, to measure what
+the corrections change. ``python -m specdraft.integrations.vllm.plugin <api_server flags>`` runs
+vLLM's OpenAI server with them; ``VllmServer`` launches every server this way. This module runs only
+inside the vLLM environment.
 
 vLLM-CPU 0.32.0, context keys of DFlash/DSpark draft layers: ``DFlashQwen3Model._normalize_context_k``
 normalises the keys of every layer at once, ``ops.rms_norm(out [L, n, G, E], k, weights [L, E])``,
@@ -45,9 +50,15 @@ def install() -> list[str]:
     return patched
 
 
-def main() -> None:
-    if os.environ.get("SPECDRAFT_VLLM_CORRECTIONS", "on") != "off":  # "off": stock vLLM, to measure what they change
+def register() -> None:
+    """vLLM general-plugin hook, run by vLLM in each of its processes: the corrections unless
+    ``SPECDRAFT_VLLM_CORRECTIONS=off`` (stock vLLM, to measure what they change)."""
+    if os.environ.get("SPECDRAFT_VLLM_CORRECTIONS", "on") != "off":
         install()
+
+
+def main() -> None:
+    register()
     sys.argv[0] = "vllm.entrypoints.openai.api_server"
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
