@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -75,7 +76,7 @@ def train_ours(method: str, args: argparse.Namespace, out: Path) -> dict:
     if args.retrain or not final.is_dir():
         cmd = [sys.executable, "-m", "specdraft.cli.main", "train", "--config", method, "--data", args.store, "--out", str(out),
                "--epochs", str(args.epochs), "--val-fraction", str(args.val_fraction), "--split-seed", str(args.split_seed),
-               "--num-threads", str(args.threads)]
+               "--num-threads", str(args.threads), *shlex.split(args.ours_flags)]
         wall = run_logged(cmd, out.with_suffix(".log"), args.threads, args.lock)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("split") == "train"]
@@ -124,7 +125,7 @@ def defaults(method: str, args: argparse.Namespace, ours_dir: Path, peer_dir: Pa
     ours_loss = {"dspark": "0.1 CE + 0.9 L1 + 1.0 BCE (confidence), exp(-k/4) position weights",
                  "dflash": "CE (hard target argmax), exp(-k/gamma) position weights"}[method]
     return [
-        ("optimizer", f"AdamW lr {ours['lr']}, wd {ours['weight_decay']}, betas {ours['betas']}",
+        ("optimizer", f"{ours.get('optimizer', 'adamw')} lr {ours['lr']}, wd {ours['weight_decay']}, betas {ours['betas']}",
          f"{peer['optimizer']} lr {peer['lr']} (muon_lr {peer['muon_lr']}), wd {peer['weight_decay']}, muon wd {peer['muon_weight_decay']}"),
         ("schedule", f"{ours['warmup_ratio']:.0%} warm-up, cosine", f"{peer['scheduler_type']}, warm-up {peer['scheduler_warmup_steps'] or peer['scheduler_warmup_ratio'] or '1% of steps'}"),
         ("loss", ours_loss, f"{peer['loss_fn']}, {peer['per_position_loss_weight']} position weights (gamma {peer['dflash_decay_gamma']})"
@@ -167,7 +168,8 @@ def suite_taus(method: str, args: argparse.Namespace, ours: str, peer: str, out:
 def markdown(result: dict) -> str:
     lines = [f"# specdraft vs speculators {result['peer_version']} trainer, same store and tokens", "",
              f"Store `{result['store']}` ({result['train_samples']} training / {result['val_samples']} validation samples), "
-             f"{result['epochs']} epoch(s), {result['threads']} torch threads, peer anchors: {result['peer_anchors']}. "
+             f"{result['epochs']} epoch(s), {result['threads']} torch threads, peer anchors: {result['peer_anchors']}"
+             + (f", our runs with `{result['ours_flags']}`" if result.get("ours_flags") else "") + ". "
              f"Command: `{result['command']}`", ""]
     domains = sorted({d for m in result["methods"].values() for d in m["suite_tau"]["ours"] if d != "overall"})
     head = "| method | trainer | steps | train tokens | tokens/s | tau val prompts | tau suite | " + " | ".join(domains) + " |"
@@ -202,10 +204,16 @@ def main() -> None:
     parser.add_argument("--suite", default="domains", help="`specdraft eval --suite` prompts ('' to skip)")
     parser.add_argument("--limit-per-domain", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--ours-flags", default="", help="extra `specdraft train` flags for our runs (e.g. '--optimizer muon')")
+    parser.add_argument("--ours-label", default="", help="names our runs and the result files when --ours-flags is set "
+                        "(ours-METHOD-LABEL/, peer_compare-LABEL.json/.md; the peer's runs are shared)")
     parser.add_argument("--retrain", action="store_true", help="redo runs already finished under --out")
     parser.add_argument("--train-only", action="store_true",
                         help="stop after training (run this stage at the lock's priority, the decoding stage at a lower one)")
     args = parser.parse_args()
+    if bool(args.ours_flags) != bool(args.ours_label):
+        parser.error("--ours-flags and --ours-label go together")
+    suffix = f"-{args.ours_label}" if args.ours_label else ""
 
     import torch
 
@@ -218,12 +226,12 @@ def main() -> None:
     split = dataset_split(dataset, val_fraction=args.val_fraction, seed=args.split_seed)
     out = Path(args.out)
     result = {"store": args.store, "epochs": args.epochs, "threads": args.threads, "peer_anchors": args.peer_anchors,
-              "train_samples": len(split.train), "val_samples": len(split.val), "command": " ".join(sys.argv),
+              "ours_flags": args.ours_flags, "train_samples": len(split.train), "val_samples": len(split.val), "command": " ".join(sys.argv),
               "train_tokens_per_epoch": sum(dataset.lengths()[i] for i in split.train),
               "peer_version": subprocess.run([str(INTEROP_PYTHON), "-c", "import importlib.metadata as m; print(m.version('speculators'))"],
                                              capture_output=True, text=True).stdout.strip(), "methods": {}}
     for method in args.methods.split(","):
-        ours_dir, peer_dir = out / f"ours-{method}", out / f"peer-{method}"
+        ours_dir, peer_dir = out / f"ours-{method}{suffix}", out / f"peer-{method}"
         ours = train_ours(method, args, ours_dir)
         train = {"ours": ours, "peer": train_peer(method, args, peer_dir, ours)}
         if args.train_only:
@@ -232,12 +240,12 @@ def main() -> None:
         val = {who: decode_validation(args.store, args.target, Path(t["checkpoint"]), val_fraction=args.val_fraction,
                                       split_seed=args.split_seed, prompts=args.val_prompts, tokens=args.val_tokens)
                for who, t in train.items()}
-        suite = suite_taus(method, args, train["ours"]["checkpoint"], train["peer"]["checkpoint"], out / f"eval-{method}") if args.suite else {}
+        suite = suite_taus(method, args, train["ours"]["checkpoint"], train["peer"]["checkpoint"], out / f"eval-{method}{suffix}") if args.suite else {}
         result["methods"][method] = {"train": train, "val_tau": val, "suite_tau": suite, "peer_shape_flags": peer_flags(method, args, ours),
                                      "defaults": defaults(method, args, ours_dir, peer_dir)}
-        (out / "peer_compare.json").write_text(json.dumps(result, indent=1))
+        (out / f"peer_compare{suffix}.json").write_text(json.dumps(result, indent=1))
     if not args.train_only:
-        (out / "peer_compare.md").write_text(markdown(result))
+        (out / f"peer_compare{suffix}.md").write_text(markdown(result))
         print(markdown(result))
 
 

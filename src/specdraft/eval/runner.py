@@ -6,10 +6,13 @@ metrics are exact even at concurrency > 1. Speed-up = drafter tokens/s / autoreg
 the same concurrency. At temperature 0 the report also says whether every output was identical
 to the autoregressive one (it must be: verification is exact).
 
-Timing is made fair twice over: the decoders take turns in a rotating order (batch b starts with
+Timing is made fair three times over: the decoders take turns in a rotating order (batch b starts with
 decoder b mod n), so none always runs right after the same other one (a drafter that verifies long
-blocks leaves caches and the allocator in another state than plain decoding does); and time per
-output token is also reported as the median over batches, which one stalled batch cannot move.
+blocks leaves caches and the allocator in another state than plain decoding does); time per output
+token is also reported as the median over batches, which one stalled batch cannot move; and its ratio
+to autoregressive decoding is the median of the per-batch ratios, each decoder against autoregressive
+decoding of the same prompts, so prompts of different lengths (and so different costs per token) do
+not enter it: a ratio of the two medians can compare one prompt's time with another's.
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ class RunRecord:
     per_domain: dict[str, dict[str, Any]] = field(default_factory=dict)
     speedup: float | None = None  # tokens/s over autoregressive at the same concurrency
     median_tpot_s: float | None = None  # median over batches of their time per output token
-    tpot_vs_autoregressive: float | None = None  # median_tpot_s over autoregressive decoding's
+    tpot_vs_autoregressive: float | None = None  # median over batches of TPOT / autoregressive TPOT on the same batch
+    batch_tpot_s: list[float] = field(default_factory=list)  # time per output token of each batch, in batch order
     identical_to_autoregressive: int | None = None  # prompts whose output equals the AR output (greedy only)
 
 
@@ -176,10 +180,9 @@ def run_eval(
         baseline = merged[AUTOREGRESSIVE]
         if baseline is None:  # the time limit came before this concurrency level started
             break
-        base_tpot = statistics.median(tpots[AUTOREGRESSIVE])
         for label in decoders:
             metrics = merged[label]
-            tpot = statistics.median(tpots[label])
+            ratios = [t / a for t, a in zip(tpots[label], tpots[AUTOREGRESSIVE]) if a > 0]
             same = None
             if sampling.greedy:
                 same = sum(out["tokens"] == outputs[concurrency][AUTOREGRESSIVE][i]["tokens"] for i, out in outputs[concurrency][label].items())
@@ -189,8 +192,9 @@ def run_eval(
                 overall=metrics.to_json(),
                 per_domain={d: m.to_json() for d, m in sorted(domain_metrics[label].items())},
                 speedup=metrics.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else None,
-                median_tpot_s=tpot,
-                tpot_vs_autoregressive=tpot / base_tpot if base_tpot > 0 else None,
+                median_tpot_s=statistics.median(tpots[label]),
+                tpot_vs_autoregressive=statistics.median(ratios) if ratios else None,
+                batch_tpot_s=tpots[label],
                 identical_to_autoregressive=same,
             ))
     bar.close()
