@@ -171,14 +171,15 @@ def markdown(result: dict) -> str:
              f"{result['epochs']} epoch(s), {result['threads']} torch threads, peer anchors: {result['peer_anchors']}"
              + (f", our runs with `{result['ours_flags']}`" if result.get("ours_flags") else "") + ". "
              f"Command: `{result['command']}`", ""]
-    domains = sorted({d for m in result["methods"].values() for d in m["suite_tau"]["ours"] if d != "overall"})
+    domains = sorted({d for m in result["methods"].values() for d in m["suite_tau"].get("ours", {}) if d != "overall"})
     head = "| method | trainer | steps | train tokens | tokens/s | tau val prompts | tau suite | " + " | ".join(domains) + " |"
     lines += [head, "|" + " --- |" * 2 + " ---: |" * (5 + len(domains))]
     for method, m in result["methods"].items():
         for who in ("ours", "peer"):
-            t, s = m["train"][who], m["suite_tau"][who]
+            t, s = m["train"][who], m["suite_tau"].get(who, {})
+            overall = f"{s['overall']:.3f}" if "overall" in s else "-"  # no suite with --suite ''
             lines.append(f"| {method} | {who} | {t['steps']} | {t['tokens']} | {t['tokens_per_s']:.0f} | {m['val_tau'][who]['tau']:.3f} | "
-                         f"{s['overall']:.3f} | " + " | ".join(f"{s[d]:.3f}" if d in s else "-" for d in domains) + " |")
+                         f"{overall} | " + " | ".join(f"{s[d]:.3f}" if d in s else "-" for d in domains) + " |")
     for method, m in result["methods"].items():
         lines += ["", f"## {method}: matched shape `{' '.join(m['peer_shape_flags'])}`; defaults left to each trainer", "",
                   "| setting | ours | peer |", "| --- | --- | --- |"]
