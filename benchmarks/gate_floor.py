@@ -44,6 +44,7 @@ def main() -> None:
     from specdraft.decode.runtime import SpeculativeDecoder
     from specdraft.decode.scheduler import DraftGate
     from specdraft.decode.sps import load_or_measure_sps
+    from specdraft.eval.report import paired_ratios
     from specdraft.eval.suites import load_prompts
     from specdraft.models.common.drafter import load_drafter
     from specdraft.reference import reference_drafter
@@ -95,9 +96,9 @@ def main() -> None:
         "decoders": {
             name: {
                 "median_ms_per_token": 1e3 * statistics.median(s), "min_ms_per_token": 1e3 * min(s),
-                "cost_vs_autoregressive": statistics.median(t / a for t, a in zip(s, samples["autoregressive"])),  # paired, as eval does
+                "cost_vs_autoregressive": statistics.median(paired_ratios(s, samples["autoregressive"])),  # paired, as eval does
                 "median_cpu_ms_per_token": 1e3 * statistics.median(cpu[name]),
-                "cpu_cost_vs_autoregressive": statistics.median(t / a for t, a in zip(cpu[name], cpu["autoregressive"])),
+                "cpu_cost_vs_autoregressive": statistics.median(paired_ratios(cpu[name], cpu["autoregressive"])),
                 "drafted_tokens": drafted[name],
                 **{f"{k[:-2]}_ms_per_token": 1e3 * v / parts[name]["tokens"] for k, v in parts[name].items() if k != "tokens"},
                 "identical_to_autoregressive": outputs[name] == outputs["autoregressive"],

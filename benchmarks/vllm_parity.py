@@ -109,16 +109,21 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         base, init = EXTRA_CASES.get(case, (case, None))
+        drafter = work / f"{case}-{args.steps}steps-{args.prompts}x{args.tokens}"
+        if not args.report_only:
+            trained_parity_drafter(base, target, drafter, steps=args.steps, prompts=[text for text, _ in trained_on], new_tokens=args.tokens,
+                                   init=init)
+        spread = k_norm_spread(drafter)
+
+        def row(variant: str, measured: dict) -> dict:
+            return {"case": case, "steps": args.steps, "tokens": args.tokens, "variant": variant, "held_out": args.held_out,
+                    "k_norm_spread": spread, **measured}
+
         if args.report_only:
-            drafter = work / f"{case}-{args.steps}steps-{args.prompts}x{args.tokens}"
             for variant in args.variants.split(","):
                 sides = [json.loads((work / f"eval-{case}-{run}-{variant}" / f"{side}-0" / "report.json").read_text()) for side in ("builtin", "served")]
-                rows.append({"case": case, "steps": args.steps, "tokens": args.tokens, "variant": variant, "held_out": args.held_out,
-                             "k_norm_spread": k_norm_spread(drafter), **_compare(*sides, str(drafter))})
+                rows.append(row(variant, _compare(*sides, str(drafter))))
             continue
-        drafter = trained_parity_drafter(base, target, work / f"{case}-{args.steps}steps-{args.prompts}x{args.tokens}", steps=args.steps,
-                                         prompts=[text for text, _ in trained_on], new_tokens=args.tokens, init=init)
-        spread = k_norm_spread(drafter)
         for variant in args.variants.split(","):
             new_fields, corrections = VARIANTS[variant]
             path = drafter
@@ -131,13 +136,12 @@ def main() -> None:
             config = EvalConfig(out=str(work / f"eval-{case}-{run}-{variant}"), target=str(target_dir), prompts=str(prompts),
                                 drafters=[str(path)], max_new_tokens=args.tokens, parity=True, vllm_args="--enforce-eager --dtype float32 --max-model-len 256",
                                 plots=False)
-            (row,) = run_parity_eval(config, SamplingConfig(), target=target, progress=False)["drafters"]
-            rows.append({"case": case, "steps": args.steps, "tokens": args.tokens, "variant": variant, "held_out": args.held_out,
-                         "k_norm_spread": spread, **row})
+            (measured,) = run_parity_eval(config, SamplingConfig(), target=target, progress=False)["drafters"]
+            rows.append(row(variant, measured))
             keep = [r for r in earlier if (r["case"], r["variant"]) not in {(n["case"], n["variant"]) for n in rows}]
             results.write_text(json.dumps(keep + rows, indent=2))  # after each row: a cut run keeps what it measured
-            print(f"{case} {variant}: built-in {row['builtin']['tau']:.3f} ({row['builtin']['rounds']} rounds) served "
-                  f"{row['served']['tau']:.3f} ({row['served']['rounds']} rounds) gap {row['gap']:+.1%}", flush=True)
+            print(f"{case} {variant}: built-in {measured['builtin']['tau']:.3f} ({measured['builtin']['rounds']} rounds) served "
+                  f"{measured['served']['tau']:.3f} ({measured['served']['rounds']} rounds) gap {measured['gap']:+.1%}", flush=True)
     if args.report_only:
         results.write_text(json.dumps(rows, indent=2))
     print("\n| drafter | k_norm spread | variant | built-in tau | built-in rounds | served tau | served rounds | gap "

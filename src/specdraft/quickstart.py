@@ -229,6 +229,7 @@ def size_eval(config: QuickstartConfig, target: Any, train_config: Any, *, final
     sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint)
     overhead = plain_overhead_seconds(target, sps)
     defaults = EvalConfig(out="-", drafters=["ngram"])  # the comparison's draft length for ngram and its draft dtype
+    gated = round_seconds(sps, overhead_s=overhead, gated=True)  # a scheduled drafter's bound does not depend on the drafter
     costs = [DecoderCost(AUTOREGRESSIVE, round_seconds(sps, overhead_s=overhead)),
              DecoderCost("ngram", round_seconds(sps, overhead_s=overhead, verify_tokens=1 + defaults.num_draft_tokens))]
     drafters = {"drafter": fresh_drafter(train_config, target)}
@@ -237,7 +238,7 @@ def size_eval(config: QuickstartConfig, target: Any, train_config: Any, *, final
     for name, drafter in drafters.items():
         proposer = DRAFTER_PROPOSERS.get(drafter.method)(drafter, DecodeConfig(drafter=drafter.method, num_draft_tokens=defaults.num_draft_tokens))
         costs.append(drafter_cost(f"{name}@full", proposer, sps, overhead_s=overhead, draft_dtype=defaults.draft_dtype))
-        costs.append(drafter_cost(f"{name}@scheduled", proposer, sps, overhead_s=overhead, gated=True))
+        costs.append(DecoderCost(f"{name}@scheduled", gated))
     prompts = load_prompts("quick", None, config.eval_prompts_per_domain)
     estimate = estimate_eval_seconds([len(p.token_ids(target.tokenizer)) for p in prompts], config.eval_max_new_tokens, costs, sps)
     reserve = estimate["seconds"] + EVAL_MARGIN_S

@@ -95,6 +95,11 @@ def render_tables(report: dict[str, Any]) -> str:
 GATE_FLOOR = 1.03
 
 
+def paired_ratios(times: list[float], baseline: list[float]) -> list[float]:
+    """times[i] / baseline[i] for measurements of the same batch (or prompt), skipping empty baselines."""
+    return [t / a for t, a in zip(times, baseline) if a > 0]
+
+
 def gate_floor_lines(report: dict[str, Any]) -> list[str]:
     """For drafters whose draft gate decoded most steps plainly: their median time per output token
     against autoregressive decoding's, whether that stays within the floor's 3%, and the middle half of
@@ -107,7 +112,7 @@ def gate_floor_lines(report: dict[str, Any]) -> list[str]:
     for run, r in zip(report["runs"], summary_rows(report)):
         if r["drafting"] is not None and r["drafting"] < 0.5 and r["tpot_vs_ar"] is not None:
             within = "within" if r["tpot_vs_ar"] <= GATE_FLOOR else "OVER"
-            ratios = [t / a for t, a in zip(run.get("batch_tpot_s") or [], autoregressive.get(r["concurrency"], [])) if a > 0]
+            ratios = paired_ratios(run.get("batch_tpot_s") or [], autoregressive.get(r["concurrency"], []))
             spread = ""
             if len(ratios) >= 4:
                 low, _, high = statistics.quantiles(ratios, n=4)

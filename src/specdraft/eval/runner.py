@@ -123,7 +123,7 @@ def run_eval(
     from tqdm import tqdm
 
     from specdraft.decode.runtime import decoder_for_target, resolve_decode_threads
-    from specdraft.eval.report import write_report
+    from specdraft.eval.report import paired_ratios, write_report
     from specdraft.targets import load_target
     from specdraft.utils.threads import threads_facts
 
@@ -182,7 +182,7 @@ def run_eval(
             break
         for label in decoders:
             metrics = merged[label]
-            ratios = [t / a for t, a in zip(tpots[label], tpots[AUTOREGRESSIVE]) if a > 0]
+            ratios = paired_ratios(tpots[label], tpots[AUTOREGRESSIVE])
             same = None
             if sampling.greedy:
                 same = sum(out["tokens"] == outputs[concurrency][AUTOREGRESSIVE][i]["tokens"] for i, out in outputs[concurrency][label].items())
