@@ -122,8 +122,9 @@ def defaults(method: str, args: argparse.Namespace, ours_dir: Path, peer_dir: Pa
     run_yaml = yaml.safe_load((peer_dir / "run" / "run.yaml").read_text())["train"]
     peer = _peer_resolved(run_yaml)
     model = ours["model"]
-    ours_loss = {"dspark": "0.1 CE + 0.9 L1 + 1.0 BCE (confidence), exp(-k/4) position weights",
-                 "dflash": "CE (hard target argmax), exp(-k/gamma) position weights"}[method]
+    weighting = model.get("position_weighting", "exp")
+    ours_loss = {"dspark": "0.1 CE + 0.9 L1 + 1.0 BCE (confidence)", "dflash": "CE (hard target argmax)"}[method] + (
+        f", exp(-k/{model.get('loss_gamma') or 'gamma'}) position weights" if weighting == "exp" else f", {weighting} position weights")
     return [
         ("optimizer", f"{ours.get('optimizer', 'adamw')} lr {ours['lr']}, wd {ours['weight_decay']}, betas {ours['betas']}",
          f"{peer['optimizer']} lr {peer['lr']} (muon_lr {peer['muon_lr']}), wd {peer['weight_decay']}, muon wd {peer['muon_weight_decay']}"),
@@ -133,6 +134,8 @@ def defaults(method: str, args: argparse.Namespace, ours_dir: Path, peer_dir: Pa
         ("anchors", f"up to {model['max_anchors']} per sample ({model.get('anchor_sampling')})", f"{peer['max_anchors']} per packed row"),
         ("warm start", f"draft layers from target: {ours['init_from_target']}, fc {ours['fc_init']}"
          + (f", Markov {ours['markov_init']}" if method == "dspark" else ""), "random init (embeddings/lm_head from the verifier)"),
+        ("draft head", f"{'trained' if model.get('train_draft_head', True) else 'frozen'}, from the target head's rows",
+         "frozen, the verifier head's rows"),
         ("compute dtype", str(ours["dtype"]), f"autocast {peer['hidden_states_dtype']}"),
         ("grad clip", str(ours["grad_clip"]), "1.0"),
         ("seed", str(ours["seed"]), str(peer["seed"])),

@@ -316,3 +316,17 @@ def test_mask_token_checked_against_target_vocab(target):
         spec.build(DFlashConfig(mask_token_id=VOCAB, num_layers=1, block_size=3), target)
     with pytest.raises(SpecdraftError, match="hidden_size 32 differs from the target's 64"):
         spec.build(DFlashConfig(hidden_size=32), target)
+
+
+def test_checkpoints_from_before_a_field_existed_load_with_its_default(saved, target):
+    """Fields marked added_later (training-only, e.g. position_weighting) may be absent from older
+    checkpoints, which were trained with the default; any other missing field stays an error."""
+    cfg = json.loads((saved / "config.json").read_text())
+    del cfg["specdraft"]["config"]["position_weighting"], cfg["specdraft"]["config"]["dpace_alpha"]
+    (saved / "config.json").write_text(json.dumps(cfg))
+    model = METHODS.get("dflash").model_cls.from_pretrained(saved, target=target)
+    assert model.config.position_weighting == "exp" and model.config.dpace_alpha == 0.5
+    del cfg["specdraft"]["config"]["anchor_sampling"]
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecdraftError, match="specdraft.config lacks anchor_sampling"):
+        METHODS.get("dflash").model_cls.from_pretrained(saved, target=target)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from specdraft.models import METHODS, DrafterBatch
 from specdraft.models.common.anchors import sample_anchors
+from specdraft.models.common.vocab import draft_ids
 from test_models_support import VOCAB, make_batch, pad_batch
 
 SMALL = {
@@ -87,8 +90,10 @@ def test_block_labels_stop_at_segment_and_prompt(target, method):
         # reduced draft vocabulary chosen by coverage of the batch's own tokens (every label reachable)
         ("dflash", 120, {"draft_vocab_coverage": 1.0}),
         ("dspark", 300, {"draft_vocab_coverage": 1.0}),
+        ("dflash", 120, {"position_weighting": "dpace"}),
+        ("dspark", 250, {"position_weighting": "dpace"}),
     ],
-    ids=["eagle3", "dflash", "dspark", "dflash-draft-vocab", "dspark-draft-vocab"],
+    ids=["eagle3", "dflash", "dspark", "dflash-draft-vocab", "dspark-draft-vocab", "dflash-dpace", "dspark-dpace"],
 )
 def test_tiny_drafter_overfits(target, method, steps, overrides):
     model = _build(method, target, **overrides)
@@ -194,3 +199,37 @@ def test_confidence_records_use_the_full_target_distribution(target):
     inside = p_t[..., model.draft_target_ids()].sum(-1)
     assert records["soft_accept"].shape == inside.shape
     assert bool((records["soft_accept"] <= inside + 1e-6).all()) and float(inside.min()) < 0.999
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_position_weighting_reaches_the_block_loss(target, method):
+    """dpace and exp weigh the same per-slot terms differently: at init (q ~ 0) dpace puts more of the
+    loss on the first slot, so the two losses differ while every unweighted term is the same."""
+    batch = make_batch(target, method, count=2, length=16)
+    anchors = torch.tensor([[2, 6], [3, 7]])
+    losses = {}
+    for weighting in ("exp", "dpace"):
+        model = _build(method, target, position_weighting=weighting)
+        out = model.block_loss(batch, anchors, model.forward_blocks(batch, anchors))
+        losses[weighting] = float(out.loss.detach())
+    assert all(map(math.isfinite, losses.values())) and losses["exp"] != pytest.approx(losses["dpace"], rel=1e-4)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_frozen_draft_head_stays_the_target_rows_and_round_trips(target, method, tmp_path):
+    batch = make_batch(target, method, count=2, length=16)
+    heads = {}
+    for train_head in (True, False):
+        model = _build(method, target, draft_vocab_size=24, train_draft_head=train_head)
+        start = model.lm_head.weight.detach().clone()
+        torch.testing.assert_close(start, model.verifier_lm_head.weight[draft_ids(model.d2t)])
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            model.training_forward(batch).loss.backward()
+            opt.step()
+        heads[train_head] = bool(torch.equal(start, model.lm_head.weight))
+    assert heads == {True: False, False: True}
+    model.save_pretrained(tmp_path / "c")
+    loaded = METHODS.get(method).model_cls.from_pretrained(tmp_path / "c", target=target)
+    assert loaded.config.train_draft_head is False and not loaded.lm_head.weight.requires_grad

@@ -197,7 +197,8 @@ class SpeculatorsDrafter(DrafterModel):
     def read_config(cls, cfg: dict, *, where: str, target: Any = None) -> tuple[DraftConfig, dict]:
         """(config, verifier) from ``config.json``, strictly: missing or contradictory fields are errors.
 
-        With a ``specdraft`` block (our checkpoints) every config field must be recorded and agree with
+        With a ``specdraft`` block (our checkpoints) every config field must be recorded (except those marked
+        ``added_later``: checkpoints from before they existed were trained with their default) and agree with
         the top-level speculators fields vLLM reads, and the block must name the target fingerprint,
         checked against ``target``. Without it (a speculators-made checkpoint) the speculators fields
         are all there is: those that shape the network are required, and the target is checked by what
@@ -215,7 +216,7 @@ class SpeculatorsDrafter(DrafterModel):
         if not isinstance(ours, dict) or ours.get("method") != cls.method or not isinstance(ours.get("config"), dict):
             raise SpecdraftError(f"{where}/config.json: specdraft.method must be {cls.method!r} (the speculators_model_type) "
                                  f"beside a specdraft.config mapping, got {str(ours)[:80]!r}")
-        fields = {f.name for f in dataclasses.fields(cls.config_cls) if f.init}
+        fields = {f.name for f in dataclasses.fields(cls.config_cls) if f.init and not f.metadata.get("added_later")}
         missing = sorted(fields - set(ours["config"]))
         if missing:
             raise SpecdraftError(f"{where}/config.json: specdraft.config lacks {', '.join(missing)}; the checkpoint is incomplete "

@@ -10,6 +10,7 @@ import numpy as np
 from specdraft.errors import SpecdraftError
 from specdraft.models.common.anchors import ANCHOR_SAMPLING
 from specdraft.models.common.config import DraftConfig
+from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.utils.config import config_field
 
 # Reference loss-decay gammas by block size; other sizes interpolate linearly (clamped).
@@ -73,12 +74,24 @@ class DFlashConfig(DraftConfig):
         "uniform", help="training anchors: uniform, or predictable (weighted by the target's probability of the first label; "
         "see models/common/anchors.py)", metadata={"choices": ["uniform", "predictable"]}
     )
-    loss_gamma: float | None = config_field(None, help="loss decay gamma (default: 7/5/4 for block 16/10/8, interpolated)")
+    loss_gamma: float | None = config_field(None, help="exp weighting's decay gamma (default: 7/5/4 for block 16/10/8, interpolated)")
+    position_weighting: str = config_field(
+        "exp", help="loss weight per block position: exp (exp(-(k-1)/gamma)) or dpace (each slot by the acceptance it can "
+        "still unlock, from the drafter's detached estimate; models/common/weights.py)",
+        metadata={"choices": ["exp", "dpace"], "added_later": True}
+    )
+    dpace_alpha: float = config_field(0.5, help="dpace: smoothing of the confidence, s = (1-alpha) q + alpha, in (0, 1]",
+                                      metadata={"added_later": True})
     draft_vocab_size: int | None = config_field(
         None,
         help="reduced draft vocabulary: a trainable [N, D] LM head over the N most frequent response tokens "
         "(None/0 or the target vocabulary size = full vocabulary through the frozen target head; "
         "takes precedence over draft_vocab_coverage)",
+    )
+    train_draft_head: bool = config_field(
+        True, help="reduced draft vocabulary: train the draft head (started from the target head's rows) or keep it frozen as "
+        "those rows, so the drafter learns to land in the target's output space (speculators' choice)",
+        metadata={"added_later": True}
     )
     draft_vocab_coverage: float | None = config_field(
         None,
@@ -93,6 +106,9 @@ class DFlashConfig(DraftConfig):
         if self.max_anchors < 1:
             raise SpecdraftError(f"{self.method} config: max_anchors must be >= 1, got {self.max_anchors}")
         ANCHOR_SAMPLING.get(self.anchor_sampling)
+        POSITION_WEIGHTS.get(self.position_weighting)
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise SpecdraftError(f"{self.method} config: dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.mask_token_id is not None:
             if self.mask_token_id < 0 or (self.vocab_size is not None and self.mask_token_id >= self.vocab_size):
                 raise SpecdraftError(

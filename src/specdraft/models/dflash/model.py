@@ -5,8 +5,9 @@ as extra keys/values (k_proj/v_proj only: no query, output projection or MLP for
 queries come from the block [anchor, MASK x (B-1)] at positions anchor..anchor+B-1, which attends
 to itself non-causally and to context strictly before the anchor. The embedding is the target's,
 frozen; so is the LM head, unless the drafter has a reduced draft vocabulary (``draft_vocab_size``
-N < V): then it owns a trainable ``lm_head`` [N, D] started from the target head's rows of the N
-most frequent response tokens, with ``d2t``/``t2d`` mapping draft ids to target ids (vLLM layout).
+N < V): then it owns an ``lm_head`` [N, D] started from the target head's rows of the N most
+frequent response tokens (trained, or frozen with ``train_draft_head: false``), with
+``d2t``/``t2d`` mapping draft ids to target ids (vLLM layout).
 
 Reduced-vocabulary training follows speculators: the hard label is the token's draft id, and a
 label outside the draft vocabulary is unreachable (no draft logit can score it), so it gets no CE
@@ -16,7 +17,7 @@ sampling is unchanged and stays lossless.
 
 Training packs every sampled block of a row into one sequence (``anchor_block_mask``).
 Block slot k (k = 1..B-1) at position anchor+k predicts the token at anchor+k; its loss weight
-is exp(-(k-1)/gamma). Worked example, block 4 anchored at a=10 holding token x10:
+is exp(-(k-1)/gamma) or D-PACE's (``position_weighting``). Worked example, block 4 anchored at a=10 holding token x10:
 slots [x10, M, M, M] at positions 10..13 predict x11, x12, x13 from slots 1, 2, 3.
 
 Inference: the draft cache holds only context K/V (append the newly verified positions'
@@ -44,8 +45,9 @@ from specdraft.models.common.masks import anchor_block_mask
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import DraftProposal, sample_token
 from specdraft.models.common.vocab import check_vocab_tables, coverage_vocab_size, draft_ids, install_draft_vocab, target_to_draft
+from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.models.dflash.config import DFlashConfig
-from specdraft.models.dflash.loss import ce_rows, position_weights, weighted_mean
+from specdraft.models.dflash.loss import ce_rows, weighted_mean
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -120,6 +122,7 @@ class DFlashDrafter(SpeculatorsDrafter):
         self.register_buffer("t2d", None)
         if c.uses_draft_vocab:
             self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab, bias=False)
+            self.lm_head.weight.requires_grad_(c.train_draft_head)
             t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
             t2d[: c.draft_vocab] = True
             self.d2t = torch.zeros(c.draft_vocab, dtype=torch.int64)
@@ -273,8 +276,8 @@ class DFlashDrafter(SpeculatorsDrafter):
         return p * in_vocab
 
     def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> TrainOutput:
-        """Hard-label CE over slots 1..B-1 weighted exp(-(k-1)/gamma), normalised by the weight sum
-        (labels outside a reduced draft vocabulary: no CE weight, counted as misses)."""
+        """Hard-label CE over slots 1..B-1 weighted per position (``position_weighting``), normalised by
+        the weight sum (labels outside a reduced draft vocabulary: no CE weight, counted as misses)."""
         labels, valid, _ = block_labels(batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device))
         labels, in_vocab = self.draft_labels(labels)
         h = hidden[:, :, self.draft_slots()]
@@ -286,8 +289,10 @@ class DFlashDrafter(SpeculatorsDrafter):
         ce_valid, ok_valid = chunked_rows(rows, h[valid], labels[valid], chunk_rows=self.config.loss_chunk_rows)
         ce = torch.zeros(valid.shape, dtype=ce_valid.dtype, device=h.device).masked_scatter(valid, ce_valid)
         correct = torch.zeros_like(valid).masked_scatter(valid, ok_valid) & in_vocab
-        weights = position_weights(valid.shape[-1], self.config.gamma, device=h.device)
-        loss = weighted_mean(ce, weights, valid & in_vocab)
+        hit = valid & in_vocab
+        weigh = POSITION_WEIGHTS.get(self.config.position_weighting)
+        weights = weigh(torch.exp(-ce.detach()), hit, gamma=self.config.gamma, alpha=self.config.dpace_alpha)  # q = p_d(label)
+        loss = weighted_mean(ce, weights, hit)
         acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1))
         return TrainOutput(
             loss=loss, metrics={"loss": float(loss.detach()), "ce": float(loss.detach())}, position_acc=acc, position_cond_acc=cond, position_count=count

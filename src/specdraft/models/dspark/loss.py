@@ -2,7 +2,8 @@
 
 L = ce_weight*CE(hard label) + l1_weight*||p_d - p_t||_1 + bce_weight*BCE(c_k, 1 - 0.5*||p_d - p_t||_1)
 with p_d the Markov-corrected softmax at T=1 (teacher-forced previous tokens), the BCE target
-detached, each term weighted exp(-k/gamma) and normalised by the weight sum.
+detached, each term weighted per position (``models/common/weights.py``: exp(-k/gamma), or D-PACE with
+q = 1 - 0.5*||p_d - p_t||_1, the slot's acceptance probability) and normalised by the weight sum.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ def block_terms(
     l1 = (F.softmax(draft_logits.float(), -1) - F.softmax(target_logits.float(), -1)).abs().sum(-1)
     if confidence_logits is None:
         return ce, l1, torch.zeros_like(l1)
-    soft_accept = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
-    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_accept, reduction="none")
+    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_acceptance(l1), reduction="none")
     return ce, l1, bce
 
 
-def position_weights(num: int, gamma: float, *, device=None) -> torch.Tensor:
-    """w_k = exp(-k/gamma) for block positions k = 1..num -> [num]."""
-    return torch.exp(-torch.arange(1, num + 1, dtype=torch.float32, device=device) / gamma)
+def soft_acceptance(l1: torch.Tensor) -> torch.Tensor:
+    """1 - 0.5*||p_d - p_t||_1, detached: the slot's acceptance probability under rejection sampling."""
+    return (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
+

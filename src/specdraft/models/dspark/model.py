@@ -26,11 +26,12 @@ from specdraft.models.common.anchors import block_labels, sample_anchors
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import DraftProposal, sample_token
+from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.models.dflash.loss import weighted_mean
 from specdraft.models.dflash.model import DFlashDrafter, build_block_drafter
 from specdraft.models.dspark.config import DSparkConfig
 from specdraft.models.dspark.heads import MARKOV_HEADS, ConfidenceHead
-from specdraft.models.dspark.loss import block_terms, position_weights
+from specdraft.models.dspark.loss import block_terms, soft_acceptance
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -162,7 +163,7 @@ class DSparkDrafter(DFlashDrafter):
             rows, tf["hidden"], tf["prev_ids"], tf["target_hidden"], labels, chunk_rows=max(1, c.loss_chunk_rows // c.block_size)
         )
         v = tf["valid"]
-        w = position_weights(c.block_size, c.gamma, device=hidden.device)
+        w = POSITION_WEIGHTS.get(c.position_weighting)(soft_acceptance(l1), v, gamma=c.gamma, alpha=c.dpace_alpha)
         # Labels outside a reduced draft vocabulary are unreachable: no CE weight, a miss in the metrics.
         terms = {"ce": weighted_mean(ce, w, v & in_vocab), "l1": weighted_mean(l1, w, v), "bce": weighted_mean(bce, w, v)}
         loss = c.ce_weight * terms["ce"] + c.l1_weight * terms["l1"] + c.bce_weight * terms["bce"]
