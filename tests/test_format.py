@@ -322,10 +322,11 @@ def test_checkpoints_from_before_a_field_existed_load_with_its_default(saved, ta
     """Fields marked added_later (training-only, e.g. position_weighting) may be absent from older
     checkpoints, which were trained with the default; any other missing field stays an error."""
     cfg = json.loads((saved / "config.json").read_text())
-    del cfg["specdraft"]["config"]["position_weighting"], cfg["specdraft"]["config"]["dpace_alpha"]
+    for name in ("position_weighting", "dpace_alpha", "train_draft_head"):
+        del cfg["specdraft"]["config"][name]
     (saved / "config.json").write_text(json.dumps(cfg))
     model = METHODS.get("dflash").model_cls.from_pretrained(saved, target=target)
-    assert model.config.position_weighting == "exp" and model.config.dpace_alpha == 0.5
+    assert model.config.position_weighting == "exp" and model.config.dpace_alpha == 0.5 and model.config.train_draft_head
     del cfg["specdraft"]["config"]["anchor_sampling"]
     (saved / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpecdraftError, match="specdraft.config lacks anchor_sampling"):

@@ -59,6 +59,27 @@ def test_recipe_strings_nan_are_refused_too():
         resolve_config(None, {"weight_decay": "nan"})
 
 
+@pytest.mark.parametrize(
+    "where,values,message",
+    [
+        ("specdraft.models.dflash.config:DFlashConfig", {"train_draft_head": "maybe"}, "train_draft_head must be true or false, got 'maybe'"),
+        ("specdraft.models.dflash.config:DFlashConfig", {"dpace_alpha": "half"}, "dpace_alpha must be a number, got 'half'"),
+        ("specdraft.models.dflash.config:DFlashConfig", {"max_anchors": 6.5}, "max_anchors must be an integer, got 6.5"),
+        ("specdraft.models.dspark.config:DSparkConfig", {"confidence_head": "yes please"}, "confidence_head must be true or false"),
+        ("specdraft.models.dspark.config:DSparkConfig", {"confidence_temperatures": [1.0, "x"]}, "confidence_temperatures must be a list of numbers"),
+        ("specdraft.train.config:TrainConfig", {"lr": "fast"}, "lr must be a number, got 'fast'"),
+    ],
+)
+def test_configs_reject_values_of_the_wrong_type(where, values, message):
+    """A recipe's or ``--model key=value``'s YAML can give any type: the field is named, not a bare TypeError
+    (or, for a bool, silently truthy)."""
+    import importlib
+
+    module, name = where.split(":")
+    with pytest.raises(SpecdraftError, match=message):
+        getattr(importlib.import_module(module), name)(**values)
+
+
 class _PoisonedStore:
     """A toy store whose sample ``bad`` carries NaN hidden states: the loss turns NaN when a step reads it."""
 

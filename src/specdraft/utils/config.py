@@ -3,7 +3,9 @@
 Each concern declares a dataclass whose fields carry ``metadata={"help": ...}``; the CLI derives
 its flags from it (``add_dataclass_arguments``) and builds the config back (``dataclass_from_args``),
 so a default lives in exactly one place. Validation belongs in the dataclass ``__post_init__``, which
-starts with ``require_finite(self)``: Python's ``float("nan")`` passes every ``< 0`` check.
+starts with ``require_finite(self)``: Python's ``float("nan")`` passes every ``< 0`` check, and a value
+of the wrong type (a recipe's or ``--model key=value``'s YAML can give any) passes some checks and fails
+others with a bare ``TypeError``, or none at all (a string where a bool belongs).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 C = TypeVar("C")
 
@@ -27,12 +29,38 @@ def config_field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
+_SCALARS: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def _type_problem(tp: Any, value: Any) -> str | None:
+    """What ``value`` should be for the scalar (or list of scalars) type ``tp``; None when it is, or when
+    ``tp`` is anything else (those fields check themselves)."""
+    if tp in _SCALARS:
+        what, ok = _SCALARS[tp]
+        return None if ok(value) else what
+    if typing.get_origin(tp) is list and typing.get_args(tp) and typing.get_args(tp)[0] in _SCALARS:
+        what, ok = _SCALARS[typing.get_args(tp)[0]]
+        return None if isinstance(value, (list, tuple)) and all(map(ok, value)) else f"a list of {what.removeprefix('an ').removeprefix('a ')}s"
+    return None
+
+
 def require_finite(config: Any) -> None:
-    """Refuse NaN/inf in every float field (and float list) of a dataclass config, naming the field."""
+    """Refuse a value of the wrong type in every scalar (or scalar-list) field of a dataclass config, and
+    NaN/inf in every float field (and float list), naming the field."""
     from specdraft.errors import SpecdraftError
 
+    hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value = getattr(config, f.name, None)
+        tp, _ = _unwrap_optional(hints.get(f.name, Any))
+        problem = None if value is None else _type_problem(tp, value)
+        if problem:
+            raise SpecdraftError(f"{type(config).__name__}: {f.name} must be {problem}, got {value!r} ({_flag(f.name)})")
         values = value if isinstance(value, (list, tuple)) else [value]
         bad = next((v for v in values if isinstance(v, float) and not math.isfinite(v)), None)
         if bad is not None:

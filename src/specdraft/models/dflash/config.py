@@ -78,13 +78,13 @@ class DFlashConfig(DraftConfig):
     position_weighting: str = config_field(
         "exp", help="loss weight per block position: exp (exp(-(k-1)/gamma)) or dpace (each slot by the acceptance it can "
         "still unlock, from the drafter's detached estimate; models/common/weights.py)",
-        metadata={"choices": ["exp", "dpace"], "added_later": True}
+        metadata={"choices": POSITION_WEIGHTS.names(), "added_later": True}
     )
     dpace_alpha: float = config_field(0.5, help="dpace: smoothing of the confidence, s = (1-alpha) q + alpha, in (0, 1]",
                                       metadata={"added_later": True})
     draft_vocab_size: int | None = config_field(
         None,
-        help="reduced draft vocabulary: a trainable [N, D] LM head over the N most frequent response tokens "
+        help="reduced draft vocabulary: an [N, D] LM head over the N most frequent response tokens (trained unless train_draft_head is false) "
         "(None/0 or the target vocabulary size = full vocabulary through the frozen target head; "
         "takes precedence over draft_vocab_coverage)",
     )

@@ -27,4 +27,3 @@ def block_terms(
 def soft_acceptance(l1: torch.Tensor) -> torch.Tensor:
     """1 - 0.5*||p_d - p_t||_1, detached: the slot's acceptance probability under rejection sampling."""
     return (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
-
