@@ -54,6 +54,12 @@ def run(args: argparse.Namespace) -> int:
             raise SpecdraftError(f"cannot read --prompts-file {job.prompts_file}: {exc}") from None
     if not messages:
         raise SpecdraftError("nothing to generate: pass --prompt TEXT or --prompts-file FILE")
+    if job.metrics_out:  # checked before the decoding, which a read-only path would otherwise cost
+        from specdraft.utils.lock import probe_writable
+
+        if Path(job.metrics_out).is_dir():
+            raise SpecdraftError(f"--metrics-out {job.metrics_out} is a directory; give a file path, e.g. {Path(job.metrics_out) / 'metrics.json'}")
+        probe_writable(Path(job.metrics_out).expanduser().parent, "--metrics-out")
     target = load_target(job.target, dtype=job.dtype, device=job.device)
     resolve_decode_threads(target, job.threads, rows=job.batch_size)  # before the decoder: its probes run at the count used
     decoder = decoder_for_target(target, config=config, sampling=sampling, scheduler=scheduler)

@@ -40,7 +40,7 @@ from specdraft.data.sources import USER, RawRow, conversation, first_reply_index
 from specdraft.errors import SpecdraftError
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.utils.config import config_field, require_finite
-from specdraft.utils.io import check_replaceable
+from specdraft.utils.lock import claims_output
 from specdraft.utils.vllm_options import VllmServerOptions
 
 log = logging.getLogger(__name__)
@@ -203,13 +203,18 @@ def select_samples(config: PrepareConfig, target: Any) -> Selection:
     return Selection(samples, prompts, stats, skipped)
 
 
+def _local_inputs(config: PrepareConfig) -> list[str]:
+    """The --data sources that are paths here (files, prepared datasets): none may lie in or be --out."""
+    return [source for source in split_sources(config.data) if Path(source).expanduser().exists()]
+
+
+@claims_output(PREPARED_DIR, inputs=_local_inputs)  # before any work; ownership checked again before the swap
 def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     """Build the dataset at ``config.out`` and return the summary stored in its manifest."""
     from specdraft.targets import load_target
 
     started = time.perf_counter()
-    inputs = [source for source in split_sources(config.data) if Path(source).expanduser().exists()]
-    check_replaceable(config.out, PREPARED_DIR, inputs=inputs)  # before any work; checked again before the swap
+    inputs = _local_inputs(config)
     if config.threads:
         import torch
 

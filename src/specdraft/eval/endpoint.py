@@ -17,7 +17,9 @@ from typing import Any
 
 from specdraft.decode.config import SamplingConfig
 from specdraft.eval.config import EvalConfig
+from specdraft.eval.report import EVAL_DIR
 from specdraft.eval.suites import load_prompts
+from specdraft.utils.lock import claims_output
 
 
 def _served_model(url: str) -> str:
@@ -53,6 +55,7 @@ def counters_as_metrics(counters: Any, *, requests: int, output_tokens: int, wal
     }
 
 
+@claims_output(EVAL_DIR)  # before the decoding: a foreign, locked or read-only --out costs nothing
 def run_endpoint_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, tokenizer: Any = None,
                       progress: bool = True) -> dict[str, Any]:
     """Measure the server at ``config.endpoint``; writes the same report files as ``run_eval``."""

@@ -26,7 +26,9 @@ from typing import Any
 from specdraft.decode.config import SamplingConfig, SchedulerConfig
 from specdraft.errors import SpecdraftError
 from specdraft.eval.config import EvalConfig
+from specdraft.eval.report import PARITY_DIR
 from specdraft.utils.io import atomic_write_bytes, atomic_write_json
+from specdraft.utils.lock import claims_output
 
 #: Relative tau gap (|served - built-in| / built-in) above which parity is flagged.
 PARITY_GAP = 0.03
@@ -53,6 +55,7 @@ def _checkpoint(text: str, target: str) -> Path:
     return path
 
 
+@claims_output(PARITY_DIR)  # before the decoding: a foreign, locked or read-only --out costs nothing
 def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, target: Any = None,
                     progress: bool = True) -> dict[str, Any]:
     """Built-in vs served tau per checkpoint drafter; writes ``parity.json`` and ``parity.md`` under ``config.out``

@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specdraft.utils.io import atomic_path, atomic_write_bytes, atomic_write_json
+from specdraft.utils.io import DirKind, atomic_path, atomic_write_bytes, atomic_write_json, json_field_is
+
+#: What `specdraft eval` writes into: its reports and plots (a rerun overwrites them, nothing else).
+EVAL_DIR = DirKind("specdraft eval run", "report.json", json_field_is("format", "specdraft.eval_report"),
+                   frozenset({"report.json", "report.md"}), patterns=("*.png", ".*.tmp"), replaced=False)
+#: What `specdraft eval --parity` writes into: its comparison and one eval run per side and drafter.
+PARITY_DIR = DirKind("specdraft eval --parity run", "parity.json", json_field_is("format", "specdraft.parity_report"),
+                     frozenset({"parity.json", "parity.md"}), patterns=("builtin-*", "served-*", ".*.tmp"), replaced=False)
 
 
 def verify_length_histogram(metrics: dict[str, Any]) -> list[int]:

@@ -29,7 +29,9 @@ from typing import Any
 from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfig
 from specdraft.errors import SpecdraftError
 from specdraft.eval.config import EvalConfig
+from specdraft.eval.report import EVAL_DIR
 from specdraft.eval.suites import EvalPrompt, load_prompts
+from specdraft.utils.lock import claims_output
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,7 @@ def _batches(prompts: list[EvalPrompt], size: int) -> list[list[int]]:
     return [idx[s : s + size] for idx in by_domain.values() for s in range(0, len(idx), size)]
 
 
+@claims_output(EVAL_DIR)  # before the decoding: a foreign, locked or read-only --out costs nothing
 def run_eval(
     config: EvalConfig,
     sampling: SamplingConfig = SamplingConfig(),

@@ -29,12 +29,14 @@ from specdraft.hidden_states.backends.base import (
     finish_manifest,
     open_backend,
 )
+from specdraft.hidden_states.backends.file import STORE_DIR
 from specdraft.hidden_states.capture import HiddenStateCapture
 from specdraft.hidden_states.config import ExtractConfig
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.payload import HiddenStatePayload
 from specdraft.hidden_states.writer import AsyncWriter
 from specdraft.registry import Registry
+from specdraft.utils.lock import claims_output
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class ExtractSummary:
         }
 
 
+@claims_output(STORE_DIR, out=lambda config: config.out if config.backend == "file" else None, inputs=lambda config: [config.dataset])
 def extract_hidden_states(config: ExtractConfig, *, target: Any = None, progress: bool = True) -> ExtractSummary:
     """Run steps 1-4 above; ``target`` may be passed pre-loaded (tests, notebooks)."""
     from tqdm import tqdm

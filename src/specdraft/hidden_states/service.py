@@ -228,6 +228,10 @@ class HiddenStateService:
         self._stats_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = False
+        if config.backend == "file":  # shared with the trainer and other producers, so checked writable but not locked
+            from specdraft.utils.lock import probe_writable
+
+            probe_writable(config.store, "--store")
         # Bind first: a busy port must not be found only after a vLLM engine took minutes to start.
         # Connections wait in the listen backlog until ``start`` serves them.
         try:

@@ -17,6 +17,7 @@ from typing import Any
 
 from specdraft.errors import SpecdraftError
 from specdraft.utils.config import config_field, require_finite
+from specdraft.utils.lock import claims_output
 
 ACCEPT_MODES = {"greedy": "greedy_accept", "sampling": "soft_accept"}
 
@@ -48,6 +49,15 @@ class CalibrateConfig:
             raise SpecdraftError("--max-samples must be >= 1 and --pack-tokens >= 2")
 
 
+def _drafter_dir():
+    from specdraft.models.common.checkpoint import DRAFTER_DIR  # beside torch: imported only when calibrating
+
+    return DRAFTER_DIR
+
+
+# --out defaults to --drafter itself: the documented in-place rewrite (the new checkpoint replaces the old whole, once complete)
+@claims_output(_drafter_dir, out=lambda config: config.out or config.drafter, inputs=lambda config: [config.drafter, config.data],
+               in_place_ok=True)
 def calibrate(config: CalibrateConfig, *, target: Any = None, progress: bool = True) -> dict:
     """Fit and store the temperatures; returns the statistics written to ``calibration.json``."""
     import dataclasses
@@ -56,16 +66,15 @@ def calibrate(config: CalibrateConfig, *, target: Any = None, progress: bool = T
     from tqdm import tqdm
 
     from specdraft.hidden_states.dataset import HiddenStateDataset
-    from specdraft.models.common.checkpoint import CALIBRATION_FILE, DRAFTER_DIR
+    from specdraft.models.common.checkpoint import CALIBRATION_FILE
     from specdraft.models.common.drafter import load_drafter
     from specdraft.models.dspark.calibration import sequential_temperature_scaling
     from specdraft.targets import load_target
     from specdraft.train.data import collate, pack_rows, select_slots
     from specdraft.train.split import SPLIT_FILE, resolve_split
-    from specdraft.utils.io import atomic_write_json, check_replaceable
+    from specdraft.utils.io import atomic_write_json
 
     out = Path(config.out or config.drafter)
-    check_replaceable(out, DRAFTER_DIR, inputs=[config.drafter, config.data])  # before any work; again before the swap
     dataset = HiddenStateDataset(config.data)
     if target is None:
         target = load_target(config.target or dataset.target_info["name"])

@@ -74,6 +74,7 @@ from specdraft.train.split import SPLIT_FILE, resolve_split, write_split
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
 from specdraft.utils.compute import COMPUTE_DTYPES, autocast
 from specdraft.utils.io import check_replaceable
+from specdraft.utils.lock import claims_output
 
 log = logging.getLogger(__name__)
 
@@ -327,6 +328,7 @@ def _dump_yaml(path: Path, obj: dict) -> None:
     atomic_write_bytes(path, yaml.safe_dump(ckpt._jsonable(obj), sort_keys=False).encode())
 
 
+@claims_output(None)  # one writer per run (rank 0 holds the job's lock); _check_out_dir checks ownership
 def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None = None) -> TrainResult:
     """Train (or resume training) a drafter as configured; see the module docstring.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import json
 import os
@@ -36,11 +37,13 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 @dataclass(frozen=True)
 class DirKind:
-    """What one command writes into a directory it replaces whole: only such a directory is replaced.
+    """What one command writes into a directory: only a directory of its kind is replaced or extended.
 
     ``marker`` is the file that identifies the kind and ``recognise(marker_path)`` says whether it
-    is this kind's; ``files`` are all the entries the kind may hold (marker included). ``scratch``
-    entries may stand alone, before the marker exists (work kept by an interrupted run).
+    is this kind's; ``files`` are all the entries the kind may hold (marker included), ``patterns``
+    globs for entries with open-ended names (a store's ``*.safetensors``). ``scratch`` entries may
+    stand alone, before the marker exists (work kept by an interrupted run). ``replaced`` says
+    whether the command replaces the directory whole or writes into it (only the message differs).
     """
 
     name: str
@@ -48,6 +51,16 @@ class DirKind:
     recognise: Callable[[Path], bool]
     files: frozenset[str]
     scratch: frozenset[str] = frozenset()
+    patterns: tuple[str, ...] = ()
+    replaced: bool = True
+
+    def holds(self, name: str) -> bool:
+        """Whether an entry of this name belongs to the kind (lock files of outputs inside it always do)."""
+        return name in self.files or any(fnmatch.fnmatchcase(name, p) for p in (*self.patterns, LOCK_GLOB))
+
+
+#: Lock files of outputs (``utils/lock.py``): ``.NAME.lock`` beside the output they guard.
+LOCK_GLOB = ".*.lock"
 
 
 def json_field_is(key: str, value: Any) -> Callable[[Path], bool]:
@@ -63,11 +76,14 @@ def json_field_is(key: str, value: Any) -> Callable[[Path], bool]:
     return recognise
 
 
-def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str | os.PathLike] = ()) -> None:
+def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str | os.PathLike] = (),
+                      in_place_ok: bool = False) -> None:
     """Refuse (``SpecdraftError``) to replace ``path`` unless it is absent, empty or holds only a ``kind``.
 
-    ``inputs`` are paths the command reads: none may lie inside ``path`` (``path`` itself may be
-    one, for in-place rewrites that read everything first).
+    ``inputs`` are paths the command reads: none may lie inside ``path``, and none may be ``path``
+    itself unless ``in_place_ok`` (a documented in-place rewrite that reads everything first and
+    swaps in the new content only when complete, as calibrate's): otherwise the command would
+    replace its own input with something derived from it (``prepare --data D --out D``).
     """
     from specdraft.errors import SpecdraftError
 
@@ -77,31 +93,40 @@ def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterabl
     if path.is_symlink() or not path.is_dir():
         what = "a symbolic link (the link, not its target, would be replaced)" if path.is_symlink() else "not a directory"
         raise SpecdraftError(f"{path} exists and is {what}; choose another output path")
+    fate = "replaced whole" if kind.replaced else "written into"
+    root = path.resolve()
+    for source in inputs:
+        resolved = Path(source).expanduser().resolve()
+        if root in resolved.parents:
+            raise SpecdraftError(
+                f"input {source} lies inside {path}, which this command {'replaces whole' if kind.replaced else 'writes into'} "
+                f"as a {kind.name}; write the output to another directory"
+            )
+        if resolved == root and not in_place_ok:
+            raise SpecdraftError(
+                f"input {source} is also the output {path}: the {kind.name} written there would replace the data it "
+                "is made from; write the output to another directory"
+            )
     entries = {p.name for p in path.iterdir()}
-    foreign = sorted(entries - kind.files)
+    foreign = sorted(name for name in entries if not kind.holds(name))
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise SpecdraftError(
-            f"{path} already exists and holds entries a {kind.name} does not ({shown}); it would be replaced "
-            "whole, so nothing was written. Choose a new or empty output directory, or move those entries away"
+            f"{path} already exists and holds entries a {kind.name} does not ({shown}); it would be {fate}, "
+            "so nothing was written. Choose a new or empty output directory, or move those entries away"
         )
+    entries -= {name for name in entries if fnmatch.fnmatchcase(name, LOCK_GLOB)}
     if entries and not entries <= kind.scratch and not kind.recognise(path / kind.marker):
         found = f"its {kind.marker} is not a {kind.name}'s" if (path / kind.marker).is_file() else f"it has no {kind.marker}"
         raise SpecdraftError(
-            f"{path} already exists and is not a {kind.name} ({found}); it would be replaced whole, so nothing "
+            f"{path} already exists and is not a {kind.name} ({found}); it would be {fate}, so nothing "
             "was written. Choose a new or empty output directory"
         )
-    root = path.resolve()
-    for source in inputs:
-        if root in Path(source).expanduser().resolve().parents:
-            raise SpecdraftError(
-                f"input {source} lies inside {path}, which this command replaces whole as a {kind.name}; "
-                "write the output to another directory"
-            )
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str | os.PathLike] = (),
+               in_place_ok: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces ``path`` whole (old content removed).
 
     ``path`` is replaced only when ``check_replaceable`` allows it, checked before the caller writes
@@ -110,12 +135,12 @@ def atomic_dir(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str |
     half-written ``path``.
     """
     path = Path(path)
-    check_replaceable(path, kind, inputs=inputs)
+    check_replaceable(path, kind, inputs=inputs, in_place_ok=in_place_ok)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
-        check_replaceable(path, kind, inputs=inputs)
+        check_replaceable(path, kind, inputs=inputs, in_place_ok=in_place_ok)
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.{os.getpid()}.old")

@@ -18,12 +18,17 @@ from pathlib import Path
 from urllib.parse import quote, unquote
 
 from specdraft.errors import SpecdraftError
-from specdraft.hidden_states.backends.base import BACKENDS, HiddenStateBackend
+from specdraft.hidden_states.backends.base import BACKENDS, STORE_FORMAT_NAME, HiddenStateBackend
 from specdraft.hidden_states.payload import HiddenStatePayload
-from specdraft.utils.io import atomic_write_bytes
+from specdraft.utils.io import DirKind, atomic_write_bytes, json_field_is
 
 SUFFIX = ".safetensors"
 MANIFEST_FILE = "manifest.json"
+#: What `specdraft extract` writes into (and resumes): a store's manifest, payloads and in-flight temporaries.
+STORE_DIR = DirKind(
+    "hidden-state store", MANIFEST_FILE, json_field_is("format", STORE_FORMAT_NAME), frozenset({MANIFEST_FILE}),
+    patterns=("*" + SUFFIX, ".*.tmp"), replaced=False,
+)
 
 
 def key_to_filename(key: str) -> str:

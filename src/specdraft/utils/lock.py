@@ -1,0 +1,369 @@
+"""One writer per output: ``claim_output`` checks ownership and writability and holds an exclusive lock.
+
+Every command that writes a directory (prepare, extract, train, calibrate, eval, quickstart, the
+Mooncake master's ``store start``) enters ``claim_output(OUT, KIND)`` before any work, so none can
+forget one of the three checks:
+
+1. **ownership**: ``check_replaceable(OUT, KIND)`` (``utils/io.py``): an existing ``OUT`` is
+   replaced or extended only when it is that command's kind; an input inside ``OUT`` (or equal to it,
+   unless the command rewrites in place) is refused.
+2. **writability**: a probe file is written in ``OUT``'s parent (and in ``OUT`` when it exists), so
+   a read-only, forbidden or full file system is one clear error before the work, not a traceback
+   after an hour of decoding.
+3. **one writer**: an exclusive lock, held until the command ends; a second writer is refused at once
+   with the holder's pid, host, command and start time.
+
+The lock file is ``PARENT/.NAME.lock``, a sibling of ``OUT`` rather than a file inside it: it survives
+``atomic_dir`` swapping ``OUT`` for a new directory, is no entry of ``OUT`` for the ownership check,
+and can be taken before ``OUT`` exists (so the parent must be writable, as an atomic swap needs anyway).
+It is locked with ``fcntl.flock`` on an open descriptor, which the kernel releases if the process dies,
+and holds JSON ``{pid, host, command, argv, started, heartbeat}``; a clean release deletes it.
+
+Stale locks: a lock file found unlocked but with content was left by a holder that died (SIGKILL, a
+crash) and is taken over with a WARNING. A lock found locked is stale when its holder ran on this
+host and its pid is gone (an orphaned child inherited the descriptor), or ran on another host and
+its heartbeat, refreshed every ``HEARTBEAT_S`` by a daemon thread, is older than ``STALE_AFTER_S``
+(the holder's machine died, or the file system's flock does not reach across hosts: a lock this host
+*could* take is still refused while another host's heartbeat is fresh). A stale lock file is unlinked
+and a new one taken, with a WARNING.
+
+One lock per job: the ranks of one ``torchrun`` job are one writer, so only rank 0 (``RANK`` unset or
+0) takes the lock; the others check ownership and writability only. Within one process the lock is
+re-entrant (a nested claim of the same output shares it). Readers (training streaming from a store
+being extracted, online training reading a store) never take it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import json
+import logging
+import os
+import shlex
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from specdraft.errors import SpecdraftError
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 300.0  # ten missed heartbeats
+
+_FIXES = {
+    errno.EROFS: "it is on a read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+}
+
+
+def lock_path(out: str | os.PathLike) -> Path:
+    """Where the lock of output ``out`` lives: ``.NAME.lock`` beside it (see the module docstring)."""
+    out = Path(out)
+    return out.parent / f".{out.name}.lock"
+
+
+def unwritable(path: Path, exc: OSError, what: str) -> SpecdraftError:
+    """The one-line error for an output that cannot be written, naming the path and the fix."""
+    why = _FIXES.get(exc.errno or 0, exc.strerror or str(exc))
+    fix = "free space or" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix its permissions or"
+    return SpecdraftError(f"cannot write {what} {path}: {why} ({exc.strerror or exc}); {fix} choose another {what}; nothing was done")
+
+
+def probe_writable(directory: str | os.PathLike, what: str = "--out") -> None:
+    """Create ``directory`` if needed and write, sync and delete a small file in it, or raise ``SpecdraftError``.
+
+    A real write (4 KiB, fsynced) rather than ``os.access``: root passes every permission check yet
+    cannot write a read-only mount, and a full disk accepts an empty file.
+    """
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".specdraft-probe.", dir=directory)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise unwritable(directory, exc, what) from None
+
+
+def _now_text(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
+
+
+def stale_reason(holder: dict, *, host: str, now: float, stale_after: float = STALE_AFTER_S) -> str | None:
+    """Why the lock ``holder`` recorded is stale, or ``None`` while it may still be writing.
+
+    Same host: stale when its pid is gone. Another host (pids mean nothing here): stale when its
+    heartbeat is older than ``stale_after`` seconds.
+    """
+    if holder.get("host") == host:
+        pid = holder.get("pid")
+        return None if isinstance(pid, int) and _pid_alive(pid) else f"pid {pid} is no longer running on {host}"
+    beat = holder.get("heartbeat")
+    if not isinstance(beat, (int, float)):
+        return None
+    age = now - beat
+    return f"its heartbeat is {age:.0f} s old (stale after {stale_after:.0f} s)" if age > stale_after else None
+
+
+def describe_holder(holder: dict) -> str:
+    started = holder.get("started")
+    since = _now_text(started) if isinstance(started, (int, float)) else "an unknown time"
+    argv = holder.get("argv")
+    command = str(holder.get("command", "?")) + (f": {shlex.join(map(str, argv))[:200]}" if isinstance(argv, list) and argv else "")
+    return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} ({command}), since {since}"
+
+
+class OutputLock:
+    """The exclusive lock on one output directory (``acquire``/``release``, or a context manager).
+
+    ``host`` and ``clock`` default to this machine's name and ``time.time``; tests inject others.
+    """
+
+    def __init__(self, out: str | os.PathLike, *, command: str = "", what: str = "--out", host: str | None = None,
+                 clock: Callable[[], float] = time.time, heartbeat_s: float = HEARTBEAT_S, stale_after: float = STALE_AFTER_S):
+        self.out = Path(out)
+        self.path = lock_path(self.out)
+        self.command = command or "specdraft"
+        self.what = what
+        self.host = host or socket.gethostname()
+        self.clock = clock
+        self.heartbeat_s = heartbeat_s
+        self.stale_after = stale_after
+        self._fd: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._info: dict = {}
+
+    # -- the lock file ------------------------------------------------------------------------------
+
+    def _read(self, fd: int) -> dict | None:
+        """The holder's JSON, ``{}`` when the file is empty or half-written, ``None`` when it never had content."""
+        data = os.pread(fd, 1 << 16, 0)
+        if not data:
+            return None
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return {}
+        return obj if isinstance(obj, dict) else {}
+
+    def _write(self) -> None:
+        data = json.dumps(self._info, sort_keys=True).encode()
+        os.pwrite(self._fd, data, 0)
+        os.ftruncate(self._fd, len(data))
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _refuse(self, holder: dict) -> SpecdraftError:
+        who = describe_holder(holder) if holder else "another process (its lock file is being written)"
+        return SpecdraftError(
+            f"{self.out} is being written by {who}; lock {self.path}. Wait for it to finish, stop it, or choose another "
+            f"{self.what}; nothing was done"
+        )
+
+    def acquire(self) -> None:
+        import fcntl
+
+        for _ in range(20):  # each retry follows a release or a removed stale lock: it makes progress
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise unwritable(self.path.parent, exc, self.what) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except BlockingIOError:
+                locked = False
+            holder = self._read(fd)
+            now = self.clock()
+            if locked and not self._same_file(fd):
+                os.close(fd)  # its holder released (and deleted) it between our open and our flock
+                continue
+            if locked:
+                if holder is not None:
+                    reason = stale_reason(holder, host=self.host, now=now, stale_after=self.stale_after) if holder else "it is unreadable"
+                    if holder and holder.get("host") != self.host and reason is None:
+                        os.close(fd)  # flock does not reach across hosts on this file system; the heartbeat does
+                        raise self._refuse(holder)
+                    log.warning("%s: took over the lock of %s, which ended without releasing it (%s)",
+                                self.out, describe_holder(holder) if holder else "an unknown process", reason or "it has ended")
+                self._fd = fd
+                self._info = {"pid": os.getpid(), "host": self.host, "command": self.command, "argv": sys.argv,
+                              "started": now, "heartbeat": now}
+                try:
+                    self._write()
+                except OSError as exc:
+                    self.release()
+                    raise unwritable(self.path, exc, self.what) from None
+                self._start_heartbeat()
+                return
+            reason = stale_reason(holder, host=self.host, now=now, stale_after=self.stale_after) if holder else None
+            if reason is None:
+                os.close(fd)
+                raise self._refuse(holder or {})
+            if self._same_file(fd):  # still the stale file, not one a contender created after removing it
+                log.warning("%s: removing the stale lock of %s (%s)", self.out, describe_holder(holder), reason)
+                self.path.unlink(missing_ok=True)
+            os.close(fd)
+        raise SpecdraftError(f"could not take the lock {self.path} after 20 tries (writers keep contending for {self.out}); retry")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._fd is None:
+            return
+        if self._same_file(self._fd):
+            self.path.unlink(missing_ok=True)  # while still locked: a waiter then finds it gone and retries
+        os.close(self._fd)
+        self._fd = None
+
+    def refresh(self) -> bool:
+        """Write a new heartbeat; ``False`` when the lock file is no longer ours (removed as stale by another)."""
+        if self._fd is None or not self._same_file(self._fd):
+            return False
+        self._info["heartbeat"] = self.clock()
+        self._write()
+        return True
+
+    def _start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(self.heartbeat_s):
+                try:
+                    if not self.refresh():
+                        log.error("%s: the lock %s was removed by another process; two writers may now share this output",
+                                  self.out, self.path)
+                        return
+                except OSError as exc:
+                    log.warning("%s: cannot refresh the lock heartbeat (%s)", self.path, exc)
+
+        self._stop.clear()
+        self._thread = threading.Thread(target=beat, name=f"specdraft-lock-{self.out.name}", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> "OutputLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+_held: dict[Path, tuple[int, int]] = {}  # lock path -> (pid, depth): re-entrancy within one process
+_held_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def _process_lock(out: Path, command: str, what: str) -> Iterator[None]:
+    key = lock_path(out.resolve())
+    with _held_guard:
+        pid, depth = _held.get(key, (0, 0))
+        nested = pid == os.getpid() and depth > 0  # a forked child inherits the dict, not the lock
+        if nested:
+            _held[key] = (pid, depth + 1)
+    if nested:
+        try:
+            yield
+        finally:
+            with _held_guard:
+                _held[key] = (pid, _held[key][1] - 1)
+        return
+    with OutputLock(out, command=command, what=what):
+        with _held_guard:
+            _held[key] = (os.getpid(), 1)
+        try:
+            yield
+        finally:
+            with _held_guard:
+                _held.pop(key, None)
+
+
+def _is_extra_rank() -> bool:
+    """A rank other than 0 of a ``torchrun`` job: its rank 0 holds the job's lock."""
+    try:
+        return int(os.environ.get("RANK", "0")) > 0
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def claim_output(out: str | os.PathLike, kind: Any, *, inputs: Iterable[str | os.PathLike] = (), in_place_ok: bool = False,
+                 command: str = "", what: str = "--out") -> Iterator[Path]:
+    """Ownership check, writability probe and exclusive lock on ``out`` for the block (module docstring).
+
+    ``kind`` is the ``DirKind`` the command writes (or a function returning it, for kinds defined
+    beside heavy imports), or ``None`` when the command checks its directory itself (the trainer's
+    run directory). ``what`` names the flag in messages.
+    """
+    from specdraft.utils.io import check_replaceable
+
+    if callable(kind):
+        kind = kind()
+    if not str(out):
+        raise SpecdraftError(f"{what} is required")
+    out = Path(out).expanduser()
+    if kind is not None:
+        check_replaceable(out, kind, inputs=inputs, in_place_ok=in_place_ok)
+    elif out.exists() and not out.is_dir():
+        raise SpecdraftError(f"{what} {out} exists and is not a directory; choose another {what}")
+    probe_writable(out.parent, what)
+    if out.is_dir():
+        probe_writable(out, what)
+    if _is_extra_rank():
+        yield out
+        return
+    with _process_lock(out, command, what):
+        if kind is not None:
+            check_replaceable(out, kind, inputs=inputs, in_place_ok=in_place_ok)  # again: it may have changed before we held it
+        yield out
+
+
+def claims_output(kind: Any, *, out: Callable[[Any], str | None] = lambda config: config.out,
+                  inputs: Callable[[Any], Iterable[str]] = lambda config: (), in_place_ok: bool = False,
+                  command: str = "", what: str = "--out") -> Callable:
+    """Decorate a command's library entry ``fn(config, ...)`` to run inside ``claim_output(out(config), kind, ...)``:
+    one line per command, and the claim cannot be skipped by a caller that bypasses the CLI (the quickstart)."""
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(config: Any, *args: Any, **kwargs: Any) -> Any:
+            path = out(config)
+            if path is None:  # not a directory here (a Mooncake URL): nothing to claim
+                return fn(config, *args, **kwargs)
+            with claim_output(path, kind, inputs=inputs(config), in_place_ok=in_place_ok,
+                              command=command or f"specdraft {fn.__name__}", what=what):
+                return fn(config, *args, **kwargs)
+
+        return wrapper
+
+    return decorate
