@@ -182,14 +182,15 @@ def test_eval_refuses_a_directory_that_is_not_an_eval_run(tmp_path, capsys, no_t
     assert (out / "report.md").read_text() == "my own report"
 
 
-def test_extract_refuses_a_foreign_directory_and_an_input_inside(run, dataset, tmp_path, capsys, no_target_load):  # noqa: F811
+def test_extract_refuses_a_foreign_directory_and_an_input_inside(run, dataset, store, tmp_path, capsys, no_target_load):  # noqa: F811
     foreign = tmp_path / "run"
     shutil.copytree(run[2], foreign)
     before = _tree(foreign)
     assert main(["extract", "--dataset", str(dataset), "--out", str(foreign), "--method", "dspark"]) == 2
     assert "holds entries a hidden-state store does not (checkpoints, config.resolved.yaml" in capsys.readouterr().err
     assert _tree(foreign) == before
-    inside = tmp_path / "hs" / "data"
+    shutil.copytree(store, tmp_path / "hs")
+    inside = tmp_path / "hs" / "data.safetensors"  # a name a store may hold: the input rule, not the kind, refuses it
     shutil.copytree(dataset, inside)
     assert main(["extract", "--dataset", str(inside), "--out", str(inside.parent), "--method", "dspark"]) == 2
     assert f"input {inside} lies inside {inside.parent}, which this command writes into" in capsys.readouterr().err

@@ -94,19 +94,6 @@ def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterabl
         what = "a symbolic link (the link, not its target, would be replaced)" if path.is_symlink() else "not a directory"
         raise SpecdraftError(f"{path} exists and is {what}; choose another output path")
     fate = "replaced whole" if kind.replaced else "written into"
-    root = path.resolve()
-    for source in inputs:
-        resolved = Path(source).expanduser().resolve()
-        if root in resolved.parents:
-            raise SpecdraftError(
-                f"input {source} lies inside {path}, which this command {'replaces whole' if kind.replaced else 'writes into'} "
-                f"as a {kind.name}; write the output to another directory"
-            )
-        if resolved == root and not in_place_ok:
-            raise SpecdraftError(
-                f"input {source} is also the output {path}: the {kind.name} written there would replace the data it "
-                "is made from; write the output to another directory"
-            )
     entries = {p.name for p in path.iterdir()}
     foreign = sorted(name for name in entries if not kind.holds(name))
     if foreign:
@@ -122,6 +109,19 @@ def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterabl
             f"{path} already exists and is not a {kind.name} ({found}); it would be {fate}, so nothing "
             "was written. Choose a new or empty output directory"
         )
+    root = path.resolve()
+    for source in inputs:
+        resolved = Path(source).expanduser().resolve()
+        if root in resolved.parents:
+            raise SpecdraftError(
+                f"input {source} lies inside {path}, which this command {'replaces whole' if kind.replaced else 'writes into'} "
+                f"as a {kind.name}; write the output to another directory"
+            )
+        if resolved == root and not in_place_ok:
+            raise SpecdraftError(
+                f"input {source} is also the output {path}: the {kind.name} written there would replace the data it "
+                "is made from; write the output to another directory"
+            )
 
 
 @contextlib.contextmanager

@@ -17,11 +17,12 @@ The lock file is ``PARENT/.NAME.lock``, a sibling of ``OUT`` rather than a file 
 ``atomic_dir`` swapping ``OUT`` for a new directory, is no entry of ``OUT`` for the ownership check,
 and can be taken before ``OUT`` exists (so the parent must be writable, as an atomic swap needs anyway).
 It is locked with ``fcntl.flock`` on an open descriptor, which the kernel releases if the process dies,
-and holds JSON ``{pid, host, command, argv, started, heartbeat}``; a clean release deletes it.
+and holds JSON ``{pid, host, pidns, command, argv, started, heartbeat}``; a clean release deletes it.
 
 Stale locks: a lock file found unlocked but with content was left by a holder that died (SIGKILL, a
 crash) and is taken over with a WARNING. A lock found locked is stale when its holder ran on this
-host and its pid is gone (an orphaned child inherited the descriptor), or ran on another host and
+host (same host name and pid namespace: containers with host networking share the name) and its pid
+is gone (an orphaned forked child kept the descriptor), or ran on another host and
 its heartbeat, refreshed every ``HEARTBEAT_S`` by a daemon thread, is older than ``STALE_AFTER_S``
 (the holder's machine died, or the file system's flock does not reach across hosts: a lock this host
 *could* take is still refused while another host's heartbeat is fresh). A stale lock file is unlinked
@@ -113,13 +114,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _pid_namespace() -> str:
+    """This process's pid namespace: two containers may share a host name (host networking) but not their pids."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def same_machine(holder: dict, host: str) -> bool:
+    """Whether the holder's pid means a process here: same host name and same pid namespace."""
+    return holder.get("host") == host and holder.get("pidns", _pid_namespace()) == _pid_namespace()
+
+
 def stale_reason(holder: dict, *, host: str, now: float, stale_after: float = STALE_AFTER_S) -> str | None:
     """Why the lock ``holder`` recorded is stale, or ``None`` while it may still be writing.
 
-    Same host: stale when its pid is gone. Another host (pids mean nothing here): stale when its
-    heartbeat is older than ``stale_after`` seconds.
+    Same host (and pid namespace): stale when its pid is gone. Another host (pids mean nothing
+    here): stale when its heartbeat is older than ``stale_after`` seconds.
     """
-    if holder.get("host") == host:
+    if same_machine(holder, host):
         pid = holder.get("pid")
         return None if isinstance(pid, int) and _pid_alive(pid) else f"pid {pid} is no longer running on {host}"
     beat = holder.get("heartbeat")
@@ -211,13 +225,13 @@ class OutputLock:
             if locked:
                 if holder is not None:
                     reason = stale_reason(holder, host=self.host, now=now, stale_after=self.stale_after) if holder else "it is unreadable"
-                    if holder and holder.get("host") != self.host and reason is None:
+                    if holder and not same_machine(holder, self.host) and reason is None:
                         os.close(fd)  # flock does not reach across hosts on this file system; the heartbeat does
                         raise self._refuse(holder)
                     log.warning("%s: took over the lock of %s, which ended without releasing it (%s)",
                                 self.out, describe_holder(holder) if holder else "an unknown process", reason or "it has ended")
                 self._fd = fd
-                self._info = {"pid": os.getpid(), "host": self.host, "command": self.command, "argv": sys.argv,
+                self._info = {"pid": os.getpid(), "host": self.host, "command": self.command, "argv": sys.argv, "pidns": _pid_namespace(),
                               "started": now, "heartbeat": now}
                 try:
                     self._write()
