@@ -58,12 +58,12 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # ten missed heartbeats
 
-_FIXES = {
-    errno.EROFS: "it is on a read-only file system",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "permission denied",
-    errno.ENOSPC: "no space left on the device",
-    errno.EDQUOT: "the disk quota is exceeded",
+_FIXES = {  # errno -> (what it means, what to do)
+    errno.EROFS: ("it is on a read-only file system", "choose a {what} on a writable file system"),
+    errno.EACCES: ("permission denied", "fix its permissions or choose another {what}"),
+    errno.EPERM: ("permission denied", "fix its permissions or choose another {what}"),
+    errno.ENOSPC: ("no space left on the device", "free space or choose another {what}"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space or choose another {what}"),
 }
 
 
@@ -75,9 +75,8 @@ def lock_path(out: str | os.PathLike) -> Path:
 
 def unwritable(path: Path, exc: OSError, what: str) -> SpecdraftError:
     """The one-line error for an output that cannot be written, naming the path and the fix."""
-    why = _FIXES.get(exc.errno or 0, exc.strerror or str(exc))
-    fix = "free space or" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix its permissions or"
-    return SpecdraftError(f"cannot write {what} {path}: {why} ({exc.strerror or exc}); {fix} choose another {what}; nothing was done")
+    why, fix = _FIXES.get(exc.errno or 0, (exc.strerror or str(exc), "choose another {what}"))
+    return SpecdraftError(f"cannot write {what} {path}: {why}; {fix.format(what=what)}; nothing was done")
 
 
 def probe_writable(directory: str | os.PathLike, what: str = "--out") -> None:
@@ -147,7 +146,8 @@ def describe_holder(holder: dict) -> str:
     started = holder.get("started")
     since = _now_text(started) if isinstance(started, (int, float)) else "an unknown time"
     argv = holder.get("argv")
-    command = str(holder.get("command", "?")) + (f": {shlex.join(map(str, argv))[:200]}" if isinstance(argv, list) and argv else "")
+    shown = [Path(str(argv[0])).name, *map(str, argv[1:])] if isinstance(argv, list) and argv else []
+    command = str(holder.get("command", "?")) + (f": {shlex.join(shown)[:200]}" if shown else "")
     return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} ({command}), since {since}"
 
 
