@@ -239,7 +239,7 @@ def test_parity_refuses_what_it_cannot_compare(tmp_path):
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
     with pytest.raises(SpecdraftError, match="compares the one drafter that server serves"):
-        run_parity_eval(EvalConfig(out=str(tmp_path), drafters=[str(ckpt), str(ckpt)], parity=True, endpoint="http://127.0.0.1:1"))
+        run_parity_eval(EvalConfig(out=str(tmp_path / "parity"), drafters=[str(ckpt), str(ckpt)], parity=True, endpoint="http://127.0.0.1:1"))
 
 
 @pytest.mark.parametrize("draft_dtype, bf16_seconds, expected, source", [

@@ -128,6 +128,12 @@ def test_second_calibrate_is_refused(run, tmp_path, capsys):  # noqa: F811
     _second_writer_refused(["calibrate", "--drafter", str(final), "--data", str(run[1])], final, capsys)
 
 
+def test_second_quickstart_and_second_master_start_are_refused(tmp_path, capsys, no_target_load):
+    (tmp_path / "qs").mkdir()
+    _second_writer_refused(["quickstart", "--out", str(tmp_path / "qs")], tmp_path / "qs", capsys)
+    _second_writer_refused(["store", "start", "--dir", str(tmp_path / "master"), "--port", "0"], tmp_path / "master", capsys)
+
+
 @pytest.mark.slow
 def test_two_train_processes_on_one_run(store, tiny_llama_dir, tmp_path):
     """The real race: the second ``specdraft train`` exits 2 at once; the first's run is its own alone."""
@@ -244,7 +250,8 @@ def test_read_only_output_is_one_line_before_the_work(command, readonly, dataset
     }[command]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"specdraft {command}: error: cannot write" in err and "it is on a read-only file system; choose a " in err, err
+    shown = readonly / "existing" if command == "calibrate" else out / "m.json" if command == "generate" else out
+    assert f"specdraft {command}: error: cannot write --{'drafter' if command == 'calibrate' else 'metrics-out' if command == 'generate' else 'out'} {shown}: it is on a read-only file system; choose a " in err, err
     assert err.count("\n") == 1
 
 

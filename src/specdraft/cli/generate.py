@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
         if Path(job.metrics_out).is_dir():
             raise SpecdraftError(f"--metrics-out {job.metrics_out} is a directory; give a file path, e.g. {Path(job.metrics_out) / 'metrics.json'}")
-        probe_writable(Path(job.metrics_out).expanduser().parent, "--metrics-out")
+        probe_writable(Path(job.metrics_out).expanduser().parent, "--metrics-out", output=job.metrics_out)
     target = load_target(job.target, dtype=job.dtype, device=job.device)
     resolve_decode_threads(target, job.threads, rows=job.batch_size)  # before the decoder: its probes run at the count used
     decoder = decoder_for_target(target, config=config, sampling=sampling, scheduler=scheduler)

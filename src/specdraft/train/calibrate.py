@@ -57,7 +57,7 @@ def _drafter_dir():
 
 # --out defaults to --drafter itself: the documented in-place rewrite (the new checkpoint replaces the old whole, once complete)
 @claims_output(_drafter_dir, out=lambda config: config.out or config.drafter, inputs=lambda config: [config.drafter, config.data],
-               in_place_ok=True)
+               in_place_ok=True, what=lambda config: "--out" if config.out else "--drafter")
 def calibrate(config: CalibrateConfig, *, target: Any = None, progress: bool = True) -> dict:
     """Fit and store the temperatures; returns the statistics written to ``calibration.json``."""
     import dataclasses

@@ -79,8 +79,9 @@ def unwritable(path: Path, exc: OSError, what: str) -> SpecdraftError:
     return SpecdraftError(f"cannot write {what} {path}: {why}; {fix.format(what=what)}; nothing was done")
 
 
-def probe_writable(directory: str | os.PathLike, what: str = "--out") -> None:
-    """Create ``directory`` if needed and write, sync and delete a small file in it, or raise ``SpecdraftError``.
+def probe_writable(directory: str | os.PathLike, what: str = "--out", *, output: str | os.PathLike | None = None) -> None:
+    """Create ``directory`` if needed and write, sync and delete a small file in it, or raise ``SpecdraftError``
+    naming ``output`` (default: ``directory``), the path the user gave.
 
     A real write (4 KiB, fsynced) rather than ``os.access``: root passes every permission check yet
     cannot write a read-only mount, and a full disk accepts an empty file.
@@ -96,7 +97,7 @@ def probe_writable(directory: str | os.PathLike, what: str = "--out") -> None:
             os.close(fd)
             os.unlink(probe)
     except OSError as exc:
-        raise unwritable(directory, exc, what) from None
+        raise unwritable(Path(output) if output is not None else directory, exc, what) from None
 
 
 def _now_text(t: float) -> str:
@@ -211,7 +212,7 @@ class OutputLock:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as exc:
-                raise unwritable(self.path.parent, exc, self.what) from None
+                raise unwritable(self.out, exc, self.what) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 locked = True
@@ -350,7 +351,7 @@ def claim_output(out: str | os.PathLike, kind: Any, *, inputs: Iterable[str | os
         check_replaceable(out, kind, inputs=inputs, in_place_ok=in_place_ok)
     elif out.exists() and not out.is_dir():
         raise SpecdraftError(f"{what} {out} exists and is not a directory; choose another {what}")
-    probe_writable(out.parent, what)
+    probe_writable(out.parent, what, output=out)
     if out.is_dir():
         probe_writable(out, what)
     if _is_extra_rank():
@@ -364,7 +365,7 @@ def claim_output(out: str | os.PathLike, kind: Any, *, inputs: Iterable[str | os
 
 def claims_output(kind: Any, *, out: Callable[[Any], str | None] = lambda config: config.out,
                   inputs: Callable[[Any], Iterable[str]] = lambda config: (), in_place_ok: bool = False,
-                  command: str = "", what: str = "--out") -> Callable:
+                  command: str = "", what: str | Callable[[Any], str] = "--out") -> Callable:
     """Decorate a command's library entry ``fn(config, ...)`` to run inside ``claim_output(out(config), kind, ...)``:
     one line per command, and the claim cannot be skipped by a caller that bypasses the CLI (the quickstart)."""
 
@@ -375,7 +376,7 @@ def claims_output(kind: Any, *, out: Callable[[Any], str | None] = lambda config
             if path is None:  # not a directory here (a Mooncake URL): nothing to claim
                 return fn(config, *args, **kwargs)
             with claim_output(path, kind, inputs=inputs(config), in_place_ok=in_place_ok,
-                              command=command or f"specdraft {fn.__name__}", what=what):
+                              command=command or f"specdraft {fn.__name__}", what=what(config) if callable(what) else what):
                 return fn(config, *args, **kwargs)
 
         return wrapper
