@@ -202,7 +202,25 @@ def test_extract_refuses_a_foreign_directory_and_an_input_inside(run, dataset, s
     assert f"input {inside} lies inside {inside.parent}, which this command writes into" in capsys.readouterr().err
 
 
-def test_calibrate_rewrites_in_place_and_a_quickstart_run_is_claimed(tmp_path, capsys):
+def test_calibrate_in_place_keeps_the_old_drafter_until_the_new_is_complete(run, tmp_path, monkeypatch):  # noqa: F811
+    from specdraft.models.common import checkpoint as drafter_ckpt
+    from specdraft.train.calibrate import CalibrateConfig, calibrate
+
+    target, store, reference = run
+    final = tmp_path / "final"
+    shutil.copytree(reference / "final", final)
+    before = _tree(final)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the process dies half-way through writing the new checkpoint
+
+    monkeypatch.setattr(drafter_ckpt, "atomic_write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(CalibrateConfig(drafter=str(final), data=str(store), val_fraction=0.5), target=target, progress=False)
+    assert _tree(final) == before and sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no debris, no lock left
+
+
+def test_a_quickstart_run_is_its_kind_and_lock_files_are_no_foreign_entries(tmp_path):
     from specdraft.quickstart import QUICKSTART_RUN
     from specdraft.utils.io import check_replaceable
 
