@@ -33,17 +33,12 @@ from typing import Any, Callable
 
 from specdraft.errors import SpecdraftError
 from specdraft.utils.config import config_field, require_finite
-from specdraft.utils.io import DirKind, atomic_write_json, json_field_is
+from specdraft.utils.io import atomic_write_json
 from specdraft.utils.lock import claims_output
 
 METHOD = "dspark"
 #: Seconds of the budget left for what the comparison's time limit does not cover (warm-up, report, plots).
 EVAL_MARGIN_S = 30.0
-JOURNAL = "quickstart.json"
-#: A quickstart run directory: its journal and one directory per stage (``data`` alone, before the journal's first write).
-QUICKSTART_RUN = DirKind("quickstart run", JOURNAL, json_field_is("stages", ...),
-                         frozenset({JOURNAL, "data", "hidden_states", "train", "eval"}), scratch=frozenset({"data"}),
-                         patterns=(".*.tmp", ".*.old"), replaced=False)
 
 
 @dataclass(frozen=True)
@@ -129,7 +124,9 @@ class _Journal:
         return stage
 
 
-@claims_output(QUICKSTART_RUN)  # its stages claim their own directories inside it
+# One writer per run. No kind of its own: the run only adds its five entries (a log the user keeps there does not stop a
+# resume), and each stage claims its own directory inside it with that stage's kind.
+@claims_output(None)
 def run_quickstart(config: QuickstartConfig) -> dict:
     """Run (or resume) every stage; returns the eval report."""
     import torch
@@ -150,7 +147,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     deadline = started + config.budget * 60
     run = Path(config.out)
     run.mkdir(parents=True, exist_ok=True)
-    journal = _Journal(run / JOURNAL, config)
+    journal = _Journal(run / "quickstart.json", config)
     if config.threads:
         torch.set_num_threads(config.threads)
     target = load_target(config.target)

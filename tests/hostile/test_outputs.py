@@ -220,19 +220,18 @@ def test_calibrate_in_place_keeps_the_old_drafter_until_the_new_is_complete(run,
     assert _tree(final) == before and sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no debris, no lock left
 
 
-def test_a_quickstart_run_is_its_kind_and_lock_files_are_no_foreign_entries(tmp_path):
-    from specdraft.quickstart import QUICKSTART_RUN
+def test_lock_files_of_outputs_inside_are_no_foreign_entries(tmp_path):
+    from specdraft.eval.report import PARITY_DIR
     from specdraft.utils.io import check_replaceable
 
-    out = tmp_path / "qs"
-    out.mkdir()
+    out = tmp_path / "parity"
+    (out / "builtin-0").mkdir(parents=True)
+    (out / "parity.json").write_text(json.dumps({"format": "specdraft.parity_report"}))
+    (out / ".builtin-0.lock").write_text("{}")  # left by a killed sub-run
+    check_replaceable(out, PARITY_DIR)
     (out / "holiday.jpg").write_text("x")
-    with pytest.raises(SpecdraftError, match="holds entries a quickstart run does not"):
-        check_replaceable(out, QUICKSTART_RUN)
-    (out / "holiday.jpg").unlink()
-    (out / "data").mkdir()
-    (out / ".data.lock").write_text("{}")  # a sub-stage's lock file is no foreign entry
-    check_replaceable(out, QUICKSTART_RUN)
+    with pytest.raises(SpecdraftError, match=r"holds entries a specdraft eval --parity run does not \(holiday.jpg\)"):
+        check_replaceable(out, PARITY_DIR)
 
 
 # ----- writable before the work ------------------------------------------------------------------

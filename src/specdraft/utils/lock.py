@@ -6,7 +6,9 @@ forget one of the three checks:
 
 1. **ownership**: ``check_replaceable(OUT, KIND)`` (``utils/io.py``): an existing ``OUT`` is
    replaced or extended only when it is that command's kind; an input inside ``OUT`` (or equal to it,
-   unless the command rewrites in place) is refused.
+   unless the command rewrites in place) is refused. ``KIND`` is ``None`` where the command checks
+   its directory itself (train's run) or only adds named entries beside others' (the quickstart, whose
+   stages claim their own directories with their kinds; a master's ``--dir``).
 2. **writability**: a probe file is written in ``OUT``'s parent (and in ``OUT`` when it exists), so
    a read-only, forbidden or full file system is one clear error before the work, not a traceback
    after an hour of decoding.
