@@ -193,6 +193,17 @@ class PreparedDataset:
     def target_info(self) -> dict:
         return dict(self.manifest.get("target") or {})
 
+    def rows_sha256(self, n: int | None = None) -> str:
+        """Hash of the first ``n`` rows' sample ids and token ids: what hidden states depend on, so a store
+        can tell a re-prepared dataset from the one it was extracted from (or one with rows appended to it)."""
+        import hashlib
+
+        n = len(self) if n is None else n
+        h = hashlib.sha256("\0".join(self.sample_ids[:n]).encode())
+        h.update(np.ascontiguousarray(self._offsets[: n + 1] - self._offsets[0]).tobytes())
+        h.update(np.ascontiguousarray(self._ids[self._offsets[0] : self._offsets[n]]).tobytes())
+        return h.hexdigest()
+
     def token_counts(self) -> torch.Tensor:
         """Response-token frequencies, LongTensor[V]."""
         from safetensors import SafetensorError
