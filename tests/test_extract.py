@@ -169,7 +169,7 @@ def test_full_disk_is_a_clear_error_and_leaves_no_partial_file(setup, monkeypatc
         return real_write(self, data)
 
     monkeypatch.setattr(Path, "write_bytes", full_disk)
-    with pytest.raises(SpecdraftError, match=r"cannot write .*sharegpt%2F2\.safetensors: No space left on device \(disk full"):
+    with pytest.raises(SpecdraftError, match=r"cannot write .*sharegpt%2F2\.safetensors: No space left on device; the disk is full: free space"):
         run(target, data, out, batch_size=1)
     assert not (out / "sharegpt%2F2.safetensors").exists()
     assert not list(out.glob(".*"))
