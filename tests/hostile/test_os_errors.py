@@ -14,7 +14,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from specdraft.cli.main import main
 from specdraft.train import checkpoint as ckpt
