@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 
@@ -219,6 +220,7 @@ def test_resume_from_a_reprepared_dataset_is_refused_and_restart_clears(setup):
     assert (summary.samples_extracted, summary.samples_skipped) == (3, 0)
     assert FileBackend(out).keys() == ["other/0", "other/1", "other/2"]
     assert HiddenStateDataset(out).sample_ids == ["other/0", "other/1", "other/2"]
+    assert "restart" not in json.loads((out / "manifest.json").read_text())["config"]  # its options are for resuming
 
 
 def test_resume_into_a_dataset_with_rows_appended_fills_in_the_new_ones(setup, tmp_path):

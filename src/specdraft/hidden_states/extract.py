@@ -202,7 +202,7 @@ def _open_store_manifest(backend: HiddenStateBackend, config: ExtractConfig, dat
         "dataset": dataset_record(dataset),
         "count": len(backend.keys()),
         "complete": False,
-        "config": dataclasses.asdict(config),
+        "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "restart"},  # rerunning these options resumes
     }
     backend.write_manifest(manifest)
     return manifest
