@@ -152,3 +152,17 @@ def test_a_failed_swap_puts_the_previous_directory_back(tmp_path, monkeypatch):
     with pytest.raises(OSError), atomic_dir(target, kind) as tmp:
         (tmp / "marker").write_text("new")
     assert (target / "marker").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_metrics_line_torn_by_a_full_disk_does_not_stop_the_resume(tmp_path):
+    """The resume parsed every metrics.jsonl line, so the torn last line of a run the disk stopped was a JSONDecodeError."""
+    from specdraft.errors import SpecdraftError
+    from specdraft.train.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"st')
+    MetricsLog(path).truncate_after(2)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    path.write_text('{"step": 1}\n{"st\n{"step": 2}\n')
+    with pytest.raises(SpecdraftError, match=rf"{path} line 2 is not a JSON record"):
+        MetricsLog(path).truncate_after(2)
