@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -52,6 +53,9 @@ def test_extract_stores_what_a_local_capture_computes(service, tiny_target):
         replies = list(pool.map(lambda i: client.extract(body(f"k/{i}", ids[i % 2]))[1], range(4)))
     assert [r["key"] for r in replies] == [f"k/{i}" for i in range(4)]
     assert service.health()["largest_batch"] > 1
+    deadline = time.monotonic() + 10  # the worker adds a batch's busy time after its replies went out
+    while service.health()["busy_s"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert service.health()["busy_s"] > 0
     store = FileBackend(service.config.store, create=False)
     local = HiddenStateCapture(tiny_target.model, SLOTS)([torch.tensor(x) for x in ids])
