@@ -410,28 +410,20 @@ def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
             an unsupported method is 405, the client's mistake, not the stdlib's 501."""
             if code == 501 and self.command:
                 code, message = 405, f"method {self.command} is not allowed; use GET /health or POST /extract"
-            self._refuse(code, message or explain or "bad request")
-
-        def _refuse(self, status: int, message: str) -> None:
-            """Answer with an error and close, first reading a body the client sent that was not read (at most
-            ``max_body``): closing on unread bytes resets the connection, and the client may lose the reply."""
-            headers = getattr(self, "headers", None)
-            length = headers.get("Content-Length", "") if headers is not None else ""
-            if not getattr(self, "body_read", False) and length.isascii() and length.isdigit() and int(length) <= max_body:
-                with contextlib.suppress(OSError):
-                    self.rfile.read(int(length))
             self.close_connection = True
-            self._send(status, {"error": message})
+            self._send(code, {"error": message or explain or "bad request"})
 
         def _guard(self, fn) -> None:
             try:
                 service.check_auth(self.headers.get("Authorization"))
                 self._send(200, fn())
             except RequestError as exc:
-                self._refuse(exc.status, str(exc))
+                self.close_connection = True
+                self._send(exc.status, {"error": str(exc)})
             except Exception as exc:  # noqa: BLE001 - a bug must still answer, not leave the client an empty reply
                 log.exception("request %s %s failed", self.command, self.path)
-                self._refuse(500, f"the producer failed on this request: {type(exc).__name__}: {exc}")
+                self.close_connection = True
+                self._send(500, {"error": f"the producer failed on this request: {type(exc).__name__}: {exc}"})
 
         def do_GET(self) -> None:  # noqa: N802 - stdlib name
             self._route("/health", service.health)
@@ -441,14 +433,13 @@ def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
 
         def _route(self, path: str, fn) -> None:
             """Answer with ``fn`` when the request is for ``path`` (this method's one endpoint), else 404."""
-            self.body_read = False
             if self.path != path:
-                self._refuse(404, f"no such endpoint {self.path!r}; use GET /health or POST /extract")
+                self.close_connection = True
+                self._send(404, {"error": f"no such endpoint {self.path!r}; use GET /health or POST /extract"})
                 return
             self._guard(fn)
 
         def _extract(self) -> dict:
-            self.body_read = True  # read here, or refused unread when too large or too slow
             return service.submit(read_json_body(self.headers, self.rfile, max_bytes=max_body))
 
     return Handler
