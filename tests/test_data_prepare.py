@@ -169,6 +169,7 @@ def test_a_further_shard_joins_an_earlier_dataset(tmp_path, tiny_llama_dir, tiny
     assert joined["formats"] == {"prepared": 5} and joined["kept"] == 5
     parts = [PreparedDataset(tmp_path / d) for d in ("a", "b", "ab")]
     assert parts[2].sample_ids == parts[0].sample_ids + parts[1].sample_ids == [f"c{i}" for i in range(5)]
+    assert parts[2].rows_sha256(2) == parts[0].rows_sha256() != parts[2].rows_sha256()  # a store of "a" resumes into "ab"
     for i in range(5):
         part, j = (parts[0], i) if i < 2 else (parts[1], i - 2)
         assert parts[2][i]["input_ids"].tolist() == part[j]["input_ids"].tolist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 
@@ -169,7 +170,7 @@ def test_full_disk_is_a_clear_error_and_leaves_no_partial_file(setup, monkeypatc
         return real_write(self, data)
 
     monkeypatch.setattr(Path, "write_bytes", full_disk)
-    with pytest.raises(SpecdraftError, match=r"cannot write .*sharegpt%2F2\.safetensors: No space left on device \(disk full"):
+    with pytest.raises(SpecdraftError, match=r"cannot write .*sharegpt%2F2\.safetensors: No space left on device; the disk is full: free space"):
         run(target, data, out, batch_size=1)
     assert not (out / "sharegpt%2F2.safetensors").exists()
     assert not list(out.glob(".*"))
@@ -198,8 +199,40 @@ def test_dataset_changed_after_extraction(setup):
     make_dataset(data, target, seed=2)  # same sample ids, other tokens
     with pytest.raises(SpecdraftError, match=r"sample 'sharegpt/0' does not match the store/dataset \(token ids differ"):
         HiddenStateDataset(out)[0]
-    assert run(target, data, out).samples_extracted == 5
+    with pytest.raises(SpecdraftError, match=r"its first 5 rows \(sample ids or token ids\) differ.*add --restart"):
+        run(target, data, out)
+    assert run(target, data, out, restart=True).samples_extracted == 5
     assert HiddenStateDataset(out)[0]["sample_id"] == "sharegpt/0"
+
+
+def test_resume_from_a_reprepared_dataset_is_refused_and_restart_clears(setup):
+    """A dataset re-prepared with other rows: the resume used to keep the old samples and mark the store complete."""
+    target, data, out = setup
+    run(target, data, out)
+    before = (out / "manifest.json").read_bytes()
+    rows = [{"sample_id": f"other/{i}", "source": "t", "input_ids": [1] * (4 + i), "loss_mask": [1] * (4 + i)} for i in range(3)]
+    write_prepared(data, rows, target_info=target.describe(), config={}, stats={}, vocab_size=VOCAB)
+    with pytest.raises(SpecdraftError, match=rf"{out} was started from dataset {data} \(5 rows, created .*, rows sha256 [0-9a-f]{{12}}\), "
+                       rf"not {data} \(3 rows, .*5 stored sample\(s\) are not in it, e.g. 'sharegpt/0'.*a new --out, or add --restart"):
+        run(target, data, out)
+    assert (out / "manifest.json").read_bytes() == before and len(FileBackend(out).keys()) == 5  # nothing touched
+    summary = run(target, data, out, restart=True)
+    assert (summary.samples_extracted, summary.samples_skipped) == (3, 0)
+    assert FileBackend(out).keys() == ["other/0", "other/1", "other/2"]
+    assert HiddenStateDataset(out).sample_ids == ["other/0", "other/1", "other/2"]
+    assert "restart" not in json.loads((out / "manifest.json").read_text())["config"]  # its options are for resuming
+
+
+def test_resume_into_a_dataset_with_rows_appended_fills_in_the_new_ones(setup, tmp_path):
+    """`prepare --data OLD,NEW` keeps the old rows first: the copied store is the same data plus more, so it resumes."""
+    target, data, out = setup
+    run(target, data, out, max_samples=3)  # a store of the first 3 rows, started from all 5
+    ds = PreparedDataset(data)
+    rows = [ds[i] for i in range(len(ds))] + [{"sample_id": "new/0", "source": "t", "input_ids": [2] * 6, "loss_mask": [1] * 6}]
+    write_prepared(tmp_path / "joined", rows, target_info=target.describe(), config={}, stats={}, vocab_size=VOCAB)
+    summary = run(target, tmp_path / "joined", out)
+    assert (summary.samples_skipped, summary.samples_extracted) == (3, 3)
+    assert len(HiddenStateDataset(out)) == 6
 
 
 def test_bad_config_and_layer_out_of_range(setup):

@@ -184,7 +184,7 @@ def test_deletes_the_store_refuses_are_retried_at_close(prepared, transport, pro
     assert stored_files(transport) == []
 
 
-def test_hybrid_caches_requested_samples_for_offline_use(prepared, transport, producers, tmp_path):
+def test_hybrid_caches_requested_samples_for_offline_use(prepared, transport, producers, tmp_path, tiny_target):
     cache = tmp_path / "cache"
     opts = options(prepared, transport, [p.url for p in producers], data=str(cache))
     with DATA_MODES.get("hybrid")(opts) as source:
@@ -203,6 +203,9 @@ def test_hybrid_caches_requested_samples_for_offline_use(prepared, transport, pr
     assert torch.equal(offline[1]["last_hidden"], items[1]["last_hidden"])
     with pytest.raises(SpecdraftError, match="made with other settings"):
         DATA_MODES.get("hybrid")(options(prepared, transport, [producers[0].url], data=str(cache), slots=lambda n: SLOTS[:1]))
+    reprepared = make_prepared(tmp_path / "reprepared", tiny_target, seed=1)  # the same sample ids, other tokens
+    with pytest.raises(SpecdraftError, match=rf"{cache} was started from dataset .*its first {NUM} rows \(sample ids or token ids\) differ"):
+        DATA_MODES.get("hybrid")(options(reprepared, transport, [producers[0].url], data=str(cache)))
 
 
 def test_mismatched_target_and_missing_options(prepared, transport, producers, tmp_path, tiny_target):

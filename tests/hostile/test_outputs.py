@@ -268,7 +268,7 @@ def test_read_only_output_is_one_line_before_the_work(command, readonly, dataset
     assert main(argv) == 2
     err = capsys.readouterr().err
     shown = readonly / "existing" if command == "calibrate" else out / "m.json" if command == "generate" else out
-    assert f"specdraft {command}: error: cannot write --{'drafter' if command == 'calibrate' else 'metrics-out' if command == 'generate' else 'out'} {shown}: it is on a read-only file system; choose a " in err, err
+    assert f"specdraft {command}: error: cannot write --{'drafter' if command == 'calibrate' else 'metrics-out' if command == 'generate' else 'out'} {shown}: the filesystem is read-only: choose a path on a writable one" in err, err
     assert err.count("\n") == 1
 
 
@@ -277,7 +277,7 @@ def test_a_full_disk_is_named_with_the_fix(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "write", full)
-    with pytest.raises(SpecdraftError, match=r"cannot write --out .*: no space left on the device; free space or choose another --out; nothing was done"):
+    with pytest.raises(SpecdraftError, match=r"cannot write --out .*: the disk is full: free space there or write to another filesystem, then rerun the same command; nothing was done"):
         probe_writable(tmp_path / "out")
 
 

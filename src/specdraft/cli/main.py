@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Any, Iterator
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, os_error_message
 from specdraft.utils.allocator import tune_malloc
 
 COMMAND_MODULES = [
@@ -71,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
             result = args.func(args)
     except SpecdraftError as exc:
         print(f"specdraft {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a full disk, read-only filesystem, denied permission... is the machine's, not a bug
+        message = os_error_message(exc)
+        if message is None:
+            raise
+        print(f"specdraft {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         print(f"specdraft {args.command}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}; rerun the same command "

@@ -25,8 +25,8 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from specdraft.errors import SpecdraftError
-from specdraft.utils.io import DirKind, atomic_dir, json_field_is
+from specdraft.errors import SpecdraftError, os_error_message
+from specdraft.utils.io import DirKind, atomic_dir, json_field_is, naming_path, save_safetensors
 
 FORMAT_NAME = "specdraft.prepared"
 FORMAT_VERSION = 1
@@ -71,8 +71,6 @@ def write_prepared(
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     columns: dict[str, list] = {"sample_id": [], "source": [], "input_ids": [], "loss_mask": []}
     counts = np.zeros(int(vocab_size), dtype=np.int64)
@@ -115,8 +113,9 @@ def write_prepared(
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     with atomic_dir(directory, PREPARED_DIR, inputs=inputs) as tmp:
-        pq.write_table(table, tmp / DATA_FILE)
-        save_file({"counts": torch.from_numpy(counts)}, str(tmp / COUNTS_FILE))
+        with naming_path(tmp / DATA_FILE):
+            pq.write_table(table, tmp / DATA_FILE)
+        save_safetensors({"counts": torch.from_numpy(counts)}, tmp / COUNTS_FILE)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         for name in (DATA_FILE, COUNTS_FILE, MANIFEST_FILE):
             with open(tmp / name, "rb") as f:
@@ -147,10 +146,13 @@ class PreparedDataset:
             )
         data_path = self.directory / DATA_FILE
         try:
-            table = pq.read_table(data_path)
+            with naming_path(data_path):
+                table = pq.read_table(data_path)
         except FileNotFoundError:
             raise SpecdraftError(f"{data_path} is missing; rerun `specdraft prepare`") from None
         except Exception as exc:  # pyarrow raises several types for damaged files
+            if os_error_message(exc):
+                raise  # not damage (a denied read, too many open files): the CLI says what it is
             raise SpecdraftError(f"{data_path} is corrupt ({exc}); rerun `specdraft prepare`") from None
         missing = [f.name for f in _schema() if f.name not in table.column_names]
         if missing:
@@ -192,6 +194,17 @@ class PreparedDataset:
     @property
     def target_info(self) -> dict:
         return dict(self.manifest.get("target") or {})
+
+    def rows_sha256(self, n: int | None = None) -> str:
+        """Hash of the first ``n`` rows' sample ids and token ids: what hidden states depend on, so a store
+        can tell a re-prepared dataset from the one it was extracted from (or one with rows appended to it)."""
+        import hashlib
+
+        n = len(self) if n is None else n
+        h = hashlib.sha256("\0".join(self.sample_ids[:n]).encode())
+        h.update(np.ascontiguousarray(self._offsets[: n + 1] - self._offsets[0]).tobytes())
+        h.update(np.ascontiguousarray(self._ids[self._offsets[0] : self._offsets[n]]).tobytes())
+        return h.hexdigest()
 
     def token_counts(self) -> torch.Tensor:
         """Response-token frequencies, LongTensor[V]."""

@@ -39,6 +39,10 @@ class ExtractConfig(VllmAttachOptions):
     device: str = config_field("cpu", help="device the target runs on (cpu, cuda, cuda:1, ...)")
     batch_size: int = config_field(8, help="samples per forward pass (length-sorted, right-padded)")
     max_samples: int | None = config_field(None, help="extract only the first N samples of the dataset")
+    restart: bool = config_field(
+        False, help="delete the samples an existing store at --out holds and extract from scratch (e.g. after the dataset "
+        "was re-prepared with other rows, which a resume refuses)"
+    )
     backend: str = config_field("file", help="storage backend (registered name)")
     queue_size: int = config_field(8, help="payloads that may wait for the writer before capture blocks")
     writer_threads: int = config_field(1, help="background threads serialising and writing payloads")

@@ -3,7 +3,8 @@
 Steps:
   1. Open the prepared dataset and the target (the one recorded in the dataset unless given) and
      check they belong together.
-  2. Open the store; refuse it if its manifest names another target, other slots or dtype;
+  2. Open the store; refuse it if its manifest names another target, other slots or dtype, or it
+     was started from another dataset (``check_store_dataset``; ``--restart`` empties it instead);
      delete debris of interrupted writes.
   3. Resume: every sample already stored whose payload verifies (checksums, shapes, dtype, same
      token ids) is skipped; missing, corrupt or stale ones are (re)extracted.
@@ -17,7 +18,6 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from specdraft.errors import SpecdraftError
@@ -25,7 +25,9 @@ from specdraft.hidden_states.backends.base import (
     STORE_FORMAT_NAME,
     STORE_FORMAT_VERSION,
     HiddenStateBackend,
+    check_store_dataset,
     check_store_manifest,
+    dataset_record,
     finish_manifest,
     open_backend,
 )
@@ -181,24 +183,29 @@ def _open_store_manifest(backend: HiddenStateBackend, config: ExtractConfig, dat
     """Check an existing store against this run, or start a new one; returns the manifest to update."""
     slots_json = [s.to_json() for s in slots]
     existing = backend.read_manifest()
-    if existing is not None:
-        check_store_manifest(existing, location=backend.location, target_info=target_info, slots=slots_json, dtype=config.dtype)
-    elif backend.keys():
+    if existing is None and backend.keys():
         raise SpecdraftError(f"{backend.location} holds hidden-state files but no manifest; choose an empty --out directory")
+    if existing is not None and config.restart:
+        if existing.get("format") != STORE_FORMAT_NAME:  # only a store's own samples are deleted
+            raise SpecdraftError(f"{backend.location}: manifest format {existing.get('format')!r} is not {STORE_FORMAT_NAME!r}; choose another --out")
+        stale = backend.keys()
+        for key in stale:
+            backend.delete(key)
+        log.warning("%s: --restart deleted the %d sample(s) stored there", backend.location, len(stale))
+    elif existing is not None:
+        check_store_manifest(existing, location=backend.location, target_info=target_info, slots=slots_json, dtype=config.dtype)
+        check_store_dataset(existing, dataset, set(backend.keys()), location=backend.location,
+                            choices="Extract into a new --out, or add --restart to delete the stored samples and start over")
     manifest = {
         "format": STORE_FORMAT_NAME,
         "format_version": STORE_FORMAT_VERSION,
         "target": target_info,
         "slots": slots_json,
         "dtype": config.dtype,
-        "dataset": {
-            "path": str(Path(dataset.directory).resolve()),
-            "num_samples": len(dataset),
-            "created": dataset.manifest.get("created"),
-        },
+        "dataset": dataset_record(dataset),
         "count": len(backend.keys()),
         "complete": False,
-        "config": dataclasses.asdict(config),
+        "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "restart"},  # rerunning these options resumes
     }
     backend.write_manifest(manifest)
     return manifest

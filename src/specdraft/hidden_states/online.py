@@ -517,18 +517,23 @@ class StreamingSource:
 
     def _init_cache(self) -> None:
         """Make the local cache a valid store for later offline training (refuse one made for other settings)."""
-        from specdraft.hidden_states.backends.base import STORE_FORMAT_NAME, STORE_FORMAT_VERSION, check_store_manifest
+        from specdraft.hidden_states.backends.base import (
+            STORE_FORMAT_NAME, STORE_FORMAT_VERSION, check_store_dataset, check_store_manifest, dataset_record,
+        )
 
         slots_json = [s.to_json() for s in self.slots]
         existing = self.cache.read_manifest()
         if existing is not None:
             check_store_manifest(existing, location=self.cache.location, target_info=self._target_info, slots=slots_json, dtype=self.dtype)
+            check_store_dataset(existing, self.prepared, set(self.cache.keys()), location=self.cache.location,
+                                choices="Give hybrid training a new --data cache directory, or delete this one")
+            existing["dataset"] = dataset_record(self.prepared)  # the same rows, perhaps with more appended
+            self.cache.write_manifest(existing)
             return
         self.cache.write_manifest({
             "format": STORE_FORMAT_NAME, "format_version": STORE_FORMAT_VERSION, "target": self._target_info,
             "slots": slots_json, "dtype": self.dtype, "count": 0, "complete": False,
-            "dataset": {"path": str(Path(self.prepared.directory).resolve()), "num_samples": len(self.prepared),
-                        "created": self.prepared.manifest.get("created")},
+            "dataset": dataset_record(self.prepared),
         })
 
     def sweep(self) -> int:

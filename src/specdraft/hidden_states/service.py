@@ -17,8 +17,10 @@ Protocol (JSON over HTTP, ``Authorization: Bearer TOKEN`` when the service has a
                   "target_fingerprint": "..."}      (optional; refused with 409 if it differs)
                  -> 200 {"key", "bytes", "num_tokens"}
   errors         -> 4xx/5xx {"error": "what is wrong and what to do"}
-                    400 malformed request, 401 bad/missing token, 404 unknown path,
-                    409 other target, 413 body too large, 500 extraction/storage failed
+                    400 malformed request (``EXTRACT_SCHEMA``: integers are integers, no unknown
+                    fields; nesting, size and JSON checked by ``utils/http_json.py``), 401 bad/missing
+                    token, 404 unknown path, 405 other method, 408 body too slow, 409 other target,
+                    411 no Content-Length, 413 body too large, 500 extraction/storage failed
 
 Batching: HTTP handler threads only validate and enqueue; one worker thread takes the first queued
 request, waits up to ``batch_wait_ms`` for more (at most ``max_batch``) and hands them to the
@@ -53,12 +55,15 @@ from specdraft.hidden_states.layers import LayerSlot
 from specdraft.registry import Registry
 from specdraft.targets.loading import DTYPES as TARGET_DTYPES
 from specdraft.utils.config import config_field, require_finite
+from specdraft.utils.http_json import OptionalField, RequestError, check_schema, read_json_body
 from specdraft.utils.net import is_loopback
 from specdraft.utils.vllm_options import VllmAttachOptions
 
 log = logging.getLogger(__name__)
 
 MAX_KEY_CHARS = 512
+#: Seconds a connection may stay silent mid-request before it gets a 408 (or is dropped between requests).
+REQUEST_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -114,12 +119,14 @@ class ServiceConfig(VllmAttachOptions):
             raise SpecdraftError("--layers chooses what a vLLM server captures: it needs --engine vllm (the hf engine serves any slots)")
 
 
-class RequestError(Exception):
-    """A request the service refuses; ``status`` is the HTTP code sent back with the message."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+#: The shape of a ``POST /extract`` body (``check_schema``); ranges and meanings are checked in ``_parse``.
+EXTRACT_SCHEMA = {
+    "key": str,
+    "token_ids": [int],
+    "slots": [{"layer": int, "side": ("input", "output")}],
+    "dtype": OptionalField(STORAGE_DTYPE_NAMES),
+    "target_fingerprint": OptionalField(str),
+}
 
 
 @dataclass
@@ -311,13 +318,9 @@ class HiddenStateService:
     def _parse(self, body: Any) -> _Job:
         import torch
 
-        if not isinstance(body, dict):
-            raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - {"key", "token_ids", "slots", "dtype", "target_fingerprint"})
-        if unknown:
-            raise RequestError(400, f"unknown field(s) {', '.join(unknown)}; send key, token_ids, slots[, dtype, target_fingerprint]")
-        key = body.get("key")
-        if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS or not key.isprintable():
+        check_schema(body, EXTRACT_SCHEMA)
+        key = body["key"]
+        if not key or len(key) > MAX_KEY_CHARS or not key.isprintable():
             raise RequestError(400, f"'key' must be a non-empty printable string of at most {MAX_KEY_CHARS} characters, got {key!r:.80}")
         wanted_fp = body.get("target_fingerprint")
         if wanted_fp is not None and wanted_fp != self.target_info["fingerprint"]:
@@ -326,9 +329,9 @@ class HiddenStateService:
                 f"this producer serves target {self.target_info['name']!r} (fingerprint {self.target_info['fingerprint']}), "
                 f"the request wants fingerprint {wanted_fp!r}; point the client at producers of its target",
             )
-        ids = body.get("token_ids")
+        ids = body["token_ids"]
         vocab = int(self.target_info["vocab_size"])
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not ids:
             raise RequestError(400, "'token_ids' must be a non-empty list of integers")
         if len(ids) > self.max_tokens:
             raise RequestError(400, f"{len(ids)} tokens exceed this producer's limit of {self.max_tokens} (--max-tokens, and a vLLM "
@@ -336,27 +339,21 @@ class HiddenStateService:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(400, f"token id {bad} is outside the target's vocabulary (0..{vocab - 1})")
-        raw_slots = body.get("slots")
-        if not isinstance(raw_slots, list) or not raw_slots:
+        if not body["slots"]:
             raise RequestError(400, "'slots' must be a non-empty list of {\"layer\": int, \"side\": \"input\"|\"output\"}")
         slots = []
-        for obj in raw_slots:
+        for i, obj in enumerate(body["slots"]):
             try:
-                slot = LayerSlot(int(obj["layer"]), obj["side"])
+                slot = LayerSlot(obj["layer"], obj["side"])
                 slot.check(int(self.target_info["num_layers"]))
             except SpecdraftError as exc:
-                raise RequestError(400, f"slot {obj!r}: {exc}") from None
-            except (KeyError, TypeError, ValueError):
-                raise RequestError(400, f"slot {obj!r:.80} is not {{\"layer\": int, \"side\": \"input\"|\"output\"}}") from None
+                raise RequestError(400, f"slots[{i}] {obj!r}: {exc}") from None
             slots.append(slot)
         try:
             self.engine.check_slots(slots)
         except SpecdraftError as exc:
             raise RequestError(400, f"this producer cannot serve these slots: {exc}") from None
-        dtype = body.get("dtype", "bfloat16")
-        if dtype not in STORAGE_DTYPE_NAMES:
-            raise RequestError(400, f"dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPE_NAMES)}")
-        return _Job(key=key, token_ids=torch.tensor(ids, dtype=torch.long), slots=tuple(slots), dtype=dtype)
+        return _Job(key=key, token_ids=torch.tensor(ids, dtype=torch.long), slots=tuple(slots), dtype=body.get("dtype", "bfloat16"))
 
     # -- the worker (owns the model) --------------------------------------------------------------
 
@@ -398,6 +395,8 @@ def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = REQUEST_TIMEOUT_S  # a client that announces a body and stalls must not hold a thread forever
+        default_request_version = "HTTP/1.1"  # so a refusal of a garbled request line still carries a status line
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
             log.debug("%s %s", self.address_string(), format % args)
@@ -410,6 +409,14 @@ def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """The stdlib's own refusals (a malformed request line or header, an unsupported method) in JSON too;
+            an unsupported method is 405, the client's mistake, not the stdlib's 501."""
+            if code == 501 and self.command:
+                code, message = 405, f"method {self.command} is not allowed; use GET /health or POST /extract"
+            self.close_connection = True
+            self._send(code, {"error": message or explain or "bad request"})
+
         def _guard(self, fn) -> None:
             try:
                 service.check_auth(self.headers.get("Authorization"))
@@ -417,6 +424,10 @@ def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
             except RequestError as exc:
                 self.close_connection = True
                 self._send(exc.status, {"error": str(exc)})
+            except Exception as exc:  # noqa: BLE001 - a bug must still answer, not leave the client an empty reply
+                log.exception("request %s %s failed", self.command, self.path)
+                self.close_connection = True
+                self._send(500, {"error": f"the producer failed on this request: {type(exc).__name__}: {exc}"})
 
         def do_GET(self) -> None:  # noqa: N802 - stdlib name
             self._route("/health", service.health)
@@ -433,16 +444,6 @@ def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
             self._guard(fn)
 
         def _extract(self) -> dict:
-            length = self.headers.get("Content-Length")
-            if length is None or not length.isdigit():
-                raise RequestError(411, "send the JSON body with a Content-Length header")
-            if int(length) > max_body:
-                raise RequestError(413, f"request body of {length} bytes exceeds {max_body} (--max-tokens {service.config.max_tokens})")
-            raw = self.rfile.read(int(length))
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise RequestError(400, f"the request body is not valid JSON ({exc})") from None
-            return service.submit(body)
+            return service.submit(read_json_body(self.headers, self.rfile, max_bytes=max_body))
 
     return Handler

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, os_error_message
 from specdraft.models.common.checkpoint import CONFIG_FILE, WEIGHTS_FILE
-from specdraft.utils.io import DirKind, atomic_dir, atomic_write_json, json_field_is, sha256_bytes, sha256_file
+from specdraft.utils.io import DirKind, atomic_dir, atomic_write_json, json_field_is, save_safetensors, sha256_bytes, sha256_file
 
 STATE_FORMAT = "specdraft.trainer_state"
 STATE_VERSION = 1
@@ -87,6 +87,8 @@ def read_state(directory: str | os.PathLike) -> dict:
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as exc:  # ValueError: bad JSON or bytes that are not UTF-8
+        if os_error_message(exc):
+            raise  # a denied read is no reason to delete the checkpoint: the CLI says what it is
         raise SpecdraftError(f"cannot read checkpoint state {path}: {exc}; {_DELETE_HINT}") from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
         found = (state.get("format"), state.get("version")) if isinstance(state, dict) else (type(state).__name__, None)
@@ -138,8 +140,6 @@ def save_checkpoint(
     meta: dict,
 ) -> None:
     """Write one complete checkpoint directory atomically (``trainer_state.json`` last)."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {f"model.{k}": v for k, v in model_state.items()}
     groups = []
     for group in optim_state["param_groups"]:
@@ -150,7 +150,7 @@ def save_checkpoint(
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
     with atomic_dir(directory, CHECKPOINT_DIR) as tmp:
         drafter.save_pretrained(tmp)
-        save_file(tensors, str(tmp / STATE_TENSORS))
+        save_safetensors(tensors, tmp / STATE_TENSORS)
         state = _jsonable({
             "format": STATE_FORMAT,
             "version": STATE_VERSION,

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from specdraft.errors import SpecdraftError
 from specdraft.models.base import TrainOutput
 from specdraft.utils.io import atomic_write_bytes
 
@@ -110,10 +111,24 @@ class MetricsLog:
         self.path = Path(path)
 
     def truncate_after(self, step: int) -> None:
-        """Drop records past ``step`` (left by a run that died after its last checkpoint) before resuming."""
+        """Drop records past ``step`` (left by a run that died after its last checkpoint) before resuming.
+
+        A run stopped by a full disk or a hard kill mid-append leaves its last line torn: that line is
+        dropped too (it is past the checkpoint). A torn line anywhere else is damage, and refused.
+        """
         if not self.path.is_file():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if number == len(lines):
+                    break
+                raise SpecdraftError(f"{self.path} line {number} is not a JSON record; delete or repair that line to resume") from None
+            if record.get("step", 0) <= step:
+                kept.append(line)
         atomic_write_bytes(self.path, ("\n".join(kept) + "\n" if kept else "").encode())
 
     def write(self, record: dict[str, Any]) -> None:

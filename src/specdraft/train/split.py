@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, os_error_message
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,8 @@ def read_split(path: Path) -> dict:
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        if os_error_message(exc):
+            raise  # a denied read is no reason to delete the split: the CLI says what it is
         raise SpecdraftError(f"{path} is unreadable ({exc}); delete it to recompute the split (validation may then change)") from None
     if not isinstance(record, dict) or record.get("format") != SPLIT_FORMAT or not isinstance(record.get("validation_ids"), list):
         raise SpecdraftError(f"{path} is not a {SPLIT_FORMAT} record; delete it to recompute the split (validation may then change)")

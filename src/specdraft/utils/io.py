@@ -7,6 +7,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -145,12 +146,48 @@ def atomic_dir(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str |
         if path.exists():
             old = path.with_name(f".{path.name}.{os.getpid()}.old")
             os.replace(path, old)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            if old is not None:  # put the previous content back rather than leave it as debris to be swept
+                os.replace(old, path)
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def naming_path(path: str | os.PathLike) -> Iterator[None]:
+    """Make an OS error raised inside name ``path``, so the CLI's one-line message says where.
+
+    Libraries that write files themselves drop the path (pyarrow: "Error writing bytes to file. Detail:
+    [errno 28] ...") or wrap the error in their own type (safetensors: ``SafetensorError`` "... No space
+    left on device (os error 28)"); both are re-raised as the ``OSError`` they were, naming ``path``.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
+    except OSError as exc:
+        if exc.filename is not None or not exc.errno:
+            raise
+        raise OSError(exc.errno, os.strerror(exc.errno), str(path)) from exc
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, the one place the project writes safetensors files (see ``naming_path``)."""
+    from safetensors.torch import save_file
+
+    with naming_path(path):
+        save_file(tensors, str(path), metadata=metadata)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -39,7 +39,6 @@ being extracted, online training reading a store) never take it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
 import logging
@@ -53,21 +52,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import OS_ERROR_FIXES, SpecdraftError
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # ten missed heartbeats
-
-_FIXES = {  # errno -> (what it means, what to do)
-    errno.EROFS: ("it is on a read-only file system", "choose a {what} on a writable file system"),
-    errno.EACCES: ("permission denied", "fix its permissions or choose another {what}"),
-    errno.EPERM: ("permission denied", "fix its permissions or choose another {what}"),
-    errno.ENOSPC: ("no space left on the device", "free space or choose another {what}"),
-    errno.EDQUOT: ("the disk quota is exceeded", "free space or choose another {what}"),
-}
-
 
 def lock_path(out: str | os.PathLike) -> Path:
     """Where the lock of output ``out`` lives: ``.NAME.lock`` beside it (see the module docstring)."""
@@ -77,8 +67,8 @@ def lock_path(out: str | os.PathLike) -> Path:
 
 def unwritable(path: Path, exc: OSError, what: str) -> SpecdraftError:
     """The one-line error for an output that cannot be written, naming the path and the fix."""
-    why, fix = _FIXES.get(exc.errno or 0, (exc.strerror or str(exc), "choose another {what}"))
-    return SpecdraftError(f"cannot write {what} {path}: {why}; {fix.format(what=what)}; nothing was done")
+    fix = OS_ERROR_FIXES.get(exc.errno or 0, f"{exc.strerror or exc}: choose another {what}")
+    return SpecdraftError(f"cannot write {what} {path}: {fix}; nothing was done")
 
 
 def probe_writable(directory: str | os.PathLike, what: str = "--out", *, output: str | os.PathLike | None = None) -> None:

@@ -14,7 +14,7 @@ Store manifest (written by ``specdraft extract``)::
 
   {"format": "specdraft.hidden_state_store", "format_version": 1,
    "target": Target.describe(), "slots": [{"layer": 1, "side": "output"}, ...], "dtype": "bfloat16",
-   "dataset": {"path": abs path, "num_samples": N, "created": ...},
+   "dataset": {"path": abs path, "num_samples": N, "created": ..., "rows_sha256": its identity (``dataset_record``)},
    "count": payloads stored, "complete": every selected sample is stored, "config": ExtractConfig,
    "samples": the stored keys when the writer finished (``finish_manifest``)}
 
@@ -119,6 +119,46 @@ def finish_manifest(manifest: dict, stored: set[str], expected: list[str]) -> di
     manifest["count"] = len(stored)
     manifest["complete"] = all(key in stored for key in expected)
     return manifest
+
+
+def dataset_record(dataset: Any) -> dict:
+    """The store manifest's ``dataset`` block for a ``PreparedDataset``: where it was, and its identity
+    (``rows_sha256`` over every row's sample id and token ids), checked when the store is resumed."""
+    from pathlib import Path
+
+    return {"path": str(Path(dataset.directory).resolve()), "num_samples": len(dataset), "created": dataset.manifest.get("created"),
+            "rows_sha256": dataset.rows_sha256()}
+
+
+def check_store_dataset(manifest: dict, dataset: Any, stored: set[str], *, location: str, choices: str) -> None:
+    """Refuse to add to a store whose samples came from another dataset (a re-prepared one with other rows).
+
+    The dataset must be the one the store was started from, or that one with rows appended (``prepare
+    --data OLD,NEW`` keeps the old rows first, unchanged), and every stored sample must be one of its
+    rows; else resuming would keep the old samples beside the new and call the store complete.
+    ``choices`` says what the user can do instead (the caller's flags).
+    """
+    if not stored:
+        return  # nothing stored yet: nothing to mix
+    recorded = manifest.get("dataset") or {}
+    problems = []
+    n, digest = recorded.get("num_samples"), recorded.get("rows_sha256")
+    if digest is not None:  # stores written before the identity was recorded have only their keys to go by
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(dataset):
+            problems.append(f"it had {n!r} rows, this one has {len(dataset)}")
+        elif dataset.rows_sha256(n) != digest:
+            problems.append(f"its first {n} rows (sample ids or token ids) differ")
+    foreign = sorted(stored.difference(dataset.sample_ids))
+    if foreign:
+        problems.append(f"{len(foreign)} stored sample(s) are not in it, e.g. {foreign[0]!r}")
+    if problems:
+        was = f"{recorded.get('path')} ({n} rows, created {recorded.get('created')}, rows sha256 {str(digest)[:12]})"
+        now = (f"{dataset.directory} ({len(dataset)} rows, created {dataset.manifest.get('created')}, "
+               f"rows sha256 {dataset.rows_sha256()[:12]})")
+        raise SpecdraftError(
+            f"{location} was started from dataset {was}, not {now}: {'; '.join(problems)}; resuming would mix their samples. "
+            f"{choices}"
+        )
 
 
 def check_store_manifest(manifest: dict, *, location: str, target_info: dict, slots: list[dict], dtype: str) -> None:

@@ -11,13 +11,12 @@ no key can collide with the hidden ``.<name>.*.tmp`` files of in-flight atomic w
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import OS_ERROR_FIXES, SpecdraftError
 from specdraft.hidden_states.backends.base import BACKENDS, STORE_FORMAT_NAME, HiddenStateBackend
 from specdraft.hidden_states.payload import HiddenStatePayload
 from specdraft.utils.io import DirKind, atomic_write_bytes, json_field_is
@@ -145,5 +144,5 @@ def _write(path: Path, data: bytes) -> None:
     try:
         atomic_write_bytes(path, data)
     except OSError as exc:
-        hint = " (disk full: free space or choose another --out)" if exc.errno == errno.ENOSPC else ""
-        raise SpecdraftError(f"cannot write {path}: {exc.strerror or exc}{hint}; no partial file was left") from exc
+        fix = OS_ERROR_FIXES.get(exc.errno)
+        raise SpecdraftError(f"cannot write {path}: {exc.strerror or exc}{f'; {fix}' if fix else ''}; no partial file was left") from exc

@@ -30,7 +30,7 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.targets.loading import PICKLE_SUFFIXES
-from specdraft.utils.io import DirKind, atomic_dir, atomic_write_json, json_field_is, sha256_file
+from specdraft.utils.io import DirKind, atomic_dir, atomic_write_json, json_field_is, save_safetensors, sha256_file
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -58,11 +58,9 @@ def aux_id_to_slot(aux_id: int, side: str) -> LayerSlot:
 
 def write_checkpoint(directory: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
     """Write ``config.json`` + ``model.safetensors`` into ``directory``, replacing it atomically."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     with atomic_dir(directory, DRAFTER_DIR) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_safetensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         if isinstance(config.get("specdraft"), dict):
             config = {**config, "specdraft": {**config["specdraft"], "checksums": {WEIGHTS_FILE: sha256_file(tmp / WEIGHTS_FILE)}}}
         atomic_write_json(tmp / CONFIG_FILE, config)
