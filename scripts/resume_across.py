@@ -1,8 +1,9 @@
 """Resume across a code change, bit for bit: a run started by one checkout and resumed by another ends
 with the same weights as an uninterrupted run of the first.
 
-A random 8-layer Llama target (vocab 128, seeded, rebuilt identically in every process) and a
-16-sample hidden-state store are made once; then, each in a subprocess with its own ``PYTHONPATH``:
+The tests' random 8-layer Llama target (vocab 128, seeded, rebuilt identically in every process) and
+16-sample DSpark hidden-state store (``tests/test_train_methods.build_stores``) are made once; then,
+each in a subprocess with its own ``PYTHONPATH``:
 
 1. BASE trains DSpark ``--steps`` steps uninterrupted;
 2. BASE trains the same run and is stopped by SIGTERM mid-run (it checkpoints after the current step);
@@ -25,28 +26,6 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
-MODEL = {"num_layers": 1, "block_size": 4, "max_anchors": 8, "markov_rank": 16, "intermediate_size": 64}
-
-
-def build_store(work: Path) -> Path:
-    """A prepared dataset of 16 random samples and its DSpark hidden-state store, under ``work``."""
-    import torch
-
-    from specdraft.data.dataset import write_prepared
-    from specdraft.hidden_states.config import ExtractConfig
-    from specdraft.hidden_states.extract import extract_hidden_states
-    from test_train_methods import VOCAB, tiny_target
-
-    target, g = tiny_target(), torch.Generator().manual_seed(7)
-    samples = []
-    for i in range(16):
-        length = int(torch.randint(12, 40, (1,), generator=g))
-        ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
-        samples.append({"sample_id": f"c{i}/0", "source": "tiny", "input_ids": ids, "loss_mask": [int(j >= length // 4) for j in range(length)]})
-    prepared = write_prepared(work / "data", samples, target_info=target.describe(), config={}, stats={}, vocab_size=VOCAB)
-    store = work / "store"
-    extract_hidden_states(ExtractConfig(dataset=str(prepared), out=str(store), method="dspark", dtype="float32"), target=target, progress=False)
-    return store
 
 
 def run_training(store: str, out: str, steps: int, stop_after_reads: int) -> None:
@@ -54,10 +33,10 @@ def run_training(store: str, out: str, steps: int, stop_after_reads: int) -> Non
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.train.config import TrainConfig
     from specdraft.train.trainer import train
-    from test_train_methods import tiny_target
+    from test_train_methods import OVERRIDES, tiny_target
     from test_train_toy import SignalAfterReads
 
-    cfg = TrainConfig(method="dspark", data=store, out=out, model=MODEL, max_steps=steps, pack_tokens=64, batch_rows=1,
+    cfg = TrainConfig(method="dspark", data=store, out=out, model=OVERRIDES["dspark"], max_steps=steps, pack_tokens=64, batch_rows=1,
                       val_fraction=0.2, eval_interval=3, checkpoint_interval=0, keep_checkpoints=0, dtype="fp32", num_threads=1,
                       seed=11, decode_prompts=0)
     dataset = HiddenStateDataset(store)
@@ -99,7 +78,9 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True)
     sys.path[:0] = [str(Path(args.new).resolve()), str(TESTS)]
-    store = str(build_store(work))
+    from test_train_methods import build_stores
+
+    store = str(build_stores(work, ("dspark",))[1]["dspark"])
     runs = {
         "base uninterrupted": [invoke(args.base, store, str(work / "ref"), str(args.steps), "0")],
         # about half the steps' reads (batch_rows=1, a few samples per packed row), then SIGTERM: a checkpoint mid-run

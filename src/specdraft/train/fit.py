@@ -47,6 +47,7 @@ def fit(state: TrainState, total_steps: int, hooks: FitHooks, *, desc: str, show
     from tqdm.auto import tqdm
 
     stopped_by = None
+    state.module.train()
     bar = tqdm(total=total_steps, initial=state.step, desc=desc, unit="step", disable=not show_progress, dynamic_ncols=True)
     with _StopFlag() as flag, bar:
         while state.step < total_steps:

@@ -119,6 +119,32 @@ def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None 
 
 
 def _train(cfg: TrainConfig, target: Any, dataset: SampleSource, dist_: Dist) -> TrainResult:
+    """The staircase: plan, then the parts (process group, run directory, warm start, state), ``fit``, finish."""
+    run, drafter, target = _plan(cfg, target, dataset, dist_)
+    device = init_distributed(cfg.device, dist_)
+    metrics_log = _prepare_out(run, dist_)
+    if run.resume is None:
+        apply_warm_start(drafter, run.method, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, run.data.train_indices)))
+    state, checkpointer, compute = _build_state(cfg, run, drafter, target, dist_, device)
+    result = functools.partial(TrainResult, run.out, total_steps=run.total_steps, drafter=drafter, compute_dtype=compute.dtype,
+                               dtype_probe=compute.dtype_probe, threads=compute.threads)
+    if cfg.dry_run:
+        if run.resume is None:
+            log.info("dry run: wrote %s", checkpointer.save(state))
+        return result(step=state.step, completed=False, stopped_by=None, final=None)
+
+    validate = _Validation(cfg, run, dataset, target, checkpointer, metrics_log, compute)
+    already_done = run.resume is not None and state.step >= run.total_steps
+    if isinstance(dataset, PrefetchingSource):
+        dataset.start(training_order(run.data, state.step, run.total_steps))
+    hooks = _hooks(cfg, run, dataset, checkpointer, compute, validate, metrics_log)
+    stopped_by, stop_signal = fit(state, run.total_steps, hooks, desc=f"train {run.method}", show_progress=dist_.main)
+    final = _finish(state, run, checkpointer, validate, stopped_by=stopped_by, already_done=already_done)
+    return result(step=state.step, completed=state.step >= run.total_steps, stopped_by=stopped_by, final=final, stop_signal=stop_signal)
+
+
+def _plan(cfg: TrainConfig, target: Any, dataset: SampleSource, dist_: Dist) -> tuple[RunPlan, DrafterModel, Any]:
+    """Check the method, ``OUT`` and the target against the store, build the drafter (seeded) and plan the run."""
     import specdraft.models  # noqa: F401  (registers the built-in methods)
 
     spec = METHODS.get(cfg.method)
@@ -133,46 +159,42 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource, dist_: Dist) ->
     if not isinstance(drafter, DrafterModel):
         raise TypeError(f"METHODS[{spec.name!r}].build returned {type(drafter).__name__}, not a DrafterModel")
     run = plan_run(cfg, spec=spec, model_cfg=model_cfg, drafter=drafter, target=target, dataset=dataset, rank=dist_.rank, world=dist_.world)
-    device = init_distributed(cfg.device, dist_)
-    metrics_log = _prepare_out(run, dist_)
-    if run.resume is None:
-        apply_warm_start(drafter, spec.name, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, run.data.train_indices)))
-    state, checkpointer, compute = _build_state(cfg, run, drafter, target, dist_, device)
-    result = functools.partial(TrainResult, run.out, total_steps=run.total_steps, drafter=drafter, compute_dtype=compute.dtype,
-                               dtype_probe=compute.dtype_probe, threads=compute.threads)
-    if cfg.dry_run:
-        if run.resume is None:
-            log.info("dry run: wrote %s", checkpointer.save(state))
-        return result(step=state.step, completed=False, stopped_by=None, final=None)
+    return run, drafter, target
 
-    validate = _Validation(cfg, run, dataset, target, checkpointer, metrics_log, compute)
-    already_done = run.resume is not None and state.step >= run.total_steps
-    if isinstance(dataset, PrefetchingSource):
-        dataset.start(training_order(run.data, state.step, run.total_steps))
-    state.module.train()
-    hooks = FitHooks(
+
+def _hooks(cfg: TrainConfig, run: RunPlan, dataset: SampleSource, checkpointer: Checkpointer, compute: Compute,
+           validate: "_Validation", metrics_log: MetricsLog) -> FitHooks:
+    """The fit loop's parts: read, step, and the logging, validation, stop and checkpoint hooks on their intervals."""
+
+    def due(interval: int, state: TrainState) -> bool:
+        return bool(interval) and state.step % interval == 0 and state.step < run.total_steps
+
+    return FitHooks(
         read=lambda step: [[dataset[i] for i in row] for row in run.data.train_rows(step)],
         step=functools.partial(_step, cfg=cfg, run=run, compute=compute, checkpointer=checkpointer),
         log=TrainLog(metrics_log, interval=cfg.log_interval, total_steps=run.total_steps, locate=run.data.locate,
-                     context={"dtype": compute.dtype, "threads": compute.threads["threads"]}, main=dist_.main),
-        validate=lambda s: validate(s) if cfg.eval_interval and s.step % cfg.eval_interval == 0 and s.step < run.total_steps else None,
+                     context={"dtype": compute.dtype, "threads": compute.threads["threads"]}, main=checkpointer.dist.main),
+        validate=lambda state: validate(state) if due(cfg.eval_interval, state) else None,
         stop=_stopping(cfg.max_time, run.total_steps, checkpointer),
-        checkpoint=lambda s: checkpointer.save(s) if cfg.checkpoint_interval and s.step % cfg.checkpoint_interval == 0 and s.step < run.total_steps else None,
+        checkpoint=lambda state: checkpointer.save(state) if due(cfg.checkpoint_interval, state) else None,
     )
-    stopped_by, stop_signal = fit(state, run.total_steps, hooks, desc=f"train {spec.name}", show_progress=dist_.main)
 
-    final = None
+
+def _finish(state: TrainState, run: RunPlan, checkpointer: Checkpointer, validate: "_Validation", *, stopped_by: str | None,
+            already_done: bool) -> Path | None:
+    """After the loop: a last validation and checkpoint when the schedule ran out here, and ``OUT/final``
+    unless a signal stopped the run (``max_time`` still writes it)."""
     if stopped_by is None and not already_done:
         validate(state)
         if checkpointer.last_saved != state.step:  # decided from this process's own record: every rank must agree, and
             checkpointer.save(state)  # rank 0 may already be writing while a slower rank would look at the disk
+    final = None
     if stopped_by != "signal":
-        card = lambda d: (d / MODEL_CARD).write_text(model_card(method=run.method, step=state.step, data=run.where, split=run.split.record,  # noqa: E731
-                                                                validation=last_validation(run.out / ckpt.METRICS)))
-        final = checkpointer.save_final(state, card)
+        final = checkpointer.save_final(state, lambda directory: (directory / MODEL_CARD).write_text(model_card(
+            method=run.method, step=state.step, data=run.where, split=run.split.record, validation=last_validation(run.out / ckpt.METRICS))))
     if stopped_by:
         log.warning("stopped by %s at step %d of %d; rerun the same command to resume", stopped_by, state.step, run.total_steps)
-    return result(step=state.step, completed=state.step >= run.total_steps, stopped_by=stopped_by, final=final, stop_signal=stop_signal)
+    return final
 
 
 def _store_target(target: Any, dataset: SampleSource, cfg: TrainConfig) -> Any:
