@@ -172,3 +172,8 @@ STRATEGIES: Registry[Strategy] = Registry("parallel strategy")
 STRATEGIES.register("single")(Strategy(wrap=lambda m, d: m))
 STRATEGIES.register("ddp")(Strategy(wrap=_ddp_wrap))
 STRATEGIES.register("fsdp")(Strategy(wrap=_fsdp_wrap, checkpointer=ShardedCheckpointer))
+
+
+def strategy_name(parallel: str, world: int) -> str:
+    """The strategy of ``--parallel`` with ``world`` processes: FSDP when asked, else DDP across several, else single."""
+    return "fsdp" if parallel == "fsdp" else ("ddp" if world > 1 else "single")

@@ -26,8 +26,8 @@ class StepDone:
     result: StepOutput
     tokens: int  # real (unpadded) tokens in the batch
     lr: float  # the rate the update used
-    seconds: float  # the whole step: reading, collating, forward, backward, update
-    fetch_seconds: float  # of which reading samples (waiting for them, when they are streamed)
+    seconds: float = 0.0  # the whole step: reading, collating, forward, backward, update (``fit`` times it)
+    fetch_seconds: float = 0.0  # of which reading samples (waiting for them, when they are streamed)
 
 
 @dataclass
@@ -38,7 +38,7 @@ class FitHooks:
     read: Callable[[int], list]  # the samples of a step, rows of dataset items
     log: Callable[[TrainState, StepDone], dict | None]  # the record written, if one was due
     validate: Callable[[TrainState], Any]
-    stop: Callable[[TrainState, int | None], str | None]  # why to stop now (given the signal received), or None
+    stop: Callable[[TrainState, int | None], str | None]  # why to stop now, a checkpoint saved (given the signal received), or None
     checkpoint: Callable[[TrainState], Any]
 
 

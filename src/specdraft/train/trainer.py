@@ -46,7 +46,7 @@ from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, TrainOutp
 from specdraft.models.common.checkpoint import DRAFTER_DIR
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.acceptance import TEACHER_FORCED_ANCHORS, last_validation, model_card
-from specdraft.train.checkpointer import STRATEGIES, Checkpointer, TrainState
+from specdraft.train.checkpointer import STRATEGIES, Checkpointer, TrainState, strategy_name
 from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch
 from specdraft.train.config import TrainConfig
 from specdraft.train.data import (
@@ -239,8 +239,7 @@ def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: 
         if missing:
             raise SpecdraftError(f"{run.resume.directory / ckpt.STATE_TENSORS} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[0]}; delete that checkpoint")
         step_module.load_state_dict({k: v for k, v in model_state.items() if k not in frozen}, strict=False)
-    strategy_name = "fsdp" if cfg.parallel == "fsdp" else ("ddp" if dist_.world > 1 else "single")
-    strategy = STRATEGIES.get(strategy_name)
+    strategy = STRATEGIES.get(strategy_name(cfg.parallel, dist_.world))
     checkpointer = strategy.checkpointer(drafter, out=run.out, keep=cfg.keep_checkpoints, dist=dist_, device=device,
                                          last_saved=run.resume.step if run.resume else -1,
                                          meta=functools.partial(_checkpoint_meta, run, dist_.world))
@@ -257,7 +256,7 @@ def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: 
         log.info("resuming from %s (step %d of %d)", run.resume.directory, state.step, run.total_steps)
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     log.info("%s drafter: %.2fM trainable parameters, %d steps, %s on %s x%d, %s, %d CPU threads (%s)", run.method, n_train / 1e6,
-             run.total_steps, strategy_name, device, dist_.world, compute.dtype, compute.threads["threads"], compute.threads["threads_source"])
+             run.total_steps, strategy_name(cfg.parallel, dist_.world), device, dist_.world, compute.dtype, compute.threads["threads"], compute.threads["threads_source"])
     return state, checkpointer, compute
 
 
@@ -286,7 +285,7 @@ def _step(state: TrainState, items: list, *, cfg: TrainConfig, run: RunPlan, com
                         grad_clip=cfg.grad_clip, check=check)
     state.scheduler.step()
     state.step += 1
-    return StepDone(result, tokens=int((batch.segment_ids >= 0).sum()), lr=lr, seconds=0.0, fetch_seconds=0.0)
+    return StepDone(result, tokens=int((batch.segment_ids >= 0).sum()), lr=lr)
 
 
 def _stopping(max_time: float, total_steps: int, checkpointer: Checkpointer) -> Callable[[TrainState, int | None], str | None]:
