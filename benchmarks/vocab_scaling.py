@@ -4,8 +4,8 @@ Builds tiny random HF targets that differ only in vocabulary size (49,152 = Smol
 Llama 3's, 262,144 = Gemma 3's; same hidden size and layers, tied embeddings) and, per target:
 
 * train: one drafter of each method from its packaged recipe (same drafter size, draft vocabulary
-  and pack for every target), stepped like the trainer does (forward, backward, grad clip, AdamW;
-  the trainer's own optimizer and clip helpers) on a packed batch of random ids drawn from a Zipf
+  and pack for every target), stepped by the trainer's own step (``train.step.train_step``: forward,
+  backward, grad clip, the recipe's optimizer) on a packed batch of random ids drawn from a Zipf
   law (so the draft vocabulary chosen from their counts covers most labels) with random hidden
   states (values do not change the step's cost); median wall and CPU (process) seconds per step
   after a warm-up step (on a shared machine the CPU seconds are the steadier measure of work);
