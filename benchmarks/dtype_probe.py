@@ -26,7 +26,7 @@ def main() -> None:
 
     from specdraft.decode.proposers.drafters import BlockDrafterProposer
     from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch
-    from specdraft.train.trainer import _StepModule
+    from specdraft.train.step import StepModule
     from specdraft.utils.measured import machine_identity, measured_choice
 
     target = load_benchmark_target(args)
@@ -34,7 +34,7 @@ def main() -> None:
     slots = len(drafter.config.slots())
     batch = synthetic_batch(rows=1, tokens=args.pack_tokens, slots=slots, hidden=target.hidden_size, vocab=target.vocab_size)
     with tempfile.TemporaryDirectory() as scratch:
-        train = measure_train_dtype(_StepModule(drafter), batch, device=torch.device("cpu"), context={"pack_tokens": args.pack_tokens},
+        train = measure_train_dtype(StepModule(drafter), batch, device=torch.device("cpu"), context={"pack_tokens": args.pack_tokens},
                                     cache_dir=Path(scratch))
         proposer = BlockDrafterProposer(drafter.eval(), provides_confidences=True)
         draft = measured_choice("draft-dtype", {}, {d: (lambda d=d: proposer.round_seconds(d)) for d in ("fp32", "bf16")},

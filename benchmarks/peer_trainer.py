@@ -57,7 +57,7 @@ def convert(store: str, out: Path, *, method: str, val_fraction: float, split_se
     from specdraft.models.common.checkpoint import slot_to_aux_id
     from specdraft.models.common.vocab import build_draft_vocab
     from specdraft.train.data import select_slots
-    from specdraft.train.trainer import token_counts
+    from specdraft.train.data import token_counts
     from specdraft.train.split import dataset_split
 
     dataset = HiddenStateDataset(store)

@@ -35,8 +35,8 @@ def main() -> None:
     from specdraft.decode.runtime import resolve_decode_threads
     from specdraft.quickstart import QuickstartConfig
     from specdraft.targets import load_target
-    from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch, train_step
-    from specdraft.train.trainer import _StepModule
+    from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch
+    from specdraft.train.step import StepModule, train_step
     from specdraft.utils.threads import resolve_forward_threads, resolve_threads
     from specdraft.utils.measured import machine_identity
 
@@ -49,12 +49,12 @@ def main() -> None:
         def record(name, m):
             report[name] = {"seconds": m.seconds, "choice": m.choice}
 
-        module = _StepModule(quickstart_drafter(target))
+        module = StepModule(quickstart_drafter(target))
         batch = synthetic_batch(rows=1, tokens=args.pack_tokens, slots=len(module.drafter.config.slots()),
                                 hidden=target.hidden_size, vocab=target.vocab_size)
         dtype = measure_train_dtype(module, batch, device=cpu, context={"pack_tokens": args.pack_tokens})
         record("train_dtype", dtype)
-        record("train_threads", resolve_threads(0, "train-threads", {}, lambda: train_step(module, batch, dtype.choice, cpu)))
+        record("train_threads", resolve_threads(0, "train-threads", {}, lambda: train_step(module, batch, dtype=dtype.choice, device=cpu)))
         record("decode_threads", resolve_decode_threads(target, 0))
         record("forward_threads", resolve_forward_threads(0, target.model, fingerprint=target.fingerprint, rows=8, tokens=256))
 

@@ -76,8 +76,8 @@ def build_store(work: Path, samples, old_val: list[int], drafter_slots, threads:
 
 def score(dataset, indices: list[int], drafter, target, slot_index, *, decode_prompts: int, decode_tokens: int) -> dict:
     from specdraft.train.acceptance import DecodeProbe
-    from specdraft.train.data import DataPlan, step_seed, token_rows
-    from specdraft.train.trainer import EVAL_SEED_KIND, sample_lengths, teacher_forced
+    from specdraft.train.data import DataPlan, sample_lengths, step_seed, token_rows
+    from specdraft.train.trainer import EVAL_SEED_KIND, teacher_forced
 
     s = TRAIN_SETTINGS
     plan = DataPlan(list(map(str, dataset.sample_ids)), sample_lengths(dataset), [], list(indices), s["pack_tokens"], s["batch_rows"], s["seed"])

@@ -4,8 +4,8 @@ Builds tiny random HF targets that differ only in vocabulary size (49,152 = Smol
 Llama 3's, 262,144 = Gemma 3's; same hidden size and layers, tied embeddings) and, per target:
 
 * train: one drafter of each method from its packaged recipe (same drafter size, draft vocabulary
-  and pack for every target), stepped like the trainer does (forward, backward, grad clip, AdamW;
-  the trainer's own optimizer and clip helpers) on a packed batch of random ids drawn from a Zipf
+  and pack for every target), stepped by the trainer's own step (``train.step.train_step``: forward,
+  backward, grad clip, the recipe's optimizer) on a packed batch of random ids drawn from a Zipf
   law (so the draft vocabulary chosen from their counts covers most labels) with random hidden
   states (values do not change the step's cost); median wall and CPU (process) seconds per step
   after a warm-up step (on a shared machine the CPU seconds are the steadier measure of work);
@@ -77,7 +77,8 @@ def make_batch(target, slots: int, *, pack: int, samples: int, generator: torch.
 def train_steps(method: str, target, args) -> dict:
     from specdraft.models import METHODS
     from specdraft.train.config import resolve_config
-    from specdraft.train.trainer import _build_optimizer, _clip, _StepModule, build_method_config
+    from specdraft.train.plan import build_method_config
+    from specdraft.train.step import StepModule, build_optimizer, train_step
 
     cfg = resolve_config(method, {"dtype": "fp32", "pack_tokens": args.pack})
     spec = METHODS.get(method)
@@ -85,17 +86,14 @@ def train_steps(method: str, target, args) -> dict:
     counts = torch.bincount(zipf_ids(target.vocab_size, (200_000,), g), minlength=target.vocab_size)
     torch.manual_seed(0)
     drafter = spec.build(build_method_config(spec, cfg.model), target, counts=counts)
-    module = _StepModule(drafter).train()
-    optimizer = _build_optimizer(module, cfg, torch.device("cpu"))
+    cpu_device = torch.device("cpu")
+    module = StepModule(drafter).train()
+    optimizer = build_optimizer(module, name=cfg.optimizer, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, device=cpu_device)
     batch = make_batch(target, len(drafter.config.slots()), pack=cfg.pack_tokens, samples=args.samples, generator=g)
     times, cpu = [], []
     for _ in range(args.steps + 1):
         started, cpu_started = time.perf_counter(), time.process_time()
-        out = module(batch)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        _clip(module, cfg.grad_clip)
-        optimizer.step()
+        train_step(module, batch, dtype=cfg.dtype, device=cpu_device, optimizer=optimizer, grad_clip=cfg.grad_clip)
         times.append(time.perf_counter() - started)
         cpu.append(time.process_time() - cpu_started)
     with tempfile.TemporaryDirectory() as tmp:

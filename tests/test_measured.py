@@ -43,7 +43,7 @@ def test_measurements_are_cached_per_machine_and_context(tmp_path, monkeypatch):
 @pytest.mark.parametrize("bf16_seconds, expected", [(0.01, "bf16"), (13.0, "fp32")])
 def test_dtype_auto_trains_in_the_measured_dtype(tmp_path, monkeypatch, bf16_seconds, expected):
     """The trainer's probe times its real step in each dtype; with injected timings the choice flips."""
-    from specdraft.train import compute_dtype
+    from specdraft.train import compute_dtype, step
     from specdraft.train.trainer import train
     from test_train_toy import ToyStore, ToyTarget, toy_config
 
@@ -56,11 +56,12 @@ def test_dtype_auto_trains_in_the_measured_dtype(tmp_path, monkeypatch, bf16_sec
         return 1.0 if len(timed) == 1 else bf16_seconds
 
     monkeypatch.setattr(compute_dtype, "fastest_time", fake_fastest_time)
-    real_autocast = compute_dtype.autocast
-    monkeypatch.setattr("specdraft.train.trainer.autocast", lambda name, device: autocast_dtypes.append(name) or real_autocast(name, device))
+    real_autocast = step.autocast
+    monkeypatch.setattr(step, "autocast", lambda name, device: autocast_dtypes.append(name) or real_autocast(name, device))
     result = train(toy_config(tmp_path / "run", dtype="auto", max_steps=2), target=ToyTarget(), dataset=ToyStore())
     assert len(timed) == 2 and result.completed
-    assert result.compute_dtype == expected and set(autocast_dtypes) == {expected}
+    # the probe's two steps (one per dtype), then the training steps: the same train_step, in the chosen dtype
+    assert result.compute_dtype == expected and autocast_dtypes[:2] == ["fp32", "bf16"] and set(autocast_dtypes[2:]) == {expected}
     assert result.dtype_probe == {"choice": expected, "seconds": {"fp32": 1.0, "bf16": bf16_seconds}, "cached": False}
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {r["dtype"] for r in records if r["split"] == "train"} == {expected}

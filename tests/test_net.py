@@ -33,13 +33,13 @@ def test_mooncake_clients_advertise_their_address_towards_the_master():
 
 
 def test_gloo_uses_the_interface_that_reaches_the_rendezvous_host(monkeypatch):
-    from specdraft.train import trainer
+    from specdraft.train import distributed
 
     own = routed_address()
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("MASTER_ADDR", own)
-    trainer._gloo_interface()
+    distributed.gloo_interface()
     assert os.environ["GLOO_SOCKET_IFNAME"] == interface_of(own) != "lo"
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine0")
-    trainer._gloo_interface()
+    distributed.gloo_interface()
     assert os.environ["GLOO_SOCKET_IFNAME"] == "mine0"  # the user's choice wins

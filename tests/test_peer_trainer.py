@@ -50,7 +50,7 @@ def test_peer_trains_dspark_on_our_store_on_cpu(store, tiny_llama_dir, tiny_targ
     from specdraft.models import load_drafter
     from specdraft.models.common.vocab import build_draft_vocab
     from specdraft.train.split import dataset_split
-    from specdraft.train.trainer import token_counts
+    from specdraft.train.data import token_counts
 
     # without the harness it stops where it assumes an accelerator
     bare = _peer(store, tiny_llama_dir, tmp_path / "bare", "--steps", "1", "--no-cpu-harness")

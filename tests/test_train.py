@@ -193,6 +193,47 @@ def test_incompatible_resume_is_refused_and_nothing_overwritten(tmp_path):
     assert tree_digest(out) == before
 
 
+def test_plan_is_worked_out_without_side_effects(reference, tmp_path):
+    """``plan_run`` needs no process group and writes nothing: a fresh OUT plans a fresh run, a finished
+    one plans its resume (identity as checkpointed), and a changed model config is refused naming the checkpoint."""
+    from specdraft.models.base import METHODS
+    from specdraft.train.plan import build_method_config, plan_run
+
+    spec = METHODS.get("toy")
+
+    def plan(cfg):
+        model_cfg = build_method_config(spec, cfg.model)
+        drafter = spec.build(model_cfg, ToyTarget())
+        return plan_run(cfg, spec=spec, model_cfg=model_cfg, drafter=drafter, target=ToyTarget(), dataset=ToyStore(), rank=0, world=1)
+
+    before = tree_digest(reference)
+    fresh = plan(toy_config(tmp_path / "new"))
+    assert fresh.resume is None and fresh.total_steps == 12 and fresh.slot_index is None and not (tmp_path / "new").exists()
+    resumed = plan(toy_config(reference))
+    assert resumed.resume.step == 12 and resumed.resume.directory == reference / "checkpoints/step-12"
+    assert resumed.identity == ckpt.read_state(reference / "checkpoints/step-12")["identity"]
+    with pytest.raises(SpecdraftError, match=r"cannot resume from .*step-12: the run's model_config changed"):
+        plan(toy_config(reference, model={"hidden": 32}))
+    assert tree_digest(reference) == before and not torch.distributed.is_initialized()
+
+
+def test_train_step_without_optimizer_leaves_the_parameters(tmp_path):
+    """The probes' unit of work (``train_step`` without an optimizer) changes nothing; with one it updates."""
+    from specdraft.train.compute_dtype import synthetic_batch
+    from specdraft.train.step import StepModule, build_optimizer, train_step
+    from test_train_toy import ToyConfig, ToyDrafter
+
+    module = StepModule(ToyDrafter(ToyConfig(), 2, 8)).train()
+    batch = synthetic_batch(rows=2, tokens=16, slots=2, hidden=8, vocab=64)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    probe = train_step(module, batch, dtype="fp32", device=torch.device("cpu"), grad_clip=1.0)
+    assert probe.grad_norm is not None and all(p.grad is None for p in module.parameters())
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    optimizer = build_optimizer(module, name="adamw", lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0, device=torch.device("cpu"))
+    train_step(module, batch, dtype="fp32", device=torch.device("cpu"), optimizer=optimizer)
+    assert not torch.equal(before["drafter.fc.weight"], module.state_dict()["drafter.fc.weight"])
+
+
 def test_foreign_out_dir_and_bad_model_override(tmp_path):
     (tmp_path / "mine.txt").write_text("precious")
     with pytest.raises(SpecdraftError, match="not a specdraft training run"):

@@ -43,11 +43,15 @@ def tiny_target(fingerprint: str = "a" * 16):
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     """(target, {preset: store dir}) with 16 samples of 10..33 tokens."""
+    return build_stores(tmp_path_factory.mktemp("train-methods"))
+
+
+def build_stores(root: Path, presets=("eagle3", "dspark")):
+    """The ``stores`` fixture's target and stores under ``root`` (also what ``scripts/resume_across.py`` trains on)."""
     from specdraft.data.dataset import write_prepared
     from specdraft.hidden_states.config import ExtractConfig
     from specdraft.hidden_states.extract import extract_hidden_states
 
-    root = tmp_path_factory.mktemp("train-methods")
     target = tiny_target()
     g = torch.Generator().manual_seed(1)
     rows = []
@@ -57,7 +61,7 @@ def stores(tmp_path_factory):
         rows.append({"sample_id": f"s/{i}", "source": "t", "input_ids": ids, "loss_mask": [int(j >= n // 3) for j in range(n)]})
     data = write_prepared(root / "data", rows, target_info=target.describe(), config={}, stats={}, vocab_size=VOCAB)
     out = {}
-    for preset in ("eagle3", "dspark"):
+    for preset in presets:
         out[preset] = root / f"hs-{preset}"
         extract_hidden_states(ExtractConfig(dataset=str(data), out=str(out[preset]), method=preset, dtype="float32"),
                               target=target, progress=False)

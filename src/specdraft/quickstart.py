@@ -258,7 +258,7 @@ def fresh_drafter(train_config: Any, target: Any) -> Any:
     import torch
 
     from specdraft.models import METHODS
-    from specdraft.train.trainer import build_method_config
+    from specdraft.train.plan import build_method_config
 
     spec = METHODS.get(train_config.method)
     torch.manual_seed(0)

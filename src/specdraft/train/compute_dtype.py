@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from specdraft.models.base import DrafterBatch
-from specdraft.utils.compute import autocast, candidates
+from specdraft.train.step import train_step
+from specdraft.utils.compute import candidates
 from specdraft.utils.measured import Measurement, fastest_time, measured_choice
 
 def synthetic_batch(*, rows: int, tokens: int, slots: int, hidden: int, vocab: int, seed: int = 0) -> DrafterBatch:
@@ -33,20 +34,9 @@ def synthetic_batch(*, rows: int, tokens: int, slots: int, hidden: int, vocab: i
     )
 
 
-def train_step(module: torch.nn.Module, batch: DrafterBatch, dtype: str, device: torch.device) -> None:
-    """One forward + backward of ``module`` on ``batch`` in compute dtype ``dtype``; gradients are cleared
-    afterwards (parameters and optimizer untouched): the unit of work the training probes time."""
-    with autocast(dtype, device):
-        output = module(batch)
-    output.loss.backward()
-    module.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_train_dtype(module: torch.nn.Module, batch: DrafterBatch, *, device: torch.device, context: dict[str, Any],
                         cache_dir: Path | None = None) -> Measurement:
-    """Time :func:`train_step` of ``module`` (the step module, in training mode) on ``batch`` in each candidate dtype."""
+    """Time :func:`step.train_step` of ``module`` (the step module, in training mode, no optimizer) on ``batch`` in each candidate dtype."""
     batch = batch.to(device)
-    timers = {name: (lambda name=name: fastest_time(lambda: train_step(module, batch, name, device))) for name in candidates(device)}
+    timers = {name: (lambda name=name: fastest_time(lambda: train_step(module, batch, dtype=name, device=device))) for name in candidates(device)}
     return measured_choice("train-dtype", context, timers, preferred="fp32", device=device, cache_dir=cache_dir)

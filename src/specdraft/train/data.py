@@ -39,7 +39,7 @@ class SampleSource(Protocol):
     ``{sample_id, token_ids [T], loss_mask [T], hidden_states [T, S, D], last_hidden [T, D]}``.
 
     Packing needs every sample's length up front without reading hidden states: a source offers
-    ``lengths()`` or a ``prepared`` dataset (``PreparedDataset.lengths()``); see ``trainer.sample_lengths``.
+    ``lengths()`` or a ``prepared`` dataset (``PreparedDataset.lengths()``); see ``sample_lengths``.
     The validation split keys every sample by its tokens: from ``prepared`` too, else from an optional
     ``token_row(i)`` -> (token ids, loss mask), else from the items (``split.sample_keys``).
     """
@@ -63,13 +63,13 @@ class PrefetchingSource(Protocol):
     def close(self) -> None: ...
 
 
-def open_sample_source(cfg: Any) -> SampleSource:
+def open_sample_source(cfg: Any, *, rank: int | None = None, world: int | None = None) -> SampleSource:
     """The source ``cfg.data_mode`` names (``hidden_states.online.DATA_MODES``); online/hybrid modes request
     the layer slots of ``cfg.method`` (its ``layers`` override, else its preset) and log delivered ids in ``OUT``
     (one log per rank under torchrun: ranks may run on different hosts, and appends from several hosts to
     one file on a network file system interleave or get lost). Each rank's source is owned by (OUT, rank),
-    so a rank restarted after its host was lost deletes what its predecessor left in the store."""
-    import os
+    so a rank restarted after its host was lost deletes what its predecessor left in the store. ``rank`` and
+    ``world`` default to torchrun's environment (``distributed.Dist.from_env``)."""
     from pathlib import Path
 
     import specdraft.models  # noqa: F401  (registers the built-in methods)
@@ -81,7 +81,11 @@ def open_sample_source(cfg: Any) -> SampleSource:
         layers = (cfg.model or {}).get("layers")
         return parse_slots(layers, num_layers) if layers else METHODS.get(cfg.method).layer_slots(num_layers)
 
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank is None or world is None:
+        from specdraft.train.distributed import Dist
+
+        env = Dist.from_env()
+        rank, world = env.rank, env.world
     options = SourceOptions(
         data=cfg.data, dataset=cfg.dataset, producers=list(cfg.producers), store=cfg.store, slots=slots, dtype=cfg.stream_dtype,
         prefetch=cfg.prefetch, token=cfg.producer_token, timeout_s=cfg.request_timeout,
@@ -89,6 +93,24 @@ def open_sample_source(cfg: Any) -> SampleSource:
         owner=f"{hashlib.sha256(str(Path(cfg.out).resolve()).encode()).hexdigest()[:8]}r{rank}" if cfg.out else None,
     )
     return DATA_MODES.get(cfg.data_mode)(options)
+
+
+def sample_lengths(dataset: SampleSource) -> list[int]:
+    """Tokens per sample without reading hidden states (packing needs every length up front)."""
+    lengths = getattr(dataset, "lengths", None)
+    if callable(lengths):
+        return [int(n) for n in lengths()]
+    prepared = getattr(dataset, "prepared", None)
+    if prepared is not None:
+        all_lengths = prepared.lengths()
+        return [int(all_lengths[prepared.index_of(sid)]) for sid in dataset.sample_ids]
+    return [len(dataset[i]["token_ids"]) for i in range(len(dataset))]
+
+
+def token_counts(dataset: SampleSource) -> torch.Tensor | None:
+    """Response-token frequencies of the store's prepared dataset (EAGLE-3 picks its draft vocabulary from them)."""
+    prepared = getattr(dataset, "prepared", None)
+    return prepared.token_counts() if prepared is not None else getattr(dataset, "token_counts", lambda: None)()
 
 
 #: Run-directory file where streaming sources append each delivered sample id (JSON lines).

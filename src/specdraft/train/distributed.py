@@ -1,0 +1,90 @@
+"""The process group of a training run: who this process is (read from torchrun's environment once),
+its device, and the two collectives the trainer needs (a barrier, and "did any rank say so").
+
+Multi-process runs use gloo on CPU and NCCL on GPU; a single process creates no group at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> "Dist":
+        """This process's place in a ``torchrun`` launch (rank 0 of 1 without one)."""
+        return cls(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0")))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """True on every rank if ``flag`` is true on any rank (so all ranks stop at the same step)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def init_distributed(requested_device: str, dist_: Dist) -> torch.device:
+    """The device of this rank (``auto``: its GPU, else the CPU), and the process group when there are several ranks."""
+    if requested_device == "auto":
+        device = torch.device(f"cuda:{dist_.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        device = torch.device(requested_device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device(f"cuda:{dist_.local_rank}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist_.world > 1 and not torch.distributed.is_initialized():
+        if device.type != "cuda":
+            gloo_interface()
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def gloo_interface() -> None:
+    """Point gloo at the interface that reaches ``MASTER_ADDR``, unless ``GLOO_SOCKET_IFNAME`` is set.
+
+    Gloo otherwise binds and advertises the address the host name resolves to, often 127.0.0.1
+    (``/etc/hosts``), and ranks on other hosts then fail with "Connection refused" connecting to it.
+    """
+    from specdraft.utils.net import interface_of, local_address_towards
+
+    master = os.environ.get("MASTER_ADDR")
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not master:
+        return
+    name = interface_of(local_address_towards(master, int(os.environ.get("MASTER_PORT", "29500"))))
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        log.info("gloo uses interface %s (the route to MASTER_ADDR %s); set GLOO_SOCKET_IFNAME to choose another", name, master)
+
+
+@contextlib.contextmanager
+def process_group_scope() -> Any:
+    """Destroy a process group that ``train`` itself created (one the caller made is left alone)."""
+    existed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    try:
+        yield
+    finally:
+        if not existed and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,127 @@
+"""What a training run will do, worked out before anything is written, wrapped or distributed.
+
+``plan_run`` is side-effect free (it reads the store's lengths, ``OUT/split.json`` and the latest
+checkpoint's state, and writes nothing), so it can be tested without ``torch.distributed``: the layer
+slots the drafter reads (worked out once, here) and where they sit in the store, the validation split,
+the data plan of this rank, the step counts, the run identity, and whether and from where it resumes --
+refused, naming the checkpoint, when the identity changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.layers import LayerSlot
+from specdraft.models.base import DrafterModel, MethodSpec
+from specdraft.train import checkpoint as ckpt
+from specdraft.train.acceptance import DecodeProbe, unavailable_reason
+from specdraft.train.config import TrainConfig
+from specdraft.train.data import DataPlan, SampleSource, sample_lengths, select_slots, token_rows
+from specdraft.train.split import SPLIT_FILE, Split, resolve_split
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Resume:
+    directory: Path  # the latest complete checkpoint
+    state: dict  # its trainer_state.json, checksums verified (``checkpoint.read_state``)
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    method: str
+    out: Path
+    where: str  # the data, as messages and the model card name it
+    slots: list[LayerSlot]  # what the drafter reads
+    slot_index: list[int] | None  # their positions in the store (None: all, in order)
+    split: Split
+    data: DataPlan  # this rank's batches
+    total_steps: int
+    warmup_steps: int
+    identity: dict  # must match to resume (``checkpoint.IDENTITY_KEYS``)
+    resolved: dict  # config.resolved.yaml: every value the run uses
+    resume: Resume | None
+    probe: DecodeProbe | None  # decoded tau at each validation
+    probe_skipped: str | None  # why there is no probe, when the method/target cannot decode
+
+
+def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: DrafterModel, target: Any,
+             dataset: SampleSource, rank: int, world: int) -> RunPlan:
+    """The plan of rank ``rank`` of ``world`` for training the built (not yet warm-started) ``drafter``."""
+    out, where = Path(cfg.out), str(cfg.data or "(in-memory dataset)")
+    slots = drafter_slots(drafter, spec, target.num_layers)
+    slot_index = select_slots(dataset.slots, slots, where=where)
+    slot_index = None if slot_index == list(range(len(dataset.slots))) else slot_index
+    split = resolve_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed, recorded=out / SPLIT_FILE)
+    data = DataPlan.build(list(dataset.sample_ids), sample_lengths(dataset), split=split, pack_tokens=cfg.pack_tokens,
+                          batch_rows=cfg.batch_rows, seed=cfg.seed, world_size=world, rank=rank)
+    probe, probe_skipped = None, None
+    if cfg.decode_prompts and data.val_indices:
+        probe_skipped = unavailable_reason(spec.name, target)
+        if probe_skipped is None:
+            probe = DecodeProbe.from_split(token_rows(dataset, data.val_indices), [dataset.sample_ids[i] for i in data.val_indices],
+                                           count=cfg.decode_prompts, tokens=cfg.decode_tokens)
+        else:
+            log.warning("decoded tau is not measured: %s", probe_skipped)
+    total_steps = cfg.max_steps or data.total_steps(cfg.epochs)
+    identity = {
+        "method": spec.name,
+        "model_config": ckpt._jsonable(config_dict(getattr(drafter, "config", model_cfg))),
+        "target_fingerprint": target.fingerprint,
+        "slots": [str(s) for s in slots],
+    }
+    return RunPlan(
+        method=spec.name, out=out, where=where, slots=slots, slot_index=slot_index, split=split, data=data,
+        total_steps=total_steps, warmup_steps=max(1, round(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio > 0 else 0,
+        identity=identity, resolved={**cfg.to_dict(), "model": identity["model_config"], "target": cfg.target or target.name, "data": cfg.data},
+        resume=check_resume(cfg, identity, data_fingerprint=data.fingerprint(), world=world),
+        probe=probe, probe_skipped=probe_skipped,
+    )
+
+
+def check_resume(cfg: TrainConfig, identity: dict, *, data_fingerprint: str, world: int) -> Resume | None:
+    """The latest checkpoint of ``cfg.out`` to resume from (None: a fresh run); refused when the run identity
+    changed, and warned about when the split, settings or process count did."""
+    directory = ckpt.latest_checkpoint(cfg.out)
+    if directory is None:
+        return None
+    saved = ckpt.read_state(directory)
+    ckpt.check_identity(saved["identity"], identity, where=directory)
+    if saved.get("data_fingerprint") != data_fingerprint:
+        log.warning("the training split differs from the one %s was trained on; resuming anyway", directory)
+    changed = sorted(k for k, v in ckpt._jsonable(cfg.to_dict()).items()
+                     if k not in ("out", "dry_run", "target", "model") and saved["config"].get(k) != v)
+    if changed:
+        log.warning("resuming with changed settings: %s", ", ".join(f"{k} {saved['config'].get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
+    if saved.get("world_size") != world:
+        log.warning("resuming a %s-process run with %d process(es): the data order after step %d differs", saved.get("world_size"), world, saved["step"])
+    return Resume(directory, saved)
+
+
+def drafter_slots(drafter: DrafterModel, spec: MethodSpec, num_layers: int) -> list:
+    """The layer slots the built drafter reads: its resolved config's (a ``layers`` override) or the method preset."""
+    config = getattr(drafter, "config", None)
+    return list(config.slots()) if callable(getattr(config, "slots", None)) else spec.layer_slots(num_layers)
+
+
+def build_method_config(spec: MethodSpec, overrides: dict) -> Any:
+    """The method's config from ``--model`` overrides, refused with the valid keys when one is unknown."""
+    try:
+        return spec.config_cls(**overrides)
+    except TypeError as exc:
+        fields = ", ".join(f.name for f in dataclasses.fields(spec.config_cls)) if dataclasses.is_dataclass(spec.config_cls) else "?"
+        raise SpecdraftError(f"invalid --model override for method {spec.name!r} ({exc}); valid keys: {fields}") from None
+
+
+def config_dict(model_cfg: Any) -> dict:
+    return dataclasses.asdict(model_cfg) if dataclasses.is_dataclass(model_cfg) else dict(vars(model_cfg))

@@ -1,0 +1,89 @@
+"""One training step, public so that the trainer, the dtype/thread probes and the benchmarks time and
+run the same work: forward in the compute dtype, backward, clip, optimizer update.
+
+``StepModule`` wraps a drafter so DDP/FSDP hooks see the call (``forward`` is ``training_forward``);
+every RNG is reseeded per step by the caller (``reseed(data.step_seed(...))``), which is what makes a
+resumed run draw exactly what an uninterrupted one draws.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from specdraft.models.base import DrafterBatch, DrafterModel, TrainOutput
+from specdraft.utils.compute import autocast
+
+
+class StepModule(nn.Module):
+    """Routes ``forward`` to ``training_forward`` so DDP/FSDP hooks see the call."""
+
+    def __init__(self, drafter: DrafterModel):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch: DrafterBatch) -> TrainOutput:
+        return self.drafter.training_forward(batch)
+
+
+@dataclass
+class StepOutput:
+    output: TrainOutput  # the forward's output (loss terms and metrics; ``MetricSums.add`` reads it)
+    loss: float
+    grad_norm: float | None  # before clipping; None when clipping is off
+
+
+def train_step(module: nn.Module, batch: DrafterBatch, *, dtype: str, device: torch.device,
+               optimizer: torch.optim.Optimizer | None = None, grad_clip: float = 0.0,
+               check: Callable[[float, float | None], None] | None = None) -> StepOutput:
+    """Forward ``batch`` through ``module`` (a ``StepModule``, possibly wrapped) under ``dtype``, backward,
+    clip to ``grad_clip`` (0 = off) and, given an ``optimizer``, update. ``check(loss, grad_norm)`` runs
+    before the update and may raise (the trainer refuses non-finite steps there, so nothing bad is applied).
+    Without an optimizer the gradients are cleared afterwards and the parameters stay as they were: the
+    unit of work the dtype and thread probes time."""
+    with autocast(dtype, device):
+        output = module(batch)
+    (optimizer if optimizer is not None else module).zero_grad(set_to_none=True)
+    output.loss.backward()
+    grad_norm = clip_gradients(module, grad_clip)
+    loss = float(output.loss.detach())
+    if check is not None:
+        check(loss, grad_norm)
+    if optimizer is not None:
+        optimizer.step()
+    else:
+        module.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return StepOutput(output, loss, grad_norm)
+
+
+def clip_gradients(module: nn.Module, max_norm: float) -> float | None:
+    """Clip the global gradient norm of ``module`` to ``max_norm`` (0 = off); returns the norm before clipping."""
+    if not max_norm:
+        return None
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def build_optimizer(module: nn.Module, *, name: str, lr: float, betas: Sequence[float], weight_decay: float,
+                    device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer ``name`` (``train/optimizers.py``) over ``module``'s trainable parameters."""
+    from specdraft.train.optimizers import OPTIMIZERS
+
+    return OPTIMIZERS.get(name)(module, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused_loops=device.type == "cuda")
+
+
+def reseed(value: int) -> None:
+    """Seed every RNG a step may draw from (torch, ``random``, numpy)."""
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % (2**32))
