@@ -75,6 +75,7 @@ def build_store(work: Path, samples, old_val: list[int], drafter_slots, threads:
 
 
 def score(dataset, indices: list[int], drafter, target, slot_index, *, decode_prompts: int, decode_tokens: int) -> dict:
+    from specdraft.decode import validation as _validation  # noqa: F401  (registers the runtime DecodeProbe decodes with)
     from specdraft.train.acceptance import DecodeProbe
     from specdraft.train.data import DataPlan, step_seed, token_rows
     from specdraft.train.trainer import EVAL_SEED_KIND, sample_lengths, teacher_forced

@@ -205,7 +205,7 @@ def test_parity_compares_tokens_per_round_and_flags_gaps_above_3_percent():
     differ at the ends of replies even when every round matched (figures of a measured 2-layer DFlash case:
     vLLM drafts past max_new_tokens and counts what it accepts there, the runtime does not draft there), so
     they are reported, not compared. A served side that needs 5% more rounds is flagged, 2% is not."""
-    from specdraft.eval.parity import _compare, parity_summary, positional_tau, round_tau
+    from specdraft.integrations.vllm.parity import _compare, parity_summary, positional_tau, round_tau
 
     prompt = {"outputs": {"autoregressive": {"1": {"tokens": [1, 2]}}, "endpoint:target": {"1": {"tokens": [1, 2]}}}}
     local = {"requests": 12, "output_tokens": 768, "rounds": 207, "position_drafted": [206, 197, 194], "position_accepted": [196, 183, 170],
@@ -231,7 +231,7 @@ def test_parity_compares_tokens_per_round_and_flags_gaps_above_3_percent():
 
 def test_parity_refuses_what_it_cannot_compare(tmp_path):
     from specdraft.eval.config import EvalConfig
-    from specdraft.eval.parity import run_parity_eval
+    from specdraft.integrations.vllm.parity import run_parity_eval
 
     with pytest.raises(SpecdraftError, match="'ngram' is not a checkpoint directory"):
         run_parity_eval(EvalConfig(out=str(tmp_path), drafters=["ngram"], parity=True))

@@ -32,7 +32,17 @@ COMMAND_MODULES = [
 ]
 
 
+def load_plugins() -> None:
+    """Let the higher layers register into the lower ones' registries (the ``specdraft.plugins`` entry points,
+    loaded here by name so that a stale installation's metadata cannot leave them out)."""
+    from specdraft import integrations
+    from specdraft.decode import validation  # noqa: F401  (training's decoded tau)
+
+    integrations.load()
+
+
 def build_parser() -> argparse.ArgumentParser:
+    load_plugins()  # before the flags: their choices list what registered
     parser = argparse.ArgumentParser(prog="specdraft", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

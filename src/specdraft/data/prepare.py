@@ -76,7 +76,7 @@ class PrepareConfig(VllmServerOptions):
         "(a private vLLM server from .venv-vllm, continuous batching) or auto (where .venv-vllm exists, the one that "
         "regenerates more within --regen-budget here: one batch timed in each, vLLM's server start included, cached per "
         "machine; a server it started is kept for the job)",
-        metadata={"choices": [*REGENERATION_ENGINES.names(), "auto"]},
+        metadata={"choices": lambda: [*REGENERATION_ENGINES.names(), "auto"]},
     )
     device: str = config_field("cpu", help="torch device for the target")
     threads: int = config_field(

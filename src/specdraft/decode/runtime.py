@@ -28,10 +28,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from specdraft.decode.config import DecodeConfig
+from specdraft.decode.config import DecodeConfig, SchedulerConfig
 from specdraft.decode.proposers import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.sampling import SamplingConfig, sample_from_logits, sampling_probs
-from specdraft.decode.scheduler import VERIFY_POLICIES, DraftGate, SchedulerConfig, StepRate, choose_verify_lengths, with_draft_cost
+from specdraft.decode.scheduler import VERIFY_POLICIES, DraftGate, StepRate, choose_verify_lengths, with_draft_cost
 from specdraft.decode.verification import VerifyOutput, verify_greedy, verify_rejection
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.capture import record_slots

@@ -51,6 +51,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.config import ENGINE_NAMES, STORAGE_DTYPE_NAMES
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.registry import Registry
+from specdraft.targets.base import Target
 from specdraft.targets.loading import DTYPES as TARGET_DTYPES
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.net import is_loopback
@@ -154,15 +155,16 @@ class ProducerEngine(Protocol):
         """Finish what was handed to ``run``, then release the target."""
 
 
-#: ``--engine`` name -> factory(config, backend, target or None) -> ProducerEngine.
-PRODUCER_ENGINES: Registry[Callable[..., ProducerEngine]] = Registry("producer engine")
+#: ``--engine`` name -> factory(config, backend, target or None) -> ProducerEngine; ``vllm`` is registered by
+#: ``integrations/vllm/producer.py``.
+PRODUCER_ENGINES: Registry[Callable[[ServiceConfig, Any, Target | None], ProducerEngine]] = Registry("producer engine")
 
 
 @PRODUCER_ENGINES.register("hf")
 class HFProducer:
     """The HF model in this process; ``target`` may be passed pre-loaded (tests)."""
 
-    def __init__(self, config: ServiceConfig, backend: Any, target: Any = None):
+    def __init__(self, config: ServiceConfig, backend: Any, target: Target | None = None):
         from specdraft.utils.threads import resolve_forward_threads
 
         if target is None:
@@ -206,20 +208,13 @@ class HFProducer:
         pass
 
 
-@PRODUCER_ENGINES.register("vllm")
-def _vllm_producer(config: ServiceConfig, backend: Any, target: Any = None) -> ProducerEngine:
-    from specdraft.integrations.vllm.producer import VllmProducer
-
-    return VllmProducer(config, backend, target)
-
-
 class HiddenStateService:
     """The producer: ``start()`` serves in background threads, ``close()`` stops; also a context manager.
 
     ``target`` and ``backend`` may be passed pre-built (tests); otherwise they are loaded from the config.
     """
 
-    def __init__(self, config: ServiceConfig, *, target: Any = None, backend: Any = None):
+    def __init__(self, config: ServiceConfig, *, target: Target | None = None, backend: Any = None):
         from specdraft.hidden_states.backends import open_backend
 
         self.config = config

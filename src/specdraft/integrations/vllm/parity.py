@@ -26,6 +26,9 @@ from typing import Any
 from specdraft.decode.config import SamplingConfig, SchedulerConfig
 from specdraft.errors import SpecdraftError
 from specdraft.eval.config import EvalConfig
+from specdraft.integrations.vllm.endpoint_eval import run_endpoint_eval
+from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_drafter_info
+from specdraft.targets.base import Target
 from specdraft.utils.io import atomic_write_bytes, atomic_write_json
 
 #: Relative tau gap (|served - built-in| / built-in) above which parity is flagged.
@@ -53,13 +56,11 @@ def _checkpoint(text: str, target: str) -> Path:
     return path
 
 
-def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, target: Any = None,
+def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, target: Target | None = None,
                     progress: bool = True) -> dict[str, Any]:
     """Built-in vs served tau per checkpoint drafter; writes ``parity.json`` and ``parity.md`` under ``config.out``
     (each side's full report under ``builtin-<i>/`` and ``served-<i>/``)."""
-    from specdraft.eval.endpoint import run_endpoint_eval
     from specdraft.eval.runner import run_eval
-    from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_drafter_info
     from specdraft.targets import load_target
 
     paths = [_checkpoint(d, config.target) for d in config.drafters]
