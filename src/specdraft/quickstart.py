@@ -215,7 +215,7 @@ def size_eval(config: QuickstartConfig, target: Any, train_config: Any, *, final
     fresh drafter of the recipe stands in for the one not trained yet) times its prompts and tokens,
     plus the margin for what its time limit does not cover."""
     from specdraft.decode.config import DecodeConfig
-    from specdraft.decode.proposers.drafters import DRAFTER_PROPOSERS
+    from specdraft.decode.proposers.drafters import drafter_proposer
     from specdraft.decode.runtime import resolve_decode_threads
     from specdraft.decode.sps import load_or_measure_sps
     from specdraft.eval.budget import DecoderCost, drafter_cost, estimate_eval_seconds, plain_overhead_seconds, round_seconds
@@ -236,7 +236,7 @@ def size_eval(config: QuickstartConfig, target: Any, train_config: Any, *, final
     if "reference@full" in eval_drafters(config, final):
         drafters["reference"] = load_drafter(reference_drafter(config.target), target=target)
     for name, drafter in drafters.items():
-        proposer = DRAFTER_PROPOSERS.get(drafter.method)(drafter, DecodeConfig(drafter=drafter.method, num_draft_tokens=defaults.num_draft_tokens))
+        proposer = drafter_proposer(drafter, DecodeConfig(drafter=drafter.method, num_draft_tokens=defaults.num_draft_tokens))
         costs.append(drafter_cost(f"{name}@full", proposer, sps, overhead_s=overhead, draft_dtype=defaults.draft_dtype))
         costs.append(DecoderCost(f"{name}@scheduled", gated))
     prompts = load_prompts("quick", None, config.eval_prompts_per_domain)

@@ -35,7 +35,7 @@ COMMAND_MODULES = [
 def load_plugins() -> None:
     """Let the higher layers register into the lower ones' registries (the ``specdraft.plugins`` entry points,
     loaded here by name so that a stale installation's metadata cannot leave them out)."""
-    from specdraft import integrations
+    from specdraft import integrations, models  # noqa: F401  (models: every family's extract --method preset)
     from specdraft.decode import validation  # noqa: F401  (training's decoded tau)
 
     integrations.load()

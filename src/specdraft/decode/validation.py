@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from specdraft.decode.config import DecodeConfig, SamplingConfig
-from specdraft.decode.proposers.drafters import DRAFTER_PROPOSERS
+from specdraft.decode.proposers.drafters import decodable_methods, drafter_proposer
 from specdraft.decode.runtime import DecodeMetrics, SpeculativeDecoder
 from specdraft.targets.base import Target
 from specdraft.train.acceptance import BUILTIN_DECODER, VALIDATION_DECODERS, ValidationDecoder
@@ -24,9 +24,9 @@ def decode_greedy(drafter: Any, method: str, target: Target, prompts: list[list[
     device = next(drafter.parameters()).device
     if next(target.model.parameters()).device != device:
         target.model.to(device)
-    decoder = SpeculativeDecoder(target.model, DRAFTER_PROPOSERS.get(method)(drafter, config), config=config, sampling=SamplingConfig())
+    decoder = SpeculativeDecoder(target.model, drafter_proposer(drafter, config), config=config, sampling=SamplingConfig())
     with torch.no_grad():
         return decoder.generate(prompts).metrics
 
 
-VALIDATION_DECODERS.register(BUILTIN_DECODER)(ValidationDecoder(methods=DRAFTER_PROPOSERS.names, decode=decode_greedy))
+VALIDATION_DECODERS.register(BUILTIN_DECODER)(ValidationDecoder(methods=decodable_methods, decode=decode_greedy))
