@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specdraft.errors import SpecdraftError
+from specdraft.targets.base import Target
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.io import atomic_write_json
 
@@ -210,7 +211,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     return report
 
 
-def size_eval(config: QuickstartConfig, target: Any, train_config: Any, *, final: Path) -> dict:
+def size_eval(config: QuickstartConfig, target: Target, train_config: Any, *, final: Path) -> dict:
     """The comparison's reserve, measured here (eval/budget.py): its decoders' worst-case round times (a
     fresh drafter of the recipe stands in for the one not trained yet) times its prompts and tokens,
     plus the margin for what its time limit does not cover."""
@@ -248,7 +249,7 @@ def size_eval(config: QuickstartConfig, target: Any, train_config: Any, *, final
             "round_ms": {c.label: round(c.round_s * 1e3, 2) for c in costs}, **estimate}
 
 
-def fresh_drafter(train_config: Any, target: Any) -> Any:
+def fresh_drafter(train_config: Any, target: Target) -> Any:
     """An untrained drafter of ``train_config``'s recipe for ``target``: it costs what the trained one will.
     Its draft vocabulary is the first ``draft_vocab_size`` ids (which tokens it holds does not change the cost)."""
     import torch

@@ -30,6 +30,7 @@ from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfi
 from specdraft.errors import SpecdraftError
 from specdraft.eval.config import EvalConfig
 from specdraft.eval.suites import EvalPrompt, load_prompts
+from specdraft.targets.base import Target
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def run_eval(
     sampling: SamplingConfig = SamplingConfig(),
     scheduler: SchedulerConfig = SchedulerConfig(),
     *,
-    target: Any = None,
+    target: Target | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the comparison and write ``report.json`` (+ ``report.md`` and plots) under ``config.out``."""

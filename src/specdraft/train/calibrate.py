@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from specdraft.errors import SpecdraftError
+from specdraft.targets.base import Target
 from specdraft.utils.config import config_field, require_finite
 
 ACCEPT_MODES = {"greedy": "greedy_accept", "sampling": "soft_accept"}
@@ -48,7 +48,7 @@ class CalibrateConfig:
             raise SpecdraftError("--max-samples must be >= 1 and --pack-tokens >= 2")
 
 
-def calibrate(config: CalibrateConfig, *, target: Any = None, progress: bool = True) -> dict:
+def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress: bool = True) -> dict:
     """Fit and store the temperatures; returns the statistics written to ``calibration.json``."""
     import dataclasses
 
