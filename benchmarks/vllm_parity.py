@@ -92,7 +92,7 @@ def main() -> None:
 
     from specdraft.decode.config import SamplingConfig
     from specdraft.eval.config import EvalConfig
-    from specdraft.integrations.vllm.parity import _compare, run_parity_eval
+    from specdraft.integrations.vllm.parity import compare_sides, run_parity_eval
     from specdraft.targets import load_target, resolve_target_dir
 
     work = Path(args.work)
@@ -122,7 +122,7 @@ def main() -> None:
         if args.report_only:
             for variant in args.variants.split(","):
                 sides = [json.loads((work / f"eval-{case}-{run}-{variant}" / f"{side}-0" / "report.json").read_text()) for side in ("builtin", "served")]
-                rows.append(row(variant, _compare(*sides, str(drafter))))
+                rows.append(row(variant, compare_sides(*sides, str(drafter))))
             continue
         for variant in args.variants.split(","):
             new_fields, corrections = VARIANTS[variant]

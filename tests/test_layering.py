@@ -13,6 +13,7 @@ registering into the registries the lower layers define (``specdraft/integration
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "specdraft"
@@ -163,6 +164,14 @@ def test_no_import_points_up():
 def test_no_import_circle():
     circles = import_circles()
     assert not circles, "import circles:\n" + "\n".join(" <-> ".join(circle) for circle in circles)
+
+
+def test_tests_neither_import_nor_run_benchmarks():
+    """Benchmarks measure and may change freely; what a test checks lives in the package (or beside the tests)."""
+    tests = Path(__file__).resolve().parent
+    reaching = re.compile(r"""["']benchmarks["'/]""")  # a path into benchmarks/ in code (docstrings name it in ``...``)
+    offenders = [path.name for path in sorted(tests.rglob("*.py")) if path != Path(__file__).resolve() and reaching.search(path.read_text())]
+    assert not offenders, f"tests that reach into benchmarks/: {offenders}"
 
 
 if __name__ == "__main__":  # list the violations: python tests/test_layering.py

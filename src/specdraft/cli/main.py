@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "specdraft.cli.serve",
     "specdraft.cli.eval",
     "specdraft.cli.calibrate",
+    "specdraft.cli.export_speculators",
     "specdraft.cli.quickstart",
 ]
 

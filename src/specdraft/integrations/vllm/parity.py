@@ -82,7 +82,7 @@ def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfi
             with drafter_server(ServeConfig(drafter=str(path), vllm_args=config.vllm_args, vllm_python=config.vllm_python)) as server:
                 served = run_endpoint_eval(dataclasses.replace(served_config, endpoint=server.url), sampling,
                                            tokenizer=target.tokenizer, progress=progress)
-        rows.append(_compare(builtin, served, str(path)))
+        rows.append(compare_sides(builtin, served, str(path)))
     report = {"format": "specdraft.parity_report", "format_version": 2, "gap_threshold": PARITY_GAP,
               "config": dataclasses.asdict(config), "sampling": dataclasses.asdict(sampling), "drafters": rows}
     atomic_write_json(out / "parity.json", report)
@@ -90,7 +90,8 @@ def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfi
     return report
 
 
-def _compare(builtin: dict[str, Any], served: dict[str, Any], path: str) -> dict[str, Any]:
+def compare_sides(builtin: dict[str, Any], served: dict[str, Any], path: str) -> dict[str, Any]:
+    """One drafter's row: its built-in and served reports side by side, a gap above ``PARITY_GAP`` flagged."""
     local = next(r for r in builtin["runs"] if r["drafter"] != "autoregressive")
     remote = served["runs"][0]
     tau_builtin, tau_served = round_tau(local["overall"]), round_tau(remote["overall"])
