@@ -54,7 +54,7 @@ from specdraft.registry import Registry
 from specdraft.targets.base import Target
 from specdraft.targets.loading import DTYPES as TARGET_DTYPES
 from specdraft.utils.config import config_field, require_finite
-from specdraft.utils.net import is_loopback
+from specdraft.utils.net import require_token_beyond_loopback
 from specdraft.utils.vllm_options import VllmAttachOptions
 
 log = logging.getLogger(__name__)
@@ -105,11 +105,7 @@ class ServiceConfig(VllmAttachOptions):
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.batch_wait_ms < 0 or self.num_threads < 0:
             raise SpecdraftError("--batch-wait-ms and --num-threads must be >= 0")
-        if not self.token and not is_loopback(self.host):
-            raise SpecdraftError(
-                f"--host {self.host} is reachable from other machines: pass --token SECRET (clients send it as a bearer token) "
-                "or bind 127.0.0.1"
-            )
+        require_token_beyond_loopback(self.host, self.token)
         self.check_vllm_options(self.engine)
         if self.layers is not None and self.engine != "vllm":
             raise SpecdraftError("--layers chooses what a vLLM server captures: it needs --engine vllm (the hf engine serves any slots)")

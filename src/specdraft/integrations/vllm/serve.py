@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from specdraft.errors import SpecdraftError
 from specdraft.integrations.vllm.engine import VllmServer, find_vllm_python
 from specdraft.utils.config import config_field
-from specdraft.utils.net import is_loopback
+from specdraft.utils.net import require_token_beyond_loopback
 from specdraft.utils.vllm_options import VllmServerOptions
 
 if TYPE_CHECKING:
@@ -39,11 +39,7 @@ class ServeConfig(VllmServerOptions):
     )
 
     def __post_init__(self) -> None:
-        if not self.token and not is_loopback(self.host):
-            raise SpecdraftError(
-                f"--host {self.host} is reachable from other machines: pass --token SECRET (clients send it as a bearer token) "
-                "or bind 127.0.0.1"
-            )
+        require_token_beyond_loopback(self.host, self.token)
 
 
 @dataclass(frozen=True)
