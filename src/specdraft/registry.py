@@ -1,6 +1,6 @@
 """Name -> object registries: the one place where methods, backends and heads are dispatched.
 
-A lower layer defines a registry and higher layers (``integrations``, ``decode``) register into it when loaded,
+A lower layer defines a registry and higher layers (``models``, ``decode``, ``integrations``) register into it when loaded,
 so no lower package imports a higher one. The CLI loads them explicitly; for library use the first ``get`` or
 ``in`` that misses loads the installed ``specdraft.plugins`` entry points (:func:`load_plugins`) and looks again.
 """
