@@ -119,7 +119,7 @@ def main() -> None:
         return
 
     from specdraft.hidden_states.backends.file import FileBackend
-    from specdraft.hidden_states.backends.mooncake import MooncakeBackend
+    from specdraft.integrations.mooncake.backend import MooncakeBackend
     from specdraft.integrations.mooncake.client import MooncakeClient, MooncakeClientConfig
     from specdraft.integrations.mooncake.master import MooncakeMaster
 

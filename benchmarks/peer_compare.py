@@ -1,7 +1,7 @@
 """Head-to-head: specdraft's trainer against speculators 0.9.0's on one store (issue 16, item 4).
 
 For each method (DSpark, DFlash): ``specdraft train --config METHOD`` and the peer's own entry point
-(``benchmarks/peer_trainer.py``: our store converted to its data, its losses, optimizer and
+(``benchmarks/peer_trainer.py``: our store exported to its data by ``specdraft export-speculators``, its losses, optimizer and
 schedule) train on the same training samples for the same number of epochs, so both consume exactly
 the training split's tokens times ``--epochs`` (both pack whole samples into rows of at most
 2048 tokens and drop none; the step counts can differ by a row or two of packing). The draft shape
@@ -46,9 +46,6 @@ from peer_trainer import decode_validation, last_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 INTEROP_PYTHON = ROOT / ".venv-interop/bin/python"
-#: Our config field -> the peer flag that sets the same quantity (DSpark-only ones are skipped for DFlash).
-SHAPE_FLAGS = {"num_layers": "--num-layers", "block_size": "--block-size", "draft_vocab_size": "--draft-vocab-size",
-               "markov_rank": "--markov-rank"}
 
 
 def run_logged(cmd: list[str], log: Path, threads: int, lock: str | None) -> float:
@@ -89,11 +86,9 @@ def train_ours(method: str, args: argparse.Namespace, out: Path) -> dict:
 def peer_flags(method: str, args: argparse.Namespace, ours: dict) -> list[str]:
     """The peer flags that give its drafter our recipe's shape (and, per ``--peer-anchors``, our run's
     blocks per step: ``ours`` is ``train_ours``' result)."""
-    model = ours_config(method, args).model
-    flags = [x for key, flag in SHAPE_FLAGS.items() if key in model for x in (flag, str(model[key]))]
-    if args.peer_anchors == "matched":
-        flags += ["--max-anchors", str(ours["anchors_per_step"])]
-    return flags
+    from specdraft.integrations.speculators.data import trainer_flags
+
+    return trainer_flags(ours_config(method, args).model, anchors_per_step=ours["anchors_per_step"] if args.peer_anchors == "matched" else None)
 
 
 def train_peer(method: str, args: argparse.Namespace, out: Path, ours: dict) -> dict:

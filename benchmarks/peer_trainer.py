@@ -1,15 +1,8 @@
 """speculators 0.9.0's own trainer on our data: convert a specdraft hidden-state store into the data
 directory its trainer reads, then run its training entry point for N steps (on CPU if need be).
 
-What speculators' trainer (``python -m speculators.train``, ``speculators.train.cli.main``) reads from
-``--data-path``: a Hugging Face ``datasets`` directory (``save_to_disk``) with columns ``input_ids``,
-``loss_mask`` and ``seq_len``, and ``hidden_states/hs_<row>.safetensors`` per row holding
-``token_ids`` [T] and ``hidden_states`` [T, L + 1, D] -- the drafter's L target layers (in
-``--target-layer-ids`` order) followed by the target's last hidden state (before its final norm).
-Our store holds exactly these tensors (``hidden_states`` [T, S, D] + ``last_hidden`` [T, D]); its
-slots map to speculators' layer ids as in ``models/common/checkpoint.py`` (``output:i`` -> ``i + 1``).
-Its validation split is the last ``1 - --train-data-ratio`` rows; the conversion writes our
-validation side (``train/split.py``) last so both trainers hold out the same samples.
+The conversion is ``specdraft export-speculators`` (``integrations/speculators/data.py``: the layout the peer's
+``--data-path`` reads, our validation side last, the draft vocabulary from our counts).
 
 On a machine without an accelerator the trainer stops before its first step (the exact error is
 printed with ``--no-cpu-harness``): ``Trainer.setup_model`` moves the model to
@@ -39,62 +32,6 @@ import time
 from pathlib import Path
 
 
-def convert(store: str, out: Path, *, method: str, val_fraction: float, split_seed: int, draft_vocab_size: int | None = None) -> dict:
-    """Write ``out`` (speculators' data layout) from our store; returns the layer ids and split sizes.
-
-    Only ``method``'s slots are written (a store may hold several methods' slots). With
-    ``draft_vocab_size`` also ``d2t-N.npy``/``t2d-N.npy`` (the peer's cached mapping names), built from
-    the counts our trainer selects its draft vocabulary from, so both drafters share one vocabulary.
-    A directory converted from the same store, slots and split (``converted.json``) is reused."""
-    import numpy as np
-    import torch
-    from datasets import Dataset
-    from safetensors.torch import save_file
-
-    import specdraft.models  # noqa: F401  (registers the methods)
-    from specdraft.hidden_states.dataset import HiddenStateDataset
-    from specdraft.models.base import METHODS
-    from specdraft.models.common.checkpoint import slot_to_aux_id
-    from specdraft.models.common.vocab import build_draft_vocab
-    from specdraft.train.data import select_slots
-    from specdraft.train.data import token_counts
-    from specdraft.train.split import dataset_split
-
-    dataset = HiddenStateDataset(store)
-    slots = METHODS.get(method).layer_slots(int(dataset.target_info["num_layers"]))
-    key = {"store": str(Path(store).resolve()), "slots": [str(s) for s in slots], "val_fraction": val_fraction, "split_seed": split_seed}
-    done = out / "converted.json"
-    if done.is_file() and (facts := json.loads(done.read_text()))["key"] == key:
-        facts.pop("key")
-    else:
-        slot_index = select_slots(dataset.slots, slots, where=store)
-        split = dataset_split(dataset, val_fraction=val_fraction, seed=split_seed)
-        if not split.val:
-            raise SystemExit(f"{store}: no sample falls in the validation split (val_fraction {val_fraction}); the peer needs one")
-        order = split.train + split.val  # the peer holds out the last rows
-        (out / "hidden_states").mkdir(parents=True, exist_ok=True)
-        columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-        for row, index in enumerate(order):
-            item = dataset[index]
-            tokens = torch.as_tensor(item["token_ids"], dtype=torch.long)
-            stacked = torch.cat([item["hidden_states"][:, slot_index], item["last_hidden"].unsqueeze(1)], dim=1).contiguous()
-            save_file({"token_ids": tokens, "hidden_states": stacked}, str(out / "hidden_states" / f"hs_{row}.safetensors"))
-            columns["input_ids"].append(tokens.tolist())
-            columns["loss_mask"].append([int(m) for m in torch.as_tensor(item["loss_mask"]).tolist()])
-            columns["seq_len"].append(len(tokens))
-        Dataset.from_dict(columns).with_format("torch").save_to_disk(str(out))
-        train_tokens = sum(columns["seq_len"][: len(split.train)])
-        facts = {"layer_ids": [slot_to_aux_id(slot) for slot in slots], "train_rows": len(split.train), "val_rows": len(split.val),
-                 # the peer cuts at int(rows * ratio): half a row more keeps float rounding on the right side
-                 "train_data_ratio": (len(split.train) + 0.5) / len(order), "tokens": sum(columns["seq_len"]), "train_tokens": train_tokens}
-        done.write_text(json.dumps({**facts, "key": key}))
-    if draft_vocab_size:
-        d2t, t2d = build_draft_vocab(token_counts(dataset), draft_vocab_size)
-        np.save(out / f"d2t-{draft_vocab_size}.npy", d2t.numpy())
-        np.save(out / f"t2d-{draft_vocab_size}.npy", t2d.numpy())
-    return facts
-
-
 def decode_validation(store: str, target_dir: str, checkpoint: Path, *, val_fraction: float, split_seed: int, prompts: int,
                       tokens: int) -> dict:
     """Greedy decoded tau of ``checkpoint`` (ours or the peer's) on our first validation prompts, in our
@@ -102,6 +39,7 @@ def decode_validation(store: str, target_dir: str, checkpoint: Path, *, val_frac
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.models import load_drafter
     from specdraft.targets import load_target
+    from specdraft.decode import validation as _validation  # noqa: F401  (registers the runtime DecodeProbe decodes with)
     from specdraft.train.acceptance import DecodeProbe
     from specdraft.train.data import token_rows
     from specdraft.train.split import dataset_split
@@ -213,9 +151,11 @@ def main() -> None:
     from speculators.train.cli import main as peer_main
     from speculators.train.config import TrainConfig
 
+    from specdraft.integrations.speculators.data import ExportSpeculatorsConfig, export_speculators_data
+
     data = Path(args.data_dir) if args.data_dir else out / "data"
-    facts = convert(args.store, data, method=args.method, val_fraction=args.val_fraction, split_seed=args.split_seed,
-                    draft_vocab_size=args.draft_vocab_size)
+    facts = export_speculators_data(ExportSpeculatorsConfig(store=args.store, out=str(data), method=args.method, val_fraction=args.val_fraction,
+                                                            split_seed=args.split_seed, draft_vocab_size=args.draft_vocab_size))
     on_cpu = args.cpu_harness and install_cpu_harness()
     metrics = out / "metrics.jsonl"
     out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 The old rule held a sample out when sha256(sample id) fell below ``val_fraction`` (each chunk of a
 ShareGPT conversation on its own side); the new one is ``train/split.py``'s (whole conversations, no
-prompt on both sides). For both the script counts validation rows that share a conversation or a
+prompt on both sides); the counting is ``train/split_audit.py``'s. For both the script counts validation rows that share a conversation or a
 prompt with a training row, and how many rows changed side. Prints one JSON object, then a table.
 
   .venv/bin/python benchmarks/split_leak.py --data runs/ref/data
@@ -17,12 +17,12 @@ must end at the row the card says it read), and the prompt-token total is printe
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
+
+from specdraft.train.split_audit import analyse
 
 
 @dataclass(frozen=True)
@@ -79,49 +79,6 @@ def reference_samples(target: Any) -> list[RebuiltSample]:
         kept = {id(s) for s in sorted(picked, key=lambda s: len(s.input_ids))[: shard.kept]}  # the sort regenerate() uses
         out += [RebuiltSample(s.sample_id, s.source, tuple(s.input_ids), shard.engine) for s in picked if id(s) in kept]
     return out
-
-
-def old_rule(sample_id: str, val_fraction: float) -> bool:
-    """The split before train/split.py: a stable hash of the sample id alone."""
-    return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") / 2.0**64 < val_fraction
-
-
-def _training_side(keys, val: set[int]) -> tuple[set[str], set[str]]:
-    train = [k for i, k in enumerate(keys) if i not in val]
-    return {k.group for k in train}, {k.prompt for k in train}
-
-
-def leaks(keys, val: set[int]) -> dict:
-    groups, prompts = _training_side(keys, val)
-    return {"validation_rows": len(val),
-            "sharing_a_conversation_with_training": sum(1 for i in val if keys[i].group in groups),
-            "sharing_a_prompt_with_training": sum(1 for i in val if keys[i].prompt in prompts),
-            "sharing_either": len(val) - len(clean(keys, val))}
-
-
-def clean(keys, val: set[int]) -> list[int]:
-    """The validation rows that share neither a conversation nor a prompt with a training row."""
-    groups, prompts = _training_side(keys, val)
-    return sorted(i for i in val if keys[i].group not in groups and keys[i].prompt not in prompts)
-
-
-def analyse(sample_ids: Sequence[str], keys, *, val_fraction: float, seed: int) -> dict:
-    """Old rule against the new split on one dataset's keys; ``old_validation``/``old_clean`` are indices."""
-    from specdraft.train.split import compute_split
-
-    sizes, prompts = Counter(k.group for k in keys), Counter(k.prompt for k in keys)
-    old = {i for i, sid in enumerate(sample_ids) if old_rule(sid, val_fraction)}
-    new_split = compute_split(list(sample_ids), keys, val_fraction=val_fraction, seed=seed)
-    new = set(new_split.val)
-    return {
-        "rows": len(keys), "conversations": len(sizes),
-        "rows_in_multi_row_conversations": sum(1 for k in keys if sizes[k.group] > 1),
-        "rows_whose_prompt_opens_another_row": sum(1 for k in keys if prompts[k.prompt] > 1),
-        "old": leaks(keys, old), "new": leaks(keys, new),
-        "moved_validation_to_training": len(old - new), "moved_training_to_validation": len(new - old),
-        "drawn_groups_kept_in_training": new_split.record["drawn_groups_kept_in_training"],
-        "old_validation": sorted(old), "old_clean": clean(keys, old),
-    }
 
 
 def markdown(result: dict) -> str:

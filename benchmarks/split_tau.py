@@ -1,7 +1,7 @@
 """The shipped reference drafter's validation tau before and after the split fix (issue 16).
 
 The reference drafter trained on the training side of the old split (a hash of the sample id,
-``split_leak.old_rule``). Its build directories are gone, so this script rebuilds that split's
+``train/split_audit.py``'s ``old_rule``). Its build directories are gone, so this script rebuilds that split's
 validation rows (``split_leak.reference_samples``), regenerates only them with the build's settings
 and engines (``prepare --regenerate``: hf for rows 0-714, vLLM for the rest), extracts the target's
 hidden states at the drafter's layers and scores the drafter on
@@ -27,7 +27,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from split_leak import REFERENCE_SETTINGS, REFERENCE_SHARDS, analyse, reference_keys  # noqa: E402
+from split_leak import REFERENCE_SETTINGS, REFERENCE_SHARDS, reference_keys  # noqa: E402
+
+from specdraft.train.split_audit import analyse  # noqa: E402
 
 FINAL_STEP = 950  # the reference run's last step: its final validation's seed
 TRAIN_SETTINGS = {"pack_tokens": 2048, "batch_rows": 1, "val_max_batches": 8, "compute_dtype": "bf16", "seed": 0}  # the card's
@@ -75,6 +77,7 @@ def build_store(work: Path, samples, old_val: list[int], drafter_slots, threads:
 
 
 def score(dataset, indices: list[int], drafter, target, slot_index, *, decode_prompts: int, decode_tokens: int) -> dict:
+    from specdraft.decode import validation as _validation  # noqa: F401  (registers the runtime DecodeProbe decodes with)
     from specdraft.train.acceptance import DecodeProbe
     from specdraft.train.data import DataPlan, sample_lengths, step_seed, token_rows
     from specdraft.train.trainer import EVAL_SEED_KIND, teacher_forced

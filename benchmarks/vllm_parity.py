@@ -23,7 +23,7 @@ The variants change only DFlash: EAGLE-3 has no such field and no correction app
 the same checkpoint on the same stock-or-corrected server (a parity check, not a before/after).
 
 Prints one Markdown table (tau = committed tokens per verify round, and the rounds, per side; acceptance by
-position beside it, see ``eval/parity.py``) and writes ``WORK/parity-*.json`` (rows of other cases measured
+position beside it, see ``integrations/vllm/parity.py``) and writes ``WORK/parity-*.json`` (rows of other cases measured
 there before are kept; ``--report-only`` recomputes every row from the reports saved under WORK). One vLLM-CPU
 server per (case, variant).
 
@@ -92,7 +92,7 @@ def main() -> None:
 
     from specdraft.decode.config import SamplingConfig
     from specdraft.eval.config import EvalConfig
-    from specdraft.eval.parity import _compare, run_parity_eval
+    from specdraft.integrations.vllm.parity import compare_sides, run_parity_eval
     from specdraft.targets import load_target, resolve_target_dir
 
     work = Path(args.work)
@@ -122,7 +122,7 @@ def main() -> None:
         if args.report_only:
             for variant in args.variants.split(","):
                 sides = [json.loads((work / f"eval-{case}-{run}-{variant}" / f"{side}-0" / "report.json").read_text()) for side in ("builtin", "served")]
-                rows.append(row(variant, _compare(*sides, str(drafter))))
+                rows.append(row(variant, compare_sides(*sides, str(drafter))))
             continue
         for variant in args.variants.split(","):
             new_fields, corrections = VARIANTS[variant]

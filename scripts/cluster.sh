@@ -3,7 +3,7 @@
 # a Mooncake master + memory holder, producer hosts running `specdraft serve-hidden-states`, and two
 # trainer hosts running one `torchrun` job as two ranks. Every host's command line is recorded in
 # OUT/summary.json ("commands"): read them as the recipe for a real cluster. Scenarios and what is
-# checked: benchmarks/cluster.py.
+# checked: tests/cluster.py (the system test tests/test_cluster_netns.py runs it).
 #   bash scripts/cluster.sh --scenario steady,producer-killed --out runs/cluster [--timeout 900]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,4 +29,4 @@ cleanup() {
 trap cleanup EXIT
 py="${PYTHON:-$root/.venv/bin/python}"
 PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" timeout --signal=TERM --kill-after=30 "$limit" \
-  "$py" "$root/benchmarks/cluster.py" --prefix "$prefix" "${args[@]}"
+  "$py" "$root/tests/cluster.py" --prefix "$prefix" "${args[@]}"

@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from specdraft.cli.main import load_plugins
+
+load_plugins()  # the integrations and the decoding runtime register from above, as under the CLI
+
 TINY_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "mistral")
 
 

@@ -14,7 +14,7 @@ from specdraft.decode.proposers import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.proposers.ngram import prompt_lookup
 from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
 from specdraft.decode.sampling import SamplingConfig, sample, sampling_probs
-from specdraft.decode.scheduler import SchedulerConfig
+from specdraft.decode.config import SchedulerConfig
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
 

@@ -12,7 +12,7 @@ import torch
 from specdraft.decode.config import DecodeConfig
 from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
 from specdraft.decode.sampling import SamplingConfig
-from specdraft.decode.scheduler import SchedulerConfig
+from specdraft.decode.config import SchedulerConfig
 from specdraft.decode.sps import SpsTable
 from specdraft.errors import SpecdraftError
 from specdraft.models import METHODS

@@ -205,7 +205,7 @@ def test_parity_compares_tokens_per_round_and_flags_gaps_above_3_percent():
     differ at the ends of replies even when every round matched (figures of a measured 2-layer DFlash case:
     vLLM drafts past max_new_tokens and counts what it accepts there, the runtime does not draft there), so
     they are reported, not compared. A served side that needs 5% more rounds is flagged, 2% is not."""
-    from specdraft.eval.parity import _compare, parity_summary, positional_tau, round_tau
+    from specdraft.integrations.vllm.parity import compare_sides, parity_summary, positional_tau, round_tau
 
     prompt = {"outputs": {"autoregressive": {"1": {"tokens": [1, 2]}}, "endpoint:target": {"1": {"tokens": [1, 2]}}}}
     local = {"requests": 12, "output_tokens": 768, "rounds": 207, "position_drafted": [206, 197, 194], "position_accepted": [196, 183, 170],
@@ -218,9 +218,9 @@ def test_parity_compares_tokens_per_round_and_flags_gaps_above_3_percent():
         return {"runs": [{"drafter": "endpoint:target", "overall": overall}], "prompts": [prompt]}
 
     builtin = {"runs": [{"drafter": "autoregressive"}, {"drafter": "dflash:d@full", "overall": local}], "prompts": [prompt]}
-    same = _compare(builtin, served(207, [197, 192, 172]), "d")  # positional 3.710 (-1.2%), every round the same
-    close = _compare(builtin, served(211, [197, 188, 160]), "d")  # 4 rounds more: -1.9%
-    far = _compare(builtin, served(218, [190, 180, 150]), "d")  # 11 rounds more: -5.0%
+    same = compare_sides(builtin, served(207, [197, 192, 172]), "d")  # positional 3.710 (-1.2%), every round the same
+    close = compare_sides(builtin, served(211, [197, 188, 160]), "d")  # 4 rounds more: -1.9%
+    far = compare_sides(builtin, served(218, [190, 180, 150]), "d")  # 11 rounds more: -5.0%
     assert same["gap"] == 0.0 and same["served"]["positional_tau"] == pytest.approx(3.710, abs=1e-3)
     assert not same["flagged"] and not close["flagged"] and far["flagged"] and far["gap"] == pytest.approx(207 / 218 - 1)
     assert close["served_identical_to_autoregressive"] == 1
@@ -231,7 +231,7 @@ def test_parity_compares_tokens_per_round_and_flags_gaps_above_3_percent():
 
 def test_parity_refuses_what_it_cannot_compare(tmp_path):
     from specdraft.eval.config import EvalConfig
-    from specdraft.eval.parity import run_parity_eval
+    from specdraft.integrations.vllm.parity import run_parity_eval
 
     with pytest.raises(SpecdraftError, match="'ngram' is not a checkpoint directory"):
         run_parity_eval(EvalConfig(out=str(tmp_path), drafters=["ngram"], parity=True))

@@ -140,7 +140,7 @@ def test_init_from_target_is_off_with_reasons_for_a_family_whose_layers_compute_
     model = build(method, target)
     before = {k: v.clone() for k, v in model.layers.state_dict().items()}
     cfg = TrainConfig(method=method, init_from_target=True)
-    with caplog.at_level(logging.WARNING, logger="specdraft.train.warm_start"):
+    with caplog.at_level(logging.WARNING, logger="specdraft.models.common.warm_start"):
         done = apply_warm_start(model, method, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: []))
     assert done == {"init_from_target": []}
     assert all(torch.equal(before[k], v) for k, v in model.layers.state_dict().items())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.hidden_states.backends.mooncake import MooncakeBackend, parse_location
+from specdraft.integrations.mooncake.backend import MooncakeBackend, parse_location
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.payload import TENSOR_KEYS, HiddenStatePayload
 from specdraft.integrations.mooncake.client import MooncakeClient, MooncakeClientConfig

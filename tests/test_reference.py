@@ -27,7 +27,7 @@ def test_reference_drafter_ships_small_calibrated_and_documented():
 def test_reference_drafter_decodes_exactly_and_accepts_drafts(smollm2_dir):
     from specdraft.decode.config import DecodeConfig, SamplingConfig
     from specdraft.decode.runtime import decoder_for_target
-    from specdraft.decode.scheduler import SchedulerConfig
+    from specdraft.decode.config import SchedulerConfig
     from specdraft.eval.suites import SUITES
     from specdraft.targets import load_target
 

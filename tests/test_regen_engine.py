@@ -15,7 +15,7 @@ from specdraft.data import regenerate as regen
 from specdraft.data.regenerate import EngineRequest, GenerationSettings, choose_engine, resolve_engine
 from specdraft.errors import SpecdraftError
 from specdraft.integrations.vllm import engine as vllm_engine
-from specdraft.integrations.vllm import generate as vllm_generate
+from specdraft.integrations.vllm import generate as _vllm_generate  # noqa: F401  (registers the vllm engine)
 
 #: What benchmarks/regenerate_throughput.py measured on a busy 2-core CPU (README): HF 8, vLLM 48 tokens/s, 97 s start.
 SLOW_CPU = {"hf_tokens_per_s": 8.0, "vllm_tokens_per_s": 48.0, "vllm_start_s": 97.0}
@@ -81,9 +81,9 @@ def fake_vllm(tmp_path, monkeypatch):
         return [[1] * request.settings.max_new_tokens for _ in prompts]
 
     monkeypatch.setattr(regen, "_hf_tokens_per_s", hf_rate)
-    monkeypatch.setattr(vllm_generate, "start_server", start_server)
-    monkeypatch.setattr(vllm_generate, "probe_batch", probe_batch)
-    monkeypatch.setattr(vllm_engine, "find_vllm_python", lambda explicit=None: tmp_path / ".venv-vllm/bin/python")
+    fake = regen.ServerEngine(locate=lambda explicit=None: tmp_path / ".venv-vllm/bin/python", version=vllm_engine.vllm_version,
+                              start=start_server, probe=probe_batch)
+    monkeypatch.setitem(regen.SERVER_ENGINES._items, "vllm", fake)
     return clock
 
 
@@ -135,7 +135,7 @@ def test_no_vllm_environment_or_a_failed_start_means_hf_and_nothing_cached(fake_
     def missing(explicit=None):
         raise SpecdraftError("no vLLM environment")
 
-    monkeypatch.setattr(vllm_engine, "find_vllm_python", missing)
+    monkeypatch.setitem(regen.SERVER_ENGINES._items, "vllm", dataclasses.replace(regen.SERVER_ENGINES.get("vllm"), locate=missing))
     assert resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=None).facts["engine_source"].startswith("no .venv-vllm")
     with pytest.raises(SpecdraftError, match="no vLLM environment"):  # an explicit --vllm-python that does not exist is an error
         resolve_engine(dataclasses.replace(_request(), vllm_python="/nope/python"), PROMPTS, requested="auto", threads=1, deadline=None)
@@ -159,7 +159,7 @@ def test_prepare_auto_regenerates_on_the_probes_server_and_stops_it(tmp_path, ti
         used.append(request.server)
         yield ((index, [[7, 2] for _ in prompts]) for index, prompts in batches)
 
-    monkeypatch.setattr(vllm_generate, "vllm_batches", fake_batches)
+    monkeypatch.setitem(regen.REGENERATION_ENGINES._items, "vllm", fake_batches)
     summary, ds = _prepare(tmp_path, tiny_llama_dir, _conversations(40), regenerate=True, max_new_tokens=200, batch_size=4,
                            engine="auto", threads=1)
     assert summary["engine"] == "vllm" and summary["engine_source"] == "measured" and summary["regenerated"] == 40

@@ -11,7 +11,8 @@ from scipy import stats
 
 from specdraft.decode import sps as sps_module
 from specdraft.decode.sampling import sample
-from specdraft.decode.scheduler import SchedulerConfig, choose_verify_lengths, prefix_survival, schedule_prefix
+from specdraft.decode.config import SchedulerConfig
+from specdraft.decode.scheduler import choose_verify_lengths, prefix_survival, schedule_prefix
 from specdraft.decode.sps import SpsTable, default_token_counts, load_or_measure_sps
 from specdraft.decode.verification import verify_rejection
 from specdraft.errors import SpecdraftError

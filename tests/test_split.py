@@ -141,15 +141,10 @@ def test_sharegpt_suite_holds_no_prompt_or_conversation_of_a_training_side():
     assert suite_ids & first_ids and suite_ids & first_ids <= val_ids
 
 
-def test_split_leak_benchmark_counts_the_old_rules_leaks_and_its_clean_subset(tmp_path):
-    """benchmarks/split_leak.py (and split_tau.py's "after" set): the old rule's leaking rows and the rest."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from split_leak import analyse
-
+def test_split_audit_counts_the_old_rules_leaks_and_its_clean_subset(tmp_path):
+    """train/split_audit.py (benchmarks/split_leak.py, split_tau.py's "after" set): the old rule's leaking rows and the rest."""
     from specdraft.train.split import sample_keys
+    from specdraft.train.split_audit import analyse
 
     rows = _rows()
     keys = sample_keys(_dataset(tmp_path, rows))

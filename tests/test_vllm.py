@@ -344,7 +344,7 @@ def _eval_endpoint_and_runtime(url: str, target, drafter: Path, tmp_path: Path, 
 
     from specdraft.decode.config import SamplingConfig
     from specdraft.eval.config import EvalConfig
-    from specdraft.eval.endpoint import run_endpoint_eval
+    from specdraft.integrations.vllm.endpoint_eval import run_endpoint_eval
     from specdraft.eval.runner import run_eval
 
     prompts = tmp_path / "prompts.jsonl"

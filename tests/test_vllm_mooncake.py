@@ -13,7 +13,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.backends.base import open_backend
-from specdraft.hidden_states.backends.mooncake import MooncakeBackend, parse_location
+from specdraft.integrations.mooncake.backend import MooncakeBackend, parse_location
 from specdraft.hidden_states.config import ExtractConfig
 from specdraft.hidden_states.extract import extract_hidden_states
 from specdraft.integrations.mooncake.master import MooncakeMaster, free_port

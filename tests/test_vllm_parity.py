@@ -212,7 +212,7 @@ def test_eval_parity_served_tau_equals_builtin_tau(case, parity_target, tmp_path
     apart (benchmarks/vllm_parity.py measured the same tau before and after); the module-level tests above do."""
     from specdraft.decode.config import SamplingConfig
     from specdraft.eval.config import EvalConfig
-    from specdraft.eval.parity import run_parity_eval
+    from specdraft.integrations.vllm.parity import run_parity_eval
 
     work = tmp_path_factory.mktemp(f"parity-{case}")
     drafter = trained_parity_drafter(case, parity_target, work / "drafter")

@@ -10,7 +10,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.models import METHODS
 from specdraft.models.common.anchors import ANCHOR_SAMPLING, sample_anchors
 from specdraft.train.config import TrainConfig
-from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, copied_layers, identity_slot, norm_gain
+from specdraft.models.common.warm_start import copied_layers, identity_slot, norm_gain
+from specdraft.train.warm_start import WarmStartInputs, apply_warm_start
 from test_models_support import make_batch, make_target
 from test_train_methods import config, store_for, stores  # noqa: F401  (module fixture: tiny target + real stores)
 

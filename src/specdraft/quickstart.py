@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specdraft.errors import SpecdraftError
+from specdraft.targets.base import Target
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.io import atomic_write_json
 from specdraft.utils.lock import claims_output
@@ -214,12 +215,12 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     return report
 
 
-def size_eval(config: QuickstartConfig, target: Any, train_config: Any, *, final: Path) -> dict:
+def size_eval(config: QuickstartConfig, target: Target, train_config: Any, *, final: Path) -> dict:
     """The comparison's reserve, measured here (eval/budget.py): its decoders' worst-case round times (a
     fresh drafter of the recipe stands in for the one not trained yet) times its prompts and tokens,
     plus the margin for what its time limit does not cover."""
     from specdraft.decode.config import DecodeConfig
-    from specdraft.decode.proposers.drafters import DRAFTER_PROPOSERS
+    from specdraft.decode.proposers.drafters import drafter_proposer
     from specdraft.decode.runtime import resolve_decode_threads
     from specdraft.decode.sps import load_or_measure_sps
     from specdraft.eval.budget import DecoderCost, drafter_cost, estimate_eval_seconds, plain_overhead_seconds, round_seconds
@@ -240,7 +241,7 @@ def size_eval(config: QuickstartConfig, target: Any, train_config: Any, *, final
     if "reference@full" in eval_drafters(config, final):
         drafters["reference"] = load_drafter(reference_drafter(config.target), target=target)
     for name, drafter in drafters.items():
-        proposer = DRAFTER_PROPOSERS.get(drafter.method)(drafter, DecodeConfig(drafter=drafter.method, num_draft_tokens=defaults.num_draft_tokens))
+        proposer = drafter_proposer(drafter, DecodeConfig(drafter=drafter.method, num_draft_tokens=defaults.num_draft_tokens))
         costs.append(drafter_cost(f"{name}@full", proposer, sps, overhead_s=overhead, draft_dtype=defaults.draft_dtype))
         costs.append(DecoderCost(f"{name}@scheduled", gated))
     prompts = load_prompts("quick", None, config.eval_prompts_per_domain)
@@ -252,7 +253,7 @@ def size_eval(config: QuickstartConfig, target: Any, train_config: Any, *, final
             "round_ms": {c.label: round(c.round_s * 1e3, 2) for c in costs}, **estimate}
 
 
-def fresh_drafter(train_config: Any, target: Any) -> Any:
+def fresh_drafter(train_config: Any, target: Target) -> Any:
     """An untrained drafter of ``train_config``'s recipe for ``target``: it costs what the trained one will.
     Its draft vocabulary is the first ``draft_vocab_size`` ids (which tokens it holds does not change the cost)."""
     import torch

@@ -1,4 +1,9 @@
-"""Name -> object registries: the one place where methods, backends and heads are dispatched."""
+"""Name -> object registries: the one place where methods, backends and heads are dispatched.
+
+A lower layer defines a registry and higher layers (``models``, ``decode``, ``integrations``) register into it when loaded,
+so no lower package imports a higher one. The CLI loads them explicitly; for library use the first ``get`` or
+``in`` that misses loads the installed ``specdraft.plugins`` entry points (:func:`load_plugins`) and looks again.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,23 @@ from typing import Callable, Generic, Iterator, TypeVar
 from specdraft.errors import SpecdraftError
 
 T = TypeVar("T")
+
+PLUGIN_GROUP = "specdraft.plugins"
+_plugins_loaded = False
+
+
+def load_plugins() -> None:
+    """Load (once) every ``specdraft.plugins`` entry point; one that names a callable is called."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=PLUGIN_GROUP):
+        loaded = point.load()
+        if callable(loaded):
+            loaded()
 
 
 class Registry(Generic[T]):
@@ -26,6 +48,8 @@ class Registry(Generic[T]):
         return decorator
 
     def get(self, name: str) -> T:
+        if name not in self._items:
+            load_plugins()
         try:
             return self._items[name]
         except KeyError:
@@ -33,9 +57,12 @@ class Registry(Generic[T]):
             raise SpecdraftError(f"unknown {self.kind} {name!r}; choose one of: {known}") from None
 
     def names(self) -> list[str]:
+        """The names registered so far (no plugin loading: class bodies call this while modules import)."""
         return sorted(self._items)
 
     def __contains__(self, name: object) -> bool:
+        if name not in self._items:
+            load_plugins()
         return name in self._items
 
     def __iter__(self) -> Iterator[str]:

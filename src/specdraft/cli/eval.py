@@ -22,14 +22,14 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     config = dataclass_from_args(EvalConfig, args)
     if config.parity:
-        from specdraft.eval.parity import parity_summary, run_parity_eval
+        from specdraft.integrations.vllm.parity import parity_summary, run_parity_eval
 
         parity = run_parity_eval(config, dataclass_from_args(SamplingConfig, args))
         print(parity_summary(parity), end="")
         print(f"report: {config.out}/parity.json")
         return 0
     if config.endpoint:
-        from specdraft.eval.endpoint import run_endpoint_eval
+        from specdraft.integrations.vllm.endpoint_eval import run_endpoint_eval
 
         report = run_endpoint_eval(config, dataclass_from_args(SamplingConfig, args))
     else:

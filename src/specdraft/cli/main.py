@@ -28,11 +28,22 @@ COMMAND_MODULES = [
     "specdraft.cli.serve",
     "specdraft.cli.eval",
     "specdraft.cli.calibrate",
+    "specdraft.cli.export_speculators",
     "specdraft.cli.quickstart",
 ]
 
 
+def load_plugins() -> None:
+    """Let the higher layers register into the lower ones' registries (the ``specdraft.plugins`` entry points,
+    loaded here by name so that a stale installation's metadata cannot leave them out)."""
+    from specdraft import integrations, models  # noqa: F401  (models: every family's extract --method preset)
+    from specdraft.decode import validation  # noqa: F401  (training's decoded tau)
+
+    integrations.load()
+
+
 def build_parser() -> argparse.ArgumentParser:
+    load_plugins()  # before the flags: their choices list what registered
     parser = argparse.ArgumentParser(prog="specdraft", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from specdraft.errors import SpecdraftError, os_error_message
+from specdraft.targets.base import Target
 from specdraft.utils.io import DirKind, atomic_dir, json_field_is, naming_path, save_safetensors
 
 FORMAT_NAME = "specdraft.prepared"
@@ -220,7 +221,7 @@ class PreparedDataset:
             raise SpecdraftError(f"{path} is corrupt ({exc}); rerun `specdraft prepare`") from None
         return counts.to(torch.int64)
 
-    def check_target(self, target: Any) -> None:
+    def check_target(self, target: Target) -> None:
         """Refuse a target other than the one this data was prepared for (tokens would mean other words)."""
         recorded = self.target_info
         problems = []

@@ -38,6 +38,7 @@ from specdraft.data.regenerate import REGENERATION_ENGINES
 from specdraft.data.render import render_with_mask
 from specdraft.data.sources import USER, RawRow, conversation, first_reply_index, iter_rows, prepared_sources, split_sources
 from specdraft.errors import SpecdraftError
+from specdraft.targets.base import Target
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.lock import claims_output
@@ -76,7 +77,7 @@ class PrepareConfig(VllmServerOptions):
         "(a private vLLM server from .venv-vllm, continuous batching) or auto (where .venv-vllm exists, the one that "
         "regenerates more within --regen-budget here: one batch timed in each, vLLM's server start included, cached per "
         "machine; a server it started is kept for the job)",
-        metadata={"choices": [*REGENERATION_ENGINES.names(), "auto"]},
+        metadata={"choices": lambda: [*REGENERATION_ENGINES.names(), "auto"]},
     )
     device: str = config_field("cpu", help="torch device for the target")
     threads: int = config_field(
@@ -138,7 +139,7 @@ class Selection:
     skipped: Counter  # reason -> rows
 
 
-def select_samples(config: PrepareConfig, target: Any) -> Selection:
+def select_samples(config: PrepareConfig, target: Target) -> Selection:
     """The rows ``prepare`` keeps and the prompts it would regenerate (the rules of the module docstring up
     to generation). Sample ids, sources and prompts never depend on the replies, so this also rebuilds the
     split keys of a regenerated dataset without regenerating (``benchmarks/split_leak.py``)."""

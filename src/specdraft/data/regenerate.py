@@ -12,8 +12,9 @@ uninterrupted one.
 
 Engines (:data:`REGENERATION_ENGINES`, ``--engine``) run the pending batches: ``hf`` is one
 left-padded ``generate`` per batch in this process; ``vllm`` keeps ``batch_size`` requests in
-flight on a private vLLM server (continuous batching, ``integrations/vllm/generate.py``) and is
-started only when some batch is pending.
+flight on a private vLLM server (continuous batching, ``integrations/vllm/generate.py``, which
+registers it here with its :class:`ServerEngine` when the integrations load) and is started only
+when some batch is pending.
 
 ``--engine auto`` (:func:`resolve_engine`) picks the engine that regenerates more of the data
 within the budget on this machine: it times one batch of real prompts (``PROBE_TOKENS`` new tokens
@@ -37,6 +38,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
+from specdraft.targets.base import Target
 from specdraft.utils.io import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ class GenerationSettings:
 class EngineRequest:
     """Everything an engine needs besides the batches."""
 
-    target: Any  # a loaded Target (hf runs its model; vllm serves its directory)
+    target: Target  # hf runs its model; vllm serves its directory
     pad_id: int
     eos_ids: frozenset[int]
     settings: GenerationSettings
@@ -84,6 +86,20 @@ class GenerationStats:
 #: (batch index, completions) in the order batches finish; each completion is cut after its first
 #: token in ``request.eos_ids``. Entering the context starts the engine.
 REGENERATION_ENGINES: Registry[Callable[[EngineRequest, list[Batch]], ContextManager[Iterator[Batch]]]] = Registry("regeneration engine")
+
+
+@dataclass(frozen=True)
+class ServerEngine:
+    """What ``--engine auto`` needs of an engine that runs as a server in an environment of its own: it times one."""
+
+    locate: Callable[[str | None], Any]  # the environment's interpreter (the explicit one or the default); SpecdraftError where none
+    version: Callable[[Any], str]  # the engine's version in that environment (keys the cached figures)
+    start: Callable[..., Any]  # (request, batches, *, startup_timeout) -> a started server (``.stop()``), sized for the batches
+    probe: Callable[[Any, EngineRequest, list[list[int]]], list[list[int]]]  # (server, request, prompts) -> one batch's completions
+
+
+#: engine name -> its :class:`ServerEngine`; ``vllm`` is registered by ``integrations/vllm/generate.py``.
+SERVER_ENGINES: Registry[ServerEngine] = Registry("server engine")
 
 
 def work_key(target_fingerprint: str, prompts: list[tuple[str, list[int]]], settings: GenerationSettings) -> str:
@@ -137,13 +153,6 @@ def _hf_engine(request: EngineRequest, batches: list[Batch]) -> Iterator[Iterato
         (index, generate_batch(request.target.model, prompts, pad_id=request.pad_id, eos_ids=set(request.eos_ids), settings=s, seed=s.seed + index))
         for index, prompts in batches
     )
-
-
-@REGENERATION_ENGINES.register("vllm")
-def _vllm_engine(request: EngineRequest, batches: list[Batch]) -> ContextManager[Iterator[Batch]]:
-    from specdraft.integrations.vllm.generate import vllm_batches
-
-    return vllm_batches(request, batches)
 
 
 #: New tokens per reply in the engine probe: enough decoding steps to weigh beside the prefill, few enough to stay cheap.
@@ -213,10 +222,11 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
         facts.update(threads_facts(threads, measured))
     if requested != "auto":
         return EngineChoice(requested, facts={**facts, "engine_source": "flag"})
-    from specdraft.integrations.vllm.engine import find_vllm_python, vllm_version
-
+    if "vllm" not in SERVER_ENGINES:
+        return EngineChoice("hf", facts={**facts, "engine_source": "no vLLM integration loaded: hf, the only engine here"})
+    vllm = SERVER_ENGINES.get("vllm")
     try:
-        python = find_vllm_python(request.vllm_python)
+        python = vllm.locate(request.vllm_python)
     except SpecdraftError:
         if request.vllm_python:
             raise
@@ -224,24 +234,22 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
     started: list[Any] = []
 
     def measure() -> dict[str, float]:
-        from specdraft.integrations.vllm.generate import probe_batch, start_server
-
         hf = _hf_tokens_per_s(request, probe, PROBE_TOKENS)
         t0 = time.perf_counter()
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise _NoVllm("the budget ran out before a vLLM server could be started")
         try:
-            started.append(start_server(request, [(0, prompts)], startup_timeout=left or 600.0))
+            started.append(vllm.start(request, [(0, prompts)], startup_timeout=left or 600.0))
             start_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            out = probe_batch(started[0], dataclasses.replace(request, settings=dataclasses.replace(settings, max_new_tokens=PROBE_TOKENS)), probe)
+            out = vllm.probe(started[0], dataclasses.replace(request, settings=dataclasses.replace(settings, max_new_tokens=PROBE_TOKENS)), probe)
         except SpecdraftError as exc:  # vLLM is broken here: HF regenerates
             raise _NoVllm(str(exc).splitlines()[0]) from None
         return {"hf_tokens_per_s": hf, "vllm_tokens_per_s": sum(map(len, out)) / (time.perf_counter() - t0), "vllm_start_s": start_s}
 
     context = {"target": request.target.fingerprint, "rows": len(probe), "tokens": PROBE_TOKENS, "temperature": settings.temperature,
-               "vllm": vllm_version(python), "vllm_args": request.vllm_args}
+               "vllm": vllm.version(python), "vllm_args": request.vllm_args}
     try:
         figures, cached, path = measured_figures("regen-engine", context, measure, device=next(request.target.model.parameters()).device,
                                                  cache_dir=cache_dir)

@@ -28,14 +28,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from specdraft.decode.config import DecodeConfig
+from specdraft.decode.config import DecodeConfig, SchedulerConfig
 from specdraft.decode.proposers import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.sampling import SamplingConfig, sample_from_logits, sampling_probs
-from specdraft.decode.scheduler import VERIFY_POLICIES, DraftGate, SchedulerConfig, StepRate, choose_verify_lengths, with_draft_cost
+from specdraft.decode.scheduler import VERIFY_POLICIES, DraftGate, StepRate, choose_verify_lengths, with_draft_cost
 from specdraft.decode.verification import VerifyOutput, verify_greedy, verify_rejection
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.capture import record_slots
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.targets.base import Target
 from specdraft.targets.families import family_of
 
 
@@ -142,13 +143,13 @@ class DecodeResult:
     metrics: DecodeMetrics
 
 
-def build_proposer(config: DecodeConfig, target: Any = None) -> Proposer:
+def build_proposer(config: DecodeConfig, target: Target | None = None) -> Proposer:
     """The registered proposer named by ``config.drafter`` (trained drafters need the ``Target``)."""
     return PROPOSERS.get(config.drafter)(config, target)
 
 
 def decoder_for_target(
-    target: Any, *, config: DecodeConfig, sampling: SamplingConfig, scheduler: SchedulerConfig = SchedulerConfig()
+    target: Target, *, config: DecodeConfig, sampling: SamplingConfig, scheduler: SchedulerConfig = SchedulerConfig()
 ) -> "SpeculativeDecoder":
     """A decoder for a loaded ``Target``: builds the proposer and, when the verify policy needs it,
     the target's SPS profile (measured once per target + device, then cached)."""
@@ -162,7 +163,7 @@ def decoder_for_target(
                               eos_token_ids=eos)
 
 
-def resolve_decode_threads(target: Any, requested: int, *, rows: int = 1, tokens: int = 8) -> Any:
+def resolve_decode_threads(target: Target, requested: int, *, rows: int = 1, tokens: int = 8) -> Any:
     """Set the CPU thread count of decoding: ``requested`` when > 0, else the count at which plain
     decoding of ``rows`` x ``tokens`` (the target step every speculative round also pays) ran fastest
     here, measured once per machine and target (``utils/threads.py``). Returns the measurement or None."""

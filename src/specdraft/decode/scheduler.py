@@ -50,15 +50,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-from specdraft.decode.config import SchedulerConfig
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
 
-__all__ = ["VERIFY_POLICIES", "DraftGate", "SchedulerConfig", "StepRate", "VerifyPolicy", "choose_verify_lengths", "prefix_survival", "schedule_prefix", "with_draft_cost"]
+if TYPE_CHECKING:  # decode/config.py checks a policy name against VERIFY_POLICIES: this module must not import it
+    from specdraft.decode.config import SchedulerConfig
+
+__all__ = ["VERIFY_POLICIES", "DraftGate", "StepRate", "VerifyPolicy", "choose_verify_lengths", "prefix_survival", "schedule_prefix", "with_draft_cost"]
 
 
 class StepRate(Protocol):

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from specdraft.targets.base import Target
+
 #: Tokens of the warm-up generation every decoder runs before the comparison (``runner.run_eval``).
 WARMUP_TOKENS = 16
 
@@ -49,7 +51,7 @@ def estimate_eval_seconds(prompt_lengths: Sequence[int], max_new_tokens: int, co
     return {"seconds": sum(per_decoder.values()), "per_decoder_s": {k: round(v, 1) for k, v in per_decoder.items()}}
 
 
-def plain_overhead_seconds(target: Any, sps: Any, *, tokens: int = WARMUP_TOKENS) -> float:
+def plain_overhead_seconds(target: Target, sps: Any, *, tokens: int = WARMUP_TOKENS) -> float:
     """Seconds per plain round beyond the target forward (sampling, cache and stopping bookkeeping):
     a real autoregressive decode of ``tokens`` tokens, timed after a warm-up, less the SPS forward."""
     from specdraft.decode.config import DecodeConfig, SamplingConfig

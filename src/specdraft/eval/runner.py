@@ -31,6 +31,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.eval.config import EvalConfig
 from specdraft.eval.report import EVAL_DIR
 from specdraft.eval.suites import EvalPrompt, load_prompts
+from specdraft.targets.base import Target
 from specdraft.utils.lock import claims_output
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ def run_eval(
     sampling: SamplingConfig = SamplingConfig(),
     scheduler: SchedulerConfig = SchedulerConfig(),
     *,
-    target: Any = None,
+    target: Target | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the comparison and write ``report.json`` (+ ``report.md`` and plots) under ``config.out``."""

@@ -29,7 +29,7 @@ class ExtractConfig(VllmAttachOptions):
     method: str | None = config_field(
         None,
         help=f"layer preset of a drafter method; default: {DEFAULT_PRESET} unless --layers is given",
-        metadata={"choices": LAYER_PRESETS.names()},
+        metadata={"choices": LAYER_PRESETS.names},  # the families register their presets from above
     )
     layers: str | None = config_field(
         None, help="explicit layer slots instead of a preset, e.g. 'output:1,input:2' (a bare number = output)"

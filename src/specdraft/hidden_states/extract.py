@@ -18,7 +18,8 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.backends.base import (
@@ -38,7 +39,11 @@ from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.payload import HiddenStatePayload
 from specdraft.hidden_states.writer import AsyncWriter
 from specdraft.registry import Registry
+from specdraft.targets.base import Target
 from specdraft.utils.lock import claims_output
+
+if TYPE_CHECKING:
+    from specdraft.data.dataset import PreparedDataset
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +81,7 @@ class ExtractSummary:
 
 
 @claims_output(STORE_DIR, out=lambda config: config.out if config.backend == "file" else None, inputs=lambda config: [config.dataset])
-def extract_hidden_states(config: ExtractConfig, *, target: Any = None, progress: bool = True) -> ExtractSummary:
+def extract_hidden_states(config: ExtractConfig, *, target: Target | None = None, progress: bool = True) -> ExtractSummary:
     """Run steps 1-4 above; ``target`` may be passed pre-loaded (tests, notebooks)."""
     from tqdm import tqdm
 
@@ -114,7 +119,7 @@ def extract_hidden_states(config: ExtractConfig, *, target: Any = None, progress
 
         start = time.perf_counter()
         engine = EXTRACT_ENGINES.get(config.engine)
-        tokens, written = engine(backend, config, dataset, pending, target, target_info, slots, progress)
+        tokens, written = engine(ExtractJob(backend, config, dataset, pending, target, target_info, slots, progress))
         seconds = time.perf_counter() - start
 
         backend.write_manifest(finish_manifest(manifest, set(backend.keys()), [dataset.sample_ids[i] for i in selected]))
@@ -130,43 +135,52 @@ def extract_hidden_states(config: ExtractConfig, *, target: Any = None, progress
     )
 
 
-#: ``--engine`` name -> fn(backend, config, dataset, pending, target, target_info, slots, progress)
-#: -> (tokens, bytes written). Every engine fills the store with the same payloads.
-EXTRACT_ENGINES: Registry[Callable[..., tuple[int, int]]] = Registry("extraction engine")
+@dataclass(frozen=True)
+class ExtractJob:
+    """What an extraction engine is given: the open store, the run's settings and the rows still to extract."""
+
+    backend: HiddenStateBackend
+    config: ExtractConfig
+    dataset: PreparedDataset
+    pending: list[int]  # dataset row indices
+    target: Target
+    target_info: dict  # ``target.describe()``, recorded in every payload
+    slots: list[LayerSlot]
+    progress: bool
 
 
-@EXTRACT_ENGINES.register("vllm")
-def _extract_vllm(*args: Any) -> tuple[int, int]:
-    from specdraft.integrations.vllm.extract import extract_with_vllm
-
-    return extract_with_vllm(*args)
+#: ``--engine`` name -> fn(job) -> (tokens, bytes written). Every engine fills the store with the same payloads;
+#: ``vllm`` is registered by ``integrations/vllm/extract.py``.
+EXTRACT_ENGINES: Registry[Callable[[ExtractJob], tuple[int, int]]] = Registry("extraction engine")
 
 
 @EXTRACT_ENGINES.register("hf")
-def _extract(backend, config, dataset, pending, target, target_info, slots, progress) -> tuple[int, int]:
+def _extract(job: ExtractJob) -> tuple[int, int]:
     """Capture ``pending`` rows (longest first, so padding is small and OOM shows up at once)."""
     from tqdm import tqdm
 
     from specdraft.utils.threads import resolve_forward_threads
 
-    capture = HiddenStateCapture(target.model, slots)
+    config, dataset, target = job.config, job.dataset, job.target
+
+    capture = HiddenStateCapture(target.model, job.slots)
     lengths = dataset.lengths()
-    order = sorted(pending, key=lambda i: -int(lengths[i]))
+    order = sorted(job.pending, key=lambda i: -int(lengths[i]))
     if order:  # the probe's batch: as many rows as a batch, of the median length
         resolve_forward_threads(config.threads, target.model, fingerprint=target.fingerprint, rows=min(config.batch_size, len(order)),
                                 tokens=int(lengths[order[len(order) // 2]]))
     tokens = 0
     start = time.perf_counter()
-    with AsyncWriter(backend, max_pending=config.queue_size, num_threads=config.writer_threads) as writer, tqdm(
-        total=len(order), unit="sample", desc="extract", disable=not progress
+    with AsyncWriter(job.backend, max_pending=config.queue_size, num_threads=config.writer_threads) as writer, tqdm(
+        total=len(order), unit="sample", desc="extract", disable=not job.progress
     ) as bar:
         for lo in range(0, len(order), config.batch_size):
             rows = [dataset[i] for i in order[lo : lo + config.batch_size]]
             for row, (hidden, last) in zip(rows, capture([r["input_ids"] for r in rows])):
                 payload = HiddenStatePayload.create(
                     sample_id=row["sample_id"],
-                    target_info=target_info,
-                    slots=slots,
+                    target_info=job.target_info,
+                    slots=job.slots,
                     token_ids=row["input_ids"],
                     hidden_states=hidden,
                     last_hidden=last,

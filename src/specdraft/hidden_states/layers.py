@@ -73,19 +73,14 @@ def parse_slots(text: str, num_layers: int | None = None) -> list[LayerSlot]:
     return slots
 
 
+#: ``extract --method`` name -> slots for a target's layer count; each family registers its own from above
+#: (``models/<method>/__init__.py``), as its ``MethodSpec.layer_slots``.
 LAYER_PRESETS: Registry[Callable[[int], list[LayerSlot]]] = Registry("layer preset")
-
-
-@LAYER_PRESETS.register("eagle3")
-def eagle3_slots(num_layers: int) -> list[LayerSlot]:
-    """EAGLE-3 reference: inputs of layers 2, L//2 and L-3."""
-    _need_layers(num_layers, 4, "eagle3")
-    return [LayerSlot(2, "input"), LayerSlot(num_layers // 2, "input"), LayerSlot(num_layers - 3, "input")]
 
 
 def spread_output_slots(num_layers: int, count: int = 5) -> list[LayerSlot]:
     """DFlash reference: outputs of ``count`` layers spread uniformly from layer 1 to L-3."""
-    _need_layers(num_layers, 4, "dflash/dspark")
+    need_layers(num_layers, 4, "dflash/dspark")
     start, end = 1, num_layers - 3
     if count == 1:
         return [LayerSlot(start, "output")]
@@ -93,10 +88,6 @@ def spread_output_slots(num_layers: int, count: int = 5) -> list[LayerSlot]:
     return [LayerSlot(i, "output") for i in ids]
 
 
-LAYER_PRESETS.register("dflash")(spread_output_slots)
-LAYER_PRESETS.register("dspark")(spread_output_slots)
-
-
-def _need_layers(num_layers: int, minimum: int, preset: str) -> None:
+def need_layers(num_layers: int, minimum: int, preset: str) -> None:
     if num_layers < minimum:
         raise SpecdraftError(f"the {preset} layer preset needs a target with >= {minimum} layers, this one has {num_layers}")

@@ -53,10 +53,11 @@ from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.config import ENGINE_NAMES, STORAGE_DTYPE_NAMES
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.registry import Registry
+from specdraft.targets.base import Target
 from specdraft.targets.loading import DTYPES as TARGET_DTYPES
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.http_json import OptionalField, RequestError, check_schema, read_json_body
-from specdraft.utils.net import is_loopback
+from specdraft.utils.net import require_token_beyond_loopback
 from specdraft.utils.vllm_options import VllmAttachOptions
 
 log = logging.getLogger(__name__)
@@ -109,11 +110,7 @@ class ServiceConfig(VllmAttachOptions):
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.batch_wait_ms < 0 or self.num_threads < 0:
             raise SpecdraftError("--batch-wait-ms and --num-threads must be >= 0")
-        if not self.token and not is_loopback(self.host):
-            raise SpecdraftError(
-                f"--host {self.host} is reachable from other machines: pass --token SECRET (clients send it as a bearer token) "
-                "or bind 127.0.0.1"
-            )
+        require_token_beyond_loopback(self.host, self.token)
         self.check_vllm_options(self.engine)
         if self.layers is not None and self.engine != "vllm":
             raise SpecdraftError("--layers chooses what a vLLM server captures: it needs --engine vllm (the hf engine serves any slots)")
@@ -161,15 +158,16 @@ class ProducerEngine(Protocol):
         """Finish what was handed to ``run``, then release the target."""
 
 
-#: ``--engine`` name -> factory(config, backend, target or None) -> ProducerEngine.
-PRODUCER_ENGINES: Registry[Callable[..., ProducerEngine]] = Registry("producer engine")
+#: ``--engine`` name -> factory(config, backend, target or None) -> ProducerEngine; ``vllm`` is registered by
+#: ``integrations/vllm/producer.py``.
+PRODUCER_ENGINES: Registry[Callable[[ServiceConfig, Any, Target | None], ProducerEngine]] = Registry("producer engine")
 
 
 @PRODUCER_ENGINES.register("hf")
 class HFProducer:
     """The HF model in this process; ``target`` may be passed pre-loaded (tests)."""
 
-    def __init__(self, config: ServiceConfig, backend: Any, target: Any = None):
+    def __init__(self, config: ServiceConfig, backend: Any, target: Target | None = None):
         from specdraft.utils.threads import resolve_forward_threads
 
         if target is None:
@@ -213,20 +211,13 @@ class HFProducer:
         pass
 
 
-@PRODUCER_ENGINES.register("vllm")
-def _vllm_producer(config: ServiceConfig, backend: Any, target: Any = None) -> ProducerEngine:
-    from specdraft.integrations.vllm.producer import VllmProducer
-
-    return VllmProducer(config, backend, target)
-
-
 class HiddenStateService:
     """The producer: ``start()`` serves in background threads, ``close()`` stops; also a context manager.
 
     ``target`` and ``backend`` may be passed pre-built (tests); otherwise they are loaded from the config.
     """
 
-    def __init__(self, config: ServiceConfig, *, target: Any = None, backend: Any = None):
+    def __init__(self, config: ServiceConfig, *, target: Target | None = None, backend: Any = None):
         from specdraft.hidden_states.backends import open_backend
 
         self.config = config

@@ -2,6 +2,22 @@
 
 Shape symbols used on every field: B batch rows, T tokens per row, S stored hidden-state slots
 (``LayerSlot``s, in manifest order), D target hidden size, V target vocabulary, K draft positions.
+
+One drafter family lives in one package, ``models/<method>/``, and its :class:`MethodSpec` is the one place
+generic code learns about it: the layer slots it reads, its warm starts, which decoding proposer runs it and
+what vLLM can serve of it. Dependencies point one way (targets -> data -> hidden_states -> models -> train ->
+decode -> eval -> integrations -> cli, ``tests/test_layering.py``), so each entry is written in this layer's
+terms and the higher layers read it:
+
+* layer slots: a function of the target's layer count; the package also registers it as the ``extract --method``
+  preset in ``hidden_states.layers.LAYER_PRESETS`` (a lower layer's registry, filled from above);
+* warm starts: pure weight surgery on the drafter and the target (:class:`WarmStartData`), keyed by the
+  training switch that turns each on; ``train/warm_start.py`` owns the switches and calls them;
+* proposer: decoding is a higher layer, so a proposer class cannot live here; the spec names a proposer kind of
+  ``decode.proposers.drafters.PROPOSER_KINDS`` (``block`` or ``chain``) and the keyword options it takes for a
+  built drafter;
+* serving: :class:`VllmServing`, plain facts and a function of the checkpoint's ``config.json`` that
+  ``integrations/vllm/serve.py`` reads.
 """
 
 from __future__ import annotations
@@ -9,13 +25,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import nn
 
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.registry import Registry
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from specdraft.targets.base import Target
 
 
 @dataclass
@@ -80,9 +101,32 @@ class DrafterModel(nn.Module, ABC):
         """Load a checkpoint written by us or by the ``speculators`` package."""
 
 
+@dataclass
+class WarmStartData:
+    """What a warm start may read besides the drafter it initialises."""
+
+    target: Target
+    token_rows: Callable[[], list[tuple[np.ndarray, np.ndarray]]]  # [(token ids, loss mask)] of the training split
+    seed: int  # for any randomness (the same on every rank)
+
+
+WarmStart = Callable[[DrafterModel, WarmStartData], list[str]]  # -> names of the tensors it set
+
+
+@dataclass(frozen=True)
+class VllmServing:
+    """What vLLM (0.32) serves of a family."""
+
+    cpu: bool = True  # the vLLM-CPU model runner has this family's proposer
+    adaptive_verification: bool = False  # vLLM can size verification from the drafter's confidences
+    # (checkpoint config.json, its trained draft tokens, the requested draft tokens or None, adaptive verification asked,
+    #  the checkpoint's name for messages) -> extra ``--speculative-config`` entries; raises for what vLLM cannot serve
+    options: Callable[[dict, int, int | None, bool, str], dict] | None = None
+
+
 @dataclass(frozen=True)
 class MethodSpec:
-    """Everything generic code needs to know about one drafter family."""
+    """Everything generic code needs to know about one drafter family (see the module docstring)."""
 
     name: str
     config_cls: type
@@ -90,6 +134,10 @@ class MethodSpec:
     layer_slots: Callable[[int], list[LayerSlot]]  # num target layers -> slots the method reads
     build: Callable[..., DrafterModel]  # (config, target, *, counts=None) -> drafter with the target's frozen pieces
     # (counts: int64[V] response-token frequencies; EAGLE-3 picks its draft vocabulary from them)
+    proposer: str | None = None  # the decoding proposer kind (``decode.proposers.drafters.PROPOSER_KINDS``); None: not decodable
+    proposer_options: Callable[[DrafterModel], dict] = lambda drafter: {}  # keyword options of that kind for a built drafter
+    warm_starts: Mapping[str, WarmStart] = field(default_factory=dict)  # training switch (e.g. "fc_init=identity") -> surgery
+    serving: VllmServing = VllmServing()
 
 
 METHODS: Registry[MethodSpec] = Registry("drafter method")

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from specdraft.utils.io import atomic_write_json, sha256_file
+from specdraft.utils.io import atomic_write_json, cache_root, sha256_file
 
 # Files that define how text becomes token ids (and how chats are rendered), when present.
 TOKENIZER_FILES = (
@@ -31,11 +31,6 @@ TOKENIZER_FILES = (
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype")
 # Smaller weight files are hashed on every load (cheaper than a sidecar per temporary test model).
 _CACHE_MIN_BYTES = 64 << 20
-
-
-def cache_root() -> Path:
-    """specdraft's cache directory: ``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``."""
-    return Path(os.environ.get("SPECDRAFT_CACHE") or Path.home() / ".cache" / "specdraft").expanduser()
 
 
 def tokenizer_hash(directory: str | os.PathLike) -> str:

@@ -10,18 +10,37 @@ logged: the estimate is cheap and smooth, the decoded figure is the one users ge
 
 The prompts are the first ``count`` validation samples (dataset order) with distinct prompts: the
 tokens before each one's first response token. Decoding is greedy, ``tokens`` new tokens per prompt,
-one batch, with the method's proposer (``decode.proposers.drafters.DRAFTER_PROPOSERS``) around the
-drafter being trained and the full verify policy (every drafted token is verified).
+one batch, with the method's proposer around the drafter being trained and the full verify policy (every
+drafted token is verified). Decoding is a higher layer than training, so the runtime registers itself here
+(:data:`VALIDATION_DECODERS`, from ``decode/validation.py``, loaded by the CLI or the ``specdraft.plugins``
+entry point) and training never imports it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+from specdraft.registry import Registry
+from specdraft.targets.base import Target
 
 TEACHER_FORCED_ANCHORS = "uniform over response positions, target's own reply as context"
 DECODED_ANCHORS = "wherever the previous round stopped (greedy decoding, full verification)"
+
+
+@dataclass(frozen=True)
+class ValidationDecoder:
+    """Greedy decoding of token prompts with a drafter, full verification: what ``tau_decoded`` measures."""
+
+    methods: Callable[[], list[str]]  # the drafter methods it has a proposer for
+    # (drafter, method, target, prompts, new tokens) -> metrics with tau, rounds, output_tokens, position_acceptance
+    decode: Callable[[Any, str, Target, list[list[int]], int], Any]
+
+
+#: ``builtin`` -> the decoding runtime, registered by ``specdraft.decode.validation``.
+VALIDATION_DECODERS: Registry[ValidationDecoder] = Registry("validation decoder")
+BUILTIN_DECODER = "builtin"
 
 
 @dataclass(frozen=True)
@@ -48,35 +67,23 @@ class DecodeProbe:
                     break
         return cls(tuple(picked_ids), tuple(prompts), tokens)
 
-    def run(self, drafter: Any, method: str, target: Any) -> dict:
+    def run(self, drafter: Any, method: str, target: Target) -> dict:
         """Decode the prompts with ``drafter`` (left in eval mode; the caller restores train mode)."""
-        import torch
-
-        from specdraft.decode.config import DecodeConfig, SamplingConfig
-        from specdraft.decode.proposers.drafters import DRAFTER_PROPOSERS
-        from specdraft.decode.runtime import SpeculativeDecoder
-
-        config = DecodeConfig(drafter=method, max_new_tokens=self.tokens)
-        device = next(drafter.parameters()).device
-        if next(target.model.parameters()).device != device:
-            target.model.to(device)
-        decoder = SpeculativeDecoder(target.model, DRAFTER_PROPOSERS.get(method)(drafter, config), config=config,
-                                     sampling=SamplingConfig())
         started = time.perf_counter()
-        with torch.no_grad():
-            metrics = decoder.generate([list(p) for p in self.prompts]).metrics
+        metrics = VALIDATION_DECODERS.get(BUILTIN_DECODER).decode(drafter, method, target, [list(p) for p in self.prompts], self.tokens)
         return {"tau": metrics.tau, "rounds": metrics.rounds, "prompts": len(self.prompts), "max_new_tokens": self.tokens,
                 "tokens": metrics.output_tokens,
                 "position_acceptance": [round(x, 6) for x in metrics.position_acceptance],
                 "seconds": round(time.perf_counter() - started, 3)}
 
 
-def unavailable_reason(method: str, target: Any) -> str | None:
+def unavailable_reason(method: str, target: Target) -> str | None:
     """Why decoded tau cannot be measured for this run (None when it can)."""
-    from specdraft.decode.proposers.drafters import DRAFTER_PROPOSERS
-
-    if method not in DRAFTER_PROPOSERS:
-        return f"method {method!r} has no decoding proposer (known: {', '.join(DRAFTER_PROPOSERS.names())})"
+    if BUILTIN_DECODER not in VALIDATION_DECODERS:
+        return "no decoding runtime is loaded (import specdraft.decode.validation)"
+    known = VALIDATION_DECODERS.get(BUILTIN_DECODER).methods()
+    if method not in known:
+        return f"method {method!r} has no decoding proposer (known: {', '.join(known)})"
     if getattr(target, "model", None) is None:
         return "the target has no model to verify with"
     return None

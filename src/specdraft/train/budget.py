@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.errors import SpecdraftError
+from specdraft.targets.base import Target
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def median_record(metrics_path: Path, key: str) -> float | None:
     return values[len(values) // 2] if values else None
 
 
-def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Any = None, probe_steps: int = 4, headroom: float = 0.9,
+def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Target | None = None, probe_steps: int = 4, headroom: float = 0.9,
                      cap_at_epochs: bool = False) -> dict:
     """Steps that fill ``budget_seconds`` of training with ``cfg`` (a TrainConfig), timed by a short
     probe run in a scratch directory (evaluation and checkpoints off, nothing kept).

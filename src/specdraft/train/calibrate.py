@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from specdraft.errors import SpecdraftError
+from specdraft.targets.base import Target
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.lock import claims_output
 
@@ -58,7 +58,7 @@ def _drafter_dir():
 # --out defaults to --drafter itself: the documented in-place rewrite (the new checkpoint replaces the old whole, once complete)
 @claims_output(_drafter_dir, out=lambda config: config.out or config.drafter, inputs=lambda config: [config.drafter, config.data],
                in_place_ok=True, what=lambda config: "--out" if config.out else "--drafter")
-def calibrate(config: CalibrateConfig, *, target: Any = None, progress: bool = True) -> dict:
+def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress: bool = True) -> dict:
     """Fit and store the temperatures; returns the statistics written to ``calibration.json``."""
     import dataclasses
 

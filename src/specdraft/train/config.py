@@ -108,7 +108,7 @@ class TrainConfig:
     )
     dry_run: bool = config_field(False, help="build the drafter, write an initialised checkpoint and exit")
     init_from_target: bool = config_field(
-        False, help="fresh runs: start draft layer i from target layer L-N+i (the last N) where tensor shapes match (train/warm_start.py)"
+        False, help="fresh runs: start draft layer i from target layer L-N+i (the last N) where tensor shapes match (models/common/warm_start.py)"
     )
     fc_init: str = config_field(
         "random", help="fresh runs: the fc fusing the captured slots starts random or as the identity on the slot nearest the "

@@ -96,8 +96,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, exclu
             kwargs["required"] = True
         else:
             kwargs["default"] = argparse.SUPPRESS
-        if "choices" in f.metadata:
-            kwargs["choices"] = f.metadata["choices"]
+        if "choices" in f.metadata:  # a callable: names a registry holds once higher layers registered into it
+            choices = f.metadata["choices"]
+            kwargs["choices"] = choices() if callable(choices) else choices
         if tp is bool:
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, **kwargs)
         elif typing.get_origin(tp) in (list, tuple):

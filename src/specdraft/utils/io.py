@@ -15,6 +15,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 
+def cache_root() -> Path:
+    """specdraft's cache directory: ``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``."""
+    return Path(os.environ.get("SPECDRAFT_CACHE") or Path.home() / ".cache" / "specdraft").expanduser()
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is fsynced and renamed over ``path``.

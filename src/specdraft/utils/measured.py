@@ -121,8 +121,7 @@ def measured_figures(name: str, context: dict[str, Any], measure: Callable[[], d
     """``(figures, cached, cache file)``: ``measure()``'s figures, taken once per machine (``machine``,
     default :func:`machine_identity`) and ``context``, then read back from the cache (which also
     records ``decide(figures)``, the choice they gave, for whoever reads the file)."""
-    from specdraft.targets.identity import cache_root
-    from specdraft.utils.io import atomic_write_json
+    from specdraft.utils.io import atomic_write_json, cache_root
 
     key = {"name": name, "machine": machine or machine_identity(device), "context": context}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]

@@ -15,6 +15,8 @@ import os
 import socket
 import struct
 
+from specdraft.errors import SpecdraftError
+
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
@@ -58,6 +60,15 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def require_token_beyond_loopback(host: str, token: str | None) -> None:
+    """A server bound beyond loopback (``--host``) is reachable from other machines: refuse it without ``--token``."""
+    if not token and not is_loopback(host):
+        raise SpecdraftError(
+            f"--host {host} is reachable from other machines: pass --token SECRET (clients send it as a bearer token) "
+            "or bind 127.0.0.1"
+        )
 
 
 def _proc_address(hex_addr: str) -> tuple[str, int]:

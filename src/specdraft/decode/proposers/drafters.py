@@ -22,7 +22,9 @@ from specdraft.decode.config import DecodeConfig
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.sampling import SamplingConfig
 from specdraft.errors import SpecdraftError
+from specdraft.models import METHODS, DrafterModel
 from specdraft.registry import Registry
+from specdraft.targets.base import Target
 from specdraft.utils.compute import autocast, candidates
 from specdraft.utils.measured import Measurement, fastest_time, measured_choice
 
@@ -159,10 +161,8 @@ class Eagle3Proposer(DrafterProposer):
         )
 
 
-def load_checkpoint(config: DecodeConfig, target: Any) -> Any:
+def load_checkpoint(config: DecodeConfig, target: Target | None) -> DrafterModel:
     """The drafter at ``config.drafter_path``, checked to be of the ``config.drafter`` family."""
-    from specdraft.models import METHODS
-
     if not config.drafter_path:
         raise SpecdraftError(f"--drafter {config.drafter} needs --drafter-path: the directory of a trained {config.drafter} checkpoint")
     if target is None:
@@ -171,39 +171,30 @@ def load_checkpoint(config: DecodeConfig, target: Any) -> Any:
     return METHODS.get(config.drafter).model_cls.from_pretrained(config.drafter_path, target=target).to(device)
 
 
-#: method -> proposer around an already built drafter (a loaded checkpoint, or the model being trained).
-DRAFTER_PROPOSERS: Registry[Callable[[Any, DecodeConfig], Proposer]] = Registry("drafter proposer")
+#: proposer kind (a family's ``MethodSpec.proposer``) -> fn(drafter, config, **the spec's proposer_options) -> proposer.
+#: The families name a kind rather than register a proposer: decoding is a layer above the models.
+PROPOSER_KINDS: Registry[Callable[..., Proposer]] = Registry("proposer kind")
+PROPOSER_KINDS.register("block")(lambda drafter, config, **options: BlockDrafterProposer(drafter, **options))
+PROPOSER_KINDS.register("chain")(lambda drafter, config, **options: Eagle3Proposer(drafter, num_draft_tokens=config.num_draft_tokens, **options))
 
 
-@DRAFTER_PROPOSERS.register("eagle3")
-def eagle3_proposer(drafter: Any, config: DecodeConfig) -> Proposer:
-    return Eagle3Proposer(drafter, num_draft_tokens=config.num_draft_tokens)
+def decodable_methods() -> list[str]:
+    """The families whose spec names a proposer kind."""
+    return [m for m in METHODS.names() if METHODS.get(m).proposer is not None]
 
 
-@DRAFTER_PROPOSERS.register("dflash")
-def dflash_proposer(drafter: Any, config: DecodeConfig) -> Proposer:
-    return BlockDrafterProposer(drafter)
+def drafter_proposer(drafter: DrafterModel, config: DecodeConfig) -> Proposer:
+    """The proposer around an already built drafter (a loaded checkpoint, or the model being trained)."""
+    spec = METHODS.get(drafter.method)
+    return PROPOSER_KINDS.get(spec.proposer)(drafter, config, **spec.proposer_options(drafter))
 
 
-@DRAFTER_PROPOSERS.register("dspark")
-def dspark_proposer(drafter: Any, config: DecodeConfig) -> Proposer:
-    return BlockDrafterProposer(
-        drafter,
-        provides_confidences=drafter.confidence_head is not None,
-        confidences_calibrated=bool(drafter.config.confidence_temperatures),
-    )
-
-
-def _from_checkpoint(method: str) -> Callable[[DecodeConfig, Any], Proposer]:
+def _from_checkpoint(config: DecodeConfig, target: Target | None) -> Proposer:
     """A checkpoint's proposer, drafting in ``config.draft_dtype`` (``auto``: the faster here, measured once)."""
-
-    def build(config: DecodeConfig, target: Any) -> Proposer:
-        proposer = DRAFTER_PROPOSERS.get(method)(load_checkpoint(config, target), config)
-        proposer.set_compute_dtype(config.draft_dtype)
-        return proposer
-
-    return build
+    proposer = drafter_proposer(load_checkpoint(config, target), config)
+    proposer.set_compute_dtype(config.draft_dtype)
+    return proposer
 
 
-for _method in DRAFTER_PROPOSERS.names():
-    PROPOSERS.register(_method)(_from_checkpoint(_method))
+for _method in decodable_methods():
+    PROPOSERS.register(_method)(_from_checkpoint)

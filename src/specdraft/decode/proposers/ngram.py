@@ -8,13 +8,12 @@ Proposals are deterministic, so their draft distribution is a point mass (``Draf
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from specdraft.decode.config import DecodeConfig
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.verification import PAD
+from specdraft.targets.base import Target
 
 
 def prompt_lookup(context: torch.Tensor, *, max_ngram: int, min_ngram: int, max_tokens: int) -> torch.Tensor:
@@ -62,5 +61,5 @@ class NgramProposer(Proposer):
 
 
 @PROPOSERS.register("ngram")
-def build_ngram(config: DecodeConfig, target: Any = None) -> Proposer:
+def build_ngram(config: DecodeConfig, target: Target | None = None) -> Proposer:
     return NgramProposer(max_ngram=config.ngram_max, min_ngram=config.ngram_min)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from specdraft.decode.config import DecodeConfig
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
+from specdraft.targets.base import Target
 
 
 class NoDraftProposer(Proposer):
@@ -17,5 +16,5 @@ class NoDraftProposer(Proposer):
 
 
 @PROPOSERS.register("none")
-def build_no_draft(config: DecodeConfig, target: Any = None) -> Proposer:
+def build_no_draft(config: DecodeConfig, target: Target | None = None) -> Proposer:
     return NoDraftProposer()

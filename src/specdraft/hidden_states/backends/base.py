@@ -107,9 +107,8 @@ BACKENDS: Registry[Callable[..., HiddenStateBackend]] = Registry("hidden-state b
 
 
 def open_backend(name: str, location: str, **options: Any) -> HiddenStateBackend:
-    """Instantiate the backend registered as ``name`` for ``location`` (a directory, a URL...)."""
-    import specdraft.hidden_states.backends  # noqa: F401  (registers the built-in backends)
-
+    """Instantiate the backend registered as ``name`` for ``location`` (a directory, a URL...); importing this
+    module ran the package's ``__init__``, which registers the built-in backends."""
     return BACKENDS.get(name)(location, **options)
 
 

@@ -1,7 +1,7 @@
 """Mooncake distributed store integration: a byte-blob transport and the master's lifecycle.
 
-Nothing here knows about models or payloads; ``specdraft.hidden_states.backends.mooncake`` maps
-hidden-state payloads onto blobs. Importing this package does not import ``mooncake`` itself.
+``client`` and ``master`` know nothing about models or payloads; ``backend`` maps hidden-state payloads onto
+blobs and registers the ``mooncake`` hidden-state backend. Importing this package does not import ``mooncake`` itself.
 """
 
 from specdraft.integrations.mooncake.client import MooncakeClient, MooncakeClientConfig, close_shared_clients, shared_client

@@ -232,6 +232,7 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
         from specdraft.hidden_states.backends.base import open_backend
+        from specdraft.integrations.mooncake import backend as _mooncake  # noqa: F401  (registers "mooncake" in this vLLM process)
 
         layers = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
         if len(layers) != 1:

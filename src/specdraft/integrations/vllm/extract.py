@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from specdraft.errors import SpecdraftError
+from specdraft.hidden_states.extract import EXTRACT_ENGINES, ExtractJob
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.integrations.vllm.engine import CONNECTOR_CLASS, CONNECTOR_MODULE, CPU_ENV_DEFAULTS, VllmServer, complete, get_text
 from specdraft.integrations.vllm.protocol import CHECK, DTYPE, ERROR, KEY, SAMPLE_ID, SERVER, SLOTS, STORE, slot_rows
@@ -281,19 +282,21 @@ def extract_server_command(config: Any) -> tuple[str, str]:
     return server_command(spec)
 
 
-def extract_with_vllm(backend, config, dataset, pending, target, target_info, slots, progress) -> tuple[int, int]:
+@EXTRACT_ENGINES.register("vllm")
+def extract_with_vllm(job: ExtractJob) -> tuple[int, int]:
     """Steps 1-3 for the ``pending`` rows; returns (tokens, bytes stored) like the HF engine."""
+    backend, config, dataset, target, slots = job.backend, job.config, job.dataset, job.target, job.slots
     if config.device != "cpu":
         log.info("--device %s is ignored with --engine vllm: the vLLM build decides where the target runs", config.device)
     target.family.require_vllm_aux("extract hidden states")
     lengths = dataset.lengths()
-    order = sorted(pending, key=lambda i: -int(lengths[i]))
+    order = sorted(job.pending, key=lambda i: -int(lengths[i]))
     if not order:
         return 0, 0
     longest = int(max(int(lengths[i]) for i in order))
-    spec = extract_spec(config, backend, target.path, target_info, slots, longest + 1)  # + the one generated token
+    spec = extract_spec(config, backend, target.path, job.target_info, slots, longest + 1)  # + the one generated token
     with extraction_client(spec, backend, url=config.vllm_url, longest=longest) as client:
-        return send_samples(client, dataset, order, slots=slots, dtype=config.dtype, concurrency=config.batch_size, progress=progress)
+        return send_samples(client, dataset, order, slots=slots, dtype=config.dtype, concurrency=config.batch_size, progress=job.progress)
 
 
 def send_samples(client: ExtractionClient, dataset, rows: list[int], *, slots: list[LayerSlot], dtype: str, concurrency: int,

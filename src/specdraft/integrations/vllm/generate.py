@@ -11,7 +11,7 @@ settings: ``max_tokens`` = ``max_new_tokens``, the same temperature (0 = greedy)
 from the model's ``generation_config.json`` applies that HF would not apply either, and in the
 target's dtype (``--vllm-args='--dtype bfloat16'`` overrides it). ``batch_size`` requests are in
 flight at once; a batch is handed back (and written by the caller) as soon as its last request
-is answered.
+is answered. Loading this module registers the engine in ``data/regenerate.py``.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import contextlib
 import logging
 import shlex
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any, Iterator
+from typing import Iterator
 
+from specdraft.data.regenerate import REGENERATION_ENGINES, SERVER_ENGINES, Batch, EngineRequest, GenerationSettings, ServerEngine, cut_at_eos
 from specdraft.errors import SpecdraftError
-from specdraft.integrations.vllm.engine import VllmServer, complete
+from specdraft.integrations.vllm.engine import VllmServer, complete, find_vllm_python, vllm_version
 
 log = logging.getLogger(__name__)
-
-Batch = tuple[int, list[list[int]]]
 
 
 def server_args(*, dtype: str, max_model_len: int, max_num_seqs: int, extra: str = "") -> list[str]:
@@ -38,7 +37,7 @@ def server_args(*, dtype: str, max_model_len: int, max_num_seqs: int, extra: str
     ]  # fmt: skip
 
 
-def request_body(settings: Any, eos_ids: frozenset[int] | set[int], *, seed: int) -> dict:
+def request_body(settings: GenerationSettings, eos_ids: frozenset[int] | set[int], *, seed: int) -> dict:
     """The ``/v1/completions`` fields (besides model and prompt) that reproduce HF's decoding settings."""
     return {
         "temperature": float(settings.temperature),
@@ -51,8 +50,6 @@ def request_body(settings: Any, eos_ids: frozenset[int] | set[int], *, seed: int
 
 def completion_ids(answer: dict, eos_ids: frozenset[int] | set[int], *, url: str) -> list[int]:
     """The generated ids of one answer, cut after the first end-of-turn id like HF's."""
-    from specdraft.data.regenerate import cut_at_eos
-
     choice = (answer.get("choices") or [{}])[0]
     tokens = choice.get("token_ids")
     if not isinstance(tokens, list):
@@ -60,7 +57,7 @@ def completion_ids(answer: dict, eos_ids: frozenset[int] | set[int], *, url: str
     return cut_at_eos([int(t) for t in tokens], eos_ids)
 
 
-def start_server(request: Any, batches: list[Batch], *, startup_timeout: float = 600.0) -> VllmServer:
+def start_server(request: EngineRequest, batches: list[Batch], *, startup_timeout: float = 600.0) -> VllmServer:
     """A started regeneration server for ``request.target``, sized for ``batches`` (the caller stops it)."""
     settings = request.settings
     longest = max(len(p) for _, prompts in batches for p in prompts)
@@ -71,8 +68,9 @@ def start_server(request: Any, batches: list[Batch], *, startup_timeout: float =
     return server
 
 
+@REGENERATION_ENGINES.register("vllm")
 @contextlib.contextmanager
-def vllm_batches(request: Any, batches: list[Batch]) -> Iterator[Iterator[Batch]]:
+def vllm_batches(request: EngineRequest, batches: list[Batch]) -> Iterator[Iterator[Batch]]:
     """Yield the completions of ``batches`` as they finish, from ``request.server`` (one the engine probe
     started, sized for every prompt; the caller stops it) or else a server started for them here."""
     own = request.server is None
@@ -88,7 +86,7 @@ def vllm_batches(request: Any, batches: list[Batch]) -> Iterator[Iterator[Batch]
             server.stop()
 
 
-def probe_batch(server: VllmServer, request: Any, prompts: list[list[int]]) -> list[list[int]]:
+def probe_batch(server: VllmServer, request: EngineRequest, prompts: list[list[int]]) -> list[list[int]]:
     """The completions of one batch (``request.settings``), all requests in flight together: what the engine probe times."""
     finished = _run(server, request, [(0, prompts)])
     try:
@@ -97,7 +95,7 @@ def probe_batch(server: VllmServer, request: Any, prompts: list[list[int]]) -> l
         finished.close()
 
 
-def _run(server: VllmServer, request: Any, batches: list[Batch]) -> Iterator[Batch]:
+def _run(server: VllmServer, request: EngineRequest, batches: list[Batch]) -> Iterator[Batch]:
     settings = request.settings
     eos = request.eos_ids
 
@@ -121,3 +119,6 @@ def _run(server: VllmServer, request: Any, batches: list[Batch]) -> Iterator[Bat
         raise SpecdraftError(f"{exc}; server log {server.log_path}:\n{server.log_tail()}") from None
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+SERVER_ENGINES.register("vllm")(ServerEngine(locate=find_vllm_python, version=vllm_version, start=start_server, probe=probe_batch))

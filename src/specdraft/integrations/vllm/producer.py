@@ -6,6 +6,7 @@ extraction server (``extract.py``), started here or the user's at ``--vllm-url``
 captures a fixed set of layers (``--layers``, default: every method preset's slots), and each
 request names the subset it wants and the storage dtype; its connector writes the payload under
 the request's key, and the reply comes only after the payload was read back and checked.
+Loading this module registers the engine in ``hidden_states/service.py``.
 """
 
 from __future__ import annotations
@@ -16,25 +17,29 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from specdraft.errors import SpecdraftError
-from specdraft.hidden_states.layers import LAYER_PRESETS, LayerSlot, parse_slots
+from specdraft.hidden_states.layers import LayerSlot, parse_slots
+from specdraft.hidden_states.service import PRODUCER_ENGINES, RequestError, ServiceConfig
 from specdraft.integrations.vllm.extract import ServerSpec, capture_plan, describe_target, extraction_client, server_command
 from specdraft.integrations.vllm.protocol import slot_rows
+from specdraft.targets.base import Target
 
 log = logging.getLogger(__name__)
 
 
 def capture_slots(layers: str | None, num_layers: int) -> list[LayerSlot]:
-    """``--layers``, else the union of every method preset's slots (each preset that fits the target)."""
+    """``--layers``, else the union of every method's slots (each method whose slots fit the target)."""
+    from specdraft.models import METHODS
+
     if layers is not None:
         return parse_slots(layers, num_layers)
     union: set[LayerSlot] = set()
-    for name in LAYER_PRESETS:
-        with contextlib.suppress(SpecdraftError):  # a preset that needs more layers than the target has
-            union.update(LAYER_PRESETS.get(name)(num_layers))
+    for name in METHODS.names():
+        with contextlib.suppress(SpecdraftError):  # a method that needs more layers than the target has
+            union.update(METHODS.get(name).layer_slots(num_layers))
     return sorted(union)
 
 
-def service_spec(config: Any, backend: Any, target_info: dict) -> ServerSpec:
+def service_spec(config: ServiceConfig, backend: Any, target_info: dict) -> ServerSpec:
     """The extraction server a ``ServiceConfig`` starts or attaches to (vLLM chooses its max model length)."""
     return ServerSpec(
         target_path=target_info["path"], target_info=target_info, backend=config.backend, store=backend.producer_location(),
@@ -43,7 +48,7 @@ def service_spec(config: Any, backend: Any, target_info: dict) -> ServerSpec:
     )  # fmt: skip
 
 
-def producer_server_command(config: Any) -> tuple[str, str]:
+def producer_server_command(config: ServiceConfig) -> tuple[str, str]:
     """``specdraft serve-hidden-states --engine vllm --print-server-command``: (command line, URL it will serve)."""
     from specdraft.hidden_states.backends import open_backend
 
@@ -51,6 +56,7 @@ def producer_server_command(config: Any) -> tuple[str, str]:
         return server_command(service_spec(config, backend, describe_target(config.target)))
 
 
+@PRODUCER_ENGINES.register("vllm")
 class VllmProducer:
     """A ``ProducerEngine`` whose requests go to a vLLM extraction server; see the module docstring.
 
@@ -58,7 +64,7 @@ class VllmProducer:
     batches them continuously while the service forms the next group.
     """
 
-    def __init__(self, config: Any, backend: Any, target: Any = None):
+    def __init__(self, config: ServiceConfig, backend: Any, target: Target | None = None):
         if config.device != "cpu":
             log.info("--device %s is ignored with --engine vllm: the vLLM build decides where the target runs", config.device)
         self.backend = backend
@@ -80,8 +86,6 @@ class VllmProducer:
             future.add_done_callback(lambda f, job=job: self._finish(job, f))
 
     def _finish(self, job: Any, future: Future) -> None:
-        from specdraft.hidden_states.service import RequestError
-
         try:
             payload = future.result()
         except Exception as exc:  # noqa: BLE001 - reported to the waiting client, who retries elsewhere

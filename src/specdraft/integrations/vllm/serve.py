@@ -12,18 +12,17 @@ import json
 import shlex
 import subprocess
 from dataclasses import dataclass, field
-from typing import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdraft.errors import SpecdraftError
-from specdraft.registry import Registry
 from specdraft.integrations.vllm.engine import VllmServer, find_vllm_python
 from specdraft.utils.config import config_field
-from specdraft.utils.net import is_loopback
+from specdraft.utils.net import require_token_beyond_loopback
 from specdraft.utils.vllm_options import VllmServerOptions
 
-#: Methods whose proposer the vLLM-CPU model runner lacks (it has ngram, draft_model, eagle3, dflash).
-CPU_UNSUPPORTED_METHODS = frozenset({"dspark"})
+if TYPE_CHECKING:
+    from specdraft.models.base import VllmServing
 
 
 @dataclass
@@ -40,11 +39,7 @@ class ServeConfig(VllmServerOptions):
     )
 
     def __post_init__(self) -> None:
-        if not self.token and not is_loopback(self.host):
-            raise SpecdraftError(
-                f"--host {self.host} is reachable from other machines: pass --token SECRET (clients send it as a bearer token) "
-                "or bind 127.0.0.1"
-            )
+        require_token_beyond_loopback(self.host, self.token)
 
 
 @dataclass(frozen=True)
@@ -74,32 +69,12 @@ def read_drafter_info(directory: str | Path) -> DrafterInfo:
     return DrafterInfo(method=method, num_speculative_tokens=tokens, target=target, fields=cfg)
 
 
-#: method -> (checkpoint info, serve config) -> extra ``--speculative-config`` entries, raising what vLLM cannot serve.
-SPECULATIVE_OPTIONS: Registry[Callable[[DrafterInfo, ServeConfig], dict]] = Registry("vLLM serving method")
+def serving(method: str) -> VllmServing:
+    """The family's claims (``MethodSpec.serving``); a method specdraft does not know is left to vLLM."""
+    from specdraft.models import METHODS
+    from specdraft.models.base import VllmServing
 
-
-@SPECULATIVE_OPTIONS.register("dspark")
-def dspark_options(info: DrafterInfo, config: ServeConfig) -> dict:
-    """vLLM 0.32's DSpark (GPU runner): one query block of ``num_speculative_tokens`` slots, anchor first, so it
-    must equal the trained block size; only the vanilla Markov head exists there (``qwen3_dspark.py``)."""
-    head = info.fields.get("markov_head_type", "vanilla")
-    if head != "vanilla":
-        raise SpecdraftError(
-            f"{config.drafter}: markov_head_type is {head!r}; vLLM 0.32 serves only the 'vanilla' Markov head (its DSpark "
-            "loader has no weights for the others); train with markov_head vanilla, or decode with specdraft's built-in runtime"
-        )
-    trained = info.num_speculative_tokens  # = block_size: every slot, the anchor's included, drafts a token
-    if config.num_speculative_tokens not in (None, trained):
-        raise SpecdraftError(
-            f"{config.drafter}: --num-speculative-tokens {config.num_speculative_tokens} differs from the trained block of "
-            f"{trained} drafts; vLLM's DSpark runs a block of num_speculative_tokens slots, which must be {trained}"
-        )
-    options = {"num_speculative_tokens": trained}
-    if config.adaptive_verification:
-        if not info.fields.get("enable_confidence_head", True):
-            raise SpecdraftError(f"{config.drafter}: --adaptive-verification needs a confidence head; this drafter has none")
-        options["enable_adaptive_verification"] = True
-    return options
+    return METHODS.get(method).serving if method in METHODS else VllmServing()
 
 
 def is_cpu_build(python: Path) -> bool:
@@ -116,12 +91,16 @@ def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmS
     from specdraft.targets import resolve_target_dir
     from specdraft.targets.families import family_of
 
+    from specdraft.models import METHODS
+
     info = read_drafter_info(config.drafter)
+    claims = serving(info.method)
     python = find_vllm_python(config.vllm_python)
-    if info.method in CPU_UNSUPPORTED_METHODS and is_cpu_build(python):
+    if not claims.cpu and is_cpu_build(python):
+        on_cpu = " and ".join(m for m in sorted(METHODS.names(), reverse=True) if METHODS.get(m).serving.cpu)
         raise SpecdraftError(
             f"{config.drafter} is a {info.method} drafter, which the vLLM-CPU runner cannot serve "
-            f"(it supports eagle3 and dflash); on this machine decode with specdraft's built-in runtime: "
+            f"(it supports {on_cpu}); on this machine decode with specdraft's built-in runtime: "
             f"`specdraft generate --target {config.target or info.target} --drafter {info.method} --drafter-path {config.drafter}`"
         )
     target = config.target or info.target
@@ -129,13 +108,14 @@ def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmS
         raise SpecdraftError(f"{config.drafter}/config.json records no target; pass --target")
     target_dir = resolve_target_dir(target)
     family_of(AutoConfig.from_pretrained(target_dir)).require_vllm_aux(f"serve a {info.method} drafter")
-    if config.adaptive_verification and info.method not in SPECULATIVE_OPTIONS:
+    if config.adaptive_verification and not claims.adaptive_verification:
         raise SpecdraftError(f"--adaptive-verification is a DSpark feature of vLLM; {config.drafter} is a {info.method} drafter")
     speculative = {
         "method": info.method,
         "model": str(Path(config.drafter).resolve()),
         "num_speculative_tokens": config.num_speculative_tokens or info.num_speculative_tokens,
-        **(SPECULATIVE_OPTIONS.get(info.method)(info, config) if info.method in SPECULATIVE_OPTIONS else {}),
+        **(claims.options(info.fields, info.num_speculative_tokens, config.num_speculative_tokens, config.adaptive_verification,
+                          config.drafter) if claims.options else {}),
     }
     args = ["--speculative-config", json.dumps(speculative), *shlex.split(config.vllm_args)]
     if config.token:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LAYER_PRESETS, LayerSlot, parse_slots
+from specdraft.targets.base import Target
 from specdraft.utils.config import config_field, require_finite
 
 # Target-derived fields: None until ``resolve``.
@@ -81,7 +82,7 @@ class DraftConfig:
     def slots(self) -> list[LayerSlot]:
         return parse_slots(self.layers, self.num_target_layers)
 
-    def resolve(self, target: Any) -> "DraftConfig":
+    def resolve(self, target: Target) -> "DraftConfig":
         """A copy with every unset shape field taken from ``target`` (a ``Target``)."""
         tc = target.text_config
         rope = getattr(tc, "rope_parameters", None) or {}
@@ -112,7 +113,7 @@ class DraftConfig:
         values.update(self._resolve_method(target))
         return dataclasses.replace(self, **values)
 
-    def _resolve_method(self, target: Any) -> dict[str, Any]:
+    def _resolve_method(self, target: Target) -> dict[str, Any]:
         """Method-specific values that depend on the target (overridden by subclasses)."""
         return {}
 

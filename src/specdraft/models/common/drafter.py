@@ -29,6 +29,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.base import DrafterModel, METHODS
 from specdraft.models.common import checkpoint as ckpt
 from specdraft.models.common.config import DraftConfig
+from specdraft.targets.base import Target
 
 NOT_SAVED = ("verifier_norm.", "verifier_lm_head.")
 
@@ -39,7 +40,7 @@ def _frozen_linear(in_dim: int, out_dim: int) -> nn.Linear:
     return layer
 
 
-def target_pieces(target: Any) -> tuple[torch.Tensor, nn.Module, torch.Tensor]:
+def target_pieces(target: Target) -> tuple[torch.Tensor, nn.Module, torch.Tensor]:
     """(embedding weight [V, D], final-norm module, LM-head weight [V, D]) of an HF causal LM."""
     from specdraft.targets.families import family_of
 
@@ -69,7 +70,7 @@ class SpeculatorsDrafter(DrafterModel):
         self.verifier_norm: nn.Module | None = None
 
     # ----- target pieces -------------------------------------------------------------------
-    def attach_target(self, target: Any) -> None:
+    def attach_target(self, target: Target) -> None:
         """Copy the frozen target pieces in (shapes must match the config)."""
         embed, norm, head = target_pieces(target)
         expected = (self.config.vocab_size, self.config.hidden_size)
@@ -194,7 +195,7 @@ class SpeculatorsDrafter(DrafterModel):
         return getattr(config, name)
 
     @classmethod
-    def read_config(cls, cfg: dict, *, where: str, target: Any = None) -> tuple[DraftConfig, dict]:
+    def read_config(cls, cfg: dict, *, where: str, target: Target | None = None) -> tuple[DraftConfig, dict]:
         """(config, verifier) from ``config.json``, strictly: missing or contradictory fields are errors.
 
         With a ``specdraft`` block (our checkpoints) every config field must be recorded (except those marked
@@ -248,7 +249,7 @@ class SpeculatorsDrafter(DrafterModel):
         ckpt.write_checkpoint(directory, self.config_json(), self.saved_state())
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, *, target: Any = None, **kwargs: Any) -> "SpeculatorsDrafter":
+    def from_pretrained(cls, directory: str | Path, *, target: Target | None = None, **kwargs: Any) -> "SpeculatorsDrafter":
         """Load our own or a speculators-written checkpoint; ``target`` supplies the frozen pieces."""
         cfg, tensors = ckpt.read_checkpoint(directory)
         where = str(directory)
@@ -287,7 +288,7 @@ def speculative_tokens_of(cfg: dict) -> int | None:
     return tokens if isinstance(tokens, int) else None
 
 
-def load_drafter(directory: str | Path, *, target: Any = None) -> SpeculatorsDrafter:
+def load_drafter(directory: str | Path, *, target: Target | None = None) -> SpeculatorsDrafter:
     """Load any drafter checkpoint, dispatching on its ``speculators_model_type`` (the family's loader reads and verifies the weights)."""
     cfg = ckpt.read_checkpoint_config(directory)
     kind = cfg.get("speculators_model_type")

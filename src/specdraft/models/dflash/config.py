@@ -11,6 +11,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.common.anchors import ANCHOR_SAMPLING
 from specdraft.models.common.config import DraftConfig
 from specdraft.models.common.weights import POSITION_WEIGHTS
+from specdraft.targets.base import Target
 from specdraft.utils.config import config_field
 
 # Reference loss-decay gammas by block size; other sizes interpolate linearly (clamped).
@@ -22,7 +23,7 @@ def default_gamma(block_size: int) -> float:
     return float(np.interp(block_size, sizes, gammas))
 
 
-def default_mask_token(target: Any) -> int:
+def default_mask_token(target: Target) -> int:
     """An id the target never produces in chat, for the MASK slots.
 
     0. the token the target's family reserves for masking, when its tokenizer has it (Gemma: ``<mask>``);
@@ -53,7 +54,7 @@ def default_mask_token(target: Any) -> int:
     return max(spare)
 
 
-def _family_mask_token(target: Any) -> str | None:
+def _family_mask_token(target: Target) -> str | None:
     from specdraft.targets.families import FAMILIES, text_config
 
     model_type = getattr(text_config(target.model), "model_type", None) if getattr(target, "model", None) is not None else None
@@ -139,7 +140,7 @@ class DFlashConfig(DraftConfig):
     def gamma(self) -> float:
         return self.loss_gamma if self.loss_gamma is not None else default_gamma(self.block_size)
 
-    def _resolve_method(self, target: Any) -> dict[str, Any]:
+    def _resolve_method(self, target: Target) -> dict[str, Any]:
         if self.mask_token_id is not None:
             return {}
         return {"mask_token_id": default_mask_token(target)}

@@ -48,6 +48,7 @@ from specdraft.models.common.vocab import check_vocab_tables, coverage_vocab_siz
 from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.models.dflash.config import DFlashConfig
 from specdraft.models.dflash.loss import ce_rows, weighted_mean
+from specdraft.targets.base import Target
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -356,7 +357,7 @@ class DFlashDrafter(SpeculatorsDrafter):
         return DraftProposal(tokens=tokens, probs=probs)
 
 
-def build_block_drafter(cls: type[DFlashDrafter], config: DFlashConfig, target: Any, counts: torch.Tensor | None) -> DFlashDrafter:
+def build_block_drafter(cls: type[DFlashDrafter], config: DFlashConfig, target: Target, counts: torch.Tensor | None) -> DFlashDrafter:
     """A fresh DFlash/DSpark drafter for ``target`` (frozen embedding, target head and final norm
     copied in). ``counts`` int64[V] (the prepared dataset's response-token counts) selects a reduced
     draft vocabulary: ``draft_vocab_size`` if set, else the smallest N reaching ``draft_vocab_coverage``."""
@@ -379,5 +380,5 @@ def build_block_drafter(cls: type[DFlashDrafter], config: DFlashConfig, target: 
     return model
 
 
-def build_dflash(config: DFlashConfig, target: Any, *, counts: torch.Tensor | None = None, **_: Any) -> DFlashDrafter:
+def build_dflash(config: DFlashConfig, target: Target, *, counts: torch.Tensor | None = None, **_: Any) -> DFlashDrafter:
     return build_block_drafter(DFlashDrafter, config, target, counts)

@@ -32,6 +32,7 @@ from specdraft.models.dflash.model import DFlashDrafter, build_block_drafter
 from specdraft.models.dspark.config import DSparkConfig
 from specdraft.models.dspark.heads import MARKOV_HEADS, ConfidenceHead
 from specdraft.models.dspark.loss import block_terms, soft_acceptance
+from specdraft.targets.base import Target
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -232,6 +233,6 @@ class DSparkDrafter(DFlashDrafter):
         return DraftProposal(tokens=drafted, probs=full, confidences=torch.stack(confs) if confs else None)
 
 
-def build_dspark(config: DSparkConfig, target: Any, *, counts: torch.Tensor | None = None, **_: Any) -> DSparkDrafter:
+def build_dspark(config: DSparkConfig, target: Target, *, counts: torch.Tensor | None = None, **_: Any) -> DSparkDrafter:
     """A fresh DSpark drafter (see ``build_block_drafter`` for the draft vocabulary)."""
     return build_block_drafter(DSparkDrafter, config, target, counts)

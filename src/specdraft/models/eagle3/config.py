@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.common.config import DraftConfig
+from specdraft.targets.base import Target
 from specdraft.utils.config import config_field
 
 
@@ -49,7 +50,7 @@ class Eagle3Config(DraftConfig):
         if self.draft_vocab_coverage is not None and not 0.0 < self.draft_vocab_coverage <= 1.0:
             raise SpecdraftError(f"eagle3 config: draft_vocab_coverage must be in (0, 1], got {self.draft_vocab_coverage}")
 
-    def _resolve_method(self, target: Any) -> dict[str, Any]:
+    def _resolve_method(self, target: Target) -> dict[str, Any]:
         """The draft vocabulary size, capped at the target's; left unset when coverage chooses it at build time."""
         if self.draft_vocab_size is None and self.draft_vocab_coverage is not None:
             return {}

@@ -38,6 +38,7 @@ from specdraft.models.common.sampling import DraftProposal, sample_token
 from specdraft.models.common.vocab import check_vocab_tables, coverage_vocab_size, draft_ids, install_draft_vocab
 from specdraft.models.eagle3.config import Eagle3Config
 from specdraft.models.eagle3.loss import soft_ce_rows, step_weights
+from specdraft.targets.base import Target
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -319,7 +320,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
         return DraftProposal(tokens=torch.stack(tokens), probs=torch.stack(probs))
 
 
-def build_eagle3(config: Eagle3Config, target: Any, *, counts: torch.Tensor | None = None, **_: Any) -> Eagle3Drafter:
+def build_eagle3(config: Eagle3Config, target: Target, *, counts: torch.Tensor | None = None, **_: Any) -> Eagle3Drafter:
     """A fresh EAGLE-3 drafter for ``target``; ``counts`` int64[V] (response-token frequencies,
     the prepared dataset's token_counts) selects the reduced draft vocabulary: ``draft_vocab_size``
     if set, else the smallest N reaching ``draft_vocab_coverage`` (written into the config)."""

@@ -16,19 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.decode.config import SamplingConfig
+from specdraft.errors import SpecdraftError
 from specdraft.eval.config import EvalConfig
 from specdraft.eval.report import EVAL_DIR
 from specdraft.eval.suites import load_prompts
+from specdraft.integrations.vllm.engine import complete, get_text
+from specdraft.integrations.vllm.metrics import read_spec_decode_metrics
 from specdraft.utils.lock import claims_output
 
 
 def _served_model(url: str) -> str:
-    from specdraft.integrations.vllm.engine import get_text
-
     models = json.loads(get_text(f"{url}/v1/models")).get("data") or []
     if not models:
-        from specdraft.errors import SpecdraftError
-
         raise SpecdraftError(f"{url}/v1/models lists no model")
     return str(models[0]["id"])
 
@@ -62,8 +61,6 @@ def run_endpoint_eval(config: EvalConfig, sampling: SamplingConfig = SamplingCon
     from tqdm import tqdm
 
     from specdraft.eval.report import write_report
-    from specdraft.integrations.vllm.engine import complete
-    from specdraft.integrations.vllm.metrics import read_spec_decode_metrics
 
     url = config.endpoint.rstrip("/").removesuffix("/v1")
     prompts = load_prompts(None if config.prompts else config.suite, config.prompts or None, config.limit_per_domain or None)

@@ -655,8 +655,11 @@ def consume(argv: list[str]) -> None:
         parser.add_argument(name, required=True)
     parser.add_argument("--prefetch", type=int, default=8)
     args = parser.parse_args(argv)
+    from specdraft.cli.main import load_plugins
     from specdraft.hidden_states.layers import spread_output_slots
     from specdraft.hidden_states.online import DATA_MODES, SourceOptions
+
+    load_plugins()  # the mooncake backend registers from above
 
     urls = args.producers.split(",")
     options = SourceOptions(data=None, dataset=args.dataset, producers=urls, store=args.store, slots=spread_output_slots,

@@ -27,6 +27,9 @@ from specdraft.decode.config import SamplingConfig, SchedulerConfig
 from specdraft.errors import SpecdraftError
 from specdraft.eval.config import EvalConfig
 from specdraft.eval.report import PARITY_DIR
+from specdraft.integrations.vllm.endpoint_eval import run_endpoint_eval
+from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_drafter_info
+from specdraft.targets.base import Target
 from specdraft.utils.io import atomic_write_bytes, atomic_write_json
 from specdraft.utils.lock import claims_output
 
@@ -56,13 +59,11 @@ def _checkpoint(text: str, target: str) -> Path:
 
 
 @claims_output(PARITY_DIR)  # before the decoding: a foreign, locked or read-only --out costs nothing
-def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, target: Any = None,
+def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, target: Target | None = None,
                     progress: bool = True) -> dict[str, Any]:
     """Built-in vs served tau per checkpoint drafter; writes ``parity.json`` and ``parity.md`` under ``config.out``
     (each side's full report under ``builtin-<i>/`` and ``served-<i>/``)."""
-    from specdraft.eval.endpoint import run_endpoint_eval
     from specdraft.eval.runner import run_eval
-    from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_drafter_info
     from specdraft.targets import load_target
 
     paths = [_checkpoint(d, config.target) for d in config.drafters]
@@ -84,7 +85,7 @@ def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfi
             with drafter_server(ServeConfig(drafter=str(path), vllm_args=config.vllm_args, vllm_python=config.vllm_python)) as server:
                 served = run_endpoint_eval(dataclasses.replace(served_config, endpoint=server.url), sampling,
                                            tokenizer=target.tokenizer, progress=progress)
-        rows.append(_compare(builtin, served, str(path)))
+        rows.append(compare_sides(builtin, served, str(path)))
     report = {"format": "specdraft.parity_report", "format_version": 2, "gap_threshold": PARITY_GAP,
               "config": dataclasses.asdict(config), "sampling": dataclasses.asdict(sampling), "drafters": rows}
     atomic_write_json(out / "parity.json", report)
@@ -92,7 +93,8 @@ def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfi
     return report
 
 
-def _compare(builtin: dict[str, Any], served: dict[str, Any], path: str) -> dict[str, Any]:
+def compare_sides(builtin: dict[str, Any], served: dict[str, Any], path: str) -> dict[str, Any]:
+    """One drafter's row: its built-in and served reports side by side, a gap above ``PARITY_GAP`` flagged."""
     local = next(r for r in builtin["runs"] if r["drafter"] != "autoregressive")
     remote = served["runs"][0]
     tau_builtin, tau_served = round_tau(local["overall"]), round_tau(remote["overall"])

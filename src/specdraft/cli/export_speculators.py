@@ -1,0 +1,25 @@
+"""``specdraft export-speculators``: write a hidden-state store as speculators' training data (its trainer's --data-path)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specdraft.integrations.speculators.data import ExportSpeculatorsConfig
+from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
+
+
+def add_parser(subparsers) -> None:
+    command = subparsers.add_parser("export-speculators", description=__doc__.splitlines()[0],
+                                    help="write a hidden-state store as speculators' training data")
+    command.set_defaults(func=run)
+    add_dataclass_arguments(command, ExportSpeculatorsConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print what was written (the peer's layer ids, the split's rows, the train-data ratio)."""
+    from specdraft.integrations.speculators.data import export_speculators_data
+
+    summary = export_speculators_data(dataclass_from_args(ExportSpeculatorsConfig, args))
+    print(json.dumps(summary, indent=1))
+    return 0

@@ -1,0 +1,1 @@
+"""Interoperability with the ``speculators`` package beyond the checkpoint format (which ``models`` reads and writes)."""

@@ -1,0 +1,116 @@
+"""``specdraft export-speculators``: a hidden-state store as the training data speculators' trainer reads.
+
+Why: to train speculators' own drafter (``python -m speculators.train``) on exactly the tokens, hidden states,
+validation split and draft vocabulary ``specdraft train`` uses, so the two trainers can be compared
+(``benchmarks/peer_compare.py``).
+
+What the peer's ``--data-path`` holds: a Hugging Face ``datasets`` directory (``save_to_disk``) with columns
+``input_ids``, ``loss_mask`` and ``seq_len``, and ``hidden_states/hs_<row>.safetensors`` per row holding
+``token_ids`` [T] and ``hidden_states`` [T, L + 1, D] -- the drafter's L target layers (in ``--target-layer-ids``
+order) followed by the target's last hidden state (before its final norm). Our store holds exactly these tensors
+(``hidden_states`` [T, S, D] + ``last_hidden`` [T, D]); only the method's slots are written, mapped to
+speculators' layer ids as in ``models/common/checkpoint.py`` (``output:i`` -> ``i + 1``). The peer validates on
+the last ``1 - --train-data-ratio`` rows, so our validation side (``train/split.py``) is written last. With
+``draft_vocab_size`` also ``d2t-N.npy``/``t2d-N.npy`` (the peer's cached mapping names), built from the counts our
+trainer selects its draft vocabulary from. A directory exported from the same store, slots and split
+(``converted.json``) is reused. Needs the ``datasets`` package (in ``.venv-interop``, with speculators).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+from specdraft.utils.config import config_field, require_finite
+
+DONE_FILE = "converted.json"
+#: Our model config field -> the speculators trainer flag that sets the same quantity (absent fields are skipped).
+SHAPE_FLAGS = {"num_layers": "--num-layers", "block_size": "--block-size", "draft_vocab_size": "--draft-vocab-size",
+               "markov_rank": "--markov-rank"}
+
+
+def trainer_flags(model: dict, *, anchors_per_step: int | None = None) -> list[str]:
+    """The speculators trainer flags that give its drafter the shape of our resolved ``model`` config and, when
+    given, ``anchors_per_step`` blocks per step (it counts ``--max-anchors`` per packed row, ours per sample)."""
+    flags = [x for key, flag in SHAPE_FLAGS.items() if key in model for x in (flag, str(model[key]))]
+    if anchors_per_step is not None:
+        flags += ["--max-anchors", str(anchors_per_step)]
+    return flags
+
+
+@dataclass
+class ExportSpeculatorsConfig:
+    store: str = config_field(help="hidden-state store (written by `specdraft extract`) holding the method's layer slots")
+    out: str = config_field(help="directory to write (the peer's --data-path); one exported from the same store, slots and split is reused")
+    method: str = config_field("dspark", help="drafter method whose layer slots are exported (the peer's --speculator-type)")
+    val_fraction: float = config_field(0.05, help="specdraft train's --val-fraction: its validation rows are written last")
+    split_seed: int = config_field(0, help="specdraft train's --split-seed")
+    draft_vocab_size: int | None = config_field(
+        None, help="also write the peer's d2t/t2d mapping of this size, built from the store's token counts as specdraft train builds its own"
+    )
+
+    def __post_init__(self) -> None:
+        require_finite(self)
+        if not 0 < self.val_fraction < 1:
+            raise SpecdraftError(f"--val-fraction must be in (0, 1): the peer needs validation rows, got {self.val_fraction}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise SpecdraftError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}")
+
+
+def export_speculators_data(config: ExportSpeculatorsConfig) -> dict:
+    """Write ``config.out``; returns the peer's ``--target-layer-ids`` (``layer_ids``), the row counts of each side,
+    the ``--train-data-ratio`` that splits them as ours and the token counts."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from specdraft.hidden_states.dataset import HiddenStateDataset
+    from specdraft.models import METHODS
+    from specdraft.models.common.checkpoint import slot_to_aux_id
+    from specdraft.models.common.vocab import build_draft_vocab
+    from specdraft.train.data import select_slots
+    from specdraft.train.split import dataset_split
+    from specdraft.train.data import token_counts
+
+    try:
+        from datasets import Dataset
+    except ImportError:
+        raise SpecdraftError("export-speculators needs the `datasets` package (installed with speculators in .venv-interop: "
+                             "run `.venv-interop/bin/python -m specdraft.cli.main export-speculators ...`)") from None
+    out = Path(config.out)
+    dataset = HiddenStateDataset(config.store)
+    slots = METHODS.get(config.method).layer_slots(int(dataset.target_info["num_layers"]))
+    key = {"store": str(Path(config.store).resolve()), "slots": [str(s) for s in slots], "val_fraction": config.val_fraction,
+           "split_seed": config.split_seed}
+    done = out / DONE_FILE
+    if done.is_file() and (facts := json.loads(done.read_text()))["key"] == key:
+        facts.pop("key")
+    else:
+        slot_index = select_slots(dataset.slots, slots, where=config.store)
+        split = dataset_split(dataset, val_fraction=config.val_fraction, seed=config.split_seed)
+        if not split.val:
+            raise SpecdraftError(f"{config.store}: no sample falls in the validation split (--val-fraction {config.val_fraction}); the peer needs one")
+        order = split.train + split.val  # the peer holds out the last rows
+        (out / "hidden_states").mkdir(parents=True, exist_ok=True)
+        columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+        for row, index in enumerate(order):
+            item = dataset[index]
+            tokens = torch.as_tensor(item["token_ids"], dtype=torch.long)
+            stacked = torch.cat([item["hidden_states"][:, slot_index], item["last_hidden"].unsqueeze(1)], dim=1).contiguous()
+            save_file({"token_ids": tokens, "hidden_states": stacked}, str(out / "hidden_states" / f"hs_{row}.safetensors"))
+            columns["input_ids"].append(tokens.tolist())
+            columns["loss_mask"].append([int(m) for m in torch.as_tensor(item["loss_mask"]).tolist()])
+            columns["seq_len"].append(len(tokens))
+        Dataset.from_dict(columns).with_format("torch").save_to_disk(str(out))
+        train_tokens = sum(columns["seq_len"][: len(split.train)])
+        facts = {"layer_ids": [slot_to_aux_id(slot) for slot in slots], "train_rows": len(split.train), "val_rows": len(split.val),
+                 # the peer cuts at int(rows * ratio): half a row more keeps float rounding on the right side
+                 "train_data_ratio": (len(split.train) + 0.5) / len(order), "tokens": sum(columns["seq_len"]), "train_tokens": train_tokens}
+        done.write_text(json.dumps({**facts, "key": key}))
+    if config.draft_vocab_size:
+        d2t, t2d = build_draft_vocab(token_counts(dataset), config.draft_vocab_size)
+        np.save(out / f"d2t-{config.draft_vocab_size}.npy", d2t.numpy())
+        np.save(out / f"t2d-{config.draft_vocab_size}.npy", t2d.numpy())
+    return facts

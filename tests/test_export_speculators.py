@@ -1,0 +1,107 @@
+"""``specdraft export-speculators``: a store as speculators' training data, and the peer flags for our shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from specdraft.errors import SpecdraftError
+from test_interop import INTEROP_PYTHON, ROOT
+
+needs_interop = pytest.mark.skipif(not INTEROP_PYTHON.exists(), reason=f"speculators environment {INTEROP_PYTHON} not built (scripts/bootstrap.sh)")
+
+
+@pytest.fixture(scope="module")
+def store(tiny_llama_dir, tiny_target, tmp_path_factory):
+    from specdraft.data.dataset import write_prepared
+    from specdraft.hidden_states.config import ExtractConfig
+    from specdraft.hidden_states.extract import extract_hidden_states
+
+    root = tmp_path_factory.mktemp("export")
+    g = torch.Generator().manual_seed(0)
+    rows = [{"sample_id": f"c{i // 2}_{i % 2}", "source": "t:sharegpt", "input_ids": torch.randint(0, 1000, (24,), generator=g).tolist(),
+             "loss_mask": [int(j >= 6) for j in range(24)]} for i in range(16)]
+    data = write_prepared(root / "data", rows, target_info=tiny_target.describe(), config={}, stats={}, vocab_size=tiny_target.vocab_size)
+    out = root / "hs"
+    # dspark's slots (outputs of layers 1-3) plus one it does not read: the export must pick the method's
+    extract_hidden_states(ExtractConfig(dataset=str(data), out=str(out), layers="input:5,output:1,output:2,output:3",
+                                        target=str(tiny_llama_dir), dtype="float32"), progress=False)
+    return out
+
+
+def _export(store, out, *flags):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([str(INTEROP_PYTHON), "-m", "specdraft.cli.main", "export-speculators", "--store", str(store), "--out", str(out),
+                           "--val-fraction", "0.3", *flags], capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.interop
+@needs_interop
+def test_export_writes_what_the_peer_trainer_reads_with_our_split_and_vocabulary(store, tmp_path):
+    from safetensors.torch import load_file
+
+    from specdraft.hidden_states.dataset import HiddenStateDataset
+    from specdraft.models.common.vocab import build_draft_vocab
+    from specdraft.train.split import dataset_split
+    from specdraft.train.data import token_counts
+
+    run = _export(store, tmp_path / "data", "--draft-vocab-size", "64")
+    assert run.returncode == 0, run.stderr[-3000:]
+    facts = json.loads(run.stdout[run.stdout.index("{\n"):])
+    assert facts["layer_ids"] == [2, 3, 4]  # outputs of layers 1-3, as speculators numbers them; input:5 left out
+    dataset = HiddenStateDataset(store)
+    split = dataset_split(dataset, val_fraction=0.3, seed=0)
+    assert (facts["train_rows"], facts["val_rows"]) == (len(split.train), len(split.val)) and facts["val_rows"] > 0
+    assert int(facts["train_data_ratio"] * 16) == len(split.train)  # the peer's cut keeps our validation side last
+    files = sorted((tmp_path / "data/hidden_states").glob("hs_*.safetensors"))
+    assert len(files) == 16
+    assert facts["train_tokens"] == sum(dataset.lengths()[i] for i in split.train) and facts["tokens"] == sum(dataset.lengths())
+    first = dataset[split.train[0]]
+    row = load_file(str(tmp_path / "data/hidden_states/hs_0.safetensors"))
+    slot_index = [dataset.slots.index(s) for s in dataset.slots if str(s) != "input:5"]
+    assert torch.equal(row["token_ids"], torch.as_tensor(first["token_ids"], dtype=torch.long))
+    assert torch.equal(row["hidden_states"], torch.cat([first["hidden_states"][:, slot_index], first["last_hidden"].unsqueeze(1)], dim=1))
+    ours_d2t, ours_t2d = build_draft_vocab(token_counts(dataset), 64)  # the vocabulary our trainer would pick
+    assert np.array_equal(np.load(tmp_path / "data/d2t-64.npy"), ours_d2t.numpy())
+    assert np.array_equal(np.load(tmp_path / "data/t2d-64.npy"), ours_t2d.numpy())
+    # the columns the peer's dataset loader reads, in our order
+    columns = subprocess.run([str(INTEROP_PYTHON), "-c", "import sys, json, datasets; d = datasets.load_from_disk(sys.argv[1]); "
+                              "print(json.dumps({'names': d.column_names, 'seq_len': [int(n) for n in d.with_format(None)['seq_len']]}))", str(tmp_path / "data")],
+                             capture_output=True, text=True, timeout=300, check=True)
+    read = json.loads(columns.stdout.strip().splitlines()[-1])
+    assert sorted(read["names"]) == ["input_ids", "loss_mask", "seq_len"]
+    assert [int(n) for n in read["seq_len"]] == [int(dataset.lengths()[i]) for i in split.train + split.val]
+    again = _export(store, tmp_path / "data")  # same store, slots and split: reused
+    assert again.returncode == 0 and json.loads(again.stdout[again.stdout.index("{\n"):]) == facts
+
+
+def test_export_without_datasets_says_where_to_run_it(store, tmp_path):
+    from specdraft.integrations.speculators.data import ExportSpeculatorsConfig, export_speculators_data
+
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(SpecdraftError, match="needs the `datasets` package.*.venv-interop"):
+            export_speculators_data(ExportSpeculatorsConfig(store=str(store), out=str(tmp_path / "data")))
+    with pytest.raises(SpecdraftError, match="--val-fraction must be in"):
+        ExportSpeculatorsConfig(store=str(store), out=str(tmp_path / "data"), val_fraction=0.0)
+
+
+def test_peer_gets_our_shape_and_blocks_per_step():
+    """The peer is given our recipe's drafter shape and our run's draft work per step."""
+    from specdraft.integrations.speculators.data import trainer_flags
+    from specdraft.train.config import resolve_config
+
+    model = resolve_config("dspark").model
+    # ours samples up to 64 blocks per *sample*; a packed row of ~14 gets ~740: the peer counts blocks per packed row
+    assert trainer_flags(model, anchors_per_step=737) == [
+        "--num-layers", str(model["num_layers"]), "--block-size", str(model["block_size"]), "--draft-vocab-size",
+        str(model["draft_vocab_size"]), "--markov-rank", str(model["markov_rank"]), "--max-anchors", "737"]
+    dflash = trainer_flags(resolve_config("dflash").model)
+    assert "--markov-rank" not in dflash and "--max-anchors" not in dflash and dflash[dflash.index("--block-size") + 1] == "8"
