@@ -96,7 +96,8 @@ def _now_text(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True if a process ``pid`` exists on this host (whoever owns it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -127,7 +128,7 @@ def stale_reason(holder: dict, *, host: str, now: float, stale_after: float = ST
     """
     if same_machine(holder, host):
         pid = holder.get("pid")
-        return None if isinstance(pid, int) and _pid_alive(pid) else f"pid {pid} is no longer running on {host}"
+        return None if isinstance(pid, int) and pid_alive(pid) else f"pid {pid} is no longer running on {host}"
     beat = holder.get("heartbeat")
     if not isinstance(beat, (int, float)):
         return None

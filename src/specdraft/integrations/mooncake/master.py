@@ -30,7 +30,7 @@ from typing import Any
 from specdraft.errors import SpecdraftError
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.io import atomic_write_bytes, atomic_write_json
-from specdraft.utils.lock import claims_output
+from specdraft.utils.lock import claims_output, pid_alive
 
 PID_FILE = "master.pid"
 STATE_FILE = "master.json"
@@ -91,12 +91,8 @@ def master_command() -> list[str]:
 
 def _pid_alive(pid: int) -> bool:
     """True if ``pid`` is a live mooncake_master (a recycled pid of another program does not count)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        return True
     cmdline = Path(f"/proc/{pid}/cmdline")
     if cmdline.exists():
         try:
