@@ -56,6 +56,7 @@ from specdraft.registry import Registry
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch, train_step
 from specdraft.train.config import TrainConfig
+from specdraft.utils.compute import parse_device
 from specdraft.train.data import (
     DELIVERY_LOG,
     DataPlan,
@@ -168,7 +169,7 @@ def _init_distributed(cfg: TrainConfig) -> tuple[_Dist, torch.device]:
     if cfg.device == "auto":
         device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     else:
-        device = torch.device(cfg.device)
+        device = parse_device(cfg.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device(f"cuda:{local_rank}")
     if device.type == "cuda":

@@ -83,11 +83,13 @@ def resolve_forward_threads(requested: int, model: Any, *, fingerprint: str, row
 
     param = next(model.parameters())
     tokens = power_of_two_at_least(tokens)
-    ids = torch.randint(0, int(model.config.vocab_size), (rows, tokens), generator=torch.Generator().manual_seed(0)).to(param.device)
+    ids = []  # drawn on the first timed forward: a fixed --threads N never pays for (or overflows on) the probe's batch
 
     def forward() -> None:
+        if not ids:
+            ids.append(torch.randint(0, int(model.config.vocab_size), (rows, tokens), generator=torch.Generator().manual_seed(0)).to(param.device))
         with torch.no_grad():
-            model(input_ids=ids)
+            model(input_ids=ids[0])
 
     context = {"work": "forward", "target": fingerprint, "dtype": str(param.dtype), "rows": rows, "tokens": tokens}
     return resolve_threads(requested, "forward-threads", context, forward, device=param.device)

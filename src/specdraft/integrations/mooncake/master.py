@@ -57,6 +57,8 @@ class MasterConfig:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise SpecdraftError(f"--{name.replace('_', '-')} {getattr(self, name)} is not a TCP port (0-65535)")
+        if not self.dir.strip():
+            raise SpecdraftError("--dir is empty: name the directory for the master's pid, state and log files")
         if self.lease_ttl_ms < 1:
             raise SpecdraftError(f"--lease-ttl-ms must be >= 1, got {self.lease_ttl_ms}")
         if not 1 <= self.put_discard_timeout_s <= self.put_release_timeout_s:
