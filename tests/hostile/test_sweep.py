@@ -168,9 +168,13 @@ def _judged(p: Pipeline, command: str, args: list[str], out: Path, kind: str | N
     return [f"specdraft {' '.join(args)}\n  -> exit {result.code}: {result.message}", *problems] if problems else []
 
 
+#: Examples per command: commands whose valid runs load a target or start a server get fewer.
+EXAMPLES = {"prepare": 20, "extract": 15, "train": 15, "calibrate": 15, "generate": 15, "eval": 8, "serve-hidden-states": 8, "store": 6}
+
+
 @pytest.mark.parametrize("command", list(BASE))
 def test_flag_values(pipe, command):
-    @SWEEP
+    @settings(SWEEP, max_examples=EXAMPLES[command])
     @given(data=st.data())
     def sweep(data):
         extra = data.draw(_args(pipe, command), label="flags")
@@ -186,3 +190,148 @@ def test_flag_values(pipe, command):
                                             for (c, e), r in KNOWN.items()])
 def test_known_flag_failures(pipe, command, extra):
     assert not _sweep_once(pipe, command, extra)
+
+
+# ----- config files: a --config recipe, --model key=value ------------------------------------------------
+
+_TRAIN_KEYS = ["lr", "max_steps", "pack_tokens", "grad_clip", "warmup_ratio", "val_fraction", "epochs", "model", "method", "data",
+               "seed", "betas", "max_time", "checkpoint_interval", "dtype", "nonsense_key"]
+_MODEL_KEYS = ["block_size", "num_layers", "markov_rank", "max_anchors", "draft_vocab_size", "confidence_head", "ce_weight",
+               "position_weighting", "anchor_sampling", "no_such_field"]
+_YAML_SCALARS = ["-1", "0", "1.5", ".nan", ".inf", "-.inf", "1e400", "''", "yes", "null", "~", "[]", "{}", "[1, [2, [3]]]",
+                 "{a: {b: {c: 1}}}", "!!binary aGVsbG8=", "99999999999999999999999", "\"\u00fc\u00df\"", "2026-12-03"]
+
+
+def _yaml_document() -> st.SearchStrategy:
+    """A recipe: known keys and unknown ones with values of every wrong type, or YAML that is not a mapping,
+    or anchors and aliases (a recursive one included)."""
+    entry = st.tuples(st.sampled_from(_TRAIN_KEYS), st.sampled_from(_YAML_SCALARS)).map(lambda kv: f"{kv[0]}: {kv[1]}")
+    model = st.lists(st.tuples(st.sampled_from(_MODEL_KEYS), st.sampled_from(_YAML_SCALARS)), min_size=1, max_size=3).map(
+        lambda kvs: "model:\n" + "".join(f"  {k}: {v}\n" for k, v in kvs))
+    mapping = st.tuples(st.lists(entry, min_size=1, max_size=3), model).map(lambda parts: "\n".join(parts[0]) + "\n" + parts[1])
+    odd = st.sampled_from(["", "- 1\n- 2\n", "just a string\n", "lr: [unclosed\n", "a: &x [*x]\nlr: 1\n",
+                           "base: &b {lr: 0.1}\nlr: *b\n", "model: &m {block_size: *m}\n", "\t lr: 1\n", "lr: 1\nlr: 2\n",
+                           "%YAML 9.9\n---\nlr: 1\n", "!!python/object:os.system {}\n"])
+    return st.one_of(mapping, odd)
+
+
+@settings(SWEEP, max_examples=25)
+@given(text=_yaml_document(), model=st.none() | st.lists(st.tuples(st.sampled_from(_MODEL_KEYS), st.sampled_from(VALUES["str"] + VALUES["float"])),
+                                                          min_size=1, max_size=2).map(lambda kvs: ",".join(f"{k}={v}" for k, v in kvs)))
+def test_train_config_files(pipe, text, model):
+    recipe = pipe.fresh("recipe.yaml")
+    recipe.write_text(text)
+    extra = ["--config", str(recipe)] + (["--model", model] if model is not None else [])
+    problems = _sweep_once(pipe, "train", extra)
+    assert not problems, text + "\n" + "\n".join(problems)
+    assert recipe.read_text() == text
+
+
+# ----- producer requests: POST /extract bodies -------------------------------------------------------------
+
+#: Known failures of the producer's request schema, fixed on another branch: each a strict xfail below, and
+#: left out of the generated bodies so the sweep passes meanwhile (issue 27 (e)).
+KNOWN_REQUESTS = {
+    "slot layer 1.7 (a float)": {"slots": [{"layer": 1.7, "side": "output"}]},
+    "slot layer true (a bool)": {"slots": [{"layer": True, "side": "output"}]},
+    "slot layer '1' (a string)": {"slots": [{"layer": "1", "side": "output"}]},
+    "body nested 100000 deep": "[" * 100_000 + "]" * 100_000,
+}
+_REASON = "issue 27 (e): the producer's strict request schema, fixed on the hidden-states server branch"
+
+
+@pytest.fixture(scope="module")
+def producer(tiny_target, tmp_path_factory):
+    from specdraft.hidden_states.service import HiddenStateService, ServiceConfig
+
+    config = ServiceConfig(target="tiny", backend="file", store=str(tmp_path_factory.mktemp("produced")), port=0, max_batch=4,
+                           batch_wait_ms=5, max_tokens=64)
+    with HiddenStateService(config, target=tiny_target) as service:
+        yield service
+
+
+def _post(url: str, body: bytes, *, content_type: str | None = "application/json", length: str | None = None) -> tuple[int, bytes]:
+    """POST /extract over a raw socket: ``length`` overrides the Content-Length header ("" leaves it out), the
+    write side is shut after the body (a truncated body ends there). (0, b"") when no reply came."""
+    host, port = url.removeprefix("http://").split(":")
+    head = "POST /extract HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    if content_type:
+        head += f"Content-Type: {content_type}\r\n"
+    length = str(len(body)) if length is None else length
+    if length:
+        head += f"Content-Length: {length}\r\n"
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head.encode() + b"\r\n" + body)
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    if not reply:
+        return 0, b""
+    status = int(reply.split(b" ", 2)[1])
+    return status, reply.partition(b"\r\n\r\n")[2]
+
+
+_JSON_ATOM = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
+                       st.sampled_from(["", "output", "input", "bfloat16", "float32", "\u00fc\U0001f600", "x" * 600, "1"]))
+_JSON = st.recursive(_JSON_ATOM, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                     max_leaves=8)
+_LAYER = st.one_of(st.integers(-3, 8), st.integers(-2**70, 2**70), st.none(), st.lists(st.integers(), max_size=2),
+                   st.sampled_from(["one", "", "1.5.2"]))  # not floats, bools or numeric strings: KNOWN_REQUESTS
+_SLOT = st.one_of(st.fixed_dictionaries({"layer": _LAYER, "side": st.sampled_from(["input", "output", "middle", ""]) | _JSON_ATOM}),
+                  _JSON)
+_BODY = st.fixed_dictionaries(
+    {},
+    optional={
+        "key": st.sampled_from(["k", "", "a/b", "..", "../../etc", "\n", "x" * 600]) | _JSON_ATOM,
+        "token_ids": st.lists(st.integers(-5, 49200) | st.integers(-2**70, 2**70), max_size=70) | _JSON,
+        "slots": st.lists(_SLOT, max_size=3) | _JSON_ATOM,
+        "dtype": st.sampled_from(["bfloat16", "float32", "float16", "int8", ""]) | _JSON_ATOM,
+        "target_fingerprint": _JSON_ATOM,
+        "extra": _JSON,
+    },
+)
+_STATUSES = (200, 400, 401, 404, 409, 411, 413)
+
+
+def _check_reply(producer, status: int, reply: bytes, key) -> None:
+    from specdraft.hidden_states.backends.file import FileBackend
+
+    assert status in _STATUSES, f"status {status}: {reply[:300]!r}"
+    obj = json.loads(reply)
+    store = FileBackend(producer.config.store, create=False)
+    if status == 200:
+        assert obj["key"] == key and store.get(key).num_tokens == obj["num_tokens"]
+    else:
+        assert obj["error"]
+
+
+@settings(SWEEP, max_examples=60)
+@given(body=_BODY, raw=st.sampled_from(["json", "python-json", "truncated", "no-length", "bad-length"]),
+       content_type=st.sampled_from(["application/json", None, "text/plain", "multipart/form-data; boundary=x"]))
+def test_extract_request_bodies(producer, body, raw, content_type):
+    if isinstance(body.get("key"), str) and body["key"]:
+        body["key"] = f"{body['key']}-{abs(hash(json.dumps(body, sort_keys=True, default=str)))}"  # each example its own key
+    data = json.dumps(body).encode()
+    if raw == "python-json":  # NaN and Infinity, which Python's json writes and reads
+        data = json.dumps(body, allow_nan=True).encode()
+    length = None
+    if raw == "truncated":
+        data, length = data[: len(data) // 2], str(len(data))
+    elif raw == "no-length":
+        length = ""
+    elif raw == "bad-length":
+        length = "-1"
+    status, reply = _post(producer.url, data, content_type=content_type, length=length)
+    _check_reply(producer, status, reply, body.get("key"))
+
+
+@pytest.mark.xfail(strict=True, reason=_REASON)
+@pytest.mark.parametrize("name", list(KNOWN_REQUESTS))
+def test_known_request_failures(producer, name):
+    known = KNOWN_REQUESTS[name]
+    body = {"key": f"known-{len(name)}", "token_ids": [1, 2, 3], "slots": [{"layer": 1, "side": "output"}], "dtype": "float32"}
+    data = json.dumps({**body, **known}).encode() if isinstance(known, dict) else known.encode()
+    status, reply = _post(producer.url, data)
+    assert status == 400, f"status {status}: {reply[:200]!r}"
+    _check_reply(producer, status, reply, body["key"])
