@@ -235,7 +235,7 @@ KNOWN_REQUESTS = {
     "slot layer 1.7 (a float)": {"slots": [{"layer": 1.7, "side": "output"}]},
     "slot layer true (a bool)": {"slots": [{"layer": True, "side": "output"}]},
     "slot layer '1' (a string)": {"slots": [{"layer": "1", "side": "output"}]},
-    "body nested 100000 deep": "[" * 100_000 + "]" * 100_000,
+    "body nested 30000 deep": "[" * 30_000 + "]" * 30_000,
 }
 _REASON = "issue 27 (e): the producer's strict request schema, fixed on the hidden-states server branch"
 
@@ -333,5 +333,5 @@ def test_known_request_failures(producer, name):
     body = {"key": f"known-{len(name)}", "token_ids": [1, 2, 3], "slots": [{"layer": 1, "side": "output"}], "dtype": "float32"}
     data = json.dumps({**body, **known}).encode() if isinstance(known, dict) else known.encode()
     status, reply = _post(producer.url, data)
-    assert status == 400, f"status {status}: {reply[:200]!r}"
+    assert status in (400, 413), f"status {status}: {reply[:200]!r}"
     _check_reply(producer, status, reply, body["key"])
