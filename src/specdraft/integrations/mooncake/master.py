@@ -57,6 +57,10 @@ class MasterConfig:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise SpecdraftError(f"--{name.replace('_', '-')} {getattr(self, name)} is not a TCP port (0-65535)")
+        try:
+            socket.getaddrinfo(self.host, None)  # a name that does not resolve fails here, not as a gaierror from bind
+        except (socket.gaierror, UnicodeError) as exc:
+            raise SpecdraftError(f"--host {self.host!r} does not resolve ({exc}); use 127.0.0.1 or this node's cluster IP") from None
         if not self.dir.strip():
             raise SpecdraftError("--dir is empty: name the directory for the master's pid, state and log files")
         if self.lease_ttl_ms < 1:
