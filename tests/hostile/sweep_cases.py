@@ -221,8 +221,10 @@ def output_problems(path: Path, kind: str) -> list[str]:
 
 
 def judge(result: Result, *, inputs_before: dict, inputs_after: dict, outputs: dict[Path, str] = {},
-          codes: tuple = (0, 2)) -> list[str]:
-    """Every way ``result`` breaks the sweep's properties; [] when it keeps them all."""
+          outputs_before: dict[Path, dict] = {}, codes: tuple = (0, 2)) -> list[str]:
+    """Every way ``result`` breaks the sweep's properties; [] when it keeps them all.
+
+    ``outputs_before``: ``tree_digest`` of the outputs that existed before the run; one left unchanged is fine."""
     problems = []
     if result.crash:
         problems.append("traceback:\n" + result.crash[-3000:])
@@ -235,7 +237,8 @@ def judge(result: Result, *, inputs_before: dict, inputs_after: dict, outputs: d
         problems.append(f"inputs changed: {changed[:8]}")
     if result.code != "overtime":
         for path, kind in outputs.items():
-            problems += output_problems(path, kind)
+            if path not in outputs_before or tree_digest(path) != outputs_before[path]:
+                problems += output_problems(path, kind)
     return problems
 
 
