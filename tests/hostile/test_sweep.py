@@ -187,7 +187,7 @@ def _judged(p: Pipeline, command: str, args: list[str], out: Path, kind: str | N
 
 
 #: Examples per command: commands whose valid runs load a target or start a server get fewer.
-EXAMPLES = {"prepare": 20, "extract": 15, "train": 15, "calibrate": 15, "generate": 15, "eval": 8, "serve-hidden-states": 8, "store": 6}
+EXAMPLES = {"prepare": 40, "extract": 30, "train": 30, "calibrate": 30, "generate": 30, "eval": 20, "serve-hidden-states": 20, "store": 12}
 
 
 @pytest.mark.parametrize("command", list(BASE))
@@ -241,7 +241,7 @@ def _yaml_document() -> st.SearchStrategy:
     return st.one_of(mapping, odd)
 
 
-@settings(SWEEP, max_examples=25)
+@settings(SWEEP, max_examples=50)
 @given(text=_yaml_document(), model=st.none() | st.lists(st.tuples(st.sampled_from(_MODEL_KEYS), st.sampled_from(VALUES["str"] + VALUES["float"])),
                                                           min_size=1, max_size=2).map(lambda kvs: ",".join(f"{k}={v}" for k, v in kvs)))
 def test_train_config_files(pipe, text, model):
@@ -332,7 +332,7 @@ def _check_reply(producer, status: int, reply: bytes, key) -> None:
         assert obj["error"]
 
 
-@settings(SWEEP, max_examples=60)
+@settings(SWEEP, max_examples=120)
 @given(body=_BODY, raw=st.sampled_from(["json", "python-json", "truncated", "no-length", "bad-length"]),
        content_type=st.sampled_from(["application/json", None, "text/plain", "multipart/form-data; boundary=x"]))
 def test_extract_request_bodies(producer, body, raw, content_type):
