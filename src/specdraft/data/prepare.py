@@ -211,9 +211,9 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     inputs = [source for source in split_sources(config.data) if Path(source).expanduser().exists()]
     check_replaceable(config.out, PREPARED_DIR, inputs=inputs)  # before any work; checked again before the swap
     if config.threads:
-        import torch
+        from specdraft.utils.threads import set_threads
 
-        torch.set_num_threads(config.threads)
+        set_threads(config.threads)
     target = load_target(config.target, device=config.device)
     eot_ids = target.end_of_turn_ids
     for directory in prepared_sources(config.data):

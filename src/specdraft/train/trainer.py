@@ -56,7 +56,6 @@ from specdraft.registry import Registry
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch, train_step
 from specdraft.train.config import TrainConfig
-from specdraft.utils.compute import parse_device
 from specdraft.train.data import (
     DELIVERY_LOG,
     DataPlan,
@@ -73,7 +72,7 @@ from specdraft.train.acceptance import TEACHER_FORCED_ANCHORS, DecodeProbe, last
 from specdraft.train.metrics import MetricSums, MetricsLog, lr_factor
 from specdraft.train.split import SPLIT_FILE, resolve_split, write_split
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
-from specdraft.utils.compute import COMPUTE_DTYPES, autocast
+from specdraft.utils.compute import COMPUTE_DTYPES, autocast, parse_device
 from specdraft.utils.io import check_replaceable
 
 log = logging.getLogger(__name__)
@@ -354,7 +353,9 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource) -> TrainResult:
     out = Path(cfg.out)
     _check_out_dir(out)
     if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+        from specdraft.utils.threads import set_threads
+
+        set_threads(cfg.num_threads)
 
     # 1. data and target, checked against each other and the method
     where = str(cfg.data or "(in-memory dataset)")

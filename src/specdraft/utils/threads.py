@@ -30,6 +30,20 @@ def thread_candidates(cores: int) -> list[int]:
     return counts + [max(cores, 1)]
 
 
+def set_threads(count: int) -> None:
+    """``torch.set_num_threads(count)`` for a user's explicit count, refused with a ``SpecdraftError`` when it is
+    negative or absurd (torch raises a bare RuntimeError below 1 and overflows on a huge one)."""
+    import torch
+
+    from specdraft.errors import SpecdraftError
+
+    most = 4 * max(available_cores(), 1)
+    if not 1 <= count <= most:
+        raise SpecdraftError(f"thread count {count} (--threads/--num-threads) must be 0 (auto) or 1..{most} (4x the {available_cores()} "
+                             "cores available here)")
+    torch.set_num_threads(count)
+
+
 def resolve_threads(requested: int, name: str, context: dict[str, Any], work: Callable[[], Any], *, device: Any = "cpu",
                     repeats: int = 1, cache_dir: Path | None = None) -> Measurement | None:
     """Set torch's thread count: ``requested`` when > 0, else the candidate whose ``work()`` was fastest
@@ -37,7 +51,7 @@ def resolve_threads(requested: int, name: str, context: dict[str, Any], work: Ca
     import torch
 
     if requested:
-        torch.set_num_threads(requested)
+        set_threads(requested)
         return None
     if torch.device(device).type != "cpu":
         return None
