@@ -361,3 +361,24 @@ def test_known_request_failures(producer, name):
     status, reply = _post(producer.url, data)
     assert status in (400, 413), f"status {status}: {reply[:200]!r}"
     _check_reply(producer, status, reply, body["key"])
+
+
+# ----- input files: prepare --data JSONL ---------------------------------------------------------------------
+
+_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "", "USER"]) | _JSON_ATOM,
+                                  "content": st.text(max_size=20) | _JSON_ATOM})
+_ROW = st.one_of(st.fixed_dictionaries({"messages": st.lists(_MESSAGE, max_size=4) | _JSON_ATOM}, optional={"id": _JSON_ATOM}),
+                 st.fixed_dictionaries({"conversations": st.lists(st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt", "x"]),
+                                                                                          "value": st.text(max_size=20)}), max_size=3)}),
+                 _JSON)
+
+
+@settings(SWEEP, max_examples=20)
+@given(rows=st.lists(_ROW, max_size=4), tail=st.sampled_from(["", "\n", "{\"messages\": [", "\n\n  \n", "\ufeff", "null\n"]))
+def test_prepare_input_files(pipe, rows, tail):
+    data = pipe.fresh("rows.jsonl")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+    text = data.read_bytes()
+    problems = _sweep_once(pipe, "prepare", ["--data", str(data)])
+    assert not problems, "\n".join(problems)
+    assert data.read_bytes() == text
