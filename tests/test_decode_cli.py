@@ -25,6 +25,6 @@ def test_generate_cli_errors(tiny_llama_dir, capsys):
     assert main(["generate", "--target", str(tiny_llama_dir)]) == 2
     assert "--prompt TEXT or --prompts-file" in capsys.readouterr().err
     assert main(["generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--temperature", "-1"]) == 2
-    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert "temperature must be 0 (greedy) or at least 0.001, got -1" in capsys.readouterr().err
     assert main(["generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--verify-policy", "scheduled"]) == 2
     assert "confidence" in capsys.readouterr().err

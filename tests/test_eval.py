@@ -162,7 +162,7 @@ def test_eval_cli_errors_are_clear(tmp_path, capsys):
     assert main(["eval", "--out", str(tmp_path / "o"), "--prompts", str(empty), "--target", "/nonexistent/model"]) == 2
     assert "holds no prompts" in capsys.readouterr().err
     assert main(["eval", "--out", str(tmp_path / "o"), "--temperature", "-1"]) == 2
-    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert "temperature must be 0 (greedy) or at least 0.001, got -1" in capsys.readouterr().err
 
 
 def test_drafter_policy_suffix(tmp_path):

@@ -143,6 +143,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     from specdraft.train.calibrate import CalibrateConfig, calibrate
     from specdraft.train.config import recipe_path, resolve_config
     from specdraft.train.trainer import train
+    from specdraft.utils.threads import set_threads
 
     started = time.perf_counter()
     deadline = started + config.budget * 60
@@ -150,7 +151,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     run.mkdir(parents=True, exist_ok=True)
     journal = _Journal(run / "quickstart.json", config)
     if config.threads:
-        torch.set_num_threads(config.threads)
+        set_threads(config.threads)
     target = load_target(config.target)
     data, states, train_dir = run / "data", run / "hidden_states", run / "train"
 

@@ -1,6 +1,6 @@
 """Hostile inputs (issue 17, items 3-7): each case failed silently, exposed something or crashed before.
 
-Fast unit-level forms of the sweep in ``benchmarks/hostile_sweep.py``: NaN/inf settings, a
+Fast unit-level forms of the sweep in ``sweep_cases.py`` (run by ``test_sweep.py`` and ``benchmarks/hostile_sweep.py``): NaN/inf settings, a
 diverging run, NaN drafters, loose drafter configs, pickle targets, exposed servers, moved or
 damaged stores, duplicated delivery logs, signals, oversized and non-UTF-8 input.
 """

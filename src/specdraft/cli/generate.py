@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 
 from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfig
@@ -59,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
 
         if Path(job.metrics_out).is_dir():
             raise SpecdraftError(f"--metrics-out {job.metrics_out} is a directory; give a file path, e.g. {Path(job.metrics_out) / 'metrics.json'}")
+        if Path(job.metrics_out).exists() and not _is_metrics_file(Path(job.metrics_out)):
+            raise SpecdraftError(f"--metrics-out {job.metrics_out} exists and is not a metrics file `specdraft generate` wrote; "
+                                 "it would be replaced, so nothing was done. Choose another path or move that file away")
         probe_writable(Path(job.metrics_out).expanduser().parent, "--metrics-out", output=job.metrics_out)
     target = load_target(job.target, dtype=job.dtype, device=job.device)
     resolve_decode_threads(target, job.threads, rows=job.batch_size)  # before the decoder: its probes run at the count used
@@ -84,3 +88,12 @@ def run(args: argparse.Namespace) -> int:
                                             "scheduler": vars(scheduler), "metrics": summary, "outputs": texts})
         print(f"wrote {job.metrics_out}")
     return 0
+
+
+def _is_metrics_file(path: Path) -> bool:
+    """Whether ``path`` holds what ``--metrics-out`` writes: only such a file is replaced (a user's file never is)."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and {"metrics", "outputs", "decode"} <= obj.keys()

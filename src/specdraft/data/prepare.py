@@ -217,9 +217,9 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     started = time.perf_counter()
     inputs = _local_inputs(config)
     if config.threads:
-        import torch
+        from specdraft.utils.threads import set_threads
 
-        torch.set_num_threads(config.threads)
+        set_threads(config.threads)
     target = load_target(config.target, device=config.device)
     eot_ids = target.end_of_turn_ids
     for directory in prepared_sources(config.data):

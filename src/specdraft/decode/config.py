@@ -41,6 +41,11 @@ class DecodeConfig:
             raise SpecdraftError(f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min}, ngram_max={self.ngram_max}")
 
 
+#: Smallest positive temperature: logits / T overflows to inf (and sampling to NaN) for tiny T, which samples
+#: greedily anyway.
+MIN_TEMPERATURE = 1e-3
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target's tokens are chosen (temperature, then top-k, then top-p).
@@ -55,8 +60,8 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         require_finite(self)
-        if not self.temperature >= 0:  # also rejects NaN
-            raise SpecdraftError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):  # also rejects NaN
+            raise SpecdraftError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}")
         if self.top_k < 0:
             raise SpecdraftError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 MAX_KEY_CHARS = 512
 #: Seconds a connection may stay silent mid-request before it gets a 408 (or is dropped between requests).
 REQUEST_TIMEOUT_S = 60.0
+PROBE_ROWS = 64  # most rows of the --num-threads 0 timing probe
 
 
 @dataclass
@@ -174,7 +175,9 @@ class HFProducer:
             from specdraft.targets import load_target
 
             target = load_target(config.target, dtype=config.target_dtype, device=config.device)
-        resolve_forward_threads(config.num_threads, target.model, fingerprint=target.fingerprint, rows=config.max_batch,
+        # The probe only ranks thread counts: a forward of PROBE_ROWS rows ranks them as a larger batch would, and a
+        # huge --max-batch (a bound on batching, not a batch that will ever exist) must not become one.
+        resolve_forward_threads(config.num_threads, target.model, fingerprint=target.fingerprint, rows=min(config.max_batch, PROBE_ROWS),
                                 tokens=min(256, config.max_tokens))
         self.target = target
         self.target_info = target.describe()

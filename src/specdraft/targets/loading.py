@@ -48,8 +48,11 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: str = "float32", d
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from specdraft.utils.compute import parse_device
+
     if dtype not in DTYPES:
         raise SpecdraftError(f"dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
+    device = parse_device(device)  # before minutes of loading, not after
     path = resolve_target_dir(name_or_path)
     try:
         family_of(AutoConfig.from_pretrained(path))  # an unsupported family fails here, before any work

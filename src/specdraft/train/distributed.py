@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from specdraft.utils.compute import parse_device
+
 log = logging.getLogger(__name__)
 
 
@@ -50,7 +52,7 @@ def init_distributed(requested_device: str, dist_: Dist) -> torch.device:
     if requested_device == "auto":
         device = torch.device(f"cuda:{dist_.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     else:
-        device = torch.device(requested_device)
+        device = parse_device(requested_device)
         if device.type == "cuda" and device.index is None:
             device = torch.device(f"cuda:{dist_.local_rank}")
     if device.type == "cuda":

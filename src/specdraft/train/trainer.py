@@ -154,7 +154,9 @@ def _plan(cfg: TrainConfig, target: Any, dataset: SampleSource, dist_: Dist) -> 
     check_warm_start(cfg, spec.name)
     _check_out_dir(Path(cfg.out))
     if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+        from specdraft.utils.threads import set_threads
+
+        set_threads(cfg.num_threads)
     target = _store_target(target, dataset, cfg)
     reseed(cfg.seed)
     drafter = spec.build(model_cfg, target, counts=token_counts(dataset))

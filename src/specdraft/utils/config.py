@@ -104,8 +104,17 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, exclu
         elif typing.get_origin(tp) in (list, tuple):
             (item,) = typing.get_args(tp)[:1]
             parser.add_argument(_flag(f.name), type=_list_parser(item), **kwargs)
+        elif required and tp is str:
+            parser.add_argument(_flag(f.name), type=_non_empty, **kwargs)
         else:
             parser.add_argument(_flag(f.name), type=tp if tp in (int, float, str) else str, **kwargs)
+
+
+def _non_empty(text: str) -> str:
+    """A required path or name: an empty one (an unset shell variable) would otherwise mean the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _list_parser(item: type):

@@ -30,6 +30,20 @@ def thread_candidates(cores: int) -> list[int]:
     return counts + [max(cores, 1)]
 
 
+def set_threads(count: int) -> None:
+    """``torch.set_num_threads(count)`` for a user's explicit count, refused with a ``SpecdraftError`` when it is
+    negative or absurd (torch raises a bare RuntimeError below 1 and overflows on a huge one)."""
+    import torch
+
+    from specdraft.errors import SpecdraftError
+
+    most = 4 * max(available_cores(), 1)
+    if not 1 <= count <= most:
+        raise SpecdraftError(f"thread count {count} (--threads/--num-threads) must be 0 (auto) or 1..{most} (4x the {available_cores()} "
+                             "cores available here)")
+    torch.set_num_threads(count)
+
+
 def resolve_threads(requested: int, name: str, context: dict[str, Any], work: Callable[[], Any], *, device: Any = "cpu",
                     repeats: int = 1, cache_dir: Path | None = None) -> Measurement | None:
     """Set torch's thread count: ``requested`` when > 0, else the candidate whose ``work()`` was fastest
@@ -37,7 +51,7 @@ def resolve_threads(requested: int, name: str, context: dict[str, Any], work: Ca
     import torch
 
     if requested:
-        torch.set_num_threads(requested)
+        set_threads(requested)
         return None
     if torch.device(device).type != "cpu":
         return None
@@ -83,11 +97,13 @@ def resolve_forward_threads(requested: int, model: Any, *, fingerprint: str, row
 
     param = next(model.parameters())
     tokens = power_of_two_at_least(tokens)
-    ids = torch.randint(0, int(model.config.vocab_size), (rows, tokens), generator=torch.Generator().manual_seed(0)).to(param.device)
+    ids = []  # drawn on the first timed forward: a fixed --threads N never pays for (or overflows on) the probe's batch
 
     def forward() -> None:
+        if not ids:
+            ids.append(torch.randint(0, int(model.config.vocab_size), (rows, tokens), generator=torch.Generator().manual_seed(0)).to(param.device))
         with torch.no_grad():
-            model(input_ids=ids)
+            model(input_ids=ids[0])
 
     context = {"work": "forward", "target": fingerprint, "dtype": str(param.dtype), "rows": rows, "tokens": tokens}
     return resolve_threads(requested, "forward-threads", context, forward, device=param.device)

@@ -58,6 +58,14 @@ class MasterConfig:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise SpecdraftError(f"--{name.replace('_', '-')} {getattr(self, name)} is not a TCP port (0-65535)")
+        try:
+            socket.getaddrinfo(self.host, None)  # a name that does not resolve fails here, not as a gaierror from bind
+        except (socket.gaierror, UnicodeError) as exc:
+            raise SpecdraftError(f"--host {self.host!r} does not resolve ({exc}); use 127.0.0.1 or this node's cluster IP") from None
+        if not self.dir.strip():
+            raise SpecdraftError("--dir is empty: name the directory for the master's pid, state and log files")
+        if os.path.exists(self.dir) and not os.path.isdir(self.dir):
+            raise SpecdraftError(f"--dir {self.dir} is a file; name a directory for the master's pid, state and log files")
         if self.lease_ttl_ms < 1:
             raise SpecdraftError(f"--lease-ttl-ms must be >= 1, got {self.lease_ttl_ms}")
         if not 1 <= self.put_discard_timeout_s <= self.put_release_timeout_s:
@@ -144,6 +152,12 @@ def start_master(config: MasterConfig) -> dict:
     """Start the master in the background and wait until it accepts connections; returns its state."""
     run_dir = Path(config.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in (PID_FILE, STATE_FILE, LOG_FILE))
+    if foreign:  # the master's files would land among someone else's (a dataset, a run)
+        raise SpecdraftError(
+            f"--dir {run_dir} holds other files ({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}); "
+            "give the master a directory of its own"
+        )
     running = _read_state(run_dir)
     if running is not None:
         raise SpecdraftError(
