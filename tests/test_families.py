@@ -162,6 +162,7 @@ def test_prepare(runs, family):
 def test_extract_equals_hf_hidden_states(runs, family):
     from specdraft.data.dataset import PreparedDataset
     from specdraft.hidden_states.backends.file import FileBackend
+    from specdraft.hidden_states.capture import HiddenStateCapture
     from specdraft.hidden_states.layers import LayerSlot
 
     run = runs[family]
@@ -175,6 +176,16 @@ def test_extract_equals_hf_hidden_states(runs, family):
             hf = target.model(data[i]["input_ids"][None], output_hidden_states=True).hidden_states
         want = torch.stack([hf[s.hf_index(target.num_layers)][0] for s in slots], dim=1)
         torch.testing.assert_close(payload.hidden_states, want, atol=1e-5, rtol=1e-5)
+        # the LAST layer (speculators #705): HF's final entry is after the norm, so last_hidden (the norm's input)
+        # is the output of layer L-1, and the norm of it is HF's hidden_states[L]
+        assert len(hf) == target.num_layers + 1
+        final = target.family.decoder_parts(target.model).norm
+        with torch.no_grad():
+            torch.testing.assert_close(final(payload.last_hidden[None])[0], hf[-1][0], atol=1e-5, rtol=1e-5)
+        edges = [LayerSlot(0, "input"), LayerSlot(target.num_layers - 1, "input"), LayerSlot(target.num_layers - 1, "output")]
+        (captured, last), = HiddenStateCapture(target.model, edges)([data[i]["input_ids"]])
+        torch.testing.assert_close(captured[:, :2], torch.stack([hf[0][0], hf[target.num_layers - 1][0]], dim=1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(captured[:, 2], payload.last_hidden, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -431,3 +442,19 @@ def test_system_turn_is_folded_only_for_families_without_one():
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
     assert FAMILIES.get("llama").system_folded(chat) == chat
     assert FAMILIES.get("gemma3_text").system_folded(chat) == [{"role": "user", "content": "Be brief.\n\nHi."}]
+
+
+def test_extraction_refuses_zero_states_from_a_layer_that_computed_nothing(tmp_path):
+    """A layer whose output the capture sees as zeros (as speculators #613's hybrid target gave its DFlash
+    drafter) stops extraction with the sample, layer and side, and nothing is stored."""
+    from test_extract import make_dataset, random_llama_target, run
+
+    from specdraft.hidden_states.backends.file import FileBackend
+
+    target = random_llama_target()
+    data = make_dataset(tmp_path / "data", target)
+    layer = target.model.model.layers[1]
+    layer.register_forward_hook(lambda module, args, output: torch.zeros_like(output[0] if isinstance(output, tuple) else output))
+    with pytest.raises(SpecdraftError, match=r"sample 'sharegpt/1': layer 1 output holds all zeros at token 0 \(12 of 12 rows degenerate\)"):
+        run(target, data, tmp_path / "hs", layers="input:0,output:1,input:3", dtype="float32", batch_size=1)
+    assert FileBackend(tmp_path / "hs").keys() == []
