@@ -349,10 +349,15 @@ for model_type, arch in job["claims"].items():
     modules |= {inspect.getmodule(b) for m in list(modules) for c in vars(m).values() if ours(c) and c.__name__.endswith("Model")
                 for b in c.__mro__ if ours(b)}
     source = "".join(inspect.getsource(m) for m in modules)
-    # id start_layer (0) before the first layer, id idx + 1 after layer idx: id i = HF hidden_states[i]
-    convention = bool(re.search(r"(aux_hidden_states|\[\]), self\.start_layer, hidden_states, residual", source))
-    after = bool(re.search(r"aux_hidden_states, (layer_)?idx \+ 1, hidden_states, residual", source))
-    out[model_type] = {"eagle3": bool(supports_eagle3(cls)), "convention": convention and after}
+    # id start_layer (0) before the first layer, id idx + 1 after layer idx: id i = HF hidden_states[i]; or, as
+    # deepseek_v2.py writes it, id idx taken before layer idx runs and id end_layer after the last one
+    first = r"(aux_hidden_states|\[\]), (self\.start_layer|0), (hidden_states|x), residual"
+    after = r"aux_hidden_states, (layer_)?(idx|i) \+ 1, (hidden_states|x), residual"
+    before_each = (r"if idx in self\.aux_hidden_state_layers:\s*aux_hidden_state = hidden_states \+ residual[\s\S]{0,600}?"
+                   r"hidden_states, residual = layer\([\s\S]*?if self\.end_layer in self\.aux_hidden_state_layers:\s*"
+                   r"aux_hidden_states\.append\(hidden_states \+ residual\)")
+    convention = bool(re.search(first, source) and re.search(after, source) or re.search(before_each, source))
+    out[model_type] = {"eagle3": bool(supports_eagle3(cls)), "convention": convention}
 print("RESULT " + json.dumps({"claims": out}), flush=True)  # kept if a load below fails
 import torch
 from vllm.engine.arg_utils import EngineArgs

@@ -13,7 +13,10 @@ One ``Family`` per family, each concern one field, so supporting a new family is
 - the MASK token block drafters (DFlash/DSpark) use, where the family reserves one;
 - vLLM: whether vLLM 0.32's model class exposes aux hidden states (``SupportsEagle3``) with the
   layer-id convention of ``models/common/checkpoint.py`` (id i = the input of layer i = HF
-  ``hidden_states[i]``); ``tests/test_families.py`` checks each claim against vLLM's own classes.
+  ``hidden_states[i]``); ``tests/test_families.py`` checks each claim against vLLM's own classes;
+- a refusal: families whose HF model runs but which the runtime cannot decode losslessly (recurrent
+  linear-attention hybrids, a sparse indexer) are registered with the reason, which ``family_of``
+  gives at the first command instead of the generic "not a supported family".
 """
 
 from __future__ import annotations
