@@ -48,7 +48,8 @@ def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
         "gemma3": lambda: transformers.Gemma3TextConfig(**{"query_pre_attn_scalar": 32, "sliding_window": 64, **common}),
         "mistral": lambda: transformers.MistralConfig(**{"sliding_window": 64, **common}),
-        "deepseek_v3": lambda: transformers.DeepseekV3Config(**common, **MOE, **MLA),
+        # topk_method as DeepSeek-V3's own config sets it (vLLM's gate has the e_score_correction_bias HF always saves only then)
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(**common, **MOE, **MLA, topk_method="noaux_tc"),
         "glm4_moe": lambda: transformers.Glm4MoeConfig(**common, **MOE),
         "gpt_oss": lambda: transformers.GptOssConfig(**{"sliding_window": 64, **common}, num_local_experts=4, num_experts_per_tok=2),
         "gemma4_text": lambda: transformers.Gemma4TextConfig(**{"sliding_window": 64, **common}, hidden_size_per_layer_input=16,
