@@ -15,7 +15,11 @@ from specdraft.cli.main import load_plugins
 
 load_plugins()  # the integrations and the decoding runtime register from above, as under the CLI
 
-TINY_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "mistral")
+TINY_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "mistral", "deepseek_v3", "glm4_moe", "gpt_oss", "gemma4_text")
+#: few small experts, one dense layer first (DeepSeek/GLM), MLA with 32-wide rope and nope parts
+MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
+           n_shared_experts=1)
+MLA = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
 
 
 def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "llama", num_layers: int = 6, seed: int = 0, **extra) -> Path:
@@ -48,6 +52,12 @@ def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
         "gemma3": lambda: transformers.Gemma3TextConfig(**{"query_pre_attn_scalar": 32, "sliding_window": 64, **common}),
         "mistral": lambda: transformers.MistralConfig(**{"sliding_window": 64, **common}),
+        # topk_method as DeepSeek-V3's own config sets it (vLLM's gate has the e_score_correction_bias HF always saves only then)
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(**common, **MOE, **MLA, topk_method="noaux_tc"),
+        "glm4_moe": lambda: transformers.Glm4MoeConfig(**common, **MOE),
+        "gpt_oss": lambda: transformers.GptOssConfig(**{"sliding_window": 64, **common}, num_local_experts=4, num_experts_per_tok=2),
+        "gemma4_text": lambda: transformers.Gemma4TextConfig(**{"sliding_window": 64, **common}, hidden_size_per_layer_input=16,
+                                                            vocab_size_per_layer_input=common["vocab_size"], per_layer_config={}),
     }
     common.update(extra)
     config = configs[family]()

@@ -1,13 +1,15 @@
 """Every supported target family end to end, on a tiny random model of its own HF config class.
 
-Per family (``conftest.TINY_FAMILIES``: Llama, Qwen3, Qwen3-MoE, Gemma 3, Mistral; hidden 64, heads of 32):
-prepare -> extract (stored states == HF ``output_hidden_states`` at the declared layers) -> train a
-DFlash drafter a few steps -> decode greedy exact (batched, with the trained drafter) and sampled exact
+Per family (``conftest.TINY_FAMILIES``: Llama, Qwen3, Qwen3-MoE, Gemma 3, Mistral, DeepSeek-V3 (MLA + MoE),
+GLM-4.5 (MoE, partial RoPE), gpt-oss (sinks, alternating windows, MoE), Gemma 4; hidden 64, heads of 32):
+prepare -> extract (stored states == HF ``output_hidden_states`` at the declared layers, the last layer
+included) -> train a DFlash drafter a few steps (and DSpark) -> decode greedy exact (batched, with the
+trained drafter, and with drafts rejected at random positions) and sampled exact
 (chi-square against the enumerated target distribution) -> the checkpoint loads in speculators 0.9.0
 (``.venv-interop``) and, for the families vLLM serves drafters for, in vLLM 0.32's loader on CPU
 (``EngineArgs(...).create_engine_config()`` + ``get_model()`` for target and drafter, ``.venv-vllm``).
 
-Gemma 3 and Mistral get windows (8) far shorter than prompt + output. The Gemma 3 target also gets a
+Gemma 3, Gemma 4, gpt-oss and Mistral get windows (8) far shorter than prompt + output. The Gemma 3 target also gets a
 Gemma-style chat template (``<start_of_turn>``/``<end_of_turn>``, no system role, roles must alternate)
 so its run covers the template quirks: the system message is folded into the first user turn, a
 non-alternating row is skipped and counted, and turns end at ``<end_of_turn>``, not the tokenizer's EOS.
@@ -23,15 +25,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_FAMILIES, build_tiny_target_dir
+from conftest import MLA, MOE, TINY_FAMILIES, build_tiny_target_dir
 from specdraft.errors import SpecdraftError
 
 ROOT = Path(__file__).resolve().parents[1]
 INTEROP_PYTHON = Path(os.environ.get("SPECDRAFT_INTEROP_PYTHON", ROOT / ".venv-interop/bin/python"))
 VLLM_PYTHON = ROOT / ".venv-vllm/bin/python"
 WINDOW = 8
-EXTRA = {"gemma3": {"sliding_window": WINDOW}, "mistral": {"sliding_window": WINDOW}}
+EXTRA = {f: {"sliding_window": WINDOW} for f in ("gemma3", "mistral", "gpt_oss", "gemma4_text")}
+#: families whose HF MoE (grouped expert matmul) has no float64 kernel: their exactness tests run in float32
+FLOAT32_ONLY = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 DFLASH = {"num_layers": 1, "block_size": 4, "max_anchors": 8, "intermediate_size": 64}
+DRAFTERS = {"dflash": DFLASH, "dspark": {**DFLASH, "markov_rank": 16}}
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
@@ -101,24 +106,31 @@ class FamilyRun:
         config = PrepareConfig(out=str(self.root / "data"), target=str(self.stage("target_dir")), data=str(data))
         return prepare(config, progress=False)
 
-    def _extract(self) -> Path:
+    def _extract(self, method: str = "dflash") -> Path:
         from specdraft.hidden_states.config import ExtractConfig
         from specdraft.hidden_states.extract import extract_hidden_states
 
         self.stage("prepare")
-        out = self.root / "hs"
-        extract_hidden_states(ExtractConfig(dataset=str(self.root / "data"), out=str(out), method="dflash", dtype="float32",
+        out = self.root / f"hs-{method}"
+        extract_hidden_states(ExtractConfig(dataset=str(self.root / "data"), out=str(out), method=method, dtype="float32",
                                             target=str(self.stage("target_dir"))), target=self.stage("target"), progress=False)
         return out
 
-    def _train(self):
+    def _train(self, method: str = "dflash", steps: int = 3):
         from specdraft.train.config import TrainConfig
         from specdraft.train.trainer import train
 
-        cfg = TrainConfig(method="dflash", data=str(self.stage("extract")), out=str(self.root / "run"), model=DFLASH, max_steps=3,
-                          pack_tokens=96, batch_rows=1, val_fraction=0.0, eval_interval=0, checkpoint_interval=0, keep_checkpoints=0,
-                          dtype="fp32", num_threads=1, seed=0, lr=3e-3)
+        cfg = TrainConfig(method=method, data=str(self.stage("extract" if method == "dflash" else f"extract_{method}")),
+                          out=str(self.root / f"run-{method}"), model=DRAFTERS[method], max_steps=steps, pack_tokens=96, batch_rows=1,
+                          val_fraction=0.0, eval_interval=0, checkpoint_interval=0, keep_checkpoints=0, dtype="fp32", num_threads=1,
+                          seed=0, lr=3e-3)
         return train(cfg, target=self.stage("target"))
+
+    def _extract_dspark(self) -> Path:
+        return self._extract("dspark")
+
+    def _train_dspark(self):
+        return self._train("dspark", steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +174,7 @@ def test_prepare(runs, family):
 def test_extract_equals_hf_hidden_states(runs, family):
     from specdraft.data.dataset import PreparedDataset
     from specdraft.hidden_states.backends.file import FileBackend
+    from specdraft.hidden_states.capture import HiddenStateCapture
     from specdraft.hidden_states.layers import LayerSlot
 
     run = runs[family]
@@ -175,6 +188,16 @@ def test_extract_equals_hf_hidden_states(runs, family):
             hf = target.model(data[i]["input_ids"][None], output_hidden_states=True).hidden_states
         want = torch.stack([hf[s.hf_index(target.num_layers)][0] for s in slots], dim=1)
         torch.testing.assert_close(payload.hidden_states, want, atol=1e-5, rtol=1e-5)
+        # the LAST layer (speculators #705): HF's final entry is after the norm, so last_hidden (the norm's input)
+        # is the output of layer L-1, and the norm of it is HF's hidden_states[L]
+        assert len(hf) == target.num_layers + 1
+        final = target.family.decoder_parts(target.model).norm
+        with torch.no_grad():
+            torch.testing.assert_close(final(payload.last_hidden[None])[0], hf[-1][0], atol=1e-5, rtol=1e-5)
+        edges = [LayerSlot(0, "input"), LayerSlot(target.num_layers - 1, "input"), LayerSlot(target.num_layers - 1, "output")]
+        (captured, last), = HiddenStateCapture(target.model, edges)([data[i]["input_ids"]])
+        torch.testing.assert_close(captured[:, :2], torch.stack([hf[0][0], hf[target.num_layers - 1][0]], dim=1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(captured[:, 2], payload.last_hidden, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -186,6 +209,13 @@ def test_train(runs, family):
     if family == "gemma3":  # the MASK slots use the token Gemma reserves for it, not the highest unused special token
         mask = json.loads((result.final / "config.json").read_text())["mask_token_id"]
         assert mask == run.stage("target").tokenizer.convert_tokens_to_ids("<mask>")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_dspark_trains(runs, family):
+    result = runs[family].stage("train_dspark")
+    assert result.completed and result.step == 2 and (result.final / "model.safetensors").is_file()
 
 
 @torch.no_grad()
@@ -217,22 +247,34 @@ def test_greedy_decoding_with_the_trained_drafter_is_exact(runs, family):
     assert result.metrics.drafted > 0
 
 
+SLIDE = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"])
+SAMPLED_EXTRA = {"gemma3": dict(query_pre_attn_scalar=32, **SLIDE), "mistral": dict(sliding_window=3),
+                 "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+                 "deepseek_v3": dict(num_key_value_heads=2, **{**MOE, **MLA}), "glm4_moe": MOE,
+                 "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, **SLIDE),
+                 "gemma4_text": dict(hidden_size_per_layer_input=16, per_layer_config={}, **SLIDE)}
+
+
+def tiny_family_model(family: str, vocab: int, seed: int):
+    """``test_decode.tiny_model`` (2 layers) of ``family`` with its ``SAMPLED_EXTRA``, in float32 where float64 has no MoE kernel."""
+    from test_decode import tiny_model
+
+    per_layer_vocab = {"vocab_size_per_layer_input": vocab} if family == "gemma4_text" else {}  # Gemma 4's per-layer embeddings
+    model = tiny_model(vocab=vocab, layers=2, seed=seed, family=family, **SAMPLED_EXTRA.get(family, {}), **per_layer_vocab)
+    return model.float() if family in FLOAT32_ONLY else model
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_sampled_decoding_is_exact(family):
     """Rejection sampling on a vocabulary-4 model of the family's config class (window 3 where it slides)."""
-    from test_decode import DistributionProposer, assert_target_distribution, tiny_model
+    from test_decode import DistributionProposer, assert_target_distribution
 
     from specdraft.decode.config import DecodeConfig
     from specdraft.decode.runtime import SpeculativeDecoder
     from specdraft.decode.sampling import SamplingConfig
 
-    extra = {"gemma3": dict(sliding_window=3, query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"]),
-             "mistral": dict(sliding_window=3),
-             "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)}.get(family, {})
-    model = tiny_model(vocab=4, layers=2, seed=3, family=family, **extra)
-    if family == "qwen3_moe":
-        model.float()  # its grouped expert matmul has no float64 kernel
+    model = tiny_family_model(family, vocab=4, seed=3)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(6.0)
     sampling, prompt = SamplingConfig(temperature=0.8, top_k=3), [0, 1, 2, 3, 2, 1]
@@ -307,10 +349,15 @@ for model_type, arch in job["claims"].items():
     modules |= {inspect.getmodule(b) for m in list(modules) for c in vars(m).values() if ours(c) and c.__name__.endswith("Model")
                 for b in c.__mro__ if ours(b)}
     source = "".join(inspect.getsource(m) for m in modules)
-    # id start_layer (0) before the first layer, id idx + 1 after layer idx: id i = HF hidden_states[i]
-    convention = bool(re.search(r"(aux_hidden_states|\[\]), self\.start_layer, hidden_states, residual", source))
-    after = bool(re.search(r"aux_hidden_states, (layer_)?idx \+ 1, hidden_states, residual", source))
-    out[model_type] = {"eagle3": bool(supports_eagle3(cls)), "convention": convention and after}
+    # id start_layer (0) before the first layer, id idx + 1 after layer idx: id i = HF hidden_states[i]; or, as
+    # deepseek_v2.py writes it, id idx taken before layer idx runs and id end_layer after the last one
+    first = r"(aux_hidden_states|\[\]), (self\.start_layer|0), (hidden_states|x), residual"
+    after = r"aux_hidden_states, (layer_)?(idx|i) \+ 1, (hidden_states|x), residual"
+    before_each = (r"if idx in self\.aux_hidden_state_layers:\s*aux_hidden_state = hidden_states \+ residual[\s\S]{0,600}?"
+                   r"hidden_states, residual = layer\([\s\S]*?if self\.end_layer in self\.aux_hidden_state_layers:\s*"
+                   r"aux_hidden_states\.append\(hidden_states \+ residual\)")
+    convention = bool(re.search(first, source) and re.search(after, source) or re.search(before_each, source))
+    out[model_type] = {"eagle3": bool(supports_eagle3(cls)), "convention": convention}
 print("RESULT " + json.dumps({"claims": out}), flush=True)  # kept if a load below fails
 import torch
 from vllm.engine.arg_utils import EngineArgs
@@ -356,7 +403,9 @@ def vllm_side(runs, tmp_path_factory) -> tuple[dict, str]:
 
     if not VLLM_PYTHON.exists():
         pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
-    job = {"claims": {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name] for name in FAMILIES},
+    from specdraft.targets.families import supported_families
+
+    job = {"claims": {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name] for name in supported_families()},
            "load": {f: {"target": str(run.stage("target_dir")), "drafter": str(run.stage("train").final)}
                     for f, run in runs.items() if run.stage("target").family.vllm_aux_hidden_states}}
     return _run_side(VLLM_PYTHON, VLLM_SIDE, job, tmp_path_factory.mktemp("vllm-side"), timeout=900)
@@ -391,10 +440,10 @@ def test_checkpoint_loads_in_vllm(runs, vllm_loaded, family):
 def test_vllm_claims_of_every_family_match_vllm(vllm_side):
     """``Family.vllm_aux_hidden_states`` against vLLM 0.32's own model classes: aux hidden states exist
     (``SupportsEagle3``) exactly where claimed, and use specdraft's layer-id convention."""
-    from specdraft.targets.families import FAMILIES
+    from specdraft.targets.families import FAMILIES, supported_families
 
     found = _vllm_result(vllm_side, "claims")
-    for name in FAMILIES:
+    for name in supported_families():
         claim = FAMILIES.get(name).vllm_aux_hidden_states
         assert found[name]["eagle3"] == claim, name
         if claim:
@@ -431,3 +480,75 @@ def test_system_turn_is_folded_only_for_families_without_one():
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
     assert FAMILIES.get("llama").system_folded(chat) == chat
     assert FAMILIES.get("gemma3_text").system_folded(chat) == [{"role": "user", "content": "Be brief.\n\nHi."}]
+
+
+def test_extraction_refuses_zero_states_from_a_layer_that_computed_nothing(tmp_path):
+    """A layer whose output the capture sees as zeros (as speculators #613's hybrid target gave its DFlash
+    drafter) stops extraction with the sample, layer and side, and nothing is stored."""
+    from test_extract import make_dataset, random_llama_target, run
+
+    from specdraft.hidden_states.backends.file import FileBackend
+
+    target = random_llama_target()
+    data = make_dataset(tmp_path / "data", target)
+    layer = target.model.model.layers[1]
+    layer.register_forward_hook(lambda module, args, output: torch.zeros_like(output[0] if isinstance(output, tuple) else output))
+    with pytest.raises(SpecdraftError, match=r"sample 'sharegpt/1': layer 1 output holds all zeros at token 0 \(12 of 12 rows degenerate\)"):
+        run(target, data, tmp_path / "hs", layers="input:0,output:1,input:3", dtype="float32", batch_size=1)
+    assert FileBackend(tmp_path / "hs").keys() == []
+
+
+@pytest.mark.parametrize("model_type, why", [
+    ("qwen3_next", "recurrent state"), ("qwen3_5_text", "recurrent state"), ("qwen3_5_moe_text", "recurrent state"),
+    ("kimi_linear", "recurrent state"), ("glm_moe_dsa", "index_topk best-scoring cache columns"),
+])
+def test_families_the_runtime_cannot_keep_lossless_are_refused_at_the_first_command(model_type, why, tmp_path, capsys):
+    """A hybrid linear-attention (or sparse-indexer) target stops `prepare` before any work, in one line naming
+    its model_type and why: only its config is read (the weights here are a placeholder, and there is no tokenizer)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from specdraft.cli.main import main
+
+    from safetensors.torch import save_file
+
+    CONFIG_MAPPING[model_type]().save_pretrained(tmp_path / "target")
+    save_file({"unread": torch.zeros(1)}, tmp_path / "target" / "model.safetensors")  # the refusal comes before any weight
+    assert main(["prepare", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"(model_type {model_type!r}) is not supported yet" in err[0] and why in err[0], err
+    assert "would not be lossless" in err[0] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
+def test_moe_verify_forward_equals_step_by_step_decoding(family):
+    """HF's eager MoE routes each token on its own (top-k of its own router logits), so which other rows and
+    tokens share a verify forward cannot change a routed result: the logits of a 2-row, 5-token verify forward
+    over a cache equal one-token steps of each row alone."""
+    from transformers import DynamicCache
+
+    model = tiny_family_model(family, vocab=64, seed=4)
+    rows = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(rows[:, :6], cache=(batched := DynamicCache()), use_cache=True)
+        verify = model(rows[:, 6:], cache=batched, use_cache=True).logits
+        for r in range(2):
+            model(rows[r : r + 1, :6], cache=(alone := DynamicCache()), use_cache=True)
+            for t in range(6, 11):
+                step = model(rows[r : r + 1, t : t + 1], cache=alone, use_cache=True).logits[0, -1]
+                torch.testing.assert_close(verify[r, t - 6], step, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_greedy_is_exact_with_drafts_rejected_at_varied_positions(family):
+    """Three rows, half of the drafts corrupted at random positions (rejected drafts stay as holes in the cache,
+    sliding windows of 3 where the family slides): every token is the uncached full forward's."""
+    from test_decode import PROMPTS, OracleProposer, decoder, reference_greedy
+
+    model = tiny_family_model(family, vocab=64, seed=2)
+    with torch.no_grad():  # larger weights so that greedy text varies
+        for p in model.parameters():
+            p.mul_(4) if p.dim() == 2 else None
+    refs = [reference_greedy(model, p, 16) for p in PROMPTS]
+    result = decoder(model, OracleProposer(PROMPTS, [r + [0] * 8 for r in refs], 64, miss=0.5), max_new_tokens=16).generate(PROMPTS)
+    assert [o.tokens for o in result.outputs] == refs
+    assert 0 < result.metrics.accepted < result.metrics.drafted

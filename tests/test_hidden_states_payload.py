@@ -157,3 +157,32 @@ def test_foreign_safetensors_is_rejected():
     odd = save({"hidden_states": torch.zeros(2, 1, 8)}, metadata={"specdraft": json.dumps({"format": "specdraft.hidden_states", "format_version": 1})})
     with pytest.raises(SpecdraftError, match=r"^x: payload lacks sample_id, target, slots, tensors, tensor 'token_ids'"):
         HiddenStatePayload.from_bytes(odd, source="x")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("row, value, what", [
+    ("hidden", 0.0, "layer 2 output holds all zeros at token 3"),
+    ("hidden", 0.5, "layer 2 output holds the constant 0.5 at token 3"),
+    ("hidden", float("nan"), "layer 2 output holds non-finite values at token 3"),
+    ("last", float("inf"), r"last_hidden \(the final norm's input\) holds non-finite values at token 3"),
+    ("overflow", 1e6, "layer 2 output holds non-finite values at token 3"),
+])
+def test_degenerate_rows_are_refused_before_storing(row, value, what, dtype):
+    """One bad token row in one slot is enough; 1e6 is finite in fp32 but overflows fp16 storage."""
+    if row == "overflow" and dtype == "float32":
+        what = None
+    g = torch.Generator().manual_seed(0)
+    hidden, last = torch.randn(5, 2, 8, generator=g), torch.randn(5, 8, generator=g)
+    if row == "last":
+        last[3] = value
+    elif row == "overflow":
+        hidden[3, 1, 0] = value
+    else:
+        hidden[3, 1] = value
+    make = lambda: HiddenStatePayload.create(sample_id="s9", target_info=INFO, slots=SLOTS, token_ids=torch.arange(5),
+                                             hidden_states=hidden, last_hidden=last, dtype=dtype)
+    if what is None:
+        make()
+        return
+    with pytest.raises(SpecdraftError, match=rf"sample 's9': {what} \(1 of 5 rows degenerate\)"):
+        make()

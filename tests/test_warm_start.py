@@ -62,6 +62,19 @@ def test_init_from_target_copies_the_last_layers(method, qwen3, llama):
         assert all(d.startswith("layers.") for d in done)
 
 
+def test_init_from_target_is_off_for_a_partial_rotary_target(caplog):
+    """GLM-4.5-style partial RoPE (rope_parameters' partial_rotary_factor): the draft layers rotate whole heads, so a
+    copied layer would read positions differently from how it was trained; nothing is copied and the log says why."""
+    target = make_target(num_layers=6)
+    target.model.config.rope_parameters = {**target.model.config.rope_parameters, "partial_rotary_factor": 0.5}
+    drafter = build("dflash", target)
+    fresh = {k: v.clone() for k, v in drafter.state_dict().items()}
+    with caplog.at_level("WARNING"):
+        assert warm(drafter, "dflash", target, init_from_target=True)["init_from_target"] == []
+    assert all(torch.equal(v, fresh[k]) for k, v in drafter.state_dict().items())
+    assert "rotates 0.5 of each head (partial_rotary_factor)" in caplog.text
+
+
 def test_init_from_target_eagle3_feature_half(llama):
     drafter = build("eagle3", llama)
     fc_before = drafter.fc.weight.clone()

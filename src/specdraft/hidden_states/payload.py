@@ -107,6 +107,7 @@ class HiddenStatePayload:
         }
         payload = cls(manifest=manifest, **tensors)
         payload._check_layout(source=f"sample {sample_id!r}")
+        payload._check_rows()
         return payload
 
     @property
@@ -204,6 +205,31 @@ class HiddenStatePayload:
                     f"{str(expected.get('sha256'))[:12]}...; the data is corrupt, re-extract it"
                 )
         self._check_layout(source=where)
+
+    def _check_rows(self) -> None:
+        """Refuse a capture with a degenerate token row (all zero, constant across D, or non-finite), as stored.
+
+        Why: a real token's activation at a real layer is never constant across the hidden dimension, but a
+        capture that missed its layer (a hook on the wrong module, a hybrid target whose layer returns nothing,
+        an engine that never wrote the rows) yields zeros, and a drafter trained on them validates on the same
+        garbage and then serves at tau ~1 (speculators #613). Checked as stored, so a bf16/fp16 overflow counts.
+        """
+        named = [(f"layer {slot.layer} {slot.side}", self.hidden_states[:, s]) for s, slot in enumerate(self.slots)]
+        named.append(("last_hidden (the final norm's input)", self.last_hidden))
+        for name, rows in named:
+            rows = rows.float()
+            finite = torch.isfinite(rows).all(dim=-1)
+            constant = rows.amax(dim=-1) == rows.amin(dim=-1)
+            bad = (~finite | constant).nonzero().flatten()
+            if bad.numel():
+                t = int(bad[0])
+                what = "non-finite values" if not finite[t] else ("all zeros" if not rows[t].any() else f"the constant {rows[t, 0].item():g}")
+                raise SpecdraftError(
+                    f"sample {self.sample_id!r}: {name} holds {what} at token {t} "
+                    f"({bad.numel()} of {rows.shape[0]} rows degenerate); a real activation never does, so the capture "
+                    "missed that layer or the target computed garbage there; check the target's family adapter and "
+                    "dtype before extracting (stored nothing for this sample)"
+                )
 
     def _check_layout(self, *, source: str) -> None:
         """Shapes must agree with each other, with the slots and with the target's hidden size."""

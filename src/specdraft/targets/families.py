@@ -13,7 +13,10 @@ One ``Family`` per family, each concern one field, so supporting a new family is
 - the MASK token block drafters (DFlash/DSpark) use, where the family reserves one;
 - vLLM: whether vLLM 0.32's model class exposes aux hidden states (``SupportsEagle3``) with the
   layer-id convention of ``models/common/checkpoint.py`` (id i = the input of layer i = HF
-  ``hidden_states[i]``); ``tests/test_families.py`` checks each claim against vLLM's own classes.
+  ``hidden_states[i]``); ``tests/test_families.py`` checks each claim against vLLM's own classes;
+- a refusal: families whose HF model runs but which the runtime cannot decode losslessly (recurrent
+  linear-attention hybrids, a sparse indexer) are registered with the reason, which ``family_of``
+  gives at the first command instead of the generic "not a supported family".
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Family:
     system_role: bool = True
     vllm_aux_hidden_states: bool = True
     mask_token: str | None = None
+    refusal: str | None = None  # why specdraft cannot serve this family yet: ``family_of`` refuses it with this reason
 
     def decoder_parts(self, model: Any) -> DecoderParts:
         """Layers, final norm, embedding and LM head of a ``*ForCausalLM`` (multimodal wrappers unwrapped)."""
@@ -91,6 +95,12 @@ class Family:
 
 
 FAMILIES: Registry[Family] = Registry("target family (HF model_type)")
+#: why a recurrent (linear-attention) hybrid cannot decode here: its rows would need their state rolled back
+_RECURRENT = (
+    "its linear-attention layers carry a recurrent state that each verified draft token updates, and the runtime "
+    "(decode/runtime.py) can roll back only KV-cache columns (rejected drafts stay as masked holes), not a state "
+    "that has already absorbed a rejected draft"
+)
 for _family in (
     Family("llama"),
     Family("mistral"),
@@ -100,6 +110,26 @@ for _family in (
     # vLLM 0.32's Gemma2/Gemma3ForCausalLM return no aux hidden states: no EAGLE-3/DFlash serving there
     Family("gemma2", system_role=False, vllm_aux_hidden_states=False, mask_token="<mask>"),
     Family("gemma3_text", system_role=False, vllm_aux_hidden_states=False, mask_token="<mask>"),
+    # MLA + MoE: HF caches the decompressed K/V per layer, so rejected drafts are ordinary masked columns
+    Family("deepseek_v3"),
+    # vLLM 0.32's Glm4MoeForCausalLM has no SupportsEagle3
+    Family("glm4_moe", vllm_aux_hidden_states=False),
+    # attention sinks add a per-head logit to the softmax; sliding/full layers come from layer_types
+    Family("gpt_oss"),
+    # per-layer input embeddings are computed from the ids inside the decoder, so they follow every layer hook
+    Family("gemma4_text"),
+    Family(
+        "glm_moe_dsa",
+        refusal=(
+            "its sparse-attention indexer keeps only the index_topk best-scoring cache columns per query, and with "
+            "rejected drafts kept as masked holes that choice differs from a hole-free run once a context is longer "
+            "than index_topk (measured on a tiny model: exact with index_topk >= context, not with 4)"
+        ),
+    ),
+    Family("kimi_linear", refusal=_RECURRENT),
+    Family("qwen3_next", refusal=_RECURRENT),
+    Family("qwen3_5_text", refusal=_RECURRENT),
+    Family("qwen3_5_moe_text", refusal=_RECURRENT),
 ):
     FAMILIES.register(_family.name)(_family)
 
@@ -109,13 +139,23 @@ def text_config(model_or_config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def supported_families() -> list[str]:
+    """Registered families that specdraft serves (those registered only to refuse, with a reason, left out)."""
+    return [name for name in FAMILIES.names() if not FAMILIES.get(name).refusal]
+
+
 def family_of(model_or_config: Any) -> Family:
     """The registered family of a model or config (its decoder config's ``model_type``)."""
     model_type = getattr(text_config(model_or_config), "model_type", None)
+    if model_type in FAMILIES and FAMILIES.get(model_type).refusal:
+        raise SpecdraftError(
+            f"target {type(model_or_config).__name__} (model_type {model_type!r}) is not supported yet: "
+            f"{FAMILIES.get(model_type).refusal}; speculative decoding would not be lossless, so specdraft stops before any work"
+        )
     if model_type not in FAMILIES:
         raise SpecdraftError(
             f"target {type(model_or_config).__name__} (model_type {model_type!r}) is not a supported family "
-            f"(supported: {', '.join(FAMILIES.names())}); "
+            f"(supported: {', '.join(supported_families())}); "
             "specdraft needs to know its decoder layers, final norm and LM head, its sliding-window layout, its chat-template "
             "quirks and whether vLLM serves drafters for it: add a Family entry in specdraft/targets/families.py"
         )

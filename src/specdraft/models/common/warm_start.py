@@ -138,6 +138,9 @@ def layer_mismatches(target: Target, index: int, draft_layer: nn.Module, rope_th
     theta = rope.get("rope_theta", getattr(tc, "rope_theta", None))
     if rope.get("rope_type", "default") != "default":
         reasons.append(f"its RoPE is {rope['rope_type']!r}, the draft layer's plain")
+    partial = float(rope.get("partial_rotary_factor", getattr(tc, "partial_rotary_factor", None)) or 1.0)
+    if partial != 1.0:  # GLM-4.5, Qwen3-Next, Gemma 4's full layers: a copied layer would see positions it was never trained on
+        reasons.append(f"it rotates {partial:g} of each head (partial_rotary_factor), the draft layer all of it")
     if theta is not None and float(theta) != float(rope_theta):
         reasons.append(f"its RoPE base is {float(theta):g}, the drafter's {float(rope_theta):g}")
     scalar = getattr(tc, "query_pre_attn_scalar", None)
