@@ -18,6 +18,7 @@ from typing import Any
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.models.base import DrafterModel, MethodSpec
+from specdraft.targets.base import Target
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.acceptance import DecodeProbe, unavailable_reason
 from specdraft.train.config import TrainConfig
@@ -55,7 +56,7 @@ class RunPlan:
     probe_skipped: str | None  # why there is no probe, when the method/target cannot decode
 
 
-def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: DrafterModel, target: Any,
+def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: DrafterModel, target: Target,
              dataset: SampleSource, rank: int, world: int) -> RunPlan:
     """The plan of rank ``rank`` of ``world`` for training the built (not yet warm-started) ``drafter``."""
     out, where = Path(cfg.out), str(cfg.data or "(in-memory dataset)")

@@ -44,6 +44,7 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, TrainOutput
 from specdraft.models.common.checkpoint import DRAFTER_DIR
+from specdraft.targets.base import Target
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.acceptance import TEACHER_FORCED_ANCHORS, last_validation, model_card
 from specdraft.train.checkpointer import STRATEGIES, Checkpointer, TrainState, strategy_name
@@ -103,12 +104,11 @@ class Compute:
 
 
 @claims_output(None)  # one writer per run (rank 0 holds the job's lock); _check_out_dir checks ownership
-def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None = None) -> TrainResult:
+def train(cfg: TrainConfig, *, target: Target | None = None, dataset: SampleSource | None = None) -> TrainResult:
     """Train (or resume training) a drafter as configured; see the module docstring.
 
-    ``target`` (a ``Target``) and ``dataset`` (a ``SampleSource``) default to loading
-    ``cfg.target`` and opening the source ``cfg.data_mode`` names (``data.open_sample_source``);
-    tests pass small in-memory ones.
+    ``target`` and ``dataset`` default to loading ``cfg.target`` and opening the source ``cfg.data_mode``
+    names (``data.open_sample_source``); tests pass small in-memory ones.
     """
     cfg.require("method", "out")
     dist_ = Dist.from_env()
@@ -120,7 +120,7 @@ def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None 
         return _train(cfg, target, dataset, dist_)
 
 
-def _train(cfg: TrainConfig, target: Any, dataset: SampleSource, dist_: Dist) -> TrainResult:
+def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_: Dist) -> TrainResult:
     """The staircase: plan, then the parts (process group, run directory, warm start, state), ``fit``, finish."""
     run, drafter, target = _plan(cfg, target, dataset, dist_)
     device = init_distributed(cfg.device, dist_)
@@ -145,7 +145,7 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource, dist_: Dist) ->
     return result(step=state.step, completed=state.step >= run.total_steps, stopped_by=stopped_by, final=final, stop_signal=stop_signal)
 
 
-def _plan(cfg: TrainConfig, target: Any, dataset: SampleSource, dist_: Dist) -> tuple[RunPlan, DrafterModel, Any]:
+def _plan(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_: Dist) -> tuple[RunPlan, DrafterModel, Target]:
     """Check the method, ``OUT`` and the target against the store, build the drafter (seeded) and plan the run."""
     import specdraft.models  # noqa: F401  (registers the built-in methods)
 
@@ -199,7 +199,7 @@ def _finish(state: TrainState, run: RunPlan, checkpointer: Checkpointer, validat
     return final
 
 
-def _store_target(target: Any, dataset: SampleSource, cfg: TrainConfig) -> Any:
+def _store_target(target: Target | None, dataset: SampleSource, cfg: TrainConfig) -> Target:
     """The target (loaded, unless given: ``cfg.target``, else the store's), refused unless the store was extracted from it."""
     where = str(cfg.data or "(in-memory dataset)")
     store_target = dataset.target_info
@@ -229,7 +229,7 @@ def _prepare_out(run: RunPlan, dist_: Dist) -> MetricsLog:
     return metrics_log
 
 
-def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: Any, dist_: Dist,
+def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: Target, dist_: Dist,
                  device: torch.device) -> tuple[TrainState, Checkpointer, Compute]:
     """The resumable state (the checkpoint's, when resuming), its strategy's checkpointer, and the measured compute settings."""
     step_module = StepModule(drafter)
@@ -309,7 +309,7 @@ class _Validation:
     """The validation hook: the teacher-forced pass over the validation batches and, with a decode probe,
     the decoded tau (rank 0), written to ``metrics.jsonl``."""
 
-    def __init__(self, cfg: TrainConfig, run: RunPlan, dataset: SampleSource, target: Any, checkpointer: Checkpointer,
+    def __init__(self, cfg: TrainConfig, run: RunPlan, dataset: SampleSource, target: Target, checkpointer: Checkpointer,
                  metrics_log: MetricsLog, compute: Compute):
         self.run, self.dataset, self.target, self.checkpointer, self.metrics_log, self.compute = run, dataset, target, checkpointer, metrics_log, compute
         self.batches, self.pack_tokens, self.seed = run.data.val_batches(cfg.val_max_batches), cfg.pack_tokens, cfg.seed
@@ -357,7 +357,7 @@ def teacher_forced(forward: Callable[[DrafterBatch], TrainOutput], dataset: Samp
     return sums
 
 
-def _measured_settings(cfg: TrainConfig, module: nn.Module, target: Any, identity: dict, dist_: Dist,
+def _measured_settings(cfg: TrainConfig, module: nn.Module, target: Target, identity: dict, dist_: Dist,
                        device: torch.device) -> Compute:
     """The compute dtype and CPU thread count of the steps: ``cfg.dtype`` / ``cfg.num_threads``, or for
     ``auto`` / 0 what ran this step fastest here -- first the dtype, then the thread count in it --,
