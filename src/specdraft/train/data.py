@@ -19,6 +19,7 @@ does not fill every rank is dropped), so ranks see disjoint data.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -65,7 +66,7 @@ class PrefetchingSource(Protocol):
 
 def open_sample_source(cfg: Any, *, rank: int | None = None, world: int | None = None) -> SampleSource:
     """The source ``cfg.data_mode`` names (``hidden_states.online.DATA_MODES``); online/hybrid modes request
-    the layer slots of ``cfg.method`` (its ``layers`` override, else its preset) and log delivered ids in ``OUT``
+    the layer slots of ``cfg.method`` (``MethodSpec.run_slots``, as the trainer's plan) and log delivered ids in ``OUT``
     (one log per rank under torchrun: ranks may run on different hosts, and appends from several hosts to
     one file on a network file system interleave or get lost). Each rank's source is owned by (OUT, rank),
     so a rank restarted after its host was lost deletes what its predecessor left in the store. ``rank`` and
@@ -73,13 +74,8 @@ def open_sample_source(cfg: Any, *, rank: int | None = None, world: int | None =
     from pathlib import Path
 
     import specdraft.models  # noqa: F401  (registers the built-in methods)
-    from specdraft.hidden_states.layers import parse_slots
     from specdraft.hidden_states.online import DATA_MODES, SourceOptions
     from specdraft.models.base import METHODS
-
-    def slots(num_layers: int) -> list[LayerSlot]:
-        layers = (cfg.model or {}).get("layers")
-        return parse_slots(layers, num_layers) if layers else METHODS.get(cfg.method).layer_slots(num_layers)
 
     if rank is None or world is None:
         from specdraft.train.distributed import Dist
@@ -87,8 +83,8 @@ def open_sample_source(cfg: Any, *, rank: int | None = None, world: int | None =
         env = Dist.from_env()
         rank, world = env.rank, env.world
     options = SourceOptions(
-        data=cfg.data, dataset=cfg.dataset, producers=list(cfg.producers), store=cfg.store, slots=slots, dtype=cfg.stream_dtype,
-        prefetch=cfg.prefetch, token=cfg.producer_token, timeout_s=cfg.request_timeout,
+        data=cfg.data, dataset=cfg.dataset, producers=list(cfg.producers), store=cfg.store,
+        slots=functools.partial(METHODS.get(cfg.method).run_slots, cfg.model or {}), dtype=cfg.stream_dtype, prefetch=cfg.prefetch, token=cfg.producer_token, timeout_s=cfg.request_timeout,
         delivery_log=str(Path(cfg.out) / delivery_log_name(rank, world)) if cfg.out else None, verify=cfg.verify,
         owner=f"{hashlib.sha256(str(Path(cfg.out).resolve()).encode()).hexdigest()[:8]}r{rank}" if cfg.out else None,
     )

@@ -126,7 +126,7 @@ def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_
     device = init_distributed(cfg.device, dist_)
     metrics_log = _prepare_out(run, dist_)
     if run.resume is None:
-        apply_warm_start(drafter, run.method, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, run.data.train_indices)))
+        apply_warm_start(drafter, run.warm_starts, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, run.data.train_indices)))
     state, checkpointer, compute = _build_state(cfg, run, drafter, target, dist_, device)
     result = functools.partial(TrainResult, run.out, total_steps=run.total_steps, drafter=drafter, compute_dtype=compute.dtype,
                                dtype_probe=compute.dtype_probe, threads=compute.threads)
@@ -151,7 +151,7 @@ def _plan(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_:
 
     spec = METHODS.get(cfg.method)
     model_cfg = build_method_config(spec, cfg.model)
-    check_warm_start(cfg, spec.name)
+    warm_starts = check_warm_start(cfg, spec.name)
     _check_out_dir(Path(cfg.out))
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -160,7 +160,8 @@ def _plan(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_:
     drafter = spec.build(model_cfg, target, counts=token_counts(dataset))
     if not isinstance(drafter, DrafterModel):
         raise TypeError(f"METHODS[{spec.name!r}].build returned {type(drafter).__name__}, not a DrafterModel")
-    run = plan_run(cfg, spec=spec, model_cfg=model_cfg, drafter=drafter, target=target, dataset=dataset, rank=dist_.rank, world=dist_.world)
+    run = plan_run(cfg, spec=spec, model_cfg=model_cfg, drafter=drafter, target=target, dataset=dataset, rank=dist_.rank, world=dist_.world,
+                   warm_starts=warm_starts)
     return run, drafter, target
 
 
