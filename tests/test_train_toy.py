@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.hidden_states.source import SampleSource
 from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, MethodSpec, TrainOutput
 
 TOY = "toy"
@@ -113,7 +114,7 @@ class ToyTarget:
     vocab_size: int = VOCAB
 
 
-class ToyStore:
+class ToyStore(SampleSource):
     """In-memory ``SampleSource`` with deterministic random samples of varied lengths."""
 
     def __init__(self, n: int = 24, *, slots=None, fingerprint: str = "toyfp0001", hidden_size: int = 8, seed: int = 0,
@@ -150,7 +151,7 @@ class ToyStore:
 
     def token_row(self, i: int):
         """Tokens and loss mask without a read of the sample (the split keys every sample on every rank)."""
-        return self.items[i]["token_ids"], self.items[i]["loss_mask"]
+        return self.items[i]["token_ids"].numpy(), self.items[i]["loss_mask"].numpy()
 
 
 class SignalAfterReads:

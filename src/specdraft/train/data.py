@@ -29,29 +29,11 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.hidden_states.source import SampleSource
 from specdraft.models.base import DrafterBatch
 from specdraft.train.split import Split
 
 log = logging.getLogger(__name__)
-
-
-class SampleSource(Protocol):
-    """What the trainer reads (``HiddenStateDataset`` is one): random access to per-sample dicts
-    ``{sample_id, token_ids [T], loss_mask [T], hidden_states [T, S, D], last_hidden [T, D]}``.
-
-    Packing needs every sample's length up front without reading hidden states: a source offers
-    ``lengths()`` or a ``prepared`` dataset (``PreparedDataset.lengths()``); see ``sample_lengths``.
-    The validation split keys every sample by its tokens: from ``prepared`` too, else from an optional
-    ``token_row(i)`` -> (token ids, loss mask), else from the items (``split.sample_keys``).
-    """
-
-    sample_ids: list[str]
-    slots: list[LayerSlot]
-    target_info: dict
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> dict: ...
 
 
 @runtime_checkable
@@ -89,24 +71,6 @@ def open_sample_source(cfg: Any, *, rank: int | None = None, world: int | None =
         owner=f"{hashlib.sha256(str(Path(cfg.out).resolve()).encode()).hexdigest()[:8]}r{rank}" if cfg.out else None,
     )
     return DATA_MODES.get(cfg.data_mode)(options)
-
-
-def sample_lengths(dataset: SampleSource) -> list[int]:
-    """Tokens per sample without reading hidden states (packing needs every length up front)."""
-    lengths = getattr(dataset, "lengths", None)
-    if callable(lengths):
-        return [int(n) for n in lengths()]
-    prepared = getattr(dataset, "prepared", None)
-    if prepared is not None:
-        all_lengths = prepared.lengths()
-        return [int(all_lengths[prepared.index_of(sid)]) for sid in dataset.sample_ids]
-    return [len(dataset[i]["token_ids"]) for i in range(len(dataset))]
-
-
-def token_counts(dataset: SampleSource) -> torch.Tensor | None:
-    """Response-token frequencies of the store's prepared dataset (EAGLE-3 picks its draft vocabulary from them)."""
-    prepared = getattr(dataset, "prepared", None)
-    return prepared.token_counts() if prepared is not None else getattr(dataset, "token_counts", lambda: None)()
 
 
 #: Run-directory file where streaming sources append each delivered sample id (JSON lines).
@@ -248,18 +212,8 @@ class DataPlan:
 
 
 def token_rows(dataset: SampleSource, indices: Sequence[int]) -> list[tuple[Any, Any]]:
-    """(token ids, loss mask) of samples ``indices``, from the store's prepared dataset when it has
-    one (no hidden states read, nothing requested from producers), else from the samples themselves."""
-    prepared = getattr(dataset, "prepared", None)
-    out = []
-    for i in indices:
-        if prepared is not None:
-            item = prepared[prepared.index_of(dataset.sample_ids[i])]
-            out.append((item["input_ids"].numpy(), item["loss_mask"].numpy()))
-        else:
-            item = dataset[i]
-            out.append((torch.as_tensor(item["token_ids"]).numpy(), torch.as_tensor(item["loss_mask"]).bool().numpy()))
-    return out
+    """(token ids, loss mask) of samples ``indices`` (``SampleSource.token_row``)."""
+    return [dataset.token_row(i) for i in indices]
 
 
 def select_slots(store_slots: Sequence[LayerSlot], wanted: Sequence[LayerSlot], *, where: str) -> list[int]:

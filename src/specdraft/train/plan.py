@@ -23,7 +23,7 @@ from specdraft.targets.base import Target
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.acceptance import DecodeProbe, unavailable_reason
 from specdraft.train.config import TrainConfig
-from specdraft.train.data import DataPlan, SampleSource, sample_lengths, select_slots, token_rows
+from specdraft.train.data import DataPlan, SampleSource, select_slots, token_rows
 from specdraft.train.split import SPLIT_FILE, Split, resolve_split
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: Dra
     slot_index = select_slots(dataset.slots, slots, where=where)
     slot_index = None if slot_index == list(range(len(dataset.slots))) else slot_index
     split = resolve_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed, recorded=out / SPLIT_FILE)
-    data = DataPlan.build(list(dataset.sample_ids), sample_lengths(dataset), split=split, pack_tokens=cfg.pack_tokens,
+    data = DataPlan.build(list(dataset.sample_ids), dataset.lengths(), split=split, pack_tokens=cfg.pack_tokens,
                           batch_rows=cfg.batch_rows, seed=cfg.seed, world_size=world, rank=rank)
     probe, probe_skipped = None, None
     if cfg.decode_prompts and data.val_indices:

@@ -57,7 +57,6 @@ from specdraft.train.data import (
     collate,
     open_sample_source,
     step_seed,
-    token_counts,
     token_rows,
     training_order,
 )
@@ -157,7 +156,7 @@ def _plan(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_:
         torch.set_num_threads(cfg.num_threads)
     target = _store_target(target, dataset, cfg)
     reseed(cfg.seed)
-    drafter = spec.build(model_cfg, target, counts=token_counts(dataset))
+    drafter = spec.build(model_cfg, target, counts=dataset.token_counts())
     if not isinstance(drafter, DrafterModel):
         raise TypeError(f"METHODS[{spec.name!r}].build returned {type(drafter).__name__}, not a DrafterModel")
     run = plan_run(cfg, spec=spec, model_cfg=model_cfg, drafter=drafter, target=target, dataset=dataset, rank=dist_.rank, world=dist_.world,
