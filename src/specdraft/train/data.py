@@ -23,7 +23,7 @@ import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -32,6 +32,9 @@ from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.source import SampleSource
 from specdraft.models.base import DrafterBatch
 from specdraft.train.split import Split
+
+if TYPE_CHECKING:
+    from specdraft.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ class PrefetchingSource(Protocol):
     def close(self) -> None: ...
 
 
-def open_sample_source(cfg: Any, *, rank: int | None = None, world: int | None = None) -> SampleSource:
+def open_sample_source(cfg: TrainConfig, *, rank: int | None = None, world: int | None = None) -> SampleSource:
     """The source ``cfg.data_mode`` names (``hidden_states.online.DATA_MODES``); online/hybrid modes request
     the layer slots of ``cfg.method`` (``MethodSpec.run_slots``, as the trainer's plan) and log delivered ids in ``OUT``
     (one log per rank under torchrun: ranks may run on different hosts, and appends from several hosts to

@@ -134,7 +134,8 @@ def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_
             log.info("dry run: wrote %s", checkpointer.save(state))
         return result(step=state.step, completed=False, stopped_by=None, final=None)
 
-    validate = _Validation(cfg, run, dataset, target, checkpointer, metrics_log, compute)
+    validate = _Validation(run, dataset, target, checkpointer, metrics_log, compute, max_batches=cfg.val_max_batches,
+                           pack_tokens=cfg.pack_tokens, seed=cfg.seed)
     already_done = run.resume is not None and state.step >= run.total_steps
     if isinstance(dataset, PrefetchingSource):
         dataset.start(training_order(run.data, state.step, run.total_steps))
@@ -154,7 +155,7 @@ def _plan(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_:
     _check_out_dir(Path(cfg.out))
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    target = _store_target(target, dataset, cfg)
+    target = _store_target(target, dataset, requested=cfg.target, where=str(cfg.data or "(in-memory dataset)"))
     reseed(cfg.seed)
     drafter = spec.build(model_cfg, target, counts=dataset.token_counts())
     if not isinstance(drafter, DrafterModel):
@@ -173,7 +174,8 @@ def _hooks(cfg: TrainConfig, run: RunPlan, dataset: SampleSource, checkpointer: 
 
     return FitHooks(
         read=lambda step: [[dataset[i] for i in row] for row in run.data.train_rows(step)],
-        step=functools.partial(_step, cfg=cfg, run=run, compute=compute, checkpointer=checkpointer),
+        step=functools.partial(_step, pack_tokens=cfg.pack_tokens, seed=cfg.seed, grad_clip=cfg.grad_clip, run=run, compute=compute,
+                               checkpointer=checkpointer),
         log=TrainLog(metrics_log, interval=cfg.log_interval, total_steps=run.total_steps, locate=run.data.locate,
                      context={"dtype": compute.dtype, "threads": compute.threads["threads"]}, main=checkpointer.dist.main),
         validate=lambda state: validate(state) if due(cfg.eval_interval, state) else None,
@@ -199,14 +201,13 @@ def _finish(state: TrainState, run: RunPlan, checkpointer: Checkpointer, validat
     return final
 
 
-def _store_target(target: Target | None, dataset: SampleSource, cfg: TrainConfig) -> Target:
-    """The target (loaded, unless given: ``cfg.target``, else the store's), refused unless the store was extracted from it."""
-    where = str(cfg.data or "(in-memory dataset)")
+def _store_target(target: Target | None, dataset: SampleSource, *, requested: str | None, where: str) -> Target:
+    """The target (loaded, unless given: ``requested``, else the store's), refused unless the store ``where`` was extracted from it."""
     store_target = dataset.target_info
     if target is None:
         from specdraft.targets import load_target
 
-        target = load_target(cfg.target or store_target.get("name") or "")
+        target = load_target(requested or store_target.get("name") or "")
     if store_target.get("fingerprint") != target.fingerprint:
         raise SpecdraftError(
             f"hidden-state store {where} was extracted from target {store_target.get('name')!r} (fingerprint "
@@ -246,7 +247,8 @@ def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: 
                                          last_saved=run.resume.step if run.resume else -1,
                                          meta=functools.partial(_checkpoint_meta, run, dist_.world))
     step_module.to(device)
-    compute = _measured_settings(cfg, step_module, target, run.identity, dist_, device)
+    compute = _measured_settings(step_module, target, run.identity, dist_, device, dtype=cfg.dtype, num_threads=cfg.num_threads,
+                                 batch_rows=cfg.batch_rows, pack_tokens=cfg.pack_tokens, dry_run=cfg.dry_run)
     wrapped = strategy.wrap(step_module, device)
     optimizer = build_optimizer(wrapped, name=cfg.optimizer, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, device=device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -272,11 +274,12 @@ def _checkpoint_meta(run: RunPlan, world: int, at_step: int) -> dict:
     }
 
 
-def _step(state: TrainState, items: list, *, cfg: TrainConfig, run: RunPlan, compute: Compute, checkpointer: Checkpointer) -> StepDone:
+def _step(state: TrainState, items: list, *, pack_tokens: int, seed: int, grad_clip: float, run: RunPlan, compute: Compute,
+          checkpointer: Checkpointer) -> StepDone:
     """The fit loop's step: collate, reseed from (seed, rank, step), ``train_step`` (refusing a non-finite
     loss or gradient on any rank before the update), advance the schedule."""
-    batch = collate(items, pack_tokens=cfg.pack_tokens, slot_index=run.slot_index).to(compute.device)
-    reseed(step_seed(cfg.seed, checkpointer.dist.rank, state.step))
+    batch = collate(items, pack_tokens=pack_tokens, slot_index=run.slot_index).to(compute.device)
+    reseed(step_seed(seed, checkpointer.dist.rank, state.step))
     lr = state.scheduler.get_last_lr()[0]
 
     def check(loss: float, grad_norm: float | None) -> None:
@@ -284,7 +287,7 @@ def _step(state: TrainState, items: list, *, cfg: TrainConfig, run: RunPlan, com
             raise checkpointer.failure(f"the loss is {loss} (gradient norm {grad_norm})", state.step + 1)
 
     result = train_step(state.module, batch, dtype=compute.dtype, device=compute.device, optimizer=state.optimizer,
-                        grad_clip=cfg.grad_clip, check=check)
+                        grad_clip=grad_clip, check=check)
     state.scheduler.step()
     state.step += 1
     return StepDone(result, tokens=int((batch.segment_ids >= 0).sum()), lr=lr)
@@ -309,10 +312,10 @@ class _Validation:
     """The validation hook: the teacher-forced pass over the validation batches and, with a decode probe,
     the decoded tau (rank 0), written to ``metrics.jsonl``."""
 
-    def __init__(self, cfg: TrainConfig, run: RunPlan, dataset: SampleSource, target: Target, checkpointer: Checkpointer,
-                 metrics_log: MetricsLog, compute: Compute):
+    def __init__(self, run: RunPlan, dataset: SampleSource, target: Target, checkpointer: Checkpointer, metrics_log: MetricsLog,
+                 compute: Compute, *, max_batches: int, pack_tokens: int, seed: int):
         self.run, self.dataset, self.target, self.checkpointer, self.metrics_log, self.compute = run, dataset, target, checkpointer, metrics_log, compute
-        self.batches, self.pack_tokens, self.seed = run.data.val_batches(cfg.val_max_batches), cfg.pack_tokens, cfg.seed
+        self.batches, self.pack_tokens, self.seed = run.data.val_batches(max_batches), pack_tokens, seed
 
     def __call__(self, state: TrainState) -> dict | None:
         dist_ = self.checkpointer.dist
@@ -357,38 +360,38 @@ def teacher_forced(forward: Callable[[DrafterBatch], TrainOutput], dataset: Samp
     return sums
 
 
-def _measured_settings(cfg: TrainConfig, module: nn.Module, target: Target, identity: dict, dist_: Dist,
-                       device: torch.device) -> Compute:
-    """The compute dtype and CPU thread count of the steps: ``cfg.dtype`` / ``cfg.num_threads``, or for
+def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_: Dist, device: torch.device, *, dtype: str,
+                       num_threads: int, batch_rows: int, pack_tokens: int, dry_run: bool) -> Compute:
+    """The compute dtype and CPU thread count of the steps: ``dtype`` / ``num_threads``, or for
     ``auto`` / 0 what ran this step fastest here -- first the dtype, then the thread count in it --,
     timed on rank 0 (before the module is wrapped) and sent to every rank so they all compute alike.
     A dry run computes nothing."""
     from specdraft.utils.threads import resolve_threads, threads_facts
 
-    if cfg.dry_run:
-        return Compute(device, "fp32" if cfg.dtype == "auto" else cfg.dtype, None, threads_facts(cfg.num_threads, None))
+    if dry_run:
+        return Compute(device, "fp32" if dtype == "auto" else dtype, None, threads_facts(num_threads, None))
     names = list(COMPUTE_DTYPES)
-    dtype, probe, threads = ("fp32" if cfg.dtype == "auto" else cfg.dtype), None, None
+    chosen_dtype, probe, threads = ("fp32" if dtype == "auto" else dtype), None, None
     if dist_.main:
-        batch = synthetic_batch(rows=cfg.batch_rows, tokens=cfg.pack_tokens, slots=len(identity["slots"]),
+        batch = synthetic_batch(rows=batch_rows, tokens=pack_tokens, slots=len(identity["slots"]),
                                 hidden=int(target.hidden_size), vocab=int(target.vocab_size)).to(device)
-        context = {k: identity[k] for k in ("method", "model_config", "slots")} | {"pack_tokens": cfg.pack_tokens, "batch_rows": cfg.batch_rows}
+        context = {k: identity[k] for k in ("method", "model_config", "slots")} | {"pack_tokens": pack_tokens, "batch_rows": batch_rows}
         was_training = module.training
         module.train()
         try:
-            if cfg.dtype == "auto":
+            if dtype == "auto":
                 probe = measure_train_dtype(module, batch, device=device, context=context)  # logs its figures
-                dtype = probe.choice
-            threads = resolve_threads(cfg.num_threads, "train-threads", {**context, "dtype": dtype},
-                                      lambda: train_step(module, batch, dtype=dtype, device=device), device=device)
+                chosen_dtype = probe.choice
+            threads = resolve_threads(num_threads, "train-threads", {**context, "dtype": chosen_dtype},
+                                      lambda: train_step(module, batch, dtype=chosen_dtype, device=device), device=device)
         finally:
             module.train(was_training)
-    chosen = torch.tensor([names.index(dtype), torch.get_num_threads()], device=device)
+    chosen = torch.tensor([names.index(chosen_dtype), torch.get_num_threads()], device=device)
     if dist_.world > 1:
         torch.distributed.broadcast(chosen, src=0)
-        if not cfg.num_threads and device.type == "cpu":
+        if not num_threads and device.type == "cpu":
             torch.set_num_threads(int(chosen[1].item()))
-    return Compute(device, names[int(chosen[0].item())], probe.to_json() if probe else None, threads_facts(cfg.num_threads, threads))
+    return Compute(device, names[int(chosen[0].item())], probe.to_json() if probe else None, threads_facts(num_threads, threads))
 
 
 def _check_out_dir(out: Path) -> None:
