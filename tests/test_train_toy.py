@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from specdraft.hidden_states.layers import LayerSlot
-from specdraft.hidden_states.source import SampleSource
 from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, MethodSpec, TrainOutput
 
 TOY = "toy"
@@ -114,8 +113,9 @@ class ToyTarget:
     vocab_size: int = VOCAB
 
 
-class ToyStore(SampleSource):
-    """In-memory ``SampleSource`` with deterministic random samples of varied lengths."""
+class ToyStore:
+    """In-memory ``SampleSource`` with deterministic random samples of varied lengths. It spells out the whole
+    interface rather than inheriting it: ``scripts/resume_across.py`` imports it into older checkouts too."""
 
     def __init__(self, n: int = 24, *, slots=None, fingerprint: str = "toyfp0001", hidden_size: int = 8, seed: int = 0,
                  read_delay: float = 0.0):
@@ -152,6 +152,12 @@ class ToyStore(SampleSource):
     def token_row(self, i: int):
         """Tokens and loss mask without a read of the sample (the split keys every sample on every rank)."""
         return self.items[i]["token_ids"].numpy(), self.items[i]["loss_mask"].numpy()
+
+    def source_label(self, i: int) -> str:
+        return ""
+
+    def token_counts(self) -> None:
+        return None
 
 
 class SignalAfterReads:

@@ -1,5 +1,5 @@
 """What the trainer reads: ``SampleSource``, the interface every source of training samples implements
-(``HiddenStateDataset``, ``online.StreamingSource``, the tests' in-memory stores).
+(``HiddenStateDataset`` and ``online.StreamingSource`` inherit it; the tests' in-memory store spells it out).
 
 It is declared here, beside the sources, so they can inherit it (the trainer sits a layer above). What
 the trainer needs besides the items -- lengths, token rows, split labels, token frequencies -- are
