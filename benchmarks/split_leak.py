@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 from specdraft.train.split_audit import analyse
@@ -118,11 +117,12 @@ def main() -> None:
                 "prompt_tokens": sum(len(s.prompt_ids) for s in samples), "card_prompt_tokens": REFERENCE_PROMPT_TOKENS}
     else:
         from specdraft.data.dataset import PreparedDataset
+        from specdraft.hidden_states.source import PreparedRows
         from specdraft.train.split import sample_keys
 
         prepared = PreparedDataset(args.data)
         ids = list(prepared.sample_ids)
-        keys = sample_keys(SimpleNamespace(prepared=prepared, sample_ids=ids))
+        keys = sample_keys(PreparedRows(prepared))
         head = {"data": args.data}
     result = analyse(ids, keys, val_fraction=args.val_fraction, seed=args.seed)
     del result["old_validation"], result["old_clean"]

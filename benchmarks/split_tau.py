@@ -79,11 +79,11 @@ def build_store(work: Path, samples, old_val: list[int], drafter_slots, threads:
 def score(dataset, indices: list[int], drafter, target, slot_index, *, decode_prompts: int, decode_tokens: int) -> dict:
     from specdraft.decode import validation as _validation  # noqa: F401  (registers the runtime DecodeProbe decodes with)
     from specdraft.train.acceptance import DecodeProbe
-    from specdraft.train.data import DataPlan, sample_lengths, step_seed, token_rows
+    from specdraft.train.data import DataPlan, step_seed, token_rows
     from specdraft.train.trainer import EVAL_SEED_KIND, teacher_forced
 
     s = TRAIN_SETTINGS
-    plan = DataPlan(list(map(str, dataset.sample_ids)), sample_lengths(dataset), [], list(indices), s["pack_tokens"], s["batch_rows"], s["seed"])
+    plan = DataPlan(list(map(str, dataset.sample_ids)), dataset.lengths(), [], list(indices), s["pack_tokens"], s["batch_rows"], s["seed"])
     out = {"samples": len(indices)}
     drafter.eval()
     for name, max_batches in (("teacher_forced_as_logged", s["val_max_batches"]), ("teacher_forced_all", 0)):

@@ -362,9 +362,9 @@ def test_vllm_answers_are_cut_at_the_first_end_of_turn():
 
 def test_select_samples_gives_the_ids_sources_and_prompts_of_a_regenerated_dataset_without_generating(tmp_path, tiny_target, tiny_llama_dir, monkeypatch):
     """What split_leak.py rebuilds a regenerated dataset's split keys from: the rows prepare keeps, before any reply."""
-    from types import SimpleNamespace
 
     from specdraft.data.prepare import select_samples
+    from specdraft.hidden_states.source import PreparedRows
     from specdraft.train.split import sample_key, sample_keys
 
     rows = [SHAREGPT_ROW, {**SHAREGPT_ROW, "id": "sg1_1"}, OPENAI_ROW, *PROMPT_ONLY_ROWS]
@@ -379,5 +379,5 @@ def test_select_samples_gives_the_ids_sources_and_prompts_of_a_regenerated_datas
     assert selection.stats["read"] == summary["read"] == 5 and [i for i, _ in selection.prompts] == list(range(5))
     assert [s.sample_id for s in selection.samples] == list(ds.sample_ids)
     rebuilt = [sample_key(s.sample_id, s.source, s.input_ids, s.loss_mask) for s in selection.samples]
-    assert rebuilt == sample_keys(SimpleNamespace(prepared=ds, sample_ids=list(ds.sample_ids)))
+    assert rebuilt == sample_keys(PreparedRows(ds))
     assert rebuilt[0].group == rebuilt[1].group == "sg1" and rebuilt[0].prompt == rebuilt[1].prompt

@@ -49,7 +49,6 @@ def test_export_writes_what_the_peer_trainer_reads_with_our_split_and_vocabulary
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.models.common.vocab import build_draft_vocab
     from specdraft.train.split import dataset_split
-    from specdraft.train.data import token_counts
 
     run = _export(store, tmp_path / "data", "--draft-vocab-size", "64")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -67,7 +66,7 @@ def test_export_writes_what_the_peer_trainer_reads_with_our_split_and_vocabulary
     slot_index = [dataset.slots.index(s) for s in dataset.slots if str(s) != "input:5"]
     assert torch.equal(row["token_ids"], torch.as_tensor(first["token_ids"], dtype=torch.long))
     assert torch.equal(row["hidden_states"], torch.cat([first["hidden_states"][:, slot_index], first["last_hidden"].unsqueeze(1)], dim=1))
-    ours_d2t, ours_t2d = build_draft_vocab(token_counts(dataset), 64)  # the vocabulary our trainer would pick
+    ours_d2t, ours_t2d = build_draft_vocab(dataset.token_counts(), 64)  # the vocabulary our trainer would pick
     assert np.array_equal(np.load(tmp_path / "data/d2t-64.npy"), ours_d2t.numpy())
     assert np.array_equal(np.load(tmp_path / "data/t2d-64.npy"), ours_t2d.numpy())
     # the columns the peer's dataset loader reads, in our order

@@ -15,7 +15,7 @@ from specdraft.models import METHODS, load_drafter
 from specdraft.models.common.checkpoint import write_checkpoint
 from specdraft.models.common.vocab import draft_ids
 from specdraft.train.config import TrainConfig
-from specdraft.train.warm_start import WarmStartInputs, apply_warm_start
+from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
 from test_models_support import VOCAB, make_batch, make_target
 
 DRAFT = 40
@@ -141,7 +141,7 @@ def test_init_from_target_is_off_with_reasons_for_a_family_whose_layers_compute_
     before = {k: v.clone() for k, v in model.layers.state_dict().items()}
     cfg = TrainConfig(method=method, init_from_target=True)
     with caplog.at_level(logging.WARNING, logger="specdraft.models.common.warm_start"):
-        done = apply_warm_start(model, method, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: []))
+        done = apply_warm_start(model, check_warm_start(cfg, method), WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: []))
     assert done == {"init_from_target": []}
     assert all(torch.equal(before[k], v) for k, v in model.layers.state_dict().items())
     text = caplog.text

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from specdraft.data.dataset import PreparedDataset, write_prepared
 from specdraft.data.sources import conversation_group
+from specdraft.hidden_states.source import PreparedRows
 from specdraft.train.split import SPLIT_FILE, SplitKey, compute_split, dataset_split, held_out, resolve_split, write_split
 
 VOCAB = 64
@@ -36,7 +36,7 @@ def _rows(conversations: int = 120, seed: int = 0) -> list[dict]:
 
 def _dataset(tmp_path, rows, name="data"):
     prepared = PreparedDataset(write_prepared(tmp_path / name, rows, target_info={}, config={}, stats={}, vocab_size=VOCAB))
-    return SimpleNamespace(prepared=prepared, sample_ids=list(prepared.sample_ids))
+    return PreparedRows(prepared)
 
 
 def _straddling(rows, val: set[int], key) -> set:

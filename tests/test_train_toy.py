@@ -114,7 +114,8 @@ class ToyTarget:
 
 
 class ToyStore:
-    """In-memory ``SampleSource`` with deterministic random samples of varied lengths."""
+    """In-memory ``SampleSource`` with deterministic random samples of varied lengths. It spells out the whole
+    interface rather than inheriting it: ``scripts/resume_across.py`` imports it into older checkouts too."""
 
     def __init__(self, n: int = 24, *, slots=None, fingerprint: str = "toyfp0001", hidden_size: int = 8, seed: int = 0,
                  read_delay: float = 0.0):
@@ -150,7 +151,13 @@ class ToyStore:
 
     def token_row(self, i: int):
         """Tokens and loss mask without a read of the sample (the split keys every sample on every rank)."""
-        return self.items[i]["token_ids"], self.items[i]["loss_mask"]
+        return self.items[i]["token_ids"].numpy(), self.items[i]["loss_mask"].numpy()
+
+    def source_label(self, i: int) -> str:
+        return ""
+
+    def token_counts(self) -> None:
+        return None
 
 
 class SignalAfterReads:

@@ -11,7 +11,7 @@ from specdraft.models import METHODS
 from specdraft.models.common.anchors import ANCHOR_SAMPLING, sample_anchors
 from specdraft.train.config import TrainConfig
 from specdraft.models.common.warm_start import copied_layers, identity_slot, norm_gain
-from specdraft.train.warm_start import WarmStartInputs, apply_warm_start
+from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
 from test_models_support import make_batch, make_target
 from test_train_methods import config, store_for, stores  # noqa: F401  (module fixture: tiny target + real stores)
 
@@ -28,7 +28,7 @@ def build(method: str, target, **overrides):
 
 def warm(drafter, method, target, rows=(), **switches):
     cfg = TrainConfig(method=method, **switches)
-    return apply_warm_start(drafter, method, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: list(rows)))
+    return apply_warm_start(drafter, check_warm_start(cfg, method), WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: list(rows)))
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,12 @@ from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.backends.base import STORE_FORMAT_NAME, HiddenStateBackend
 from specdraft.hidden_states.config import VERIFY_LEVELS
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.hidden_states.source import SampleSource
 
 log = logging.getLogger(__name__)
 
 
-class HiddenStateDataset(torch.utils.data.Dataset):
+class HiddenStateDataset(torch.utils.data.Dataset, SampleSource):
     """Items: ``sample_id`` (str), ``token_ids`` [T] int64, ``loss_mask`` [T] bool,
     ``hidden_states`` [T, S, D], ``last_hidden`` [T, D] (the store's dtype).
 
@@ -132,11 +133,6 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.sample_ids)
-
-    def lengths(self) -> list[int]:
-        """Tokens per sample, in item order, from the prepared dataset (no hidden states are read)."""
-        all_lengths = self.prepared.lengths()
-        return [int(all_lengths[self.prepared.index_of(sid)]) for sid in self.sample_ids]
 
     def __getitem__(self, i: int) -> dict:
         sid = self.sample_ids[i]

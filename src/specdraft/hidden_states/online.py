@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.hidden_states.source import SampleSource
 from specdraft.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -303,7 +304,7 @@ def backend_name(location: str) -> str:
     return scheme if scheme in BACKENDS else "file"
 
 
-class StreamingSource:
+class StreamingSource(SampleSource):
     """Online/hybrid sample source; see the module docstring. Close it (or use ``with``) to clean up."""
 
     def __init__(self, *, prepared: Any, client: ProducerClient, transport: Any, target_info: dict, slots: list[LayerSlot],
@@ -376,9 +377,6 @@ class StreamingSource:
 
     def __len__(self) -> int:
         return len(self.sample_ids)
-
-    def lengths(self) -> list[int]:
-        return [int(n) for n in self.prepared.lengths()]
 
     def __getitem__(self, index: int) -> dict:
         if self._closed:

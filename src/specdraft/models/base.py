@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 import torch
 from torch import nn
 
-from specdraft.hidden_states.layers import LayerSlot
+from specdraft.hidden_states.layers import LayerSlot, parse_slots
 from specdraft.registry import Registry
 
 if TYPE_CHECKING:
@@ -138,6 +138,14 @@ class MethodSpec:
     proposer_options: Callable[[DrafterModel], dict] = lambda drafter: {}  # keyword options of that kind for a built drafter
     warm_starts: Mapping[str, WarmStart] = field(default_factory=dict)  # training switch (e.g. "fc_init=identity") -> surgery
     serving: VllmServing = VllmServing()
+
+    def run_slots(self, overrides: Mapping[str, Any], num_layers: int) -> list[LayerSlot]:
+        """The slots a run with ``--model`` ``overrides`` reads from a target of ``num_layers`` decoder layers: the
+        ``layers`` override, else the preset (of ``num_target_layers`` when overridden, as the built config resolves
+        it). One answer for the trainer's plan and the slots an online source requests, so the two cannot differ."""
+        num_layers = int(overrides.get("num_target_layers") or num_layers)
+        layers = overrides.get("layers")
+        return parse_slots(layers, num_layers) if layers else self.layer_slots(num_layers)
 
 
 METHODS: Registry[MethodSpec] = Registry("drafter method")

@@ -39,12 +39,12 @@ def seconds_per_step(metrics_path: Path) -> float:
 def epoch_steps(cfg: Any) -> int:
     """Steps of ``cfg.epochs`` passes over the training split of ``cfg.data`` (one process): what
     ``train`` runs when ``max_steps`` is 0."""
-    from specdraft.train.data import DataPlan, open_sample_source, sample_lengths
+    from specdraft.train.data import DataPlan, open_sample_source
     from specdraft.train.split import dataset_split
 
     dataset = open_sample_source(cfg)
     split = dataset_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed)
-    plan = DataPlan.build(list(dataset.sample_ids), sample_lengths(dataset), split=split,
+    plan = DataPlan.build(list(dataset.sample_ids), dataset.lengths(), split=split,
                           pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=cfg.seed)
     return plan.total_steps(cfg.epochs)
 

@@ -19,38 +19,24 @@ does not fill every rank is dropped), so ranks see disjoint data.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.hidden_states.source import SampleSource
 from specdraft.models.base import DrafterBatch
 from specdraft.train.split import Split
 
+if TYPE_CHECKING:
+    from specdraft.train.config import TrainConfig
+
 log = logging.getLogger(__name__)
-
-
-class SampleSource(Protocol):
-    """What the trainer reads (``HiddenStateDataset`` is one): random access to per-sample dicts
-    ``{sample_id, token_ids [T], loss_mask [T], hidden_states [T, S, D], last_hidden [T, D]}``.
-
-    Packing needs every sample's length up front without reading hidden states: a source offers
-    ``lengths()`` or a ``prepared`` dataset (``PreparedDataset.lengths()``); see ``sample_lengths``.
-    The validation split keys every sample by its tokens: from ``prepared`` too, else from an optional
-    ``token_row(i)`` -> (token ids, loss mask), else from the items (``split.sample_keys``).
-    """
-
-    sample_ids: list[str]
-    slots: list[LayerSlot]
-    target_info: dict
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> dict: ...
 
 
 @runtime_checkable
@@ -63,9 +49,9 @@ class PrefetchingSource(Protocol):
     def close(self) -> None: ...
 
 
-def open_sample_source(cfg: Any, *, rank: int | None = None, world: int | None = None) -> SampleSource:
+def open_sample_source(cfg: TrainConfig, *, rank: int | None = None, world: int | None = None) -> SampleSource:
     """The source ``cfg.data_mode`` names (``hidden_states.online.DATA_MODES``); online/hybrid modes request
-    the layer slots of ``cfg.method`` (its ``layers`` override, else its preset) and log delivered ids in ``OUT``
+    the layer slots of ``cfg.method`` (``MethodSpec.run_slots``, as the trainer's plan) and log delivered ids in ``OUT``
     (one log per rank under torchrun: ranks may run on different hosts, and appends from several hosts to
     one file on a network file system interleave or get lost). Each rank's source is owned by (OUT, rank),
     so a rank restarted after its host was lost deletes what its predecessor left in the store. ``rank`` and
@@ -73,13 +59,8 @@ def open_sample_source(cfg: Any, *, rank: int | None = None, world: int | None =
     from pathlib import Path
 
     import specdraft.models  # noqa: F401  (registers the built-in methods)
-    from specdraft.hidden_states.layers import parse_slots
     from specdraft.hidden_states.online import DATA_MODES, SourceOptions
     from specdraft.models.base import METHODS
-
-    def slots(num_layers: int) -> list[LayerSlot]:
-        layers = (cfg.model or {}).get("layers")
-        return parse_slots(layers, num_layers) if layers else METHODS.get(cfg.method).layer_slots(num_layers)
 
     if rank is None or world is None:
         from specdraft.train.distributed import Dist
@@ -87,30 +68,12 @@ def open_sample_source(cfg: Any, *, rank: int | None = None, world: int | None =
         env = Dist.from_env()
         rank, world = env.rank, env.world
     options = SourceOptions(
-        data=cfg.data, dataset=cfg.dataset, producers=list(cfg.producers), store=cfg.store, slots=slots, dtype=cfg.stream_dtype,
-        prefetch=cfg.prefetch, token=cfg.producer_token, timeout_s=cfg.request_timeout,
+        data=cfg.data, dataset=cfg.dataset, producers=list(cfg.producers), store=cfg.store,
+        slots=functools.partial(METHODS.get(cfg.method).run_slots, cfg.model or {}), dtype=cfg.stream_dtype, prefetch=cfg.prefetch, token=cfg.producer_token, timeout_s=cfg.request_timeout,
         delivery_log=str(Path(cfg.out) / delivery_log_name(rank, world)) if cfg.out else None, verify=cfg.verify,
         owner=f"{hashlib.sha256(str(Path(cfg.out).resolve()).encode()).hexdigest()[:8]}r{rank}" if cfg.out else None,
     )
     return DATA_MODES.get(cfg.data_mode)(options)
-
-
-def sample_lengths(dataset: SampleSource) -> list[int]:
-    """Tokens per sample without reading hidden states (packing needs every length up front)."""
-    lengths = getattr(dataset, "lengths", None)
-    if callable(lengths):
-        return [int(n) for n in lengths()]
-    prepared = getattr(dataset, "prepared", None)
-    if prepared is not None:
-        all_lengths = prepared.lengths()
-        return [int(all_lengths[prepared.index_of(sid)]) for sid in dataset.sample_ids]
-    return [len(dataset[i]["token_ids"]) for i in range(len(dataset))]
-
-
-def token_counts(dataset: SampleSource) -> torch.Tensor | None:
-    """Response-token frequencies of the store's prepared dataset (EAGLE-3 picks its draft vocabulary from them)."""
-    prepared = getattr(dataset, "prepared", None)
-    return prepared.token_counts() if prepared is not None else getattr(dataset, "token_counts", lambda: None)()
 
 
 #: Run-directory file where streaming sources append each delivered sample id (JSON lines).
@@ -252,18 +215,8 @@ class DataPlan:
 
 
 def token_rows(dataset: SampleSource, indices: Sequence[int]) -> list[tuple[Any, Any]]:
-    """(token ids, loss mask) of samples ``indices``, from the store's prepared dataset when it has
-    one (no hidden states read, nothing requested from producers), else from the samples themselves."""
-    prepared = getattr(dataset, "prepared", None)
-    out = []
-    for i in indices:
-        if prepared is not None:
-            item = prepared[prepared.index_of(dataset.sample_ids[i])]
-            out.append((item["input_ids"].numpy(), item["loss_mask"].numpy()))
-        else:
-            item = dataset[i]
-            out.append((torch.as_tensor(item["token_ids"]).numpy(), torch.as_tensor(item["loss_mask"]).bool().numpy()))
-    return out
+    """(token ids, loss mask) of samples ``indices`` (``SampleSource.token_row``)."""
+    return [dataset.token_row(i) for i in indices]
 
 
 def select_slots(store_slots: Sequence[LayerSlot], wanted: Sequence[LayerSlot], *, where: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""The process group of a training run: who this process is (read from torchrun's environment once),
+"""The process group of a training run: who this process is (``Dist``: torchrun's place, ``utils/launch.py``),
 its device, and the two collectives the trainer needs (a barrier, and "did any rank say so").
 
 Multi-process runs use gloo on CPU and NCCL on GPU; a single process creates no group at all.
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from specdraft.utils.compute import parse_device
+from specdraft.utils.launch import torchrun_place
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class Dist:
     @classmethod
     def from_env(cls) -> "Dist":
         """This process's place in a ``torchrun`` launch (rank 0 of 1 without one)."""
-        return cls(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0")))
+        return cls(*torchrun_place())
 
     @property
     def main(self) -> bool:

@@ -13,15 +13,17 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
-from specdraft.models.base import DrafterModel, MethodSpec
+from specdraft.models.base import DrafterModel, MethodSpec, WarmStart
+from specdraft.targets.base import Target
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.acceptance import DecodeProbe, unavailable_reason
 from specdraft.train.config import TrainConfig
-from specdraft.train.data import DataPlan, SampleSource, sample_lengths, select_slots, token_rows
+from specdraft.train.data import DataPlan, SampleSource, select_slots, token_rows
 from specdraft.train.split import SPLIT_FILE, Split, resolve_split
 
 log = logging.getLogger(__name__)
@@ -53,17 +55,18 @@ class RunPlan:
     resume: Resume | None
     probe: DecodeProbe | None  # decoded tau at each validation
     probe_skipped: str | None  # why there is no probe, when the method/target cannot decode
+    warm_starts: Mapping[str, WarmStart]  # the switched-on pieces (``warm_start.check_warm_start``), for a fresh run
 
 
-def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: DrafterModel, target: Any,
-             dataset: SampleSource, rank: int, world: int) -> RunPlan:
-    """The plan of rank ``rank`` of ``world`` for training the built (not yet warm-started) ``drafter``."""
+def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: DrafterModel, target: Target,
+             dataset: SampleSource, rank: int, world: int, warm_starts: Mapping[str, WarmStart] = MappingProxyType({})) -> RunPlan:
+    """The plan of rank ``rank`` of ``world`` for training the built ``drafter``, to be warm-started with ``warm_starts``."""
     out, where = Path(cfg.out), str(cfg.data or "(in-memory dataset)")
-    slots = drafter_slots(drafter, spec, target.num_layers)
+    slots = spec.run_slots(cfg.model, target.num_layers)
     slot_index = select_slots(dataset.slots, slots, where=where)
     slot_index = None if slot_index == list(range(len(dataset.slots))) else slot_index
     split = resolve_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed, recorded=out / SPLIT_FILE)
-    data = DataPlan.build(list(dataset.sample_ids), sample_lengths(dataset), split=split, pack_tokens=cfg.pack_tokens,
+    data = DataPlan.build(list(dataset.sample_ids), dataset.lengths(), split=split, pack_tokens=cfg.pack_tokens,
                           batch_rows=cfg.batch_rows, seed=cfg.seed, world_size=world, rank=rank)
     probe, probe_skipped = None, None
     if cfg.decode_prompts and data.val_indices:
@@ -85,7 +88,7 @@ def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: Dra
         total_steps=total_steps, warmup_steps=max(1, round(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio > 0 else 0,
         identity=identity, resolved={**cfg.to_dict(), "model": identity["model_config"], "target": cfg.target or target.name, "data": cfg.data},
         resume=check_resume(cfg, identity, data_fingerprint=data.fingerprint(), world=world),
-        probe=probe, probe_skipped=probe_skipped,
+        probe=probe, probe_skipped=probe_skipped, warm_starts=warm_starts,
     )
 
 
@@ -106,12 +109,6 @@ def check_resume(cfg: TrainConfig, identity: dict, *, data_fingerprint: str, wor
     if saved.get("world_size") != world:
         log.warning("resuming a %s-process run with %d process(es): the data order after step %d differs", saved.get("world_size"), world, saved["step"])
     return Resume(directory, saved)
-
-
-def drafter_slots(drafter: DrafterModel, spec: MethodSpec, num_layers: int) -> list:
-    """The layer slots the built drafter reads: its resolved config's (a ``layers`` override) or the method preset."""
-    config = getattr(drafter, "config", None)
-    return list(config.slots()) if callable(getattr(config, "slots", None)) else spec.layer_slots(num_layers)
 
 
 def build_method_config(spec: MethodSpec, overrides: dict) -> Any:

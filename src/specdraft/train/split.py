@@ -29,9 +29,12 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from specdraft.errors import SpecdraftError, os_error_message
+
+if TYPE_CHECKING:
+    from specdraft.hidden_states.source import SampleSource
 
 log = logging.getLogger(__name__)
 
@@ -93,24 +96,9 @@ def prompt_length(mask: Any) -> int:
     return int(hits[0]) if len(hits) else len(mask)
 
 
-def sample_keys(dataset: Any) -> list[SplitKey]:
-    """The keys of every sample of a ``SampleSource``, from its prepared dataset when it has one (ids,
-    source labels, tokens; no hidden states read), else from its ``token_row(i)`` -> (token ids, loss
-    mask) or, lacking that, its items (in-memory sources)."""
-    prepared = getattr(dataset, "prepared", None)
-    token_row = getattr(dataset, "token_row", None)
-    keys = []
-    for i, sid in enumerate(dataset.sample_ids):
-        if prepared is not None:
-            item = prepared[prepared.index_of(sid)]
-            source, tokens, mask = item["source"], item["input_ids"], item["loss_mask"]
-        elif token_row is not None:
-            (tokens, mask), source = token_row(i), ""
-        else:
-            item = dataset[i]
-            source, tokens, mask = "", item["token_ids"], item["loss_mask"]
-        keys.append(sample_key(str(sid), source, tokens, mask))
-    return keys
+def sample_keys(dataset: SampleSource) -> list[SplitKey]:
+    """The keys of every sample of a source, from its ``source_label(i)`` and ``token_row(i)``."""
+    return [sample_key(str(sid), dataset.source_label(i), *dataset.token_row(i)) for i, sid in enumerate(dataset.sample_ids)]
 
 
 def sample_key(sample_id: str, source: str, tokens: Any, mask: Any) -> SplitKey:
@@ -158,7 +146,7 @@ def compute_split(sample_ids: Sequence[str], keys: Sequence[SplitKey], *, val_fr
     return Split(train, val, _record(sample_ids, keys, val, val_fraction, seed))
 
 
-def dataset_split(dataset: Any, *, val_fraction: float, seed: int) -> Split:
+def dataset_split(dataset: SampleSource, *, val_fraction: float, seed: int) -> Split:
     """The split of a ``SampleSource`` (what ``train``, ``calibrate`` and the benchmarks share)."""
     return compute_split(list(map(str, dataset.sample_ids)), sample_keys(dataset), val_fraction=val_fraction, seed=seed)
 
@@ -175,7 +163,7 @@ def read_split(path: Path) -> dict:
     return record
 
 
-def resolve_split(dataset: Any, *, val_fraction: float, seed: int, recorded: Path | None) -> Split:
+def resolve_split(dataset: SampleSource, *, val_fraction: float, seed: int, recorded: Path | None) -> Split:
     """The run's split: computed, or -- when ``recorded`` (a run's split.json) exists -- the recorded one.
 
     A resume on the same data recomputes the same split (same hash). If the data or settings changed,

@@ -44,6 +44,7 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, TrainOutput
 from specdraft.models.common.checkpoint import DRAFTER_DIR
+from specdraft.targets.base import Target
 from specdraft.train import checkpoint as ckpt
 from specdraft.train.acceptance import TEACHER_FORCED_ANCHORS, last_validation, model_card
 from specdraft.train.checkpointer import STRATEGIES, Checkpointer, TrainState, strategy_name
@@ -56,7 +57,6 @@ from specdraft.train.data import (
     collate,
     open_sample_source,
     step_seed,
-    token_counts,
     token_rows,
     training_order,
 )
@@ -103,12 +103,11 @@ class Compute:
 
 
 @claims_output(None)  # one writer per run (rank 0 holds the job's lock); _check_out_dir checks ownership
-def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None = None) -> TrainResult:
+def train(cfg: TrainConfig, *, target: Target | None = None, dataset: SampleSource | None = None) -> TrainResult:
     """Train (or resume training) a drafter as configured; see the module docstring.
 
-    ``target`` (a ``Target``) and ``dataset`` (a ``SampleSource``) default to loading
-    ``cfg.target`` and opening the source ``cfg.data_mode`` names (``data.open_sample_source``);
-    tests pass small in-memory ones.
+    ``target`` and ``dataset`` default to loading ``cfg.target`` and opening the source ``cfg.data_mode``
+    names (``data.open_sample_source``); tests pass small in-memory ones.
     """
     cfg.require("method", "out")
     dist_ = Dist.from_env()
@@ -120,13 +119,13 @@ def train(cfg: TrainConfig, *, target: Any = None, dataset: SampleSource | None 
         return _train(cfg, target, dataset, dist_)
 
 
-def _train(cfg: TrainConfig, target: Any, dataset: SampleSource, dist_: Dist) -> TrainResult:
+def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_: Dist) -> TrainResult:
     """The staircase: plan, then the parts (process group, run directory, warm start, state), ``fit``, finish."""
     run, drafter, target = _plan(cfg, target, dataset, dist_)
     device = init_distributed(cfg.device, dist_)
     metrics_log = _prepare_out(run, dist_)
     if run.resume is None:
-        apply_warm_start(drafter, run.method, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, run.data.train_indices)))
+        apply_warm_start(drafter, run.warm_starts, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, run.data.train_indices)))
     state, checkpointer, compute = _build_state(cfg, run, drafter, target, dist_, device)
     result = functools.partial(TrainResult, run.out, total_steps=run.total_steps, drafter=drafter, compute_dtype=compute.dtype,
                                dtype_probe=compute.dtype_probe, threads=compute.threads)
@@ -135,7 +134,8 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource, dist_: Dist) ->
             log.info("dry run: wrote %s", checkpointer.save(state))
         return result(step=state.step, completed=False, stopped_by=None, final=None)
 
-    validate = _Validation(cfg, run, dataset, target, checkpointer, metrics_log, compute)
+    validate = _Validation(run, dataset, target, checkpointer, metrics_log, compute, max_batches=cfg.val_max_batches,
+                           pack_tokens=cfg.pack_tokens, seed=cfg.seed)
     already_done = run.resume is not None and state.step >= run.total_steps
     if isinstance(dataset, PrefetchingSource):
         dataset.start(training_order(run.data, state.step, run.total_steps))
@@ -145,24 +145,25 @@ def _train(cfg: TrainConfig, target: Any, dataset: SampleSource, dist_: Dist) ->
     return result(step=state.step, completed=state.step >= run.total_steps, stopped_by=stopped_by, final=final, stop_signal=stop_signal)
 
 
-def _plan(cfg: TrainConfig, target: Any, dataset: SampleSource, dist_: Dist) -> tuple[RunPlan, DrafterModel, Any]:
+def _plan(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_: Dist) -> tuple[RunPlan, DrafterModel, Target]:
     """Check the method, ``OUT`` and the target against the store, build the drafter (seeded) and plan the run."""
     import specdraft.models  # noqa: F401  (registers the built-in methods)
 
     spec = METHODS.get(cfg.method)
     model_cfg = build_method_config(spec, cfg.model)
-    check_warm_start(cfg, spec.name)
+    warm_starts = check_warm_start(cfg, spec.name)
     _check_out_dir(Path(cfg.out))
     if cfg.num_threads:
         from specdraft.utils.threads import set_threads
 
         set_threads(cfg.num_threads)
-    target = _store_target(target, dataset, cfg)
+    target = _store_target(target, dataset, requested=cfg.target, where=str(cfg.data or "(in-memory dataset)"))
     reseed(cfg.seed)
-    drafter = spec.build(model_cfg, target, counts=token_counts(dataset))
+    drafter = spec.build(model_cfg, target, counts=dataset.token_counts())
     if not isinstance(drafter, DrafterModel):
         raise TypeError(f"METHODS[{spec.name!r}].build returned {type(drafter).__name__}, not a DrafterModel")
-    run = plan_run(cfg, spec=spec, model_cfg=model_cfg, drafter=drafter, target=target, dataset=dataset, rank=dist_.rank, world=dist_.world)
+    run = plan_run(cfg, spec=spec, model_cfg=model_cfg, drafter=drafter, target=target, dataset=dataset, rank=dist_.rank, world=dist_.world,
+                   warm_starts=warm_starts)
     return run, drafter, target
 
 
@@ -175,7 +176,8 @@ def _hooks(cfg: TrainConfig, run: RunPlan, dataset: SampleSource, checkpointer: 
 
     return FitHooks(
         read=lambda step: [[dataset[i] for i in row] for row in run.data.train_rows(step)],
-        step=functools.partial(_step, cfg=cfg, run=run, compute=compute, checkpointer=checkpointer),
+        step=functools.partial(_step, pack_tokens=cfg.pack_tokens, seed=cfg.seed, grad_clip=cfg.grad_clip, run=run, compute=compute,
+                               checkpointer=checkpointer),
         log=TrainLog(metrics_log, interval=cfg.log_interval, total_steps=run.total_steps, locate=run.data.locate,
                      context={"dtype": compute.dtype, "threads": compute.threads["threads"]}, main=checkpointer.dist.main),
         validate=lambda state: validate(state) if due(cfg.eval_interval, state) else None,
@@ -201,14 +203,13 @@ def _finish(state: TrainState, run: RunPlan, checkpointer: Checkpointer, validat
     return final
 
 
-def _store_target(target: Any, dataset: SampleSource, cfg: TrainConfig) -> Any:
-    """The target (loaded, unless given: ``cfg.target``, else the store's), refused unless the store was extracted from it."""
-    where = str(cfg.data or "(in-memory dataset)")
+def _store_target(target: Target | None, dataset: SampleSource, *, requested: str | None, where: str) -> Target:
+    """The target (loaded, unless given: ``requested``, else the store's), refused unless the store ``where`` was extracted from it."""
     store_target = dataset.target_info
     if target is None:
         from specdraft.targets import load_target
 
-        target = load_target(cfg.target or store_target.get("name") or "")
+        target = load_target(requested or store_target.get("name") or "")
     if store_target.get("fingerprint") != target.fingerprint:
         raise SpecdraftError(
             f"hidden-state store {where} was extracted from target {store_target.get('name')!r} (fingerprint "
@@ -231,7 +232,7 @@ def _prepare_out(run: RunPlan, dist_: Dist) -> MetricsLog:
     return metrics_log
 
 
-def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: Any, dist_: Dist,
+def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: Target, dist_: Dist,
                  device: torch.device) -> tuple[TrainState, Checkpointer, Compute]:
     """The resumable state (the checkpoint's, when resuming), its strategy's checkpointer, and the measured compute settings."""
     step_module = StepModule(drafter)
@@ -248,7 +249,8 @@ def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: 
                                          last_saved=run.resume.step if run.resume else -1,
                                          meta=functools.partial(_checkpoint_meta, run, dist_.world))
     step_module.to(device)
-    compute = _measured_settings(cfg, step_module, target, run.identity, dist_, device)
+    compute = _measured_settings(step_module, target, run.identity, dist_, device, dtype=cfg.dtype, num_threads=cfg.num_threads,
+                                 batch_rows=cfg.batch_rows, pack_tokens=cfg.pack_tokens, dry_run=cfg.dry_run)
     wrapped = strategy.wrap(step_module, device)
     optimizer = build_optimizer(wrapped, name=cfg.optimizer, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, device=device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -274,11 +276,12 @@ def _checkpoint_meta(run: RunPlan, world: int, at_step: int) -> dict:
     }
 
 
-def _step(state: TrainState, items: list, *, cfg: TrainConfig, run: RunPlan, compute: Compute, checkpointer: Checkpointer) -> StepDone:
+def _step(state: TrainState, items: list, *, pack_tokens: int, seed: int, grad_clip: float, run: RunPlan, compute: Compute,
+          checkpointer: Checkpointer) -> StepDone:
     """The fit loop's step: collate, reseed from (seed, rank, step), ``train_step`` (refusing a non-finite
     loss or gradient on any rank before the update), advance the schedule."""
-    batch = collate(items, pack_tokens=cfg.pack_tokens, slot_index=run.slot_index).to(compute.device)
-    reseed(step_seed(cfg.seed, checkpointer.dist.rank, state.step))
+    batch = collate(items, pack_tokens=pack_tokens, slot_index=run.slot_index).to(compute.device)
+    reseed(step_seed(seed, checkpointer.dist.rank, state.step))
     lr = state.scheduler.get_last_lr()[0]
 
     def check(loss: float, grad_norm: float | None) -> None:
@@ -286,7 +289,7 @@ def _step(state: TrainState, items: list, *, cfg: TrainConfig, run: RunPlan, com
             raise checkpointer.failure(f"the loss is {loss} (gradient norm {grad_norm})", state.step + 1)
 
     result = train_step(state.module, batch, dtype=compute.dtype, device=compute.device, optimizer=state.optimizer,
-                        grad_clip=cfg.grad_clip, check=check)
+                        grad_clip=grad_clip, check=check)
     state.scheduler.step()
     state.step += 1
     return StepDone(result, tokens=int((batch.segment_ids >= 0).sum()), lr=lr)
@@ -311,10 +314,10 @@ class _Validation:
     """The validation hook: the teacher-forced pass over the validation batches and, with a decode probe,
     the decoded tau (rank 0), written to ``metrics.jsonl``."""
 
-    def __init__(self, cfg: TrainConfig, run: RunPlan, dataset: SampleSource, target: Any, checkpointer: Checkpointer,
-                 metrics_log: MetricsLog, compute: Compute):
+    def __init__(self, run: RunPlan, dataset: SampleSource, target: Target, checkpointer: Checkpointer, metrics_log: MetricsLog,
+                 compute: Compute, *, max_batches: int, pack_tokens: int, seed: int):
         self.run, self.dataset, self.target, self.checkpointer, self.metrics_log, self.compute = run, dataset, target, checkpointer, metrics_log, compute
-        self.batches, self.pack_tokens, self.seed = run.data.val_batches(cfg.val_max_batches), cfg.pack_tokens, cfg.seed
+        self.batches, self.pack_tokens, self.seed = run.data.val_batches(max_batches), pack_tokens, seed
 
     def __call__(self, state: TrainState) -> dict | None:
         dist_ = self.checkpointer.dist
@@ -359,38 +362,38 @@ def teacher_forced(forward: Callable[[DrafterBatch], TrainOutput], dataset: Samp
     return sums
 
 
-def _measured_settings(cfg: TrainConfig, module: nn.Module, target: Any, identity: dict, dist_: Dist,
-                       device: torch.device) -> Compute:
-    """The compute dtype and CPU thread count of the steps: ``cfg.dtype`` / ``cfg.num_threads``, or for
+def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_: Dist, device: torch.device, *, dtype: str,
+                       num_threads: int, batch_rows: int, pack_tokens: int, dry_run: bool) -> Compute:
+    """The compute dtype and CPU thread count of the steps: ``dtype`` / ``num_threads``, or for
     ``auto`` / 0 what ran this step fastest here -- first the dtype, then the thread count in it --,
     timed on rank 0 (before the module is wrapped) and sent to every rank so they all compute alike.
     A dry run computes nothing."""
     from specdraft.utils.threads import resolve_threads, threads_facts
 
-    if cfg.dry_run:
-        return Compute(device, "fp32" if cfg.dtype == "auto" else cfg.dtype, None, threads_facts(cfg.num_threads, None))
+    if dry_run:
+        return Compute(device, "fp32" if dtype == "auto" else dtype, None, threads_facts(num_threads, None))
     names = list(COMPUTE_DTYPES)
-    dtype, probe, threads = ("fp32" if cfg.dtype == "auto" else cfg.dtype), None, None
+    chosen_dtype, probe, threads = ("fp32" if dtype == "auto" else dtype), None, None
     if dist_.main:
-        batch = synthetic_batch(rows=cfg.batch_rows, tokens=cfg.pack_tokens, slots=len(identity["slots"]),
+        batch = synthetic_batch(rows=batch_rows, tokens=pack_tokens, slots=len(identity["slots"]),
                                 hidden=int(target.hidden_size), vocab=int(target.vocab_size)).to(device)
-        context = {k: identity[k] for k in ("method", "model_config", "slots")} | {"pack_tokens": cfg.pack_tokens, "batch_rows": cfg.batch_rows}
+        context = {k: identity[k] for k in ("method", "model_config", "slots")} | {"pack_tokens": pack_tokens, "batch_rows": batch_rows}
         was_training = module.training
         module.train()
         try:
-            if cfg.dtype == "auto":
+            if dtype == "auto":
                 probe = measure_train_dtype(module, batch, device=device, context=context)  # logs its figures
-                dtype = probe.choice
-            threads = resolve_threads(cfg.num_threads, "train-threads", {**context, "dtype": dtype},
-                                      lambda: train_step(module, batch, dtype=dtype, device=device), device=device)
+                chosen_dtype = probe.choice
+            threads = resolve_threads(num_threads, "train-threads", {**context, "dtype": chosen_dtype},
+                                      lambda: train_step(module, batch, dtype=chosen_dtype, device=device), device=device)
         finally:
             module.train(was_training)
-    chosen = torch.tensor([names.index(dtype), torch.get_num_threads()], device=device)
+    chosen = torch.tensor([names.index(chosen_dtype), torch.get_num_threads()], device=device)
     if dist_.world > 1:
         torch.distributed.broadcast(chosen, src=0)
-        if not cfg.num_threads and device.type == "cpu":
+        if not num_threads and device.type == "cpu":
             torch.set_num_threads(int(chosen[1].item()))
-    return Compute(device, names[int(chosen[0].item())], probe.to_json() if probe else None, threads_facts(cfg.num_threads, threads))
+    return Compute(device, names[int(chosen[0].item())], probe.to_json() if probe else None, threads_facts(num_threads, threads))
 
 
 def _check_out_dir(out: Path) -> None:

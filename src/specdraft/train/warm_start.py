@@ -1,6 +1,7 @@
 """Warm starts for a fresh drafter: cheap-compute initialisations switched on in ``TrainConfig``.
 
-The trainer calls ``apply_warm_start`` once, on a freshly built drafter of a fresh run (never on
+The trainer checks the switches against the method once, before anything is built (``check_warm_start``),
+and applies the pieces it chose (``apply_warm_start``) to the freshly built drafter of a fresh run (never on
 resume: the checkpoint already holds trained weights), so a ``--dry-run`` checkpoint holds them.
 This module owns the switches; the weight surgery belongs to each family, listed in its
 ``MethodSpec.warm_starts`` under the switch's name (``models/common/warm_start.py`` for the shared
@@ -16,14 +17,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.models import METHODS
-from specdraft.models.base import DrafterModel, WarmStartData
+from specdraft.models.base import DrafterModel, WarmStart, WarmStartData
 from specdraft.targets.base import Target
 
 log = logging.getLogger(__name__)
@@ -72,25 +73,29 @@ PIECES = (
 )
 
 
-def check_warm_start(cfg: Any, method: str) -> None:
-    """Refuse a switched-on piece that does not apply to ``method`` (before anything is built)."""
+def check_warm_start(cfg: Any, method: str) -> dict[str, WarmStart]:
+    """The switched-on pieces, in order, each with ``method``'s surgery; refused when one does not apply.
+    The trainer calls it before anything is built or written and hands the result to ``apply_warm_start``."""
+    surgery = METHODS.get(method).warm_starts
+    chosen: dict[str, WarmStart] = {}
     for piece in PIECES:
-        if piece.enabled(cfg) and piece.name not in METHODS.get(method).warm_starts:
+        if not piece.enabled(cfg):
+            continue
+        if piece.name not in surgery:
             raise SpecdraftError(
                 f"{piece.name} does not apply to method {method!r} (it applies to: {', '.join(piece.methods())}); "
                 f"set `{piece.switch}: {str(piece.off).lower()}` in the recipe or pass {piece.off_flag()}"
             )
+        chosen[piece.name] = surgery[piece.name]
+    return chosen
 
 
 @torch.no_grad()
-def apply_warm_start(drafter: DrafterModel, method: str, inputs: WarmStartInputs) -> dict[str, list[str]]:
-    """Apply every switched-on piece in order; returns {piece: tensors set} (also logged)."""
-    check_warm_start(inputs.cfg, method)
+def apply_warm_start(drafter: DrafterModel, pieces: Mapping[str, WarmStart], inputs: WarmStartInputs) -> dict[str, list[str]]:
+    """Apply ``pieces`` (``check_warm_start``'s) in order; returns {piece: tensors set} (also logged)."""
     data = WarmStartData(target=inputs.target, token_rows=inputs.token_rows, seed=int(inputs.cfg.seed))
-    surgery = METHODS.get(method).warm_starts
     done: dict[str, list[str]] = {}
-    for piece in PIECES:
-        if piece.enabled(inputs.cfg):
-            done[piece.name] = tensors = surgery[piece.name](drafter, data)
-            log.info("warm start %s: initialised %d tensor(s): %s", piece.name, len(tensors), ", ".join(tensors))
+    for name, surgery in pieces.items():
+        done[name] = tensors = surgery(drafter, data)
+        log.info("warm start %s: initialised %d tensor(s): %s", name, len(tensors), ", ".join(tensors))
     return done

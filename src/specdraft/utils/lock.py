@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from specdraft.errors import OS_ERROR_FIXES, SpecdraftError
+from specdraft.utils.launch import torchrun_place
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +320,7 @@ def _process_lock(out: Path, command: str, what: str) -> Iterator[None]:
 def _is_extra_rank() -> bool:
     """A rank other than 0 of a ``torchrun`` job: its rank 0 holds the job's lock."""
     try:
-        return int(os.environ.get("RANK", "0")) > 0
+        return torchrun_place()[0] > 0
     except ValueError:
         return False
 

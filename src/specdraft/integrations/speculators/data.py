@@ -72,7 +72,6 @@ def export_speculators_data(config: ExportSpeculatorsConfig) -> dict:
     from specdraft.models.common.vocab import build_draft_vocab
     from specdraft.train.data import select_slots
     from specdraft.train.split import dataset_split
-    from specdraft.train.data import token_counts
 
     try:
         from datasets import Dataset
@@ -110,7 +109,7 @@ def export_speculators_data(config: ExportSpeculatorsConfig) -> dict:
                  "train_data_ratio": (len(split.train) + 0.5) / len(order), "tokens": sum(columns["seq_len"]), "train_tokens": train_tokens}
         done.write_text(json.dumps({**facts, "key": key}))
     if config.draft_vocab_size:
-        d2t, t2d = build_draft_vocab(token_counts(dataset), config.draft_vocab_size)
+        d2t, t2d = build_draft_vocab(dataset.token_counts(), config.draft_vocab_size)
         np.save(out / f"d2t-{config.draft_vocab_size}.npy", d2t.numpy())
         np.save(out / f"t2d-{config.draft_vocab_size}.npy", t2d.numpy())
     return facts
