@@ -1,4 +1,4 @@
-"""Trained-drafter proposers (EAGLE-3, DFlash, DSpark) in the runtime, with random drafters.
+"""Trained-drafter proposers (EAGLE-3, DFlash, DFlash2, DSpark) in the runtime, with random drafters.
 
 A random drafter rarely agrees with the target, which is exactly what exercises rejection,
 cache cropping and feature hand-over; the output must still be the target's own greedy output.
@@ -21,13 +21,14 @@ from test_models_support import VOCAB, make_target
 SMALL = {
     "eagle3": {"draft_vocab_size": VOCAB},
     "dflash": {"block_size": 4, "num_layers": 1},
+    "dflash2": {"block_size": 4, "num_layers": 1, "selector_rank": 16, "selector_top_k": 8},
     "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 16, "confidence_temperatures": [1.5, 1.2, 1.0, 0.8]},
     "dspark-uncalibrated": {"block_size": 4, "num_layers": 1, "markov_rank": 16},
     # reduced draft vocabularies: drafts are draft ids mapped through d2t, q scattered into V
     "dflash-draft-vocab": {"block_size": 4, "num_layers": 1, "draft_vocab_size": 40},
     "dspark-draft-vocab": {"block_size": 4, "num_layers": 1, "markov_rank": 16, "draft_vocab_size": 40, "confidence_temperatures": [1.5, 1.2, 1.0, 0.8]},
 }
-RUNTIME_CASES = ["eagle3", "dflash", "dspark", "dflash-draft-vocab", "dspark-draft-vocab"]
+RUNTIME_CASES = ["eagle3", "dflash", "dflash2", "dspark", "dflash-draft-vocab", "dspark-draft-vocab"]
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
 
 
