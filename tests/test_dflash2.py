@@ -178,3 +178,13 @@ def test_sampled_drafts_follow_their_reported_distribution_and_verification_stay
                            target_probs=p_t.expand(n, 4, VOCAB), generator=gen)
     assert 0 < int((out.num_accepted == 0).sum()) < n  # rejections happen, and so do acceptances
     assert _chi_square_p(out.tokens[:, 0], p_t[0]) > 1e-3
+
+
+def test_vllm_serving_claims():
+    """vLLM serves DFlash2 as its dflash method (it has no dflash2 one), on GPU only, with the trained block."""
+    serving = METHODS.get("dflash2").serving
+    assert not serving.cpu and not serving.adaptive_verification
+    assert serving.options({}, 3, None, False, "ckpt") == {"method": "dflash", "num_speculative_tokens": 3}
+    assert serving.options({}, 3, 3, False, "ckpt")["num_speculative_tokens"] == 3
+    with pytest.raises(SpecdraftError, match="trained 3"):
+        serving.options({}, 3, 5, False, "ckpt")
