@@ -61,8 +61,9 @@ def test_fresh_dflash2_computes_what_dflash_does(target):
         assert not torch.allclose(model.forward_blocks(batch, anchors), plain.forward_blocks(batch, anchors))
 
 
-def test_tiny_dflash2_overfits(target):
-    model = build(target)
+@pytest.mark.parametrize("unary_loss", ["kl", "ce"])
+def test_tiny_dflash2_overfits(target, unary_loss):
+    model = build(target, unary_loss=unary_loss)
     batch = make_batch(target, "dflash2", count=4, length=24, pack=2)
     params = [p for p in model.parameters() if p.requires_grad]
     assert any(p is model.candidate_selector.predecessor_codebook for p in params)
@@ -78,6 +79,7 @@ def test_tiny_dflash2_overfits(target):
     with torch.no_grad():
         out = model.training_forward(batch)
     assert out.metrics["ce"] < 0.5 * first["ce"] and out.metrics["selector"] < 0.5 * first["selector"]
+    assert ("kl" in out.metrics) == (unary_loss == "kl") and out.metrics.get("kl", 0.0) <= 0.5 * first.get("kl", 0.0)
     assert float(out.position_acc[0]) > 0.9, out.position_acc  # the selector's teacher-forced pick
 
 
@@ -188,3 +190,13 @@ def test_vllm_serving_claims():
     assert serving.options({}, 3, 3, False, "ckpt")["num_speculative_tokens"] == 3
     with pytest.raises(SpecdraftError, match="trained 3"):
         serving.options({}, 3, 5, False, "ckpt")
+
+
+def test_unary_kl_is_the_target_to_draft_divergence():
+    from specdraft.models.dflash2.loss import kl_rows
+
+    g = torch.Generator().manual_seed(0)
+    draft, tgt = torch.randn(5, 11, generator=g), torch.randn(5, 11, generator=g) * 3
+    p_t = torch.softmax(tgt, -1)
+    torch.testing.assert_close(kl_rows(draft, tgt), (p_t * (p_t.log() - torch.log_softmax(draft, -1))).sum(-1))
+    assert float(kl_rows(tgt, tgt).abs().max()) < 1e-6

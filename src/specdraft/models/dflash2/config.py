@@ -19,6 +19,10 @@ class DFlash2Config(DFlashConfig):
     selector_rank: int = config_field(256, help="rank of the bilinear candidate selector's predecessor/successor codebooks")
     selector_top_k: int = config_field(16, help="unary top-k candidates the selector reranks at each block position")
     selector_weight: float = config_field(1.0, help="weight of the selector's K-way cross-entropy beside the unary loss")
+    unary_loss: str = config_field(
+        "kl", help="unary term: kl (KL(p_t || p_d) over the vocabulary, speculators' DFlash2 default) or ce (DFlash's hard-label CE)",
+        metadata={"choices": ["kl", "ce"]},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -35,5 +39,7 @@ class DFlash2Config(DFlashConfig):
             raise SpecdraftError(f"dflash2 config: conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}")
         if self.vocab_size is not None and self.selector_top_k > self.vocab_size:
             raise SpecdraftError(f"dflash2 config: selector_top_k {self.selector_top_k} exceeds the vocabulary {self.vocab_size}")
+        if self.unary_loss not in ("kl", "ce"):
+            raise SpecdraftError(f"dflash2 config: unary_loss must be kl or ce, got {self.unary_loss!r}")
         if self.selector_weight < 0:
             raise SpecdraftError(f"dflash2 config: selector_weight must be >= 0, got {self.selector_weight}")

@@ -7,8 +7,10 @@ selector's scores U_k[c] + T(x_{k-1}, h_k, c), x_0 the anchor, left to right. Th
 slot k is softmax(scores/T) over those k candidates (zero elsewhere; one-hot argmax at T=0): that is what
 the verifier's rejection sampling divides by, so sampling stays exact.
 
-Training: the unary term is DFlash's hard-label cross-entropy; beside it the selector's K-way
-cross-entropy on teacher-forced predecessors (the data tokens), both with DFlash's position weights.
+Training: the unary term is KL(p_t || p_d) over the vocabulary (speculators' default; p_t from the target
+head on the final-norm input before the predicted token) or DFlash's hard-label CE (``unary_loss``); beside
+it the selector's K-way cross-entropy on teacher-forced predecessors (the data tokens), both with DFlash's
+position weights.
 The position accuracy is the selector's: the teacher-forced reranked argmax equals the label and the
 label was among the unary top-k (speculators' ``eal`` gate).
 """
@@ -30,7 +32,7 @@ from specdraft.models.dflash.loss import ce_rows, weighted_mean
 from specdraft.models.dflash.model import DFlashDrafter, build_block_drafter
 from specdraft.models.dflash2.config import DFlash2Config
 from specdraft.models.dflash2.layers import CandidateSelector, DFlash2Layer
-from specdraft.models.dflash2.loss import selector_ce, training_candidates
+from specdraft.models.dflash2.loss import kl_rows, selector_ce, training_candidates
 from specdraft.targets.base import Target
 
 # The speculators fields DFlash2 adds to DFlash's; speculators 0.9.0 always writes them, so a checkpoint without them is refused.
@@ -65,27 +67,37 @@ class DFlash2Drafter(DFlashDrafter):
 
     # ----- training ------------------------------------------------------------------------
     def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> TrainOutput:
-        """Unary CE + selector_weight * selector CE over slots 1..B-1, each weighted per position
-        (``position_weighting``) and normalised by the weight sum."""
+        """Unary term (KL or CE) + selector_weight * selector CE over slots 1..B-1, each weighted per position
+        (``position_weighting``) and normalised by the weight sum; the CE is reported either way."""
         c = self.config
         labels, valid, pos = block_labels(batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device))
-        prev = torch.gather(batch.token_ids, 1, (pos - 1).clamp(min=0).flatten(1)).view_as(pos)  # x_{k-1}, the anchor for slot 1
+        src = (pos - 1).clamp(min=0)  # the token before the label: x_{k-1} (the anchor for slot 1), and p_t's context
+        prev = torch.gather(batch.token_ids, 1, src.flatten(1)).view_as(pos)
         h = hidden[:, :, self.draft_slots()]
+        kl = c.unary_loss == "kl"
+        norm = self.require_verifier() if kl else None
 
-        def rows(hr, lr, pr):
+        def rows(hr, lr, pr, tr):
             unary = self.lm_logits(hr)
             candidates, index, found = training_candidates(unary, lr, c.selector_top_k)
             scores = self.candidate_selector.scores(unary, hr, pr, candidates)
             picked = candidates.gather(-1, scores.detach().argmax(-1, keepdim=True))[:, 0]
-            return ce_rows(logits=unary, labels=lr), selector_ce(scores, index), (picked == lr) & found
+            ce = ce_rows(logits=unary, labels=lr)
+            div = kl_rows(unary, self.verifier_lm_head(norm(tr.to(hr.dtype)))) if kl else ce
+            return ce, div, selector_ce(scores, index), (picked == lr) & found
 
-        ce_v, sel_v, ok_v = chunked_rows(rows, h[valid], labels[valid], prev[valid], chunk_rows=c.loss_chunk_rows)
-        ce = torch.zeros(valid.shape, dtype=ce_v.dtype, device=h.device).masked_scatter(valid, ce_v)
-        sel = torch.zeros(valid.shape, dtype=sel_v.dtype, device=h.device).masked_scatter(valid, sel_v)
+        last = batch.last_hidden[torch.arange(src.shape[0], device=src.device)[:, None, None].expand_as(src)[valid], src[valid]] if kl else hidden.new_zeros(int(valid.sum()), 0)
+        ce_v, unary_v, sel_v, ok_v = chunked_rows(rows, h[valid], labels[valid], prev[valid], last, chunk_rows=c.loss_chunk_rows)
+
+        def spread(values: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(valid.shape, dtype=values.dtype, device=h.device).masked_scatter(valid, values)
+
         correct = torch.zeros_like(valid).masked_scatter(valid, ok_v)
-        weights = POSITION_WEIGHTS.get(c.position_weighting)(torch.exp(-ce.detach()), valid, gamma=c.gamma, alpha=c.dpace_alpha)
-        terms = {"ce": weighted_mean(ce, weights, valid), "selector": weighted_mean(sel, weights, valid)}
-        loss = terms["ce"] + c.selector_weight * terms["selector"]
+        weights = POSITION_WEIGHTS.get(c.position_weighting)(torch.exp(-spread(ce_v).detach()), valid, gamma=c.gamma, alpha=c.dpace_alpha)
+        terms = {"ce": weighted_mean(spread(ce_v), weights, valid), "selector": weighted_mean(spread(sel_v), weights, valid)}
+        if kl:
+            terms["kl"] = weighted_mean(spread(unary_v), weights, valid)
+        loss = terms[c.unary_loss] + c.selector_weight * terms["selector"]
         acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1))
         metrics = {"loss": float(loss.detach()), **{k: float(t.detach()) for k, t in terms.items()}}
         return TrainOutput(loss=loss, metrics=metrics, position_acc=acc, position_cond_acc=cond, position_count=count)
