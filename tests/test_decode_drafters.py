@@ -141,7 +141,7 @@ def test_decoder_for_target_profiles_sps_for_the_scheduler(target, checkpoints, 
 
 @pytest.mark.slow
 def test_every_method_is_exact_on_the_real_target_at_batch_1_and_2(smollm2_dir, tmp_path):
-    """Random EAGLE-3 / DFlash / DSpark drafters built for SmolLM2-135M: greedy output equals HF greedy
+    """Random EAGLE-3 / DFlash / DFlash2 / DSpark drafters built for SmolLM2-135M: greedy output equals HF greedy
     decoding of the real target, for one request alone and for two decoded together."""
     from specdraft.targets import load_target
 
@@ -156,6 +156,7 @@ def test_every_method_is_exact_on_the_real_target_at_batch_1_and_2(smollm2_dir, 
     configs = {
         "eagle3": {"draft_vocab_size": 4096},
         "dflash": {"block_size": 4, "num_layers": 1},
+        "dflash2": {"block_size": 4, "num_layers": 1, "selector_rank": 32},
         "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 32, "confidence_temperatures": [1.0] * 4},
         "dspark-draft-vocab": {"block_size": 4, "num_layers": 1, "markov_rank": 32, "confidence_temperatures": [1.0] * 4, "draft_vocab_size": 8192},
     }
