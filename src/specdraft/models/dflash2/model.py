@@ -43,11 +43,11 @@ class DFlash2Drafter(DFlashDrafter):
     method: ClassVar[str] = "dflash2"
     config_cls = DFlash2Config
     architecture = "DFlash2DraftModel"
+    layer_cls = DFlash2Layer
 
     def __init__(self, config: DFlash2Config, verifier: dict | None = None):
         super().__init__(config, verifier)
         c = config
-        self.layers = torch.nn.ModuleList([DFlash2Layer(c) for _ in range(c.num_layers)])
         self.candidate_selector = CandidateSelector(vocab_size=c.vocab_size, hidden=c.hidden_size, rank=c.selector_rank, top_k=c.selector_top_k)
 
     # ----- format --------------------------------------------------------------------------
