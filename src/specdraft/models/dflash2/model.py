@@ -4,13 +4,18 @@ The backbone is DFlash's (anchor slot 0 is the bonus token, slots 1..B-1 draft; 
 false, the only setting vLLM's DFlash-family runtime accepts). Slot k's unary logits U_k come from the
 frozen target head on the full vocabulary; its drafted token is chosen among the unary top-k by the
 selector's scores U_k[c] + T(x_{k-1}, h_k, c), x_0 the anchor, left to right. The draft distribution at
-slot k is softmax(scores/T) over those k candidates (zero elsewhere; one-hot argmax at T=0): that is what
+slot k is softmax(scores/T) over its top-k candidates (zero elsewhere; one-hot argmax at T=0): that is what
 the verifier's rejection sampling divides by, so sampling stays exact.
+
+No confidences: DFlash2 has no trained acceptance estimate, and the selector's softmax is normalised over
+the k candidates only (blind to the target mass outside them), so it would overstate acceptance exactly
+where the unary top-k misses; decoding therefore runs on the draft gate alone (the scheduled policy refuses it).
 
 Training: the unary term is KL(p_t || p_d) over the vocabulary (speculators' default; p_t from the target
 head on the final-norm input before the predicted token) or DFlash's hard-label CE (``unary_loss``); beside
 it the selector's K-way cross-entropy on teacher-forced predecessors (the data tokens), both with DFlash's
-position weights.
+position weights and, like DFlash, normalised by the weight sum (speculators divides by the supervised
+count and labels its selector with the target's argmax: equal for greedy-regenerated data).
 The position accuracy is the selector's: the teacher-forced reranked argmax equals the label and the
 label was among the unary top-k (speculators' ``eal`` gate).
 """
