@@ -1,4 +1,4 @@
-"""Trained-drafter proposers (EAGLE-3, DFlash, DSpark) in the runtime, with random drafters.
+"""Trained-drafter proposers (EAGLE-3, DFlash, DFlash2, DSpark) in the runtime, with random drafters.
 
 A random drafter rarely agrees with the target, which is exactly what exercises rejection,
 cache cropping and feature hand-over; the output must still be the target's own greedy output.
@@ -21,13 +21,14 @@ from test_models_support import VOCAB, make_target
 SMALL = {
     "eagle3": {"draft_vocab_size": VOCAB},
     "dflash": {"block_size": 4, "num_layers": 1},
+    "dflash2": {"block_size": 4, "num_layers": 1, "selector_rank": 16, "selector_top_k": 8},
     "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 16, "confidence_temperatures": [1.5, 1.2, 1.0, 0.8]},
     "dspark-uncalibrated": {"block_size": 4, "num_layers": 1, "markov_rank": 16},
     # reduced draft vocabularies: drafts are draft ids mapped through d2t, q scattered into V
     "dflash-draft-vocab": {"block_size": 4, "num_layers": 1, "draft_vocab_size": 40},
     "dspark-draft-vocab": {"block_size": 4, "num_layers": 1, "markov_rank": 16, "draft_vocab_size": 40, "confidence_temperatures": [1.5, 1.2, 1.0, 0.8]},
 }
-RUNTIME_CASES = ["eagle3", "dflash", "dspark", "dflash-draft-vocab", "dspark-draft-vocab"]
+RUNTIME_CASES = ["eagle3", "dflash", "dflash2", "dspark", "dflash-draft-vocab", "dspark-draft-vocab"]
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
 
 
@@ -81,10 +82,11 @@ def test_drafter_checkpoint_errors(target, checkpoints):
         build_proposer(DecodeConfig(drafter="dspark"), target)
     with pytest.raises(SpecdraftError, match="dspark"):
         build_proposer(DecodeConfig(drafter="dflash", drafter_path=str(checkpoints["dspark"])), target)
-    with pytest.raises(SpecdraftError, match="confidence"):
-        config = DecodeConfig(drafter="dflash", drafter_path=str(checkpoints["dflash"]))
-        SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(),
-                           scheduler=SchedulerConfig("scheduled"), sps=SpsTable((1,), (1.0,)))
+    for method in ("dflash", "dflash2"):  # no confidences: the scheduled policy is refused, the draft gate alone runs them
+        with pytest.raises(SpecdraftError, match="confidence"):
+            config = DecodeConfig(drafter=method, drafter_path=str(checkpoints[method]))
+            SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(),
+                               scheduler=SchedulerConfig("scheduled"), sps=SpsTable((1,), (1.0,)))
     config = DecodeConfig(drafter="dspark", drafter_path=str(checkpoints["dspark-uncalibrated"]))
     with pytest.raises(SpecdraftError, match="not calibrated.*specdraft calibrate"):
         SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(),
@@ -145,7 +147,7 @@ def test_decoder_for_target_profiles_sps_for_the_scheduler(target, checkpoints, 
 
 @pytest.mark.slow
 def test_every_method_is_exact_on_the_real_target_at_batch_1_and_2(smollm2_dir, tmp_path):
-    """Random EAGLE-3 / DFlash / DSpark drafters built for SmolLM2-135M: greedy output equals HF greedy
+    """Random EAGLE-3 / DFlash / DFlash2 / DSpark drafters built for SmolLM2-135M: greedy output equals HF greedy
     decoding of the real target, for one request alone and for two decoded together."""
     from specdraft.targets import load_target
 
@@ -160,6 +162,7 @@ def test_every_method_is_exact_on_the_real_target_at_batch_1_and_2(smollm2_dir, 
     configs = {
         "eagle3": {"draft_vocab_size": 4096},
         "dflash": {"block_size": 4, "num_layers": 1},
+        "dflash2": {"block_size": 4, "num_layers": 1, "selector_rank": 32},
         "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 32, "confidence_temperatures": [1.0] * 4},
         "dspark-draft-vocab": {"block_size": 4, "num_layers": 1, "markov_rank": 32, "confidence_temperatures": [1.0] * 4, "draft_vocab_size": 8192},
     }

@@ -19,6 +19,7 @@ from test_models_support import VOCAB, make_batch, make_target
 SMALL = {
     "eagle3": {"draft_vocab_size": 40, "ttt_steps": 3},
     "dflash": {"block_size": 4, "num_layers": 2},
+    "dflash2": {"block_size": 4, "num_layers": 2, "selector_rank": 16, "selector_top_k": 8},
     "dspark": {"block_size": 4, "num_layers": 2, "markov_rank": 16, "markov_head": "gated"},
 }
 
@@ -52,7 +53,7 @@ def _outputs(model, batch):
         return hidden, model.lm_logits(hidden)
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dflash2", "dspark"])
 def test_round_trip_gives_equal_outputs(tmp_path, target, method):
     model = _build(method, target)
     model.save_pretrained(tmp_path / "ckpt")
@@ -98,12 +99,12 @@ def test_eagle3_layout(tmp_path, target):
     assert torch.equal(torch.nonzero(tensors["t2d"]).flatten(), ids)
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dflash2", "dspark"])
 def test_block_drafter_layout(tmp_path, target, method):
     model = _build(method, target)
     model.save_pretrained(tmp_path / "d")
     cfg = json.loads((tmp_path / "d/config.json").read_text())
-    assert cfg["architectures"] == [{"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}[method]]
+    assert cfg["architectures"] == [{"dflash": "DFlashSpeculator", "dflash2": "DFlash2DraftModel", "dspark": "DSparkSpeculator"}[method]]
     assert cfg["transformer_layer_config"]["model_type"] == "qwen3"
     assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
     # Outputs of layers 1..5 (L = 8) are HF indices 2..6; vLLM subtracts 1 again for DFlash.
@@ -121,6 +122,12 @@ def test_block_drafter_layout(tmp_path, target, method):
         assert tensors["markov_head.markov_w2.weight"].shape == (VOCAB, 16)
         assert tensors["markov_head.gate_proj.weight"].shape == (16, 64 + 16)
         assert tensors["confidence_head.proj.weight"].shape == (1, 64 + 16)
+    if method == "dflash2":  # speculators 0.9.0's names, read by vLLM's qwen3_dflash2.py
+        assert (cfg["conv_kernel_size"], cfg["conv_group_size"], cfg["selector_rank"], cfg["selector_top_k"]) == (2, 16, 16, 8)
+        assert tensors["layers.1.attention_conv.base_kernel"].shape == tensors["layers.1.mlp_conv.base_kernel"].shape == (2, 2, 64)
+        assert tensors["layers.1.mlp_conv.kernel_projection.weight"].shape == (2 * 2 * 4, 64)  # (side, tap, group) rows
+        assert tensors["candidate_selector.predecessor_codebook"].shape == tensors["candidate_selector.successor_codebook"].shape == (VOCAB, 16)
+        assert tensors["candidate_selector.hidden_projection.weight"].shape == (16, 64)
 
 
 def test_config_errors():

@@ -1,4 +1,4 @@
-"""Parity with the ``speculators`` 0.9.0 model classes, both directions, for all three families.
+"""Parity with the ``speculators`` 0.9.0 model classes, both directions, for all four families.
 
 speculators 0.9.0 pins transformers <= 5.19, so it lives in its own environment
 (``.venv-interop``, made by ``scripts/bootstrap.sh``); the speculators side runs there in one
@@ -7,7 +7,9 @@ subprocess (``SPECULATORS_SIDE`` below) and exchanges safetensors files with thi
   2. checkpoints saved by speculators load in specdraft and give the same logits.
 Inputs: identical aux hidden states, tokens, positions and (DFlash/DSpark) fixed anchors; sdpa on CPU.
 DFlash and DSpark run twice: with the full vocabulary (the frozen target head) and with a reduced
-draft vocabulary (own lm_head [N, D], d2t/t2d, DSpark's markov_w2 onto N ids).
+draft vocabulary (own lm_head [N, D], d2t/t2d, DSpark's markov_w2 onto N ids). DFlash2 (full vocabulary
+only) also compares its selector: the unary top-k candidates and their scores given teacher-forced
+predecessors, with random (non-identity) convolutions on both sides.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ CASES = {
     "eagle3": ("eagle3", {"draft_vocab_size": DRAFT_VOCAB, "ttt_steps": 3}),
     "dflash": ("dflash", {"block_size": BLOCK, "num_layers": 2}),
     "dspark": ("dspark", DSPARK),
+    "dflash2": ("dflash2", {"block_size": BLOCK, "num_layers": 2, "selector_rank": 16, "selector_top_k": 8}),
     "dflash-draft-vocab": ("dflash", {"block_size": BLOCK, "num_layers": 2, "draft_vocab_size": DRAFT_VOCAB}),
     "dspark-draft-vocab": ("dspark", {**DSPARK, "draft_vocab_size": DRAFT_VOCAB}),
 }
@@ -58,6 +61,7 @@ from speculators.proposals.greedy import GreedyTokenProposalConfig
 from speculators.models.eagle3 import Eagle3SpeculatorConfig
 from speculators.models.dflash import DFlashSpeculatorConfig
 from speculators.models.dspark.config import DSparkSpeculatorConfig
+from speculators.models.dflash2 import DFlash2SpeculatorConfig
 import speculators.models.dflash.core as dflash_core
 
 job = json.load(open(sys.argv[1]))
@@ -92,6 +96,10 @@ def block_logits(model, x):
             bias = model.markov_head.block_bias(prev_token_ids=prev, hidden_states=blocks, prev_emb=emb)
             out["logits"] = logits + bias.view(1, -1, bias.shape[-1])
             out["confidence"] = model.confidence_head(torch.cat([blocks, emb], -1)).reshape(1, -1)
+        if getattr(model, "candidate_selector", None) is not None:
+            idx = (anchors[:, None] + torch.arange(model.block_size)).flatten()
+            prev = model._predecessor_ids(x["input_ids"], idx)
+            out["candidates"], out["selector_scores"] = model.candidate_selector.select(logits, hidden, prev.reshape(1, -1))
     return out
 
 def random_vocab(model, tgt):
@@ -120,9 +128,11 @@ def build(method, tgt, draft_vocab):
         common = dict(transformer_layer_config=layer, draft_vocab_size=draft_vocab, block_size=tgt["block"],
                       aux_hidden_state_layer_ids=tgt["dflash_ids"], mask_token_id=tgt["vocab"] - 1,
                       speculators_config=SpeculatorsConfig(algorithm=method, proposal_methods=[GreedyTokenProposalConfig(
-                          speculative_tokens=tgt["block"] - (method == "dflash"))], default_proposal_method="greedy", verifier=verifier))
+                          speculative_tokens=tgt["block"] - (method in ("dflash", "dflash2")))], default_proposal_method="greedy", verifier=verifier))
         if method == "dflash":
             cfg = DFlashSpeculatorConfig(**common)
+        elif method == "dflash2":
+            cfg = DFlash2SpeculatorConfig(**common, conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8)
         else:
             cfg = DSparkSpeculatorConfig(**common, markov_rank=16, markov_head_type="gated")
         model = SpeculatorModel.registry[method](cfg)
@@ -158,7 +168,14 @@ def _our_outputs(model, batch, anchors: torch.Tensor) -> dict[str, torch.Tensor]
             prev = batch.token_ids[0, anchors[:, None] + torch.arange(BLOCK)]
             logits, conf = model.corrected_block(hidden[0], prev)
             return {"logits": logits.flatten(0, 1)[None], "confidence": conf.flatten()[None]}
-        return {"logits": model.lm_logits(hidden).flatten(1, 2)}
+        logits = model.lm_logits(hidden).flatten(1, 2)
+        if model.method == "dflash2":  # predecessors x_{k-1}: the anchor for slots 0 and 1
+            block = batch.token_ids[0, anchors[:, None] + torch.arange(BLOCK)]
+            prev = torch.cat([block[:, :1], block[:, :-1]], 1).flatten()[None]
+            candidates = logits.topk(model.config.selector_top_k, dim=-1).indices
+            scores = model.candidate_selector.scores(logits, hidden.flatten(1, 2), prev, candidates)
+            return {"logits": logits, "candidates": candidates, "selector_scores": scores}
+        return {"logits": logits}
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from test_models_support import VOCAB, make_batch, pad_batch
 SMALL = {
     "eagle3": {"draft_vocab_size": 64, "ttt_steps": 3},
     "dflash": {"block_size": 4, "num_layers": 1},
+    "dflash2": {"block_size": 4, "num_layers": 1, "selector_rank": 16, "selector_top_k": 8},
     "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 16},
 }
 
@@ -57,7 +58,7 @@ def test_eagle3_packing_and_padding_do_not_leak(target):
     assert out_s.position_count.tolist() == [32.0, 32.0, 32.0]
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dflash2", "dspark"])
 def test_block_forward_packing_does_not_leak(target, method):
     model = _build(method, target)
     packed = make_batch(target, method, count=2, length=12, pack=2)
@@ -68,14 +69,14 @@ def test_block_forward_packing_does_not_leak(target, method):
     torch.testing.assert_close(a, b.flatten(0, 1), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dflash2", "dspark"])
 def test_block_labels_stop_at_segment_and_prompt(target, method):
     model = _build(method, target)
     batch = make_batch(target, method, count=2, length=12, pack=2)
     out = model.block_loss(batch, torch.tensor([[9, 12 + 4]]), model.forward_blocks(batch, torch.tensor([[9, 12 + 4]])))
     # anchor 9 of sample 0: labels at rows 10, 11 exist, 12 is the next sample -> cut there.
     k = model.label_offsets().numel()
-    expected = [1 + 1 if i < 2 else 1 for i in range(k)] if method == "dflash" else [2 if i < 2 else 1 for i in range(k)]
+    expected = [1 + 1 if i < 2 else 1 for i in range(k)] if not model.sample_from_anchor else [2 if i < 2 else 1 for i in range(k)]
     assert out.position_count.tolist() == [float(x) for x in expected]
     assert torch.isfinite(out.loss)
 

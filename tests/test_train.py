@@ -333,7 +333,7 @@ def test_two_gloo_processes_disjoint_data_rank0_writes_exact_resume(parallel, tm
     assert_same_weights(tmp_path / "first-final", out / "final")
 
 
-@pytest.mark.parametrize("recipe", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("recipe", ["dspark", "dflash", "dflash2", "eagle3"])
 def test_packaged_recipes_resolve_against_their_method(recipe):
     import specdraft.models  # noqa: F401  (registers the methods)
     from specdraft.models.base import METHODS
@@ -346,5 +346,5 @@ def test_packaged_recipes_resolve_against_their_method(recipe):
 
 
 def test_unknown_recipe_names_the_packaged_ones():
-    with pytest.raises(SpecdraftError, match="neither a packaged recipe .*dflash, dspark, eagle3"):
+    with pytest.raises(SpecdraftError, match="neither a packaged recipe .*dflash, dflash2, dspark, eagle3"):
         resolve_config("no-such-recipe", {})

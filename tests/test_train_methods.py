@@ -1,4 +1,4 @@
-"""The trainer with the real drafters (eagle3, dflash, dspark) on real hidden-state stores of a tiny target.
+"""The trainer with the real drafters (eagle3, dflash, dflash2, dspark) on real hidden-state stores of a tiny target.
 
 Pipeline per test module: a random 8-layer Llama target (vocab 128) -> a prepared dataset ->
 ``extract_hidden_states`` into file stores (DSpark/DFlash preset and EAGLE-3 preset) -> ``train``.
@@ -24,6 +24,7 @@ VOCAB, LAYERS = 128, 8
 OVERRIDES = {
     "eagle3": {"ttt_steps": 2, "draft_vocab_size": 64, "intermediate_size": 64},
     "dflash": {"num_layers": 1, "block_size": 4, "max_anchors": 8, "intermediate_size": 64},
+    "dflash2": {"num_layers": 1, "block_size": 4, "max_anchors": 8, "intermediate_size": 64, "selector_rank": 16, "selector_top_k": 8},
     "dspark": {"num_layers": 1, "block_size": 4, "max_anchors": 8, "markov_rank": 16, "intermediate_size": 64},
 }
 
@@ -81,7 +82,7 @@ def config(method, data, out, **kw) -> TrainConfig:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["eagle3", "dflash", "dspark", "dspark-draft-vocab"])
+@pytest.mark.parametrize("case", ["eagle3", "dflash", "dflash2", "dspark", "dspark-draft-vocab"])
 def test_kill_and_resume_gives_the_same_weights(case, stores, tmp_path):
     from specdraft.models import load_drafter
 

@@ -5,7 +5,9 @@ The vLLM side runs in ``.venv-vllm`` as a subprocess (vLLM pins its own torch/tr
     anchor convention, layer ids, heads);
   * the vLLM-CPU grouped k_norm kernel and specdraft's correction (``integrations/vllm/plugin.py``);
   * vLLM's DSpark model built by vLLM's own loader from the shipped reference drafter, drafting as
-    vLLM's GPU DSpark runtime does, against specdraft's drafts and confidences.
+    vLLM's GPU DSpark runtime does, against specdraft's drafts and confidences;
+  * vLLM's DFlash2 model built the same way from a specdraft DFlash2 checkpoint, its selector walk written
+    in torch (tests/vllm_dflash2_side.py), against specdraft's drafts and selector scores.
 """
 
 from __future__ import annotations
@@ -227,3 +229,68 @@ def test_eval_parity_served_tau_equals_builtin_tau(case, parity_target, tmp_path
     assert row["builtin"]["tau"] > 2.0, row
     assert not row["flagged"], row
     assert "| ok |" in (work / "eval" / "parity.md").read_text()
+
+
+@pytest.mark.slow
+def test_vllm_dflash2_model_loads_our_checkpoint_and_drafts_as_specdraft(tiny_llama_dir, tiny_target, tmp_path):
+    """vLLM's own config translation and loader build its DFlash2 model from a specdraft DFlash2 checkpoint (every
+    tensor used, nothing missing but the target's shared embedding and head and an unused placeholder), and vLLM's modules, driven as its GPU
+    DFlash2 runtime drives them (tests/vllm_dflash2_side.py says what the harness substitutes), draft what specdraft
+    drafts on 12 blocks, with the same selector scores along the walk. The drafter's convolutions are not the
+    identity and its selector overrules the unary argmax somewhere, so both additions are compared."""
+    from specdraft.models import METHODS
+
+    spec = METHODS.get("dflash2")
+    torch.manual_seed(0)
+    drafter = spec.build(spec.config_cls(layers="output:1,output:3,output:5", num_layers=2, block_size=4, selector_rank=16, selector_top_k=8), tiny_target)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+        for codebook in (drafter.candidate_selector.predecessor_codebook, drafter.candidate_selector.successor_codebook):
+            codebook.mul_(40.0)
+    drafter.eval().save_pretrained(tmp_path / "drafter")
+    model = tiny_target.model
+    prompt = torch.randint(0, tiny_target.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        sequence = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0]
+        states = model(sequence[None], output_hidden_states=True).hidden_states
+    features = torch.stack([states[s.hf_index(tiny_target.num_layers)][0] for s in drafter.config.slots()], 1)  # [T, S, D]
+    anchors = torch.arange(6, 18)
+    ours, scores, unary_argmax = [], [], []
+    with torch.no_grad():
+        for p in anchors.tolist():
+            cache = drafter.new_cache()
+            drafter.append_context(cache, features=features[:p], positions=torch.arange(p))
+            hidden = drafter.block_hidden(cache, anchor_token=int(sequence[p]), anchor_position=p)
+            tokens = drafter.propose(hidden, anchor_token=int(sequence[p]), temperature=0.0, generator=None).tokens
+            slots = hidden[drafter.draft_slots()]
+            unary = drafter.lm_logits(slots)
+            candidates = unary.topk(8, dim=-1).indices
+            prev = torch.cat([sequence[p : p + 1], tokens[:-1]])
+            scores.append(drafter.candidate_selector.scores(unary, slots, prev, candidates))
+            ours.append(tokens)
+            unary_argmax.append(unary.argmax(-1))
+    expected = torch.stack(ours)
+    assert not torch.equal(expected, torch.stack(unary_argmax)), "the selector must overrule the unary argmax somewhere"
+    save_file({"features": features.flatten(1).contiguous(), "tokens": sequence.contiguous(), "anchors": anchors}, tmp_path / "blocks.safetensors")
+
+    run_vllm([str(ROOT / "tests/vllm_dflash2_side.py"), str(tiny_llama_dir), str(tmp_path / "drafter"), str(tmp_path / "blocks.safetensors"), str(tmp_path / "vllm.json")])
+    got = json.loads((tmp_path / "vllm.json").read_text())
+    drafts = torch.tensor(got["drafts"])
+    score_diff = (torch.tensor(got["realized_scores"]) - torch.stack(scores)).abs().max().item()
+    print(f"\nvLLM DFlash2 load: {got['checkpoint_tensors']} checkpoint tensors, {got['loaded_parameters']} vLLM parameters loaded of "
+          f"{got['model_parameters']}; unexpected {got['unexpected']}, not from the checkpoint {got['missing']}; method {got['method']}, "
+          f"dflash_config {got['dflash_config']}")
+    print(f"blocks compared: {len(anchors)} x {drafts.shape[1]} drafts, identical {int((drafts == expected).sum())}/{drafts.numel()}, "
+          f"max |selector score difference| {score_diff:.2e}")
+    # Not in the checkpoint: the target's embedding and head (shared in serving) and vLLM's unused mask_embedding
+    # placeholder (MASK slots embed through the vocabulary row mask_token_id).
+    assert got["unexpected"] == [] and got["missing"] == ["lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"]
+    assert got["architectures"] == ["DFlash2DraftModel"] and got["method"] == "dflash"  # vLLM runs DFlash2 in its DFlash runtime
+    assert {k: got["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "sample_from_anchor")} == {
+        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8, "sample_from_anchor": False}
+    assert got["causal"] == [False, False] and got["num_speculative_tokens"] == 3
+    assert got["conv_torch_calls"] > 0  # vLLM's own torch convolution path ran (4 per layer and block)
+    assert torch.equal(drafts, expected), (drafts, expected)
+    assert score_diff < 1e-3

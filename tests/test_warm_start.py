@@ -17,6 +17,7 @@ from test_train_methods import config, store_for, stores  # noqa: F401  (module 
 
 SMALL = {"dspark": {"num_layers": 2, "block_size": 4, "max_anchors": 8, "markov_rank": 16},
          "dflash": {"num_layers": 2, "block_size": 4, "max_anchors": 8},
+         "dflash2": {"num_layers": 2, "block_size": 4, "max_anchors": 8, "selector_rank": 16, "selector_top_k": 8},
          "eagle3": {"ttt_steps": 2}}
 
 
@@ -41,7 +42,7 @@ def llama():
     return make_target(num_layers=6)
 
 
-@pytest.mark.parametrize("method", ["dspark", "dflash"])
+@pytest.mark.parametrize("method", ["dspark", "dflash", "dflash2"])
 def test_init_from_target_copies_the_last_layers(method, qwen3, llama):
     for target, has_qk_norm in ((qwen3, True), (llama, False)):
         drafter = build(method, target)
@@ -176,7 +177,7 @@ def test_markov_bigram_does_not_apply_to_eagle3_and_bad_values_fail(llama):
 
 
 def test_pieces_off_reproduce_todays_initialisation(llama):
-    for method in ("dspark", "dflash", "eagle3"):
+    for method in ("dspark", "dflash", "dflash2", "eagle3"):
         a, b = build(method, llama), build(method, llama)
         assert warm(b, method, llama) == {}
         assert TrainConfig().init_from_target is False and TrainConfig().fc_init == "random" and TrainConfig().markov_init == "random"
@@ -216,7 +217,7 @@ def test_predictable_sampling_trains_and_scores_with_the_target_head():
     assert torch.isfinite(out.loss)
 
 
-@pytest.mark.parametrize("method", ["dspark", "dflash"])
+@pytest.mark.parametrize("method", ["dspark", "dflash", "dflash2"])
 def test_held_out_evaluation_draws_anchors_uniformly_whatever_the_training_sampler(method, monkeypatch):
     """Validation estimates decode-time acceptance (every position is an anchor there): a predictable
     draw in eval mode would overstate tau by favouring easy positions."""

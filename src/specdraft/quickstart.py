@@ -56,7 +56,7 @@ class QuickstartConfig:
     max_length: int = config_field(512, help="skip conversations whose prompt + answer exceed this many tokens")
     max_new_tokens: int = config_field(128, help="tokens per regenerated answer")
     regen_batch_size: int = config_field(16, help="prompts regenerated together")
-    recipe: str = config_field(METHOD, help="training recipe: a packaged recipe name (dspark, dflash, eagle3) or a YAML file")
+    recipe: str = config_field(METHOD, help="training recipe: a packaged recipe name (dspark, dflash, dflash2, eagle3) or a YAML file")
     pack_tokens: int = config_field(
         512, help="tokens per training step; small steps give more optimizer updates within a CPU budget"
     )

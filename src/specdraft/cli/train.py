@@ -15,7 +15,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     parser = subparsers.add_parser(
         "train",
-        help="train a drafter (dspark, dflash, eagle3) on extracted hidden states",
+        help="train a drafter (dspark, dflash, dflash2, eagle3) on extracted hidden states",
         description=(
             "Train a drafter on a hidden-state store. Values come from the dataclass defaults, then the "
             "--config recipe, then these flags. Rerunning the same command resumes from OUT's latest checkpoint; "
@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "specdraft.cli.main train ..."
         ),
     )
-    parser.add_argument("--config", default=None, help="recipe: a packaged name (dspark, dflash, eagle3) or a YAML file of TrainConfig fields (flags given here win)")
+    parser.add_argument("--config", default=None, help="recipe: a packaged name (dspark, dflash, dflash2, eagle3) or a YAML file of TrainConfig fields (flags given here win)")
     add_dataclass_arguments(parser, TrainConfig)
     parser.set_defaults(func=run)
 

@@ -15,10 +15,10 @@ class DecodeConfig:
     """What to draft with and how long to generate."""
 
     drafter: str = config_field(
-        "ngram", help="draft proposer: ngram (prompt lookup), none (plain autoregressive decoding), or a trained eagle3 | dflash | dspark"
+        "ngram", help="draft proposer: ngram (prompt lookup), none (plain autoregressive decoding), or a trained eagle3 | dflash | dflash2 | dspark"
     )
-    drafter_path: str = config_field("", help="checkpoint directory of a trained eagle3/dflash/dspark drafter")
-    num_draft_tokens: int = config_field(4, help="k: tokens drafted per round by chain drafters (ngram, EAGLE-3); DFlash/DSpark draft and may verify their whole block")
+    drafter_path: str = config_field("", help="checkpoint directory of a trained eagle3/dflash/dflash2/dspark drafter")
+    num_draft_tokens: int = config_field(4, help="k: tokens drafted per round by chain drafters (ngram, EAGLE-3); DFlash/DFlash2/DSpark draft and may verify their whole block")
     max_new_tokens: int = config_field(128, help="stop a request after this many generated tokens")
     seed: int = config_field(0, help="seed of the sampling generator (temperature > 0)")
     ngram_max: int = config_field(3, help="ngram drafter: longest context suffix looked up earlier in the context")

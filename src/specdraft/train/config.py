@@ -28,7 +28,7 @@ PARALLEL_CHOICES = ("auto", "ddp", "fsdp")
 
 @dataclass
 class TrainConfig:
-    method: str | None = config_field(None, help="drafter method, a key of the METHODS registry (dspark, dflash, eagle3)")
+    method: str | None = config_field(None, help="drafter method, a key of the METHODS registry (dspark, dflash, dflash2, eagle3)")
     target: str | None = config_field(
         None, help="target model: an embedded name or a HF directory (default: the target recorded in the hidden-state store)"
     )

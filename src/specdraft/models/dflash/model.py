@@ -104,13 +104,14 @@ class DFlashDrafter(SpeculatorsDrafter):
     ignored_on_load = SpeculatorsDrafter.ignored_on_load + ("embed_tokens.weight",)
     requires_target = True
     sample_from_anchor: ClassVar[bool] = False  # DSpark: the anchor slot is a prediction too
+    layer_cls: ClassVar[type[DFlashLayer]] = DFlashLayer  # DFlash2: a layer with convolutions around attention and MLP
 
     def __init__(self, config: DFlashConfig, verifier: dict | None = None):
         super().__init__(config, verifier)
         c = config
         self.fc = nn.Linear(len(c.slots()) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList([DFlashLayer(c) for _ in range(c.num_layers)])
+        self.layers = nn.ModuleList([self.layer_cls(c) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta)
         if c.draft_vocab_coverage is not None and not c.draft_vocab_size:
