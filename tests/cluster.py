@@ -256,9 +256,14 @@ class Cluster:
         return [sys.executable, "-m", "specdraft.cli.main", *args]
 
     # master and holder
+    @property
+    def master_dir(self) -> Path:
+        """The master's own state directory (``store start`` keeps nothing else there), beside the host's logs."""
+        return self.out / "hosts" / self.master.name / "store"
+
     def start_master(self) -> None:
         argv = self.cli("store", "start", "--host", self.master.address, "--port", str(MASTER_PORT), "--metrics-port", str(METRICS_PORT),
-                        "--dir", str(self.out / "hosts" / self.master.name), "--lease-ttl-ms", "500", "--put-discard-timeout-s", "2",
+                        "--dir", str(self.master_dir), "--lease-ttl-ms", "500", "--put-discard-timeout-s", "2",
                         "--put-release-timeout-s", "3")
         proc = self.net.spawn(self.master, argv, self.out / "hosts" / self.master.name / "store-start.log", env=self.env)
         if proc.wait(timeout=120) != 0:
@@ -273,7 +278,7 @@ class Cluster:
         say(f"master {self.master.address}:{MASTER_PORT} and a {self.args.holder_mb} MB holder up")
 
     def stop_master(self) -> None:
-        self.net.run(self.master, self.cli("store", "stop", "--dir", str(self.out / "hosts" / self.master.name)), timeout=60)
+        self.net.run(self.master, self.cli("store", "stop", "--dir", str(self.master_dir)), timeout=60)
 
     def metrics(self) -> dict:
         code = f"import json; from specdraft.integrations.mooncake.master import read_metrics; print(json.dumps(read_metrics({self.master.address!r}, {METRICS_PORT})))"

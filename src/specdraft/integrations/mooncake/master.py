@@ -145,8 +145,8 @@ def _read_state(run_dir: Path) -> dict | None:
 _CHILDREN: dict[int, subprocess.Popen] = {}
 
 
-# Two racing starts: the second is refused. No kind: --dir may be a host's log directory (benchmarks/cluster.py), and
-# a start only adds its three files (a running master recorded there is refused below).
+# Two racing starts: the second is refused. --dir holds the master's three files and nothing else (checked below,
+# so a start never lands among a dataset's or a run's files; a running master recorded there is refused too).
 @claims_output(None, out=lambda config: config.dir, what="--dir")
 def start_master(config: MasterConfig) -> dict:
     """Start the master in the background and wait until it accepts connections; returns its state."""
