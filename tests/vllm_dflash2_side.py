@@ -30,46 +30,17 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from specdraft.integrations.vllm.plugin import install
+from vllm_side_common import FUSED, drafter_engine_config, drafter_model, record_loaded_parameters
 
 target_dir, drafter_dir, blocks_path, out_path = sys.argv[1:5]
 
-from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
-from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.model_executor.model_loader import get_model  # noqa: E402
 from vllm.model_executor.models import qwen3_dflash2  # noqa: E402
-from vllm.model_executor.models import utils as model_utils  # noqa: E402
-from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop  # noqa: E402
 
 install()  # specdraft's vLLM-CPU per-layer k_norm correction, as in every server specdraft starts
-_set_torch_accelerator_to_noop()
-torch.set_num_threads(2)
-checkpoint = load_file(f"{drafter_dir}/model.safetensors")
-num_tokens = json.load(open(f"{drafter_dir}/config.json"))["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-VllmConfig._validate_v1_model_runner = lambda self: None
-config = EngineArgs(model=target_dir, dtype="float32", enforce_eager=True, max_model_len=1024,
-                    speculative_config={"model": drafter_dir, "num_speculative_tokens": num_tokens}).create_engine_config()
+config, checkpoint, num_tokens = drafter_engine_config(target_dir, drafter_dir)
 draft_config = config.speculative_config.draft_model_config
 hf = draft_config.hf_config
-
-filled: set[str] = set()
-nesting = [0]
-load_weights = model_utils.AutoWeightsLoader.load_weights
-
-
-def recording(self, weights, *args, **kwargs):
-    """Record the parameter names the outermost loader call filled."""
-    nesting[0] += 1
-    try:
-        names = load_weights(self, weights, *args, **kwargs)
-    finally:
-        nesting[0] -= 1
-    if nesting[0] == 0:
-        filled.update(names)
-    return names
-
-
-model_utils.AutoWeightsLoader.load_weights = recording
+filled = record_loaded_parameters()
 conv_calls = {"torch_path": 0}
 grouped_conv = qwen3_dflash2._grouped_conv
 
@@ -80,17 +51,12 @@ def counted_conv(hidden_states, *args):
 
 
 qwen3_dflash2._grouped_conv = counted_conv
-with set_current_vllm_config(config):
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method="tcp://127.0.0.1:0", backend="gloo")
-    initialize_model_parallel(1, 1)
-    model = get_model(vllm_config=config, model_config=draft_config)
-    model.eval()
+with drafter_model(config) as model:
     params = {name for name, _ in model.named_parameters()}
-    fused = {".q_proj.": ".qkv_proj.", ".k_proj.": ".qkv_proj.", ".v_proj.": ".qkv_proj.", ".gate_proj.": ".gate_up_proj.", ".up_proj.": ".gate_up_proj."}
 
     def in_vllm(name: str) -> str:
         name = "model." + name
-        for old, new in fused.items():
+        for old, new in FUSED.items():
             name = name.replace(old, new)
         return name
 

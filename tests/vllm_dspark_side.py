@@ -22,63 +22,29 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from specdraft.integrations.vllm.plugin import install
+from vllm_side_common import FUSED, drafter_engine_config, drafter_model, record_loaded_parameters
 
 target_dir, drafter_dir, blocks_path, out_path = sys.argv[1:5]
 
-from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
-from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.model_executor.model_loader import get_model  # noqa: E402
-from vllm.model_executor.models import utils as model_utils  # noqa: E402
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model  # noqa: E402
 
 stock_k_norm = DFlashQwen3Model._normalize_context_k
 install()  # specdraft's vLLM-CPU k_norm correction, as in every server specdraft starts
 corrected_k_norm = DFlashQwen3Model._normalize_context_k
 
-from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop  # noqa: E402
-
-_set_torch_accelerator_to_noop()  # what vLLM's CPU runner does before loading models
-torch.set_num_threads(2)
-checkpoint = load_file(f"{drafter_dir}/model.safetensors")
-num_tokens = json.load(open(f"{drafter_dir}/config.json"))["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-VllmConfig._validate_v1_model_runner = lambda self: None  # the CPU runner lacks DSpark; the model code is platform-neutral
-config = EngineArgs(model=target_dir, dtype="float32", enforce_eager=True, max_model_len=1024,
-                    speculative_config={"method": "dspark", "model": drafter_dir, "num_speculative_tokens": num_tokens}).create_engine_config()
+config, checkpoint, num_tokens = drafter_engine_config(target_dir, drafter_dir, method="dspark")
 draft_config = config.speculative_config.draft_model_config
 hf = draft_config.hf_config
-
-loaded: set[str] = set()  # fully qualified parameter names the outermost AutoWeightsLoader call filled
-depth = [0]
-original_load = model_utils.AutoWeightsLoader.load_weights
-
-
-def recording_load(self, weights, *args, **kwargs):
-    depth[0] += 1
-    try:
-        names = original_load(self, weights, *args, **kwargs)
-    finally:
-        depth[0] -= 1
-    if depth[0] == 0:
-        loaded.update(names)
-    return names
-
-
-model_utils.AutoWeightsLoader.load_weights = recording_load
-with set_current_vllm_config(config):
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method="tcp://127.0.0.1:0", backend="gloo")
-    initialize_model_parallel(1, 1)
-    model = get_model(vllm_config=config, model_config=draft_config)
-    model.eval()
+loaded = record_loaded_parameters()
+with drafter_model(config) as model:
     params = {name for name, _ in model.named_parameters()}
     # Checkpoint names after vLLM's renaming (Qwen3DSparkForCausalLM.load_weights, DFlashQwen3Model.hf_to_vllm_mapper).
-    stacked = {".q_proj.": ".qkv_proj.", ".k_proj.": ".qkv_proj.", ".v_proj.": ".qkv_proj.", ".gate_proj.": ".gate_up_proj.", ".up_proj.": ".gate_up_proj."}
 
     def vllm_name(name: str) -> str:
         if name == "d2t":
             return "draft_id_to_target_id"
         name = name if name.startswith("lm_head") else "model." + name
-        for old, new in stacked.items():
+        for old, new in FUSED.items():
             name = name.replace(old, new)
         return name
 
