@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from specdraft.errors import SpecdraftError
-from specdraft.hidden_states.layers import LayerSlot, parse_slots
+from specdraft.hidden_states.layers import LAYER_PRESETS, LayerSlot, parse_slots
 from specdraft.hidden_states.service import PRODUCER_ENGINES, RequestError, ServiceConfig
 from specdraft.integrations.vllm.extract import ServerSpec, capture_plan, describe_target, extraction_client, server_command
 from specdraft.integrations.vllm.protocol import slot_rows
@@ -27,15 +27,18 @@ log = logging.getLogger(__name__)
 
 
 def capture_slots(layers: str | None, num_layers: int) -> list[LayerSlot]:
-    """``--layers``, else the union of every method's slots (each method whose slots fit the target)."""
-    from specdraft.models import METHODS
+    """``--layers``, else the union of every ``extract --method`` preset's slots (each preset that fits the target).
+
+    The presets, not ``METHODS``: a method registered only in one process (a test's toy) must not change what a
+    server started from another process's ``--print-server-command`` captures."""
+    import specdraft.models  # noqa: F401  (each method's package registers its preset)
 
     if layers is not None:
         return parse_slots(layers, num_layers)
     union: set[LayerSlot] = set()
-    for name in METHODS.names():
-        with contextlib.suppress(SpecdraftError):  # a method that needs more layers than the target has
-            union.update(METHODS.get(name).layer_slots(num_layers))
+    for name in LAYER_PRESETS:
+        with contextlib.suppress(SpecdraftError):  # a preset that needs more layers than the target has
+            union.update(LAYER_PRESETS.get(name)(num_layers))
     return sorted(union)
 
 
