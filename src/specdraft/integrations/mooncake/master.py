@@ -29,12 +29,16 @@ from typing import Any
 
 from specdraft.errors import SpecdraftError
 from specdraft.utils.config import config_field, require_finite
-from specdraft.utils.io import atomic_write_bytes, atomic_write_json
+from specdraft.utils.io import DirKind, atomic_write_bytes, atomic_write_json, json_field_is
 from specdraft.utils.lock import claims_output, pid_alive
 
 PID_FILE = "master.pid"
 STATE_FILE = "master.json"
 LOG_FILE = "master.log"
+#: A master's --dir holds its three files and nothing else, so a start never lands among a dataset's or a run's
+#: files; a stopped master leaves its log (and a killed one its pid file) without the state file.
+MASTER_DIR = DirKind(name="Mooncake master directory", marker=STATE_FILE, recognise=json_field_is("pid", ...),
+                     files=frozenset({PID_FILE, STATE_FILE, LOG_FILE}), scratch=frozenset({PID_FILE, LOG_FILE}), replaced=False)
 
 
 @dataclass
@@ -145,19 +149,12 @@ def _read_state(run_dir: Path) -> dict | None:
 _CHILDREN: dict[int, subprocess.Popen] = {}
 
 
-# Two racing starts: the second is refused. --dir holds the master's three files and nothing else (checked below,
-# so a start never lands among a dataset's or a run's files; a running master recorded there is refused too).
-@claims_output(None, out=lambda config: config.dir, what="--dir")
+# Two racing starts: the second is refused (a running master recorded in --dir is refused below too).
+@claims_output(MASTER_DIR, out=lambda config: config.dir, what="--dir")
 def start_master(config: MasterConfig) -> dict:
     """Start the master in the background and wait until it accepts connections; returns its state."""
     run_dir = Path(config.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in (PID_FILE, STATE_FILE, LOG_FILE))
-    if foreign:  # the master's files would land among someone else's (a dataset, a run)
-        raise SpecdraftError(
-            f"--dir {run_dir} holds other files ({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}); "
-            "give the master a directory of its own"
-        )
     running = _read_state(run_dir)
     if running is not None:
         raise SpecdraftError(
