@@ -188,7 +188,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
         # the end (both taus for the card): every 100 steps its decoding took ~5 s of the budget the plan gave
         # to steps, and cut a 902-step plan at step 762 on a quiet machine.
         result = train(train_config(max_steps=steps, max_time=max(60.0, training_seconds_left()), eval_interval=0), target=target)
-        return {**_train_facts(result), "dtype": result.compute_dtype, **(result.threads or {}),
+        return {**_train_facts(result), "dtype": result.compute_dtype, **(result.threads or {}), **(result.forward_path or {}),
                 "anchors_per_s": median_record(train_dir / "metrics.jsonl", "anchors_per_s")}
 
     journal.run("train", train_in_budget)
@@ -222,7 +222,7 @@ def size_eval(config: QuickstartConfig, target: Target, train_config: Any, *, fi
     plus the margin for what its time limit does not cover."""
     from specdraft.decode.config import DecodeConfig
     from specdraft.decode.proposers.drafters import drafter_proposer
-    from specdraft.decode.runtime import resolve_decode_threads
+    from specdraft.decode.runtime import resolve_decode_threads, resolve_target_path
     from specdraft.decode.sps import load_or_measure_sps
     from specdraft.eval.budget import DecoderCost, drafter_cost, estimate_eval_seconds, plain_overhead_seconds, round_seconds
     from specdraft.eval.config import EvalConfig
@@ -232,9 +232,10 @@ def size_eval(config: QuickstartConfig, target: Target, train_config: Any, *, fi
     from specdraft.reference import reference_drafter
 
     resolve_decode_threads(target, config.threads)  # the count the comparison will decode at (cached)
-    sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint)
+    defaults = EvalConfig(out="-", drafters=["ngram"])  # the comparison's draft length for ngram, its draft dtype and forward path
+    path = resolve_target_path(target, defaults.forward_path)  # the path the comparison will run the target on (cached)
+    sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint, forward_path=path.name)
     overhead = plain_overhead_seconds(target, sps)
-    defaults = EvalConfig(out="-", drafters=["ngram"])  # the comparison's draft length for ngram and its draft dtype
     gated = round_seconds(sps, overhead_s=overhead, gated=True)  # a scheduled drafter's bound does not depend on the drafter
     costs = [DecoderCost(AUTOREGRESSIVE, round_seconds(sps, overhead_s=overhead)),
              DecoderCost("ngram", round_seconds(sps, overhead_s=overhead, verify_tokens=1 + defaults.num_draft_tokens))]
@@ -243,7 +244,8 @@ def size_eval(config: QuickstartConfig, target: Target, train_config: Any, *, fi
         drafters["reference"] = load_drafter(reference_drafter(config.target), target=target)
     for name, drafter in drafters.items():
         proposer = drafter_proposer(drafter, DecodeConfig(drafter=drafter.method, num_draft_tokens=defaults.num_draft_tokens))
-        costs.append(drafter_cost(f"{name}@full", proposer, sps, overhead_s=overhead, draft_dtype=defaults.draft_dtype))
+        costs.append(drafter_cost(f"{name}@full", proposer, sps, overhead_s=overhead, draft_dtype=defaults.draft_dtype,
+                                  forward_path=defaults.forward_path))
         costs.append(DecoderCost(f"{name}@scheduled", gated))
     prompts = load_prompts("quick", None, config.eval_prompts_per_domain)
     estimate = estimate_eval_seconds([len(p.token_ids(target.tokenizer)) for p in prompts], config.eval_max_new_tokens, costs, sps)
@@ -292,7 +294,8 @@ def training_table(stages: dict) -> str:
     anchors = done.get("anchors_per_s") or plan.get("anchors_per_s")
     rows = [
         ("compute dtype", dtype),
-        ("CPU threads", _threads(done)),
+        ("CPU threads", _measured_fact(done, "threads")),
+        ("forward path", _measured_fact(done, "forward_path")),
         ("anchors/s", f"{anchors:.1f}" if anchors else "n/a"),
         ("steps", f"{steps} done of {planned} planned ({plan.get('seconds_per_step', 0):.2f} s/step in the probe)"),
         ("epochs", f"{steps / per_epoch:.2f} ({per_epoch} steps each)" if steps and per_epoch else "n/a"),
@@ -312,12 +315,13 @@ def training_table(stages: dict) -> str:
     return "\n".join(["| training | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
 
 
-def _threads(facts: dict) -> str:
-    """``2 (measured: 1 12 ms, 2 9 ms)``: the thread count a stage used and why."""
-    if "threads" not in facts:
+def _measured_fact(facts: dict, name: str) -> str:
+    """``2 (measured: 1 12 ms, 2 9 ms)``: a stage's ``name`` setting (threads, forward_path) and why, from the
+    ``NAME``, ``NAME_source`` and ``NAME_seconds`` facts its probe recorded."""
+    if name not in facts:
         return "n/a"
-    figures = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in (facts.get("threads_seconds") or {}).items())
-    return f"{facts['threads']} ({facts.get('threads_source', '?')}{': ' + figures if figures else ''})"
+    figures = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in (facts.get(f"{name}_seconds") or {}).items())
+    return f"{facts[name]} ({facts.get(f'{name}_source', '?')}{': ' + figures if figures else ''})"
 
 
 def _regeneration(data: dict) -> str:

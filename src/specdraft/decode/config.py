@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdraft.errors import SpecdraftError
-from specdraft.utils.config import config_field, require_finite
+from specdraft.utils.config import FORWARD_PATH_CHOICES, check_forward_path, config_field, require_finite
 
 DRAFT_DTYPES = ("auto", "fp32", "bf16")
 
@@ -28,11 +28,17 @@ class DecodeConfig:
         "once per machine and drafter configuration, cached under the specdraft cache, and picks the faster)",
         metadata={"choices": list(DRAFT_DTYPES)},
     )
+    forward_path: str = config_field(
+        "auto", help="how the target's and the drafter's forwards execute: eager PyTorch, prepacked (linear weights reordered "
+        "once for oneDNN; CPU, fp32), or auto (times decode-shaped forwards on each path once per machine and model, "
+        "cached, and picks the fastest)", metadata={"choices": list(FORWARD_PATH_CHOICES)},
+    )
 
     def __post_init__(self) -> None:
         require_finite(self)
         if self.draft_dtype not in DRAFT_DTYPES:
             raise SpecdraftError(f"draft_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
+        check_forward_path(self.forward_path)
         if self.max_new_tokens <= 0:
             raise SpecdraftError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.num_draft_tokens < 0:

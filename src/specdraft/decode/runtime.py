@@ -22,6 +22,7 @@ features of skipped rounds accumulate and reach the proposer at the next draftin
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -38,6 +39,9 @@ from specdraft.hidden_states.capture import record_slots
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.targets.base import Target
 from specdraft.targets.families import family_of
+from specdraft.utils.forward_path import PathChoice, current_path, resolve_path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -153,14 +157,39 @@ def decoder_for_target(
 ) -> "SpeculativeDecoder":
     """A decoder for a loaded ``Target``: builds the proposer and, when the verify policy needs it,
     the target's SPS profile (measured once per target + device, then cached)."""
+    proposer = build_proposer(config, target)
+    forward_path = resolve_target_path(target, config.forward_path)  # after the drafter's probes: the target's path is the last word
     sps = None
     if VERIFY_POLICIES.get(scheduler.verify_policy).needs_sps:
         from specdraft.decode.sps import load_or_measure_sps
 
-        sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint)
+        sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint, forward_path=forward_path.name)
     eos = sorted(target.end_of_turn_ids) if target.tokenizer is not None else None  # decoding stops at the template's turn end
-    return SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=sampling, scheduler=scheduler, sps=sps,
-                              eos_token_ids=eos)
+    return SpeculativeDecoder(target.model, proposer, config=config, sampling=sampling, scheduler=scheduler, sps=sps,
+                              eos_token_ids=eos, forward_path=forward_path)
+
+
+#: Verify width the target-path probe times beside the 1-token step: an anchor plus a DSpark/DFlash block of 8.
+PROBE_VERIFY_TOKENS = 9
+
+
+def resolve_target_path(target: Target, requested: str) -> PathChoice:
+    """Put the target on ``requested`` (``--forward-path``), or for ``auto`` on the path whose plain step plus
+    verify step (1 and ``PROBE_VERIFY_TOKENS`` tokens after a 128-token cache, the two forwards decoding pays)
+    ran fastest here, measured once per machine and target, then cached (``utils/forward_path.py``)."""
+    from specdraft.decode.sps import measure_sps
+
+    param = next(target.model.parameters())
+
+    def work_seconds() -> float:
+        table = measure_sps(target.model, token_counts=[1, PROBE_VERIFY_TOKENS], context_tokens=128, repeats=2)
+        return 1.0 / table(1) + 1.0 / table(PROBE_VERIFY_TOKENS)
+
+    context = {"work": "plain+verify-step", "target": target.fingerprint, "dtype": str(param.dtype), "verify_tokens": PROBE_VERIFY_TOKENS}
+    choice = resolve_path(target.model, requested, "target", context, work_seconds)
+    log.info("target forward path: %s (%s%s)", choice.name, choice.source,
+             "".join(f", {k} {v * 1e3:.1f} ms" for k, v in choice.seconds.items()))
+    return choice
 
 
 def resolve_decode_threads(target: Target, requested: int, *, rows: int = 1, tokens: int = 8) -> Any:
@@ -173,7 +202,8 @@ def resolve_decode_threads(target: Target, requested: int, *, rows: int = 1, tok
     config = DecodeConfig(drafter="none", max_new_tokens=tokens)
     decoder = SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig())
     prompt = [int(t) % int(target.vocab_size) for t in range(100, 132)]
-    context = {"work": "plain-decode", "target": target.fingerprint, "dtype": str(param.dtype), "rows": rows, "tokens": tokens}
+    context = {"work": "plain-decode", "target": target.fingerprint, "dtype": str(param.dtype), "rows": rows, "tokens": tokens,
+               "forward_path": current_path(target.model)}
     return resolve_threads(requested, "decode-threads", context, lambda: decoder.generate([prompt] * rows), device=param.device)
 
 
@@ -194,8 +224,10 @@ class SpeculativeDecoder:
         sps: StepRate | None = None,
         eos_token_ids: Sequence[int] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        forward_path: PathChoice | None = None,
     ):
         self.model = model
+        self.forward_path = forward_path or PathChoice(current_path(model), "as given", {})  # what reports record
         self.clock = clock
         self.proposer = proposer
         self.config = config
@@ -241,7 +273,7 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor]) -> DecodeResult:
         """Decode every prompt (token ids) to completion as one batch."""
-        from transformers import DynamicCache
+        from specdraft.decode.kv_cache import GrowingCache
 
         prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
         self._check_prompts(prompts)
@@ -260,7 +292,7 @@ class SpeculativeDecoder:
             valid[i, width - len(p) :] = True
         ids, valid = ids.to(device), valid.to(device)
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache()  # full-length layers everywhere: sliding-window caches drop columns by count, not position
+        cache = GrowingCache()  # full-length layers everywhere: sliding-window caches drop columns by count, not position
         logits, captured = self._forward(ids, valid, positions, cache, logits_to_keep=1)
         logits = logits[:, -1]
         metrics.target_forwards += 1

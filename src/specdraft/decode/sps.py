@@ -3,7 +3,8 @@
 The DSpark scheduler trades expected committed tokens against the cost of a wider verify
 forward, so it needs the target's real speed curve on this device. It is measured once (a few
 seconds) and cached as JSON per target fingerprint + device + dtype under
-``<cache>/sps/`` (``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``).
+``<cache>/sps/`` (``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``), and per forward path
+(``utils/forward_path.py``): the scheduler must price verify widths on the path that runs them.
 
 A profile taken while other jobs share the CPU can be wildly wrong, and a cached wrong profile
 misleads every later run, so each point keeps the *fastest* of its repeats (interference only
@@ -83,9 +84,10 @@ def default_token_counts(max_tokens: int) -> list[int]:
     return counts
 
 
-def sps_cache_path(cache_dir: Path, *, fingerprint: str, device: torch.device, dtype: torch.dtype, context_tokens: int, max_tokens: int) -> Path:
+def sps_cache_path(cache_dir: Path, *, fingerprint: str, device: torch.device, dtype: torch.dtype, context_tokens: int, max_tokens: int,
+                   forward_path: str) -> Path:
     dtype_name = str(dtype).removeprefix("torch.")
-    return cache_dir / "sps" / f"{fingerprint}-{device.type}-{dtype_name}-ctx{context_tokens}-b{max_tokens}.json"
+    return cache_dir / "sps" / f"{fingerprint}-{device.type}-{dtype_name}-{forward_path}-ctx{context_tokens}-b{max_tokens}.json"
 
 
 @torch.no_grad()
@@ -128,14 +130,18 @@ def load_or_measure_sps(
     max_tokens: int = 64,
     context_tokens: int = 256,
     repeats: int = 5,
+    forward_path: str | None = None,
 ) -> SpsTable:
-    """The cached SPS table for this target + device + dtype, measuring and caching it on first use."""
+    """The cached SPS table for this target + device + dtype + forward path (default: the one the model is
+    on now), measuring and caching it on first use."""
     from specdraft.targets.identity import cache_root
+    from specdraft.utils.forward_path import current_path
 
     param = next(model.parameters())
+    forward_path = forward_path or current_path(model)
     path = sps_cache_path(
         cache_dir or cache_root(), fingerprint=fingerprint, device=param.device, dtype=param.dtype,
-        context_tokens=context_tokens, max_tokens=max_tokens,
+        context_tokens=context_tokens, max_tokens=max_tokens, forward_path=forward_path,
     )
     if path.is_file():
         try:
@@ -151,6 +157,7 @@ def load_or_measure_sps(
         "fingerprint": fingerprint,
         "device": str(param.device),
         "dtype": str(param.dtype).removeprefix("torch."),
+        "forward_path": forward_path,
         "context_tokens": context_tokens,
         "repeats": repeats,
         **table.to_json(),

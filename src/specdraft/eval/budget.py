@@ -64,9 +64,10 @@ def plain_overhead_seconds(target: Target, sps: Any, *, tokens: int = WARMUP_TOK
     return max(0.0, (m.wall_s - m.ttft_s) / max(m.output_tokens - m.requests, 1) - 1.0 / sps(1))
 
 
-def drafter_cost(label: str, proposer: Any, sps: Any, *, overhead_s: float, draft_dtype: str = "auto") -> DecoderCost:
-    """The bound for a trained drafter's ``proposer`` verifying its whole draft: its round in
+def drafter_cost(label: str, proposer: Any, sps: Any, *, overhead_s: float, draft_dtype: str = "auto", forward_path: str = "auto") -> DecoderCost:
+    """The bound for a trained drafter's ``proposer`` verifying its whole draft: its round on ``forward_path`` in
     ``draft_dtype`` (``auto``: the faster here, measured once and cached, as the comparison does)."""
+    proposer.set_forward_path(forward_path)
     measurement = proposer.set_compute_dtype(draft_dtype)
     draft_s = min(measurement.seconds.values()) if measurement else proposer.round_seconds(draft_dtype)
     width = 1 + (getattr(proposer, "block_length", None) or proposer.num_draft_tokens)

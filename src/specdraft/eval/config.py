@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from specdraft.decode.config import DRAFT_DTYPES
 from specdraft.errors import SpecdraftError
-from specdraft.utils.config import config_field, require_finite
+from specdraft.utils.config import FORWARD_PATH_CHOICES, check_forward_path, config_field, require_finite
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,11 @@ class EvalConfig:
         "auto", help="compute dtype of the trained drafters' rounds: fp32, bf16 autocast, or auto (the faster here, measured "
         "once per machine and drafter configuration); the report records the dtype used and why",
         metadata={"choices": list(DRAFT_DTYPES)},
+    )
+    forward_path: str = config_field(
+        "auto", help="how the target's and the drafters' forwards execute: eager, prepacked (oneDNN-prepacked linear weights; "
+        "CPU, fp32) or auto (the fastest here, measured once per machine and model); the report records the path and why",
+        metadata={"choices": list(FORWARD_PATH_CHOICES)},
     )
     device: str = config_field("cpu", help="torch device, e.g. cpu or cuda")
     threads: int = config_field(
@@ -70,5 +75,6 @@ class EvalConfig:
             raise SpecdraftError(f"--limit-per-domain must be >= 0, got {self.limit_per_domain}")
         if self.draft_dtype not in DRAFT_DTYPES:
             raise SpecdraftError(f"--draft-dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
+        check_forward_path(self.forward_path, "--forward-path")
         if self.max_time < 0:
             raise SpecdraftError(f"--max-time must be >= 0 seconds, got {self.max_time}")

@@ -130,7 +130,8 @@ def gate_floor_lines(report: dict[str, Any]) -> list[str]:
 
 
 def compute_line(report: dict[str, Any]) -> str:
-    """How the run computed and why: CPU threads, and each trained drafter's resolved draft dtype."""
+    """How the run computed and why: CPU threads, the target's forward path, and each trained drafter's resolved
+    forward path and draft dtype."""
 
     def why(source: str, seconds: dict | None, unit: float, suffix: str) -> str:
         figures = ", ".join(f"{k} {v * unit:.1f} {suffix}" for k, v in (seconds or {}).items())
@@ -139,10 +140,17 @@ def compute_line(report: dict[str, Any]) -> str:
     parts = []
     if "threads" in report:
         parts.append(f"{report['threads']} CPU threads ({why(report.get('threads_source', '?'), report.get('threads_seconds'), 1e3, 'ms')})")
+    target_path = report.get("target_forward_path")
+    if target_path:
+        parts.append(f"target forward {target_path['forward_path']} "
+                     f"({why(target_path['forward_path_source'], target_path.get('forward_path_seconds'), 1e3, 'ms per plain + verify step')})")
     for label, drafter in report.get("drafters", {}).items():
         if drafter.get("draft_dtype"):
-            parts.append(f"{label} drafts in {drafter['draft_dtype']} "
-                         f"({why(drafter.get('draft_dtype_source', '?'), drafter.get('draft_dtype_seconds'), 1e3, 'ms/round')})")
+            path = f" on {drafter['draft_forward_path']}" if drafter.get("draft_forward_path") else ""
+            parts.append(f"{label} drafts in {drafter['draft_dtype']}{path} "
+                         f"({why(drafter.get('draft_dtype_source', '?'), drafter.get('draft_dtype_seconds'), 1e3, 'ms/round')}"
+                         + (f"; path {why(drafter['draft_forward_path_source'], drafter.get('draft_forward_path_seconds'), 1e3, 'ms/round')}"
+                            if drafter.get("draft_forward_path") else "") + ")")
     return "compute: " + ("; ".join(parts) if parts else "-")
 
 

@@ -47,7 +47,7 @@ class DrafterSpec:
 
 
 def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, seed: int, target: str = "",
-                    draft_dtype: str = "auto") -> DrafterSpec:
+                    draft_dtype: str = "auto", forward_path: str = "auto") -> DrafterSpec:
     """'ngram' / 'none', 'reference' (the drafter shipped for the embedded ``target``), or a checkpoint
     directory whose config.json names its method, optionally followed by '@POLICY' to pick that
     drafter's verify policy (e.g. 'runs/x/final@scheduled')."""
@@ -55,7 +55,8 @@ def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, se
     from specdraft.decode.scheduler import VERIFY_POLICIES
     from specdraft.reference import reference_drafter
 
-    common = {"num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "seed": seed, "draft_dtype": draft_dtype}
+    common = {"num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "seed": seed, "draft_dtype": draft_dtype,
+              "forward_path": forward_path}
     name, _, policy = text.partition("@")
     if policy:
         VERIFY_POLICIES.get(policy)
@@ -102,7 +103,8 @@ def _dtype_facts(spec: DrafterSpec, proposer: Any) -> dict[str, Any]:
     """A trained drafter's resolved draft dtype and why (the ``--draft-dtype`` flag, or ``auto`` measured
     or cached, with the figures) in place of the requested value; ngram / autoregressive draft no tensors."""
     facts = getattr(proposer, "dtype_facts", None) or {"draft_dtype": None}
-    return {**facts, "draft_dtype_requested": spec.decode.draft_dtype}
+    path = {f"draft_{k}": v for k, v in proposer.path_facts.items()} if hasattr(proposer, "path_facts") else {}
+    return {**facts, **path, "draft_dtype_requested": spec.decode.draft_dtype}
 
 
 def _batches(prompts: list[EvalPrompt], size: int) -> list[list[int]]:
@@ -139,9 +141,10 @@ def run_eval(
         target = load_target(config.target, dtype=config.dtype, device=config.device)
     # before any decoder is built: the SPS profile and the draft-dtype probe are measured at the count used
     threads = resolve_decode_threads(target, config.threads)
-    specs = [resolve_drafter("none", num_draft_tokens=0, max_new_tokens=config.max_new_tokens, seed=config.seed)]
+    specs = [resolve_drafter("none", num_draft_tokens=0, max_new_tokens=config.max_new_tokens, seed=config.seed,
+                             forward_path=config.forward_path)]  # one target: every decoder runs it on the same path
     specs += [resolve_drafter(d, num_draft_tokens=config.num_draft_tokens, max_new_tokens=config.max_new_tokens, seed=config.seed,
-                              target=config.target, draft_dtype=config.draft_dtype) for d in config.drafters]
+                              target=config.target, draft_dtype=config.draft_dtype, forward_path=config.forward_path) for d in config.drafters]
     if len({s.label for s in specs}) != len(specs):
         raise SpecdraftError(f"--drafters names the same drafter twice: {config.drafters}")
     decoders = {s.label: decoder_for_target(target, config=s.decode, sampling=sampling, scheduler=_scheduler_for(s, scheduler))
@@ -225,6 +228,7 @@ def run_eval(
         "scheduler": asdict(scheduler),
         "drafters": {s.label: {**asdict(s.decode), **_dtype_facts(s, decoders[s.label].proposer)} for s in specs},
         **threads_facts(config.threads, threads),
+        "target_forward_path": decoders[AUTOREGRESSIVE].forward_path.to_json(),
         "num_prompts": len(per_prompt),
         "prompts_planned": len(prompts),
         "cut_by_time": cut_by_time,

@@ -20,7 +20,7 @@ from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES, VERIFY_LEVELS
 from specdraft.hidden_states.online import DATA_MODES
 from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
 from specdraft.train.warm_start import FC_INITS, MARKOV_INITS
-from specdraft.utils.config import config_field, require_finite
+from specdraft.utils.config import FORWARD_PATH_CHOICES, check_forward_path, config_field, require_finite
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
 PARALLEL_CHOICES = ("auto", "ddp", "fsdp")
@@ -98,6 +98,11 @@ class TrainConfig:
         "auto", help="compute dtype: bf16 autocast, fp32, or auto (times this run's step in both once per machine, "
         "cached under the specdraft cache, and picks the faster)", metadata={"choices": DTYPE_CHOICES}
     )
+    forward_path: str = config_field(
+        "auto", help="how the step's modules execute: eager, prepacked (frozen linears through oneDNN-prepacked weights; CPU, fp32), "
+        "or auto (times this run's fp32 step on each once per machine, cached, and picks the faster)",
+        metadata={"choices": list(FORWARD_PATH_CHOICES)},
+    )
     device: str = config_field("auto", help="torch device: auto (the local CUDA device if any, else cpu), cpu, cuda")
     parallel: str = config_field(
         "auto", help="multi-process strategy under torchrun: ddp, fsdp (FSDP2 fully_shard; meant for GPUs) or auto (= ddp)", metadata={"choices": PARALLEL_CHOICES}
@@ -121,6 +126,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         require_finite(self)
+        check_forward_path(self.forward_path, "--forward-path")
         if isinstance(self.model, str):
             self.model = parse_overrides(self.model)
         if not isinstance(self.model, dict):

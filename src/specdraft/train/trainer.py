@@ -70,6 +70,7 @@ from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_
 from specdraft.utils.compute import COMPUTE_DTYPES, autocast
 from specdraft.utils.io import check_replaceable
 from specdraft.utils.lock import claims_output
+from specdraft.utils.measured import fastest_time
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class TrainResult:
     compute_dtype: str | None = None  # what the steps ran in (``--dtype auto`` resolved)
     dtype_probe: dict | None = None  # the seconds per step that decided it (``--dtype auto`` only)
     threads: dict | None = None  # the CPU thread count of the steps and why (``threads_facts``: flag, measured, cached)
+    forward_path: dict | None = None  # the path the step's modules ran on and why (``PathChoice.to_json``)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class Compute:
     dtype: str
     dtype_probe: dict | None  # the seconds per step that decided ``auto``
     threads: dict  # ``threads_facts``: the count and where it came from
+    forward_path: dict  # ``PathChoice.to_json()``: the path the step's modules run on and why
 
 
 @claims_output(None)  # one writer per run (rank 0 holds the job's lock); _check_out_dir checks ownership
@@ -128,7 +131,7 @@ def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_
         apply_warm_start(drafter, run.warm_starts, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, run.data.train_indices)))
     state, checkpointer, compute = _build_state(cfg, run, drafter, target, dist_, device)
     result = functools.partial(TrainResult, run.out, total_steps=run.total_steps, drafter=drafter, compute_dtype=compute.dtype,
-                               dtype_probe=compute.dtype_probe, threads=compute.threads)
+                               dtype_probe=compute.dtype_probe, threads=compute.threads, forward_path=compute.forward_path)
     if cfg.dry_run:
         if run.resume is None:
             log.info("dry run: wrote %s", checkpointer.save(state))
@@ -250,7 +253,7 @@ def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: 
                                          meta=functools.partial(_checkpoint_meta, run, dist_.world))
     step_module.to(device)
     compute = _measured_settings(step_module, target, run.identity, dist_, device, dtype=cfg.dtype, num_threads=cfg.num_threads,
-                                 batch_rows=cfg.batch_rows, pack_tokens=cfg.pack_tokens, dry_run=cfg.dry_run)
+                                 batch_rows=cfg.batch_rows, pack_tokens=cfg.pack_tokens, dry_run=cfg.dry_run, forward_path=cfg.forward_path)
     wrapped = strategy.wrap(step_module, device)
     optimizer = build_optimizer(wrapped, name=cfg.optimizer, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, device=device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -363,17 +366,19 @@ def teacher_forced(forward: Callable[[DrafterBatch], TrainOutput], dataset: Samp
 
 
 def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_: Dist, device: torch.device, *, dtype: str,
-                       num_threads: int, batch_rows: int, pack_tokens: int, dry_run: bool) -> Compute:
-    """The compute dtype and CPU thread count of the steps: ``dtype`` / ``num_threads``, or for
-    ``auto`` / 0 what ran this step fastest here -- first the dtype, then the thread count in it --,
-    timed on rank 0 (before the module is wrapped) and sent to every rank so they all compute alike.
-    A dry run computes nothing."""
+                       num_threads: int, batch_rows: int, pack_tokens: int, dry_run: bool, forward_path: str) -> Compute:
+    """The forward path, compute dtype and CPU thread count of the steps: ``forward_path`` / ``dtype`` /
+    ``num_threads``, or for ``auto`` / 0 what ran this step fastest here -- first the path (in fp32), then
+    the dtype on it, then the thread count --, timed on rank 0 (before the module is wrapped) and sent to
+    every rank so they all compute alike. A dry run computes nothing."""
+    from specdraft.utils.forward_path import EAGER, FORWARD_PATHS, PathChoice, resolve_path, use_path
     from specdraft.utils.threads import resolve_threads, threads_facts
 
     if dry_run:
-        return Compute(device, "fp32" if dtype == "auto" else dtype, None, threads_facts(num_threads, None))
-    names = list(COMPUTE_DTYPES)
+        return Compute(device, "fp32" if dtype == "auto" else dtype, None, threads_facts(num_threads, None), PathChoice(EAGER, "dry run", {}).to_json())
+    names, paths = list(COMPUTE_DTYPES), FORWARD_PATHS.names()
     chosen_dtype, probe, threads = ("fp32" if dtype == "auto" else dtype), None, None
+    path = PathChoice(forward_path, "flag", {})
     if dist_.main:
         batch = synthetic_batch(rows=batch_rows, tokens=pack_tokens, slots=len(identity["slots"]),
                                 hidden=int(target.hidden_size), vocab=int(target.vocab_size)).to(device)
@@ -381,6 +386,9 @@ def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_:
         was_training = module.training
         module.train()
         try:
+            path = resolve_path(module, forward_path, "train", context,
+                                lambda: fastest_time(lambda: train_step(module, batch, dtype="fp32", device=device)))
+            context["forward_path"] = path.name
             if dtype == "auto":
                 probe = measure_train_dtype(module, batch, device=device, context=context)  # logs its figures
                 chosen_dtype = probe.choice
@@ -388,12 +396,15 @@ def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_:
                                       lambda: train_step(module, batch, dtype=chosen_dtype, device=device), device=device)
         finally:
             module.train(was_training)
-    chosen = torch.tensor([names.index(chosen_dtype), torch.get_num_threads()], device=device)
+    chosen = torch.tensor([names.index(chosen_dtype), torch.get_num_threads(), paths.index(path.name)], device=device)
     if dist_.world > 1:
         torch.distributed.broadcast(chosen, src=0)
         if not num_threads and device.type == "cpu":
             torch.set_num_threads(int(chosen[1].item()))
-    return Compute(device, names[int(chosen[0].item())], probe.to_json() if probe else None, threads_facts(num_threads, threads))
+        if not dist_.main:
+            path = PathChoice(paths[int(chosen[2].item())], "rank 0", {})
+            use_path(module, path.name)
+    return Compute(device, names[int(chosen[0].item())], probe.to_json() if probe else None, threads_facts(num_threads, threads), path.to_json())
 
 
 def _check_out_dir(out: Path) -> None:

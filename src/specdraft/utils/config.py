@@ -20,6 +20,17 @@ from typing import Any, Callable, TypeVar
 C = TypeVar("C")
 
 
+#: ``auto`` and the paths of ``utils/forward_path.FORWARD_PATHS``, named here so configs stay torch-free (a test keeps them equal).
+FORWARD_PATH_CHOICES = ("auto", "eager", "prepacked")
+
+
+def check_forward_path(value: str, flag: str = "forward_path") -> None:
+    if value not in FORWARD_PATH_CHOICES:
+        from specdraft.errors import SpecdraftError
+
+        raise SpecdraftError(f"{flag} must be one of {', '.join(FORWARD_PATH_CHOICES)}, got {value!r}")
+
+
 def config_field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any) -> Any:
     """A dataclass field with help text (list defaults are copied per instance)."""
     metadata = {"help": help, **kwargs.pop("metadata", {})}

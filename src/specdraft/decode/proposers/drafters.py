@@ -7,8 +7,9 @@ one after another (the drafter helpers work on one sequence); verification stays
 
 Rounds run in ``DecodeConfig.draft_dtype``; ``auto`` times a typical round (a few new positions
 after a cached context) in fp32 and bf16 autocast once per machine and drafter configuration
-(``utils/measured.py``) and keeps the faster. Drafts stay lossless whatever the dtype: the
-target verifies them against the distribution they were actually drawn from.
+(``utils/measured.py``) and keeps the faster, after the forward path (``DecodeConfig.forward_path``,
+``utils/forward_path.py``) was chosen the same way. Drafts stay lossless whatever the dtype or path:
+the target verifies them against the distribution they were actually drawn from.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from specdraft.models import METHODS, DrafterModel
 from specdraft.registry import Registry
 from specdraft.targets.base import Target
 from specdraft.utils.compute import autocast, candidates
+from specdraft.utils.forward_path import PathChoice, current_path, resolve_path
 from specdraft.utils.measured import Measurement, fastest_time, measured_choice
 
 _PROBE_ROW = -1  # request id of the synthetic rounds that time the drafter
@@ -42,6 +44,7 @@ class DrafterProposer(Proposer):
         self.caches: dict[int, Any] = {}
         self.compute_dtype = "fp32"
         self.dtype_facts: dict[str, Any] = {"draft_dtype": "fp32", "draft_dtype_source": "default"}  # what reports record
+        self.path_facts: dict[str, Any] = PathChoice(current_path(self.drafter), "default", {}).to_json()
 
     @abstractmethod
     def draft_row(self, cache: Any, inputs: ProposalInput, row: int) -> Any:
@@ -101,6 +104,17 @@ class DrafterProposer(Proposer):
             self.compute_dtype = saved
             self.release([_PROBE_ROW])
 
+    def _probe_context(self) -> dict[str, Any]:
+        return {"method": self.drafter.method, "config": self.drafter.config.to_json(), "block": self.block_length,
+                "draft_tokens": getattr(self, "num_draft_tokens", None)}
+
+    def set_forward_path(self, requested: str) -> PathChoice:
+        """Run the drafter on ``requested``, or for ``auto`` on the path whose fp32 round was fastest here (measured
+        once, cached). Chosen before the dtype, whose probe then times fp32 on this path against bf16 autocast."""
+        choice = resolve_path(self.drafter, requested, "draft", self._probe_context(), lambda: self.round_seconds("fp32"))
+        self.path_facts = choice.to_json()
+        return choice
+
     def set_compute_dtype(self, requested: str) -> Measurement | None:
         """Use ``requested`` (fp32 / bf16), or for ``auto`` the dtype whose round was faster here (measured
         once, cached); ``dtype_facts`` records the dtype and why (flag, measured or cached, with the figures)."""
@@ -109,8 +123,7 @@ class DrafterProposer(Proposer):
             self.dtype_facts = {"draft_dtype": requested, "draft_dtype_source": "flag"}
             return None
         device = next(self.drafter.parameters()).device
-        context = {"method": self.drafter.method, "config": self.drafter.config.to_json(), "block": self.block_length,
-                   "draft_tokens": getattr(self, "num_draft_tokens", None)}
+        context = {**self._probe_context(), "forward_path": current_path(self.drafter)}
         timers = {name: (lambda name=name: self.round_seconds(name)) for name in candidates(device)}
         measurement = measured_choice("draft-dtype", context, timers, preferred="fp32", device=device)
         self.compute_dtype = measurement.choice
@@ -190,8 +203,10 @@ def drafter_proposer(drafter: DrafterModel, config: DecodeConfig) -> Proposer:
 
 
 def _from_checkpoint(config: DecodeConfig, target: Target | None) -> Proposer:
-    """A checkpoint's proposer, drafting in ``config.draft_dtype`` (``auto``: the faster here, measured once)."""
+    """A checkpoint's proposer on ``config.forward_path``, drafting in ``config.draft_dtype`` (``auto``: the faster
+    here, measured once)."""
     proposer = drafter_proposer(load_checkpoint(config, target), config)
+    proposer.set_forward_path(config.forward_path)
     proposer.set_compute_dtype(config.draft_dtype)
     return proposer
 

@@ -1,0 +1,173 @@
+"""Forward paths (``utils/forward_path.py``) and the runtime's growing KV cache: exact, measured, reversible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specdraft.decode.config import DecodeConfig, SamplingConfig
+from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
+from specdraft.errors import SpecdraftError
+from specdraft.utils import forward_path as fp
+from specdraft.utils.config import FORWARD_PATH_CHOICES
+from test_decode import PROMPTS, SLIDING, OracleProposer, assert_target_distribution, tiny_model
+
+pytestmark = pytest.mark.skipif(not fp.FORWARD_PATHS.get("prepacked").applies(torch.device("cpu"), torch.float32),
+                                reason="oneDNN is not available in this torch build")
+
+
+def fp32_model(**kwargs):
+    return tiny_model(**kwargs).float()
+
+
+def test_config_names_every_registered_path():
+    assert list(FORWARD_PATH_CHOICES) == fp.path_choices()
+    with pytest.raises(SpecdraftError, match="forward_path must be one of auto, eager, prepacked, got 'fast'"):
+        DecodeConfig(forward_path="fast")
+
+
+def test_prepacked_linear_matches_eager_and_falls_back_where_it_cannot_serve():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.ReLU(), nn.Linear(96, 32, bias=False))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 5, 48)
+    with torch.no_grad():
+        expected = model(x)
+    fp.use_path(model, "prepacked")
+    assert fp.current_path(model) == "prepacked" and all(isinstance(m, nn.Linear) for m in (model[0], model[2]))
+    assert type(model[0]) is fp.PrepackedLinear and list(model.state_dict()) == list(state)
+    with torch.no_grad():
+        assert torch.allclose(model(x), expected, atol=1e-5)
+        assert torch.allclose(model(x[0]), expected[0], atol=1e-5)  # 2-D input
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: F.linear, as eager computes it
+            autocast_out = model(x)
+        fp.use_path(model, "eager")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(model(x), autocast_out)
+        fp.use_path(model, "prepacked")
+    # autograd goes through F.linear: gradients flow to the real parameters, and through a frozen layer to its input
+    model(x).sum().backward()
+    assert model[0].weight.grad is not None and model[0].weight.grad.abs().sum() > 0
+    model[2].weight.requires_grad_(False)
+    model.zero_grad()
+    model(x).sum().backward()
+    assert model[0].weight.grad.abs().sum() > 0 and model[2].weight.grad is None
+    model[2].weight.requires_grad_(True)
+    # an in-place update (an optimizer step) bumps the weight's version: the packed copy follows
+    with torch.no_grad():
+        model[2].weight.mul_(2.0)
+        assert torch.allclose(model(x), 2 * expected, atol=1e-5)
+    fp.use_path(model, "eager")
+    assert fp.current_path(model) == "eager" and type(model[0]) is nn.Linear and not hasattr(model[0], "_packed")
+
+
+def test_a_path_that_cannot_apply_is_refused_naming_what_can():
+    model = nn.Linear(8, 8).double()
+    with pytest.raises(SpecdraftError, match="--forward-path prepacked does not apply to a float64 model on cpu here; use one of auto, eager"):
+        fp.use_path(model, "prepacked")
+
+
+def test_auto_picks_the_measured_faster_path_and_caches_it(monkeypatch, tmp_path):
+    """The decision from injected timings: prepacked only when clearly faster; measured once per context."""
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    model = nn.Sequential(nn.Linear(8, 8))
+    calls = []
+
+    def timings(table):
+        def work() -> float:
+            calls.append(fp.current_path(model))
+            return table[fp.current_path(model)]
+        return work
+
+    choice = fp.resolve_path(model, "auto", "test", {"case": 1}, timings({"eager": 1.0, "prepacked": 0.5}))
+    assert (choice.name, choice.source, fp.current_path(model)) == ("prepacked", "measured", "prepacked")
+    assert choice.seconds == {"eager": 1.0, "prepacked": 0.5} and sorted(calls) == ["eager", "prepacked"]
+    again = fp.resolve_path(model, "auto", "test", {"case": 1}, timings({"eager": 0.1, "prepacked": 9.0}))
+    assert (again.name, again.source, len(calls)) == ("prepacked", "cached", 2)  # read back, not re-timed
+    near_tie = fp.resolve_path(model, "auto", "test", {"case": 2}, timings({"eager": 1.0, "prepacked": 0.95}))
+    assert near_tie.name == "eager" and fp.current_path(model) == "eager"  # within the margin: the preferred path
+    flag = fp.resolve_path(model, "prepacked", "test", {"case": 3}, timings({}))
+    assert (flag.name, flag.source, flag.seconds) == ("prepacked", "flag", {})
+
+
+def test_growing_cache_is_bit_identical_to_dynamic_cache_through_crops_and_row_drops():
+    from transformers import DynamicCache
+
+    from specdraft.decode.kv_cache import GrowingCache
+
+    model = fp32_model(layers=2, vocab=64)
+    torch.manual_seed(1)
+    caches = (DynamicCache(), GrowingCache())
+    ids = torch.randint(0, 64, (3, 12))
+    outs = []
+    with torch.no_grad():
+        for cache in caches:
+            logits = [model(input_ids=ids, cache=cache, use_cache=True).logits]
+            step = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(2))
+            for round_ in range(40):  # past the first buffer's spare columns: it regrows
+                logits.append(model(input_ids=step, cache=cache, use_cache=True).logits)
+                cache.crop(-3)  # keep 2 of 5, as after rejected drafts
+                if round_ == 20:
+                    cache.batch_select_indices(torch.tensor([0, 2]))
+                    step = step[[0, 2]]
+            outs.append(logits)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    layer = caches[1].layers[0]
+    assert layer.keys.data_ptr() == layer._key_buffer.data_ptr() and layer._key_buffer.shape[-2] > layer.keys.shape[-2]
+
+
+def test_growing_cache_does_not_reallocate_in_a_steady_decode():
+    from specdraft.decode.kv_cache import GrowingCache
+
+    model = fp32_model(layers=1, vocab=64)
+    cache = GrowingCache()
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 8), dtype=torch.long), cache=cache, use_cache=True)
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long), cache=cache, use_cache=True)
+        buffer = cache.layers[0]._key_buffer.data_ptr()
+        for _ in range(30):
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long), cache=cache, use_cache=True)
+    assert cache.layers[0]._key_buffer.data_ptr() == buffer
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prepacked_speculative_greedy_equals_autoregressive_on_the_same_path(family):
+    """fp32 on the prepacked path, batched rows with different accepted lengths (oracle drafts wrong half the
+    time): every token equals plain decoding on that path, and the logits stay within tolerance of eager."""
+    model = fp32_model(seed=2, **(SLIDING[family] if family != "llama" else {}))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # clear argmax margins: float reassociation must not decide a token
+        eager_logits = model(torch.tensor([PROMPTS[0]])).logits
+    fp.use_path(model, "prepacked")
+    with torch.no_grad():
+        assert (model(torch.tensor([PROMPTS[0]])).logits - eager_logits).abs().max() < fp.LOGIT_TOLERANCE
+
+    def run(proposer):
+        config = DecodeConfig(max_new_tokens=20, num_draft_tokens=4)
+        return SpeculativeDecoder(model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[]).generate(PROMPTS)
+
+    plain = [o.tokens for o in run(build_proposer(DecodeConfig(drafter="none"))).outputs]
+    spec = run(OracleProposer(PROMPTS, [p + [0] * 8 for p in plain], 64, miss=0.5))
+    assert [o.tokens for o in spec.outputs] == plain
+    assert 0 < spec.metrics.accepted < spec.metrics.drafted and len(set(spec.metrics.position_accepted)) > 1
+
+
+@pytest.mark.slow
+def test_prepacked_rejection_sampling_follows_the_target_distribution():
+    from test_decode import DistributionProposer
+
+    vocab, length, rows = 4, 4, 6000
+    model = fp32_model(vocab=vocab, layers=2, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    fp.use_path(model, "prepacked")
+    sampling = SamplingConfig(temperature=0.8, top_k=3)
+    prompt = [0, 1, 2, 3, 2, 1]
+    proposer = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0]))
+    dec = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=length, num_draft_tokens=3, seed=5), sampling=sampling,
+                             eos_token_ids=[])
+    result = dec.generate([prompt] * rows)
+    assert result.metrics.accepted > 0.1 * rows and result.metrics.accepted < result.metrics.drafted
+    assert_target_distribution(model, prompt, [o.tokens for o in result.outputs], sampling, vocab)
