@@ -171,3 +171,25 @@ def test_prepacked_rejection_sampling_follows_the_target_distribution():
     result = dec.generate([prompt] * rows)
     assert result.metrics.accepted > 0.1 * rows and result.metrics.accepted < result.metrics.drafted
     assert_target_distribution(model, prompt, [o.tokens for o in result.outputs], sampling, vocab)
+
+
+def test_training_runs_on_the_path_its_probe_chose_and_still_learns(tmp_path, monkeypatch):
+    """``--forward-path auto`` in training: the path probe times the fp32 step per path (timings injected
+    here), the steps run on the winner, and the trained weights still receive gradients (the prepacked
+    op has no autograd, so trainable linears must go through F.linear)."""
+    from specdraft.train import trainer
+    from specdraft.train.trainer import train
+    from test_train_toy import ToyStore, ToyTarget, toy_config
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    timings = iter([1.0, 0.5])  # eager, then prepacked (the registry's order)
+    monkeypatch.setattr(trainer, "fastest_time", lambda fn, **kw: (fn(), next(timings))[1])
+    result = train(toy_config(tmp_path / "run", max_steps=3, eval_interval=0), target=ToyTarget(), dataset=ToyStore())
+    assert result.forward_path == {"forward_path": "prepacked", "forward_path_source": "measured",
+                                   "forward_path_seconds": {"eager": 1.0, "prepacked": 0.5}}
+    assert type(result.drafter.fc) is fp.PrepackedLinear and result.step == 3
+    first = train(toy_config(tmp_path / "eager", max_steps=3, eval_interval=0, forward_path="eager"), target=ToyTarget(), dataset=ToyStore())
+    assert first.forward_path["forward_path_source"] == "flag" and type(first.drafter.fc) is nn.Linear
+    # the same data and seed on either path: trained weights agree to float reassociation (gradients flowed alike)
+    for (name, a), b in zip(result.drafter.state_dict().items(), first.drafter.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-5), name
