@@ -269,4 +269,11 @@ def test_eval_report_records_the_resolved_draft_dtype(tmp_path, tiny_target, mon
     assert entry.get("draft_dtype_seconds") == ({"fp32": 1.0, "bf16": bf16_seconds} if source == "measured" else None)
     assert report["drafters"]["autoregressive"]["draft_dtype"] is None
     assert report["threads"] == 1 and report["threads_source"] == "flag"
-    assert f"dspark:ckpt drafts in {expected} ({source}" in (tmp_path / "eval" / "report.md").read_text()
+    # the forward paths: the drafter's fp32 round tied on both (injected), so the preferred eager; the target's measured
+    assert (entry["draft_forward_path"], entry["draft_forward_path_source"]) == ("eager", "measured")
+    assert entry["draft_forward_path_seconds"] == {"eager": 1.0, "prepacked": 1.0}
+    assert report["target_forward_path"]["forward_path_source"] == "measured"
+    assert set(report["target_forward_path"]["forward_path_seconds"]) == {"eager", "prepacked"}
+    md = (tmp_path / "eval" / "report.md").read_text()
+    assert f"dspark:ckpt drafts in {expected} ({source}" in md and "; forward path eager (measured: eager 1000.0 ms/round" in md
+    assert f"target forward {report['target_forward_path']['forward_path']} (measured: eager " in md

@@ -94,7 +94,7 @@ def sps_cache_path(cache_dir: Path, *, fingerprint: str, device: torch.device, d
 def measure_sps(model: Any, *, token_counts: list[int], context_tokens: int = 256, repeats: int = 5) -> SpsTable:
     """Time one cached forward of B tokens after a ``context_tokens`` prefix, for each B (fastest of
     ``repeats``), with step times made non-decreasing in B."""
-    from transformers import DynamicCache
+    from specdraft.decode.kv_cache import GrowingCache
 
     if context_tokens < 1 or repeats < 1 or not token_counts:
         raise SpecdraftError("SPS profiling needs context_tokens >= 1, repeats >= 1 and at least one token count")
@@ -102,7 +102,7 @@ def measure_sps(model: Any, *, token_counts: list[int], context_tokens: int = 25
     vocab = int(model.config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, context_tokens), generator=gen).to(device)
-    cache = DynamicCache(config=model.config)
+    cache = GrowingCache()  # the runtime's cache: full-length layers (a sliding layer's cache cannot be cropped past its window)
     model(input_ids=context, cache=cache, use_cache=True)
     step_times = []
     for b in token_counts:

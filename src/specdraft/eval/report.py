@@ -146,11 +146,11 @@ def compute_line(report: dict[str, Any]) -> str:
                      f"({why(target_path['forward_path_source'], target_path.get('forward_path_seconds'), 1e3, 'ms per plain + verify step')})")
     for label, drafter in report.get("drafters", {}).items():
         if drafter.get("draft_dtype"):
-            path = f" on {drafter['draft_forward_path']}" if drafter.get("draft_forward_path") else ""
-            parts.append(f"{label} drafts in {drafter['draft_dtype']}{path} "
-                         f"({why(drafter.get('draft_dtype_source', '?'), drafter.get('draft_dtype_seconds'), 1e3, 'ms/round')}"
-                         + (f"; path {why(drafter['draft_forward_path_source'], drafter.get('draft_forward_path_seconds'), 1e3, 'ms/round')}"
-                            if drafter.get("draft_forward_path") else "") + ")")
+            path = (f"; forward path {drafter['draft_forward_path']} "
+                    f"({why(drafter['draft_forward_path_source'], drafter.get('draft_forward_path_seconds'), 1e3, 'ms/round')})"
+                    if drafter.get("draft_forward_path") else "")
+            parts.append(f"{label} drafts in {drafter['draft_dtype']} "
+                         f"({why(drafter.get('draft_dtype_source', '?'), drafter.get('draft_dtype_seconds'), 1e3, 'ms/round')}{path})")
     return "compute: " + ("; ".join(parts) if parts else "-")
 
 
