@@ -18,9 +18,9 @@ from specdraft.decode.proposers.ngram import lookup
 from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
 from specdraft.decode.sps import SpsTable
 from specdraft.errors import SpecdraftError
-from specdraft.models import METHODS
-from test_decode import DistributionProposer, FeatureRecorder, assert_target_distribution, reference_greedy, tiny_model
-from test_models_support import VOCAB, make_target
+from test_decode import (PROMPTS, DistributionProposer, FeatureRecorder, assert_features_of_every_position, assert_target_distribution,
+                         reference_greedy, tiny_model)
+from test_decode_drafters import checkpoints  # noqa: F401  (a fixture: random drafters of every method, saved)
 
 FLAT = lambda tokens: 0.01  # noqa: E731  a memory-bound target: every width up to 16 costs the same step
 STEEP = lambda tokens: 0.01 * tokens  # noqa: E731  a compute-bound one: each token costs a full step
@@ -70,23 +70,6 @@ def test_lookup_reports_its_match_length():
 # -- in the runtime ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def target():
-    return make_target()
-
-
-@pytest.fixture(scope="module")
-def checkpoints(target, tmp_path_factory):
-    out = {}
-    for method, overrides in {"dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 16, "confidence_temperatures": [1.0] * 4},
-                              "eagle3": {"draft_vocab_size": VOCAB}}.items():
-        spec = METHODS.get(method)
-        torch.manual_seed(1)
-        out[method] = tmp_path_factory.mktemp(method)
-        spec.build(spec.config_cls(**overrides), target, counts=torch.arange(VOCAB, dtype=torch.int64)).save_pretrained(out[method])
-    return out
-
-
 class Rounds:
     """Records, per round, which branch each row took and when the drafter ran (by wrapping the
     module's ``choose_branch`` and the drafter's ``propose``)."""
@@ -120,11 +103,20 @@ class Rounds:
         return sum(len(set(r)) == 2 for r in self.rounds)
 
 
-REPEATING = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15, 16, 11, 12, 13]  # a row whose lookup matches at once
-PLAIN = [40, 3, 57, 21]
+def first_round_prompts(model) -> tuple[list[int], list[int]]:
+    """Two prompts of distinct tokens for ``model``: the first's greedy first token appears early in it
+    (its first round has a 1-gram lookup match with a long continuation), the second's does not (no match)."""
+    g = torch.Generator().manual_seed(0)
+    found: dict[bool, list[int]] = {}
+    while len(found) < 2:
+        prompt = torch.randperm(int(model.config.vocab_size), generator=g)[:10].tolist()
+        first = reference_greedy(model, prompt, 1)[0]
+        if first not in prompt[-4:]:
+            found.setdefault(first in prompt, prompt)
+    return found[True], found[False]
 
 
-def hybrid_for(config: DecodeConfig, target, *, lookup_prior: float = 0.9, step_rate=lambda tokens: 100.0) -> HybridProposer:
+def hybrid_for(config: DecodeConfig, target, *, lookup_prior: float = 0.95, step_rate=lambda tokens: 100.0) -> HybridProposer:
     """The hybrid around the checkpoint's drafter on a flat SPS profile, with a lookup prior that makes
     matched rows take the lookup and unmatched ones the drafter (whose drafting the frozen clock makes free)."""
     drafter = build_proposer(DecodeConfig(**{**vars(config), "drafter": config.drafter.removesuffix("+ngram")}), target)
@@ -132,31 +124,33 @@ def hybrid_for(config: DecodeConfig, target, *, lookup_prior: float = 0.9, step_
                           lookup_prior=lookup_prior, clock=lambda: 0.0)
 
 
-@pytest.mark.parametrize("method, policy", [("dspark", "scheduled"), ("dspark", "full"), ("eagle3", "full")])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_greedy_output_is_the_targets_with_rows_on_both_branches(target, checkpoints, monkeypatch, method, policy, batch):
+@pytest.mark.parametrize("method, policy", [("dspark", "scheduled"), ("dspark", "full"), ("dflash", "full"), ("eagle3", "full")])
+def test_greedy_output_is_the_targets_with_rows_on_both_branches(target, checkpoints, monkeypatch, method, policy):
+    """Alone (batch 1) and together (batch 2, the first round taking one branch per row)."""
     config = DecodeConfig(drafter=f"{method}+ngram", drafter_path=str(checkpoints[method]), max_new_tokens=16, num_draft_tokens=3,
-                          draft_dtype="fp32")
-    proposer = hybrid_for(config, target)
-    rounds = Rounds(monkeypatch, proposer)
+                          ngram_min=1, draft_dtype="fp32")
     scheduler, sps = (SchedulerConfig("scheduled", adaptive_drafting=False), SpsTable((1, 4, 16), (100.0, 90.0, 40.0))) if policy == "scheduled" else (SchedulerConfig(), None)
-    dec = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), scheduler=scheduler, sps=sps, eos_token_ids=[])
-    prompts = [REPEATING, PLAIN][:batch]
-    result = dec.generate(prompts)
-    assert [o.tokens for o in result.outputs] == [reference_greedy(target.model, p, 16) for p in prompts]
-    assert proposer.branches[LOOKUP] > 0 and proposer.branches[DRAFTER] > 0
-    if batch == 2:
-        assert rounds.mixed > 0, "no round had one row on each branch"
-    assert not proposer.rows and not proposer.drafter.caches, "per-request state is released"
+    prompts = first_round_prompts(target.model)
+    expected = [reference_greedy(target.model, p, 16) for p in prompts]
+    for batch, first_round in (([prompts[0]], [LOOKUP]), ([prompts[1]], [DRAFTER]), (list(prompts), [LOOKUP, DRAFTER])):
+        proposer = hybrid_for(config, target)
+        rounds = Rounds(monkeypatch, proposer)
+        dec = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), scheduler=scheduler, sps=sps, eos_token_ids=[])
+        result = dec.generate(batch)
+        assert [o.tokens for o in result.outputs] == [expected[prompts.index(p)] for p in batch]
+        assert rounds.rounds[0] == first_round
+        assert not proposer.rows and not proposer.drafter.caches, "per-request state is released"
+        monkeypatch.undo()
 
 
 def test_the_decision_is_made_before_anything_is_drafted(target, checkpoints, monkeypatch):
     """Every row's branch is chosen before the drafter samples this round's tokens: a choice made after
     would be free to read them (and bias the sampled output)."""
-    config = DecodeConfig(drafter="dspark+ngram", drafter_path=str(checkpoints["dspark"]), max_new_tokens=16, draft_dtype="fp32")
+    config = DecodeConfig(drafter="dspark+ngram", drafter_path=str(checkpoints["dspark"]), max_new_tokens=16, ngram_min=1, draft_dtype="fp32")
     proposer = hybrid_for(config, target)
     rounds = Rounds(monkeypatch, proposer)
-    SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(temperature=1.0), eos_token_ids=[]).generate([REPEATING, PLAIN])
+    sampling = SamplingConfig(temperature=1.0)
+    SpeculativeDecoder(target.model, proposer, config=config, sampling=sampling, eos_token_ids=[]).generate(list(first_round_prompts(target.model)))
     assert rounds.mixed > 0
     per_round = [list(g) for is_round, g in itertools.groupby(rounds.events, key=lambda e: e[0] == "round") if not is_round]
     for events in per_round:
@@ -164,13 +158,9 @@ def test_the_decision_is_made_before_anything_is_drafted(target, checkpoints, mo
         assert kinds == sorted(kinds, key=lambda k: k == "draft"), f"a branch was chosen after drafting: {kinds}"
 
 
-def test_the_drafter_sees_the_features_of_every_committed_position(monkeypatch):
+def test_the_drafter_sees_the_features_of_every_committed_position():
     """Rows that took the lookup queue their features; the drafter gets them, contiguous from position 0,
     the next time it drafts that row."""
-    from specdraft.hidden_states.capture import HiddenStateCapture
-
-    from test_decode import PROMPTS
-
     model = tiny_model()
     refs = [reference_greedy(model, p, 16) for p in PROMPTS]
     recorder = FeatureRecorder([r + [0] * 8 for r in refs])
@@ -179,13 +169,7 @@ def test_the_drafter_sees_the_features_of_every_committed_position(monkeypatch):
     result = SpeculativeDecoder(model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[]).generate(PROMPTS)
     assert [o.tokens for o in result.outputs] == refs
     assert proposer.branches[LOOKUP] > 0 and proposer.branches[DRAFTER] > 0
-    full = HiddenStateCapture(model, list(FeatureRecorder.layer_slots))([torch.tensor(p + r) for p, r in zip(PROMPTS, refs)])
-    assert recorder.features
-    for rid, chunks in recorder.features.items():
-        starts = [s for s, _ in chunks]
-        stacked = torch.cat([h for _, h in chunks])
-        assert starts == [0] + list(itertools.accumulate(len(h) for _, h in chunks))[:-1]
-        assert torch.allclose(stacked, full[rid][0][: len(stacked)], atol=1e-9)
+    assert_features_of_every_position(model, recorder, refs)
 
 
 # -- lossless sampling ------------------------------------------------------------------------------
@@ -242,13 +226,16 @@ def test_the_distribution_check_catches_a_choice_that_reads_the_drafts():
 # -- spelling ----------------------------------------------------------------------------------------
 
 
-def test_hybrid_is_a_registered_drafter_and_an_eval_spec(target, checkpoints, tmp_path, monkeypatch):
+def test_hybrid_is_a_registered_drafter_and_an_eval_spec(target, checkpoints, monkeypatch):
     from specdraft.eval.runner import resolve_drafter
 
-    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    from specdraft.decode import sps
+
+    profiled = []
+    monkeypatch.setattr(sps, "load_or_measure_sps", lambda model, fingerprint: profiled.append(fingerprint) or SpsTable((1,), (100.0,)))
     proposer = build_proposer(DecodeConfig(drafter="dspark+ngram", drafter_path=str(checkpoints["dspark"])), target)
     assert isinstance(proposer, HybridProposer) and proposer.provides_confidences and proposer.block_length == 4
-    assert len(list((tmp_path / "sps").glob("*.json"))) == 1  # priced by the target's measured profile
+    assert profiled == [target.fingerprint]  # priced by the target's measured profile
     spec = resolve_drafter(f"{checkpoints['dspark']}+ngram@scheduled", num_draft_tokens=4, max_new_tokens=8, seed=0)
     assert spec.decode.drafter == "dspark+ngram" and spec.verify_policy == "scheduled"
     assert spec.label == f"dspark+ngram:{checkpoints['dspark'].name}@scheduled"
