@@ -131,7 +131,6 @@ def choose_branch(*, lookup_survival: Sequence[float], drafter_survival: Sequenc
 class _Proposed:
     """A row's last proposal, scored against what was committed after it."""
 
-    branch: str
     tokens: list[int]
     verified: int  # drafts sent to verification (the verify policy may have cut further)
     context: int  # committed tokens when it was proposed
@@ -200,7 +199,7 @@ class HybridProposer(Proposer):
             ))
             found.append(match.tokens)
             buckets.append(match.match_length)
-            state.lookup = _Proposed(LOOKUP, match.tokens.tolist(), choices[-1].length if choices[-1].name == LOOKUP else 0,
+            state.lookup = _Proposed(match.tokens.tolist(), choices[-1].length if choices[-1].name == LOOKUP else 0,
                                      int(context.shape[0]), match.match_length)
         drafted = self._draft(inputs, [i for i, c in enumerate(choices) if c.name == DRAFTER])
         return self._assemble(inputs, choices, found, buckets, drafted)
@@ -253,7 +252,7 @@ class HybridProposer(Proposer):
                     probs[i, :k] = drafted.probs[d]
                 if confidences is not None and drafted.confidences is not None:
                     confidences[i, :k] = drafted.confidences[d]
-                self.rows[rid].drafter = _Proposed(DRAFTER, drafted.tokens[d, : int(drafted.lengths[d])].tolist(), int(lengths[i]),
+                self.rows[rid].drafter = _Proposed(drafted.tokens[d, : int(drafted.lengths[d])].tolist(), int(lengths[i]),
                                                    int(inputs.tokens[i].shape[0]), 0)
                 d += 1
             else:
