@@ -201,18 +201,24 @@ class FeatureRecorder(Proposer):
 
 
 def test_proposer_receives_target_features_of_verified_positions(model):
-    from specdraft.hidden_states.capture import HiddenStateCapture
-
     refs = [reference_greedy(model, p, 12) for p in PROMPTS]
     recorder = FeatureRecorder([r + [0] * 8 for r in refs])
     result = decoder(model, recorder, max_new_tokens=12).generate(PROMPTS)
     assert [o.tokens for o in result.outputs] == refs
     assert sorted(recorder.released) == [0, 1, 2]
+    assert_features_of_every_position(model, recorder, refs)
+
+
+def assert_features_of_every_position(model, recorder: FeatureRecorder, refs: list[list[int]]) -> None:
+    """What ``recorder`` was handed is contiguous from position 0, one feature row per position that entered
+    the target cache, and equal to the features of an uncached forward over prompt + output."""
+    from specdraft.hidden_states.capture import HiddenStateCapture
+
     full = HiddenStateCapture(model, list(FeatureRecorder.layer_slots))([torch.tensor(p + r) for p, r in zip(PROMPTS, refs)])
+    assert recorder.features
     for rid, chunks in recorder.features.items():
         starts = [s for s, _ in chunks]
         stacked = torch.cat([h for _, h in chunks])
-        # contiguous, from position 0, one feature row per position that entered the target cache
         assert starts == [0] + list(itertools.accumulate(len(h) for _, h in chunks))[:-1]
         assert torch.allclose(stacked, full[rid][0][: len(stacked)], atol=1e-9)
 

@@ -14,7 +14,7 @@ Stages, each under ``RUN/`` and each skipped or resumed when the command is reru
                          decoded tau (``metrics.jsonl``)
   4. ``train/final/``    calibrate its confidence head on the run's validation split (``train/split.json``)
   5. ``eval/``           compare autoregressive decoding, ngram and the drafter (verifying the full
-                         block and with the confidence scheduler) on prompts of the ``quick`` suite, next to the
+                         block, with the confidence scheduler, and in its hybrid with prompt lookup) on prompts of the ``quick`` suite, next to the
                          reference drafter shipped for the target (when one ships, e.g. smollm2-135m),
                          on as many prompts as the rest of the budget allows
 
@@ -240,6 +240,7 @@ def size_eval(config: QuickstartConfig, target: Target, train_config: Any, *, fi
     costs = [DecoderCost(AUTOREGRESSIVE, round_seconds(sps, overhead_s=overhead)),
              DecoderCost("ngram", round_seconds(sps, overhead_s=overhead, verify_tokens=1 + defaults.num_draft_tokens))]
     drafters = {"drafter": fresh_drafter(train_config, target)}
+    costs.append(DecoderCost("drafter+ngram@scheduled", gated))  # the hybrid is gated like the drafter it contains
     if "reference@full" in eval_drafters(config, final):
         drafters["reference"] = load_drafter(reference_drafter(config.target), target=target)
     for name, drafter in drafters.items():
@@ -271,11 +272,11 @@ def fresh_drafter(train_config: Any, target: Target) -> Any:
 
 
 def eval_drafters(config: QuickstartConfig, final: Path) -> list[str]:
-    """ngram, the freshly trained drafter (full block and scheduled) and, when specdraft ships one for
-    the target, the reference drafter with the scheduler."""
+    """ngram, the freshly trained drafter (full block, scheduled, and scheduled in its hybrid with prompt
+    lookup) and, when specdraft ships one for the target, the reference drafter with the scheduler."""
     from specdraft.reference import REFERENCE_DRAFTERS
 
-    drafters = ["ngram", str(final), f"{final}@scheduled"]
+    drafters = ["ngram", str(final), f"{final}@scheduled", f"{final}+ngram@scheduled"]
     if config.compare_reference and config.target in REFERENCE_DRAFTERS:
         drafters += ["reference@full", "reference@scheduled"]
     return drafters

@@ -15,9 +15,11 @@ class DecodeConfig:
     """What to draft with and how long to generate."""
 
     drafter: str = config_field(
-        "ngram", help="draft proposer: ngram (prompt lookup), none (plain autoregressive decoding), or a trained eagle3 | dflash | dflash2 | dspark"
+        "ngram", help="draft proposer: ngram (prompt lookup), none (plain autoregressive decoding), a trained eagle3 | dflash | dflash2 | dspark, "
+        "or one of those with lookup, e.g. dspark+ngram (per request and round, the lookup's match or the drafter's block, "
+        "whichever measured acceptance and cost say commits more tokens per second)"
     )
-    drafter_path: str = config_field("", help="checkpoint directory of a trained eagle3/dflash/dflash2/dspark drafter")
+    drafter_path: str = config_field("", help="checkpoint directory of a trained eagle3/dflash/dflash2/dspark drafter (also for METHOD+ngram)")
     num_draft_tokens: int = config_field(4, help="k: tokens drafted per round by chain drafters (ngram, EAGLE-3); DFlash/DFlash2/DSpark draft and may verify their whole block")
     max_new_tokens: int = config_field(128, help="stop a request after this many generated tokens")
     seed: int = config_field(0, help="seed of the sampling generator (temperature > 0)")

@@ -18,8 +18,9 @@ class EvalConfig:
     drafters: list[str] = config_field(
         ["ngram"], help="comma-separated drafters compared against plain autoregressive decoding: 'ngram' "
         "(prompt lookup, no training), 'reference' (the drafter shipped for the embedded target) and/or checkpoint "
-        "directories (method read from their config.json); "
-        "append '@POLICY' to set one drafter's verify policy, e.g. DIR@scheduled"
+        "directories (method read from their config.json); append '+ngram' to a checkpoint or 'reference' for its hybrid "
+        "with prompt lookup (per request and round, whichever is expected to commit more tokens per second); "
+        "append '@POLICY' to set one drafter's verify policy, e.g. DIR@scheduled or reference+ngram@scheduled"
     )
     suite: str = config_field("quick", help="prompt suite: mtbench | humaneval | translation | math | sharegpt | domains | quick (ignored with --prompts)")
     prompts: str = config_field("", help="JSONL prompt file ('prompt' or 'messages' per line, optional 'id'/'domain')")

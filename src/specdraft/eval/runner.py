@@ -49,9 +49,11 @@ class DrafterSpec:
 def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, seed: int, target: str = "",
                     draft_dtype: str = "auto", forward_path: str = "auto") -> DrafterSpec:
     """'ngram' / 'none', 'reference' (the drafter shipped for the embedded ``target``), or a checkpoint
-    directory whose config.json names its method, optionally followed by '@POLICY' to pick that
-    drafter's verify policy (e.g. 'runs/x/final@scheduled')."""
+    directory whose config.json names its method, optionally followed by '+ngram' (the hybrid of that
+    drafter with prompt lookup) and by '@POLICY' to pick that drafter's verify policy (e.g.
+    'runs/x/final+ngram@scheduled')."""
     from specdraft.decode.proposers import PROPOSERS
+    from specdraft.decode.proposers.hybrid import HYBRID_SUFFIX
     from specdraft.decode.scheduler import VERIFY_POLICIES
     from specdraft.reference import reference_drafter
 
@@ -61,6 +63,8 @@ def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, se
     if policy:
         VERIFY_POLICIES.get(policy)
     suffix = f"@{policy}" if policy else ""
+    hybrid = HYBRID_SUFFIX if name.endswith(HYBRID_SUFFIX) and name != HYBRID_SUFFIX else ""
+    name = name.removesuffix(hybrid)
     path = reference_drafter(target) if name == "reference" else Path(name)
     if path.is_dir():
         config_path = path / "config.json"
@@ -68,9 +72,11 @@ def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, se
             method = json.loads(config_path.read_text())["speculators_model_type"]
         except (OSError, ValueError, KeyError) as exc:
             raise SpecdraftError(f"drafter {name}: cannot read 'speculators_model_type' from {config_path} ({exc})") from None
-        PROPOSERS.get(method)
-        decode = DecodeConfig(drafter=method, drafter_path=str(path), **common)
-        return DrafterSpec(f"{method}:{path.name}{suffix}", decode, policy or None)
+        PROPOSERS.get(method + hybrid)
+        decode = DecodeConfig(drafter=method + hybrid, drafter_path=str(path), **common)
+        return DrafterSpec(f"{method}{hybrid}:{path.name}{suffix}", decode, policy or None)
+    if hybrid:
+        raise SpecdraftError(f"drafter {text!r}: '{HYBRID_SUFFIX}' follows a checkpoint directory or 'reference', and {name!r} is neither")
     if name in ("ngram", "none"):
         return DrafterSpec((AUTOREGRESSIVE if name == "none" else name) + suffix, DecodeConfig(drafter=name, **common), policy or None)
     raise SpecdraftError(f"drafter {name!r} is neither 'ngram', 'reference' nor a checkpoint directory")
