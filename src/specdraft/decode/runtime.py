@@ -157,8 +157,8 @@ def decoder_for_target(
 ) -> "SpeculativeDecoder":
     """A decoder for a loaded ``Target``: builds the proposer and, when the verify policy needs it,
     the target's SPS profile (measured once per target + device, then cached)."""
+    forward_path = resolve_target_path(target, config.forward_path)  # first: proposers that price verify widths read SPS on it
     proposer = build_proposer(config, target)
-    forward_path = resolve_target_path(target, config.forward_path)  # after the drafter's probes: the target's path is the last word
     sps = None
     if VERIFY_POLICIES.get(scheduler.verify_policy).needs_sps:
         from specdraft.decode.sps import load_or_measure_sps

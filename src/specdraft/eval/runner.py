@@ -109,7 +109,7 @@ def _dtype_facts(spec: DrafterSpec, proposer: Any) -> dict[str, Any]:
     """A trained drafter's resolved draft dtype and why (the ``--draft-dtype`` flag, or ``auto`` measured
     or cached, with the figures) in place of the requested value; ngram / autoregressive draft no tensors."""
     facts = getattr(proposer, "dtype_facts", None) or {"draft_dtype": None}
-    path = {f"draft_{k}": v for k, v in proposer.path_facts.items()} if hasattr(proposer, "path_facts") else {}
+    path = {f"draft_{k}": v for k, v in (getattr(proposer, "path_facts", None) or {}).items()}
     return {**facts, **path, "draft_dtype_requested": spec.decode.draft_dtype}
 
 

@@ -174,6 +174,10 @@ class HybridProposer(Proposer):
     def dtype_facts(self) -> dict[str, Any] | None:
         return getattr(self.drafter, "dtype_facts", None)
 
+    @property
+    def path_facts(self) -> dict[str, Any] | None:
+        return getattr(self.drafter, "path_facts", None)
+
     def propose(self, inputs: ProposalInput) -> Draft:
         if inputs.new_hidden is None and self.layer_slots:
             raise SpecdraftError("the hybrid's drafter needs target hidden states; the runtime was not asked to capture them")
