@@ -396,7 +396,7 @@ def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_:
                                       lambda: train_step(module, batch, dtype=chosen_dtype, device=device), device=device)
         finally:
             module.train(was_training)
-    chosen = torch.tensor([names.index(chosen_dtype), torch.get_num_threads(), paths.index(path.name)], device=device)
+    chosen = torch.tensor([names.index(chosen_dtype), torch.get_num_threads(), paths.index(path.name) if dist_.main else 0], device=device)
     if dist_.world > 1:
         torch.distributed.broadcast(chosen, src=0)
         if not num_threads and device.type == "cpu":
