@@ -188,7 +188,7 @@ def test_a_slow_machine_reserves_more_for_the_comparison_and_trains_less(tiny_ll
     monkeypatch.setattr(DrafterProposer, "round_seconds", lambda self, dtype, **kw: 0.003)
     reserves = {}
     for step_s in (0.01, 0.1):
-        monkeypatch.setattr(sps_module, "load_or_measure_sps", lambda model, fingerprint, s=step_s: sps_module.SpsTable((1, 64), (1 / s, 1 / (4 * s))))
+        monkeypatch.setattr(sps_module, "load_or_measure_sps", lambda model, fingerprint, forward_path=None, s=step_s: sps_module.SpsTable((1, 64), (1 / s, 1 / (4 * s))))
         sized = size_eval(config, target, train_config, final=tmp_path / "final")
         assert set(sized["round_ms"]) == {"autoregressive", "ngram", "drafter@full", "drafter@scheduled", "drafter+ngram@scheduled"}  # no reference for a local target
         assert sized["round_ms"]["autoregressive"] == pytest.approx(1e3 * step_s + 2)
