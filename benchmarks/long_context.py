@@ -48,10 +48,10 @@ def main() -> None:
         decoder.generate([prompts[-1][:64]])
         before = peak_rss_mb()
         rows = [prompts[-1], prompts[-1][: len(prompts[-1]) // 2]]
-        decoder.generate(rows)
+        ttft = decoder.generate(rows).metrics.ttft_s
         after = peak_rss_mb()
         print(json.dumps({"rows": [len(r) for r in rows], "peak_rss_mb_before_prefill": round(before), "peak_rss_mb_after": round(after),
-                          "prefill_peak_mb": round(after - before)}))
+                          "prefill_peak_mb": round(after - before), "prefill_s": round(ttft, 1)}))
         return
 
     configs = {

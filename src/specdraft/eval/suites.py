@@ -198,12 +198,17 @@ LONG_CONTEXT_LENGTHS = (1024, 2048, 4096)
 _MIN_FILL = 0.6
 
 
-def length_bucket(tokens: int) -> str:
-    """The power-of-two bucket a prompt length falls in (``(2k, 4k]`` is ``<=4k``): the long-context suite's
-    nominal lengths each fill one bucket, so tau and speed-up per bucket are per nominal length."""
+def length_bucket(tokens: int) -> int:
+    """The power-of-two bucket a prompt length falls in, as its upper edge (2049..4096 -> 4096): the long-context
+    suite's nominal lengths each fill one bucket, so tau and speed-up per bucket are per nominal length."""
     edge = 256
     while edge < tokens:
         edge *= 2
+    return edge
+
+
+def bucket_label(edge: int) -> str:
+    """'<=512', '<=4k': how reports name a ``length_bucket``."""
     return f"<={edge // 1024}k" if edge >= 1024 else f"<={edge}"
 
 
