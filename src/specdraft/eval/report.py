@@ -81,15 +81,16 @@ def render_tables(report: dict[str, Any]) -> str:
         return _fmt(m["tokens_per_s"] / base["tokens_per_s"]) + "x" if m and base.get("tokens_per_s") else "-"
 
     tables = [
-        ("tau per domain", "per_domain", lambda r, g, d: _fmt(drafted(r, g, d).get("tau"))),
-        ("speed-up over autoregressive per domain", "per_domain", speedup),
-        ("mean verify length per drafting round, per domain", "per_domain",
+        ("tau per domain", "per_domain", sorted, lambda r, g, d: _fmt(drafted(r, g, d).get("tau"))),
+        ("speed-up over autoregressive per domain", "per_domain", sorted, speedup),
+        ("mean verify length per drafting round, per domain", "per_domain", sorted,
          lambda r, g, d: _fmt(m["drafted"] / m["rounds"]) if (m := drafted(r, g, d)) else "-"),
-        ("tau per prompt-length bucket (tokens)", "per_bucket", lambda r, g, b: _fmt(drafted(r, g, b).get("tau"))),
-        ("speed-up over autoregressive per prompt-length bucket (tokens)", "per_bucket", speedup),
+        # buckets keep the runner's order: by length
+        ("tau per prompt-length bucket (tokens)", "per_bucket", list, lambda r, g, b: _fmt(drafted(r, g, b).get("tau"))),
+        ("speed-up over autoregressive per prompt-length bucket (tokens)", "per_bucket", list, speedup),
     ]
-    for title, group, cell in tables:
-        keys = list(dict.fromkeys(k for r in runs for k in r.get(group, {})))  # buckets keep their length order
+    for title, group, order, cell in tables:
+        keys = order(dict.fromkeys(k for r in runs for k in r.get(group, {})))
         if keys:
             lines += ["", f"{title} (concurrency {first}):", "", "| drafter | " + " | ".join(keys) + " |", "| --- |" + " ---: |" * len(keys)]
             lines += [f"| {r['drafter']} | " + " | ".join(cell(r, group, k) for k in keys) + " |" for r in runs if r["drafter"] != "autoregressive"]
@@ -258,7 +259,7 @@ def _tau_vs_context(report: dict[str, Any], concurrency: int, path: Path) -> Pat
         lengths: dict[str, list[int]] = {}  # bucket -> its requests' prompt lengths
         for x, _ in points:
             lengths.setdefault(bucket_label(length_bucket(x)), []).append(x)
-        line = sorted((statistics.median(xs), r["per_bucket"][b]["tau"]) for b, xs in lengths.items() if r["per_bucket"].get(b, {}).get("rounds"))
+        line = sorted((statistics.median(xs), r["per_bucket"][b]["tau"]) for b, xs in lengths.items() if r.get("per_bucket", {}).get(b, {}).get("rounds"))
         ax.plot([x for x, _ in line], [y for _, y in line], marker="o", color=color, label=r["drafter"])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")

@@ -51,6 +51,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, SplitKey, held_out, prompt_digest
+from specdraft.utils.threads import power_of_two_at_least
 
 HELD_OUT_ROWS = 4000
 
@@ -201,10 +202,7 @@ _MIN_FILL = 0.6
 def length_bucket(tokens: int) -> int:
     """The power-of-two bucket a prompt length falls in, as its upper edge (2049..4096 -> 4096): the long-context
     suite's nominal lengths each fill one bucket, so tau and speed-up per bucket are per nominal length."""
-    edge = 256
-    while edge < tokens:
-        edge *= 2
-    return edge
+    return max(256, power_of_two_at_least(tokens))
 
 
 def bucket_label(edge: int) -> str:
