@@ -21,7 +21,7 @@ class EvalConfig:
         "directories (method read from their config.json); "
         "append '@POLICY' to set one drafter's verify policy, e.g. DIR@scheduled"
     )
-    suite: str = config_field("quick", help="prompt suite: mtbench | humaneval | translation | math | sharegpt | domains | quick (ignored with --prompts)")
+    suite: str = config_field("quick", help="prompt suite: mtbench | humaneval | translation | math | sharegpt | domains | quick | long-context (1k-8k-token documents and chats, sized for the embedded target; ignored with --prompts)")
     prompts: str = config_field("", help="JSONL prompt file ('prompt' or 'messages' per line, optional 'id'/'domain')")
     limit_per_domain: int = config_field(0, help="use at most this many prompts per domain (0 = all)")
     max_new_tokens: int = config_field(64, help="tokens generated per prompt")
