@@ -448,7 +448,8 @@ class SpeculativeDecoder:
             end = start + PREFILL_CHUNK
             logits, captured = self._forward(ids[:, start:end], valid[:, :end], positions[:, start:end], cache, logits_to_keep=1)
             chunks.append(captured)
-        return logits[:, -1], (torch.cat(chunks, dim=1) if captured is not None else None)
+        features = None if captured is None else chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+        return logits[:, -1], features
 
     def _forward(self, ids, valid, positions, cache, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target logits [R, T', V] and, if the proposer reads features, its slots [R, T, S, D].
