@@ -1,9 +1,10 @@
 """Decoding at length: time per output token and tau vs prompt length, autoregressive against speculative.
 
-For each length one prompt of the ``long-context`` suite (``--domain``, default stdlib code to continue) is
-decoded greedily by plain autoregressive decoding, ngram and the reference drafter shipped for the embedded
-target (taking turns, so load on a shared machine hits all alike); every output must equal the
-autoregressive one (the benchmark stops otherwise). Prints a table and one JSON object.
+For each length one prompt of the ``long-context`` suite (``--domain``; the default, specdraft's source and a
+question on it, comes within a few tokens of the length asked for) is decoded greedily by plain autoregressive
+decoding, ngram and the reference drafter shipped for the embedded target (taking turns, so load on a shared
+machine hits all alike); every output must equal the autoregressive one (the benchmark stops otherwise).
+Prints a table and one JSON object.
 
 ``--peak-rss`` measures instead the memory one batched prefill costs: two rows (the longest length and half
 of it) decoded for 2 tokens, as the process's peak resident set (``ru_maxrss``) before and after.
@@ -28,7 +29,7 @@ def peak_rss_mb() -> float:
 def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--lengths", default="512,2048,4096,7000", help="comma-separated prompt lengths in tokens")
-    parser.add_argument("--domain", default="stdlib-code", help="long-context suite domain the prompts come from")
+    parser.add_argument("--domain", default="specdraft-source", help="long-context suite domain the prompts come from")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt")
     parser.add_argument("--drafters", default="none,ngram,reference", help="comma-separated: none (the baseline), ngram, reference")
     parser.add_argument("--peak-rss", action="store_true", help="measure the peak RSS of one batched prefill instead")
@@ -82,7 +83,7 @@ def main() -> None:
         rows.append(row)
 
     print("| prompt tokens | AR ms/token | AR TTFT s | " + " | ".join(f"{n} ms/token (vs AR) | {n} tau" for n in names[1:]) + " |")
-    print("| ---: |" * (3 + 2 * (len(names) - 1)))
+    print("|" + " ---: |" * (3 + 2 * (len(names) - 1)))
     for row in rows:
         cells = [f"{row[n]['tpot_ms']:.1f} ({row[n]['tpot_vs_ar']:.2f}x) | {row[n]['tau']:.2f}" for n in names[1:]]
         print(f"| {row['prompt_tokens']} | {row['none']['tpot_ms']:.1f} | {row['none']['ttft_s']:.2f} | " + " | ".join(cells) + " |")

@@ -294,7 +294,8 @@ def _fit_document(tokenizer, task, name: str, text: str, length: int, rng_seed: 
 
 
 def _fit_conversation(tokenizer, messages: list[dict], length: int) -> tuple[dict, ...] | None:
-    """The longest prefix of a conversation that ends with a user turn and renders to at most ``length`` tokens."""
+    """The longest prefix of a conversation that ends with a user turn and renders to at most ``length`` tokens, when
+    it is multi-turn (a reply before that turn) and fills ``_MIN_FILL`` of them."""
     best = None
     for end, message in enumerate(messages, 1):
         if message["role"] == "user":
@@ -302,7 +303,8 @@ def _fit_conversation(tokenizer, messages: list[dict], length: int) -> tuple[dic
             if len(EvalPrompt("", "", prefix).token_ids(tokenizer)) > length:
                 break
             best = prefix
-    return best if best and len(EvalPrompt("", "", best).token_ids(tokenizer)) >= _MIN_FILL * length else None
+    multi_turn = best is not None and any(m["role"] == "assistant" for m in best)
+    return best if multi_turn and len(EvalPrompt("", "", best).token_ids(tokenizer)) >= _MIN_FILL * length else None
 
 
 @SUITES.register("long-context")
