@@ -25,9 +25,10 @@
                    continuation request) at 1k, 2k, 4k tokens and the target's context minus the
                    generation, from text that ships offline: stdlib source (``stdlib-code``, continue
                    the code), stdlib docstrings (``stdlib-docs``, a question on one entry), long held-out
-                   ShareGPT conversations (``sharegpt-long``, the next user turn) and specdraft's own
-                   source (``specdraft-source``, a question on one definition). Sized with the target's
-                   chat template, so every prompt falls in its power-of-two length bucket.
+                   ShareGPT conversations (``sharegpt-long``, the rows ShareGPT cut one chat into joined
+                   again; the next user turn) and specdraft's own source (``specdraft-source``, a
+                   question on one definition). Sized with the target's chat template, so every prompt
+                   falls in its power-of-two length bucket.
 
 A JSONL prompt file is accepted too: one object per line with ``prompt`` (a string) or
 ``messages`` (OpenAI form), optional ``id`` and ``domain``.
@@ -293,6 +294,15 @@ def _fit_document(tokenizer, task, name: str, text: str, length: int, rng_seed: 
     return None
 
 
+def _held_out_sharegpt_chats() -> list[tuple[str, list[dict]]]:
+    """(conversation, messages) of the held-out ShareGPT rows with the rows ShareGPT cut from one chat
+    (``X_0``, ``X_1``, ...) joined again in file order: the long conversations the file splits up."""
+    chats: dict[str, list[dict]] = {}
+    for _, row in _held_out_sharegpt_rows():
+        chats.setdefault(conversation_group(row.sample_id, f"sharegpt:{row.fmt}"), []).extend(row.messages)
+    return [(name, conversation(messages)) for name, messages in chats.items()]
+
+
 def _fit_conversation(tokenizer, messages: list[dict], length: int) -> tuple[dict, ...] | None:
     """The longest prefix of a conversation that ends with a user turn and renders to at most ``length`` tokens, when
     it is multi-turn (a reply before that turn) and fills ``_MIN_FILL`` of them."""
@@ -333,8 +343,8 @@ def long_context(*, target: str = DEFAULT_TARGET, lengths: tuple[int, ...] | Non
     prompts = []
     for domain in domains:
         if domain == "sharegpt-long":  # long chats only (~4 characters a token), in seeded order
-            candidates = [(row.sample_id, conversation(row.messages)) for _, row in _held_out_sharegpt_rows()
-                          if sum(len(m["content"]) for m in row.messages) > 2 * _MIN_FILL * min(lengths)]
+            candidates = [(name, chat) for name, chat in _held_out_sharegpt_chats()
+                          if sum(len(m["content"]) for m in chat) > 2 * _MIN_FILL * min(lengths)]
         else:
             candidates = _long_documents(domain)
         random.Random(f"{seed}:{domain}").shuffle(candidates)
