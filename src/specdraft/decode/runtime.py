@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Sequence
 
 import torch
@@ -44,6 +44,10 @@ from specdraft.utils.forward_path import PathChoice, current_path, resolve_path
 log = logging.getLogger(__name__)
 
 
+#: prompt columns per prefill forward: bounds a long prompt's masks at R x PREFILL_CHUNK x C
+PREFILL_CHUNK = 1024
+
+
 @dataclass
 class RequestOutput:
     """One request's result: generated token ids (prompt excluded) and why generation stopped."""
@@ -60,6 +64,8 @@ class DecodeMetrics:
     at once, counted in ``target_forwards``). ``committed`` counts n + 1 per round before truncation
     at EOS/limits, so ``tau`` is the acceptance length as the papers report it (bonus included).
     position_drafted[j] / position_accepted[j]: rounds that verified / accepted draft j+1.
+    request_rounds[i] / request_committed[i]: the same counters of request i alone (the i-th prompt of the
+    call; ``merge`` concatenates them), whose ratio is that request's tau (``request_tau``).
     ``plain_steps`` counts request steps the draft gate decoded without drafting (not rounds).
     """
 
@@ -74,14 +80,25 @@ class DecodeMetrics:
     plain_steps: int = 0
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
+    request_rounds: list[int] = field(default_factory=list, metadata={"per_request": True})
+    request_committed: list[int] = field(default_factory=list, metadata={"per_request": True})
     wall_s: float = 0.0
     ttft_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        for name in ("request_rounds", "request_committed"):
+            getattr(self, name).extend([0] * (self.requests - len(getattr(self, name))))
+
     @property
     def tau(self) -> float:
         return self.committed / self.rounds if self.rounds else 0.0
+
+    @property
+    def request_tau(self) -> list[float | None]:
+        """Each request's tau (None for one that finished before any drafting round)."""
+        return [c / r if r else None for r, c in zip(self.request_rounds, self.request_committed)]
 
     @property
     def acceptance_rate(self) -> float:
@@ -115,9 +132,12 @@ class DecodeMetrics:
     def merge(self, other: "DecodeMetrics") -> "DecodeMetrics":
         """Counters and times of two ``generate`` calls added together (e.g. consecutive batches)."""
         merged = DecodeMetrics()
-        for name, value in vars(self).items():
-            theirs = getattr(other, name)
-            if isinstance(value, list):
+        for spec in fields(self):
+            name = spec.name
+            value, theirs = getattr(self, name), getattr(other, name)
+            if spec.metadata.get("per_request"):
+                value = value + theirs
+            elif isinstance(value, list):
                 width = max(len(value), len(theirs))
                 value = [(value[j] if j < len(value) else 0) + (theirs[j] if j < len(theirs) else 0) for j in range(width)]
             else:
@@ -125,8 +145,11 @@ class DecodeMetrics:
             setattr(merged, name, value)
         return merged
 
-    def record_round(self, lengths: list[int], accepted: list[int]) -> None:
-        for l, n in zip(lengths, accepted):
+    def record_round(self, lengths: list[int], accepted: list[int], requests: list[int]) -> None:
+        """One round's verify lengths and accepted drafts of the rows serving ``requests`` (indices into the call's prompts)."""
+        for l, n, request in zip(lengths, accepted, requests):
+            self.request_rounds[request] += 1
+            self.request_committed[request] += n + 1
             self.rounds += 1
             self.committed += n + 1
             self.drafted += l
@@ -137,7 +160,7 @@ class DecodeMetrics:
                     counts[j] += 1
 
     def to_json(self) -> dict[str, Any]:
-        derived = ("tau", "acceptance_rate", "drafting_fraction", "position_acceptance", "tokens_per_s", "mean_ttft_s", "time_per_output_token_s")
+        derived = ("tau", "request_tau", "acceptance_rate", "drafting_fraction", "position_acceptance", "tokens_per_s", "mean_ttft_s", "time_per_output_token_s")
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
 
@@ -293,8 +316,7 @@ class SpeculativeDecoder:
         ids, valid = ids.to(device), valid.to(device)
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
         cache = GrowingCache()  # full-length layers everywhere: sliding-window caches drop columns by count, not position
-        logits, captured = self._forward(ids, valid, positions, cache, logits_to_keep=1)
-        logits = logits[:, -1]
+        logits, captured = self._prefill(ids, valid, positions, cache)
         metrics.target_forwards += 1
         first, _ = sample_from_logits(logits, self.sampling, generator)
         metrics.ttft_s = self.clock() - start
@@ -389,7 +411,7 @@ class SpeculativeDecoder:
             state.new_start = state.next_pos.tolist()
         state.next_pos = state.next_pos + accepted + 1
         if drafting:
-            metrics.record_round(lengths.tolist(), accepted.tolist())
+            metrics.record_round(lengths.tolist(), accepted.tolist(), state.row_ids)
         else:
             metrics.plain_steps += rows
         finished = self._commit(state, [result.committed(i) for i in range(rows)], limits, outputs)
@@ -448,6 +470,18 @@ class SpeculativeDecoder:
             cache.batch_select_indices(index)
             valid = valid[index]
         return valid
+
+    def _prefill(self, ids, valid, positions, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompts' forward in chunks of at most ``PREFILL_CHUNK`` columns, each attending to the cache of the
+        chunks before it (as a round attends to the prompt): the masks (and SDPA's scores) stay R x chunk x C, not
+        R x W x W. Returns the last column's logits [R, V] and, if the proposer reads features, [R, W, S, D]."""
+        chunks = []
+        for start in range(0, ids.shape[1], PREFILL_CHUNK):
+            end = start + PREFILL_CHUNK
+            logits, captured = self._forward(ids[:, start:end], valid[:, :end], positions[:, start:end], cache, logits_to_keep=1)
+            chunks.append(captured)
+        features = None if captured is None else chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+        return logits[:, -1], features
 
     def _forward(self, ids, valid, positions, cache, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target logits [R, T', V] and, if the proposer reads features, its slots [R, T, S, D].

@@ -22,7 +22,7 @@ class EvalConfig:
         "with prompt lookup (per request and round, whichever is expected to commit more tokens per second); "
         "append '@POLICY' to set one drafter's verify policy, e.g. DIR@scheduled or reference+ngram@scheduled"
     )
-    suite: str = config_field("quick", help="prompt suite: mtbench | humaneval | translation | math | sharegpt | domains | quick (ignored with --prompts)")
+    suite: str = config_field("quick", help="prompt suite: mtbench | humaneval | translation | math | sharegpt | domains | quick | long-context (1k-8k-token documents and chats, sized for the embedded target; ignored with --prompts)")
     prompts: str = config_field("", help="JSONL prompt file ('prompt' or 'messages' per line, optional 'id'/'domain')")
     limit_per_domain: int = config_field(0, help="use at most this many prompts per domain (0 = all)")
     max_new_tokens: int = config_field(64, help="tokens generated per prompt")

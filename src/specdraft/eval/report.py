@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from specdraft.eval.suites import bucket_label, length_bucket
 from specdraft.utils.io import DirKind, atomic_path, atomic_write_bytes, atomic_write_json, json_field_is
 
 #: What `specdraft eval` writes into: its reports and plots (a rerun overwrites them, nothing else).
@@ -70,24 +71,38 @@ def render_tables(report: dict[str, Any]) -> str:
     lines += [*gate_floor_lines(report), "", compute_line(report)]
     first = report["config"]["concurrency"][0]
     runs = [r for r in report["runs"] if r["concurrency"] == first]
-    domains = sorted({d for r in runs for d in r["per_domain"]})
-    plain = next((r["per_domain"] for r in runs if r["drafter"] == "autoregressive"), {})
+    plain = next((r for r in runs if r["drafter"] == "autoregressive"), {})
 
-    def drafted(r: dict, d: str) -> dict:
-        return m if (m := r["per_domain"].get(d, {})).get("rounds") else {}
+    def drafted(r: dict, group: str, key: str) -> dict:
+        return m if (m := r.get(group, {}).get(key, {})).get("rounds") else {}
 
-    def speedup(r: dict, d: str) -> str:
-        m, base = r["per_domain"].get(d, {}), plain.get(d, {})
+    def speedup(r: dict, group: str, key: str) -> str:
+        m, base = r.get(group, {}).get(key, {}), plain.get(group, {}).get(key, {})
         return _fmt(m["tokens_per_s"] / base["tokens_per_s"]) + "x" if m and base.get("tokens_per_s") else "-"
 
     tables = [
-        ("tau per domain", lambda r, d: _fmt(drafted(r, d).get("tau"))),
-        ("speed-up over autoregressive per domain", speedup),
-        ("mean verify length per drafting round, per domain", lambda r, d: _fmt(m["drafted"] / m["rounds"]) if (m := drafted(r, d)) else "-"),
+        ("tau per domain", "per_domain", sorted, lambda r, g, d: _fmt(drafted(r, g, d).get("tau"))),
+        ("speed-up over autoregressive per domain", "per_domain", sorted, speedup),
+        ("mean verify length per drafting round, per domain", "per_domain", sorted,
+         lambda r, g, d: _fmt(m["drafted"] / m["rounds"]) if (m := drafted(r, g, d)) else "-"),
+        # buckets keep the runner's order: by length
+        ("tau per prompt-length bucket (tokens)", "per_bucket", list, lambda r, g, b: _fmt(drafted(r, g, b).get("tau"))),
+        ("speed-up over autoregressive per prompt-length bucket (tokens)", "per_bucket", list, speedup),
     ]
-    for title, cell in tables:
-        lines += ["", f"{title} (concurrency {first}):", "", "| drafter | " + " | ".join(domains) + " |", "| --- |" + " ---: |" * len(domains)]
-        lines += [f"| {r['drafter']} | " + " | ".join(cell(r, d) for d in domains) + " |" for r in runs if r["drafter"] != "autoregressive"]
+    for title, group, order, cell in tables:
+        keys = order(dict.fromkeys(k for r in runs for k in r.get(group, {})))
+        if keys:
+            lines += ["", f"{title} (concurrency {first}):", "", "| drafter | " + " | ".join(keys) + " |", "| --- |" + " ---: |" * len(keys)]
+            lines += [f"| {r['drafter']} | " + " | ".join(cell(r, group, k) for k in keys) + " |" for r in runs if r["drafter"] != "autoregressive"]
+    distributions = [r for r in runs if r["drafter"] != "autoregressive" and r.get("tau_distribution")]
+    if distributions:
+        lines += ["", f"tau per request (concurrency {first}; top-10% floor: the lowest tau among the best tenth of requests):", "",
+                  "| drafter | mean tau | macro tau over domains | median | p90 | top-10% floor | requests |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in distributions:
+            d = r["tau_distribution"]
+            lines.append(f"| {r['drafter']} | {_fmt(r['overall']['tau'])} | {_fmt(r.get('macro_tau'))} | {_fmt(d['median'])} "
+                         f"| {_fmt(d['p90'])} | {_fmt(d['top10_floor'])} | {d['requests']} |")
     lines += ["", f"verify lengths chosen per round (concurrency {first}; rounds that verified exactly l drafts):", ""]
     for r in runs:
         if r["drafter"] != "autoregressive":
@@ -96,6 +111,26 @@ def render_tables(report: dict[str, Any]) -> str:
             lines.append(f"- {r['drafter']}: " + ", ".join(f"l={l}: {n}" for l, n in enumerate(hist) if n)
                          + (f"; {skipped} steps decoded without drafting (draft gate)" if skipped else ""))
     return "\n".join(lines) + "\n"
+
+
+def tau_distribution(taus: list[float | None]) -> dict[str, Any]:
+    """Per-request tau as the seed's results state it: the median, the 90th percentile (interpolated) and the
+    top-10% floor (the lowest tau among the best ceil(n/10) requests: one some request reached). Requests
+    that never drafted (None) are left out."""
+    import math
+    import statistics
+
+    values = sorted((t for t in taus if t is not None), reverse=True)
+    if not values:
+        return {"requests": 0, "median": None, "p90": None, "top10_floor": None}
+    p90 = statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
+    return {"requests": len(values), "median": statistics.median(values), "p90": p90, "top10_floor": values[math.ceil(len(values) / 10) - 1]}
+
+
+def macro_tau(per_domain: dict[str, dict[str, Any]]) -> float | None:
+    """The mean of the domains' tau, each domain once (the pooled tau weighs domains by their rounds)."""
+    taus = [m["tau"] for m in per_domain.values() if m.get("rounds")]
+    return sum(taus) / len(taus) if taus else None
 
 
 #: The most a closed draft gate may add to autoregressive decoding's median time per output token.
@@ -212,7 +247,35 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     ax.legend()
     ax.set_title("throughput vs concurrency")
     paths.append(_save(fig, out / "throughput_vs_concurrency.png"))
+    if len({p["prompt_tokens"] for p in report["prompts"]}) > 1:
+        paths.append(_tau_vs_context(report, first, out / "tau_vs_context.png"))
     return paths
+
+
+def _tau_vs_context(report: dict[str, Any], concurrency: int, path: Path) -> Path:
+    """Each request's tau against its prompt length (points) and each bucket's tau at its median length (line), per drafter."""
+    import statistics
+
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for j, r in enumerate(r for r in report["runs"] if r["concurrency"] == concurrency and r["drafter"] != "autoregressive"):
+        color = f"C{j}"
+        points = [(p["prompt_tokens"], out["tau"]) for p in report["prompts"]
+                  if (out := p["outputs"].get(r["drafter"], {}).get(str(concurrency))) and out.get("tau") is not None]
+        ax.scatter([x for x, _ in points], [y for _, y in points], s=12, alpha=0.4, color=color)
+        lengths: dict[str, list[int]] = {}  # bucket -> its requests' prompt lengths
+        for x, _ in points:
+            lengths.setdefault(bucket_label(length_bucket(x)), []).append(x)
+        line = sorted((statistics.median(xs), r["per_bucket"][b]["tau"]) for b, xs in lengths.items() if r.get("per_bucket", {}).get(b, {}).get("rounds"))
+        ax.plot([x for x, _ in line], [y for _, y in line], marker="o", color=color, label=r["drafter"])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("acceptance length tau (bonus incl.)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.legend()
+    ax.set_title("tau vs context length (points: requests; line: per length bucket)")
+    return _save(fig, path)
 
 
 def _save(fig: Any, path: Path) -> Path:

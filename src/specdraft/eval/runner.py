@@ -1,10 +1,11 @@
 """Side-by-side evaluation: each drafter against plain autoregressive decoding of the same target, in the
 same runtime, on the same prompts, batch by batch (so machine load hits both alike).
 
-Prompts are grouped by domain before batching, so every batch is single-domain and per-domain
-metrics are exact even at concurrency > 1. Speed-up = drafter tokens/s / autoregressive tokens/s at
-the same concurrency. At temperature 0 the report also says whether every output was identical
-to the autoregressive one (it must be: verification is exact).
+Prompts are grouped by domain and prompt-length bucket (``suites.length_bucket``) before batching, so
+every batch is single-domain and single-bucket, and per-domain and per-bucket metrics are exact even at
+concurrency > 1. Speed-up = drafter tokens/s / autoregressive tokens/s at the same concurrency. At
+temperature 0 the report also says whether every output was identical to the autoregressive one (it
+must be: verification is exact).
 
 Timing is made fair three times over: the decoders take turns in a rotating order (batch b starts with
 decoder b mod n), so none always runs right after the same other one (a drafter that verifies long
@@ -30,7 +31,7 @@ from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfi
 from specdraft.errors import SpecdraftError
 from specdraft.eval.config import EvalConfig
 from specdraft.eval.report import EVAL_DIR
-from specdraft.eval.suites import EvalPrompt, load_prompts
+from specdraft.eval.suites import bucket_label, length_bucket, load_prompts
 from specdraft.targets.base import Target
 from specdraft.utils.lock import claims_output
 
@@ -90,6 +91,9 @@ class RunRecord:
     concurrency: int
     overall: dict[str, Any]
     per_domain: dict[str, dict[str, Any]] = field(default_factory=dict)
+    per_bucket: dict[str, dict[str, Any]] = field(default_factory=dict)  # by prompt-length bucket
+    tau_distribution: dict[str, float | None] = field(default_factory=dict)  # report.tau_distribution of the prompts' tau
+    macro_tau: float | None = None  # mean over domains of their tau (each domain counts once, whatever its size)
     speedup: float | None = None  # tokens/s over autoregressive at the same concurrency
     median_tpot_s: float | None = None  # median over batches of their time per output token
     tpot_vs_autoregressive: float | None = None  # median over batches of TPOT / autoregressive TPOT on the same batch
@@ -113,12 +117,12 @@ def _dtype_facts(spec: DrafterSpec, proposer: Any) -> dict[str, Any]:
     return {**facts, **path, "draft_dtype_requested": spec.decode.draft_dtype}
 
 
-def _batches(prompts: list[EvalPrompt], size: int) -> list[list[int]]:
-    """Indices into ``prompts`` grouped into single-domain batches of at most ``size``."""
-    by_domain: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        by_domain.setdefault(prompt.domain, []).append(i)
-    return [idx[s : s + size] for idx in by_domain.values() for s in range(0, len(idx), size)]
+def _batches(groups: list[tuple[str, int]], size: int) -> list[list[int]]:
+    """Prompt indices grouped by their (domain, length bucket) into batches of at most ``size``."""
+    by_group: dict[tuple[str, int], list[int]] = {}
+    for i, group in enumerate(groups):
+        by_group.setdefault(group, []).append(i)
+    return [idx[s : s + size] for idx in by_group.values() for s in range(0, len(idx), size)]
 
 
 @claims_output(EVAL_DIR)  # before the decoding: a foreign, locked or read-only --out costs nothing
@@ -135,7 +139,7 @@ def run_eval(
     from tqdm import tqdm
 
     from specdraft.decode.runtime import decoder_for_target, resolve_decode_threads
-    from specdraft.eval.report import paired_ratios, write_report
+    from specdraft.eval.report import macro_tau, paired_ratios, tau_distribution, write_report
     from specdraft.targets import load_target
     from specdraft.utils.threads import threads_facts
 
@@ -156,13 +160,14 @@ def run_eval(
     decoders = {s.label: decoder_for_target(target, config=s.decode, sampling=sampling, scheduler=_scheduler_for(s, scheduler))
                 for s in specs}
     token_ids = [p.token_ids(target.tokenizer) for p in prompts]
+    groups = [(p.domain, length_bucket(len(ids))) for p, ids in zip(prompts, token_ids)]
     warmup = token_ids[0][-16:]
     for decoder in decoders.values():  # first calls pay one-off costs (allocator, lazy init)
         decoder.generate([warmup])
 
     outputs: dict[int, dict[str, dict[str, Any]]] = {c: {label: {} for label in decoders} for c in config.concurrency}
     records: list[RunRecord] = []
-    total = sum(len(_batches(prompts, c)) for c in config.concurrency) * len(decoders)
+    total = sum(len(_batches(groups, c)) for c in config.concurrency) * len(decoders)
     bar = tqdm(total=total, desc="eval", unit="batch", disable=not progress)
     started = time.perf_counter()
     max_time = max(config.max_time - (started - setup_started), 1e-9) if config.max_time else 0.0
@@ -170,24 +175,26 @@ def run_eval(
     for concurrency in config.concurrency:
         merged: dict[str, Any] = {label: None for label in decoders}
         domain_metrics: dict[str, dict[str, Any]] = {label: {} for label in decoders}
+        bucket_metrics: dict[str, dict[str, Any]] = {label: {} for label in decoders}
         tpots: dict[str, list[float]] = {label: [] for label in decoders}
         order = list(decoders)
-        for batch in _batches(prompts, concurrency):
+        for batch in _batches(groups, concurrency):
             elapsed = time.perf_counter() - started
             if max_time and batches_done and elapsed + elapsed / batches_done > max_time:
                 cut_by_time = True
                 break
             batches_done += 1
-            domain = prompts[batch[0]].domain
+            domain, bucket = groups[batch[0]]
             shift = batches_done % len(order)
             for label in order[shift:] + order[:shift]:
                 result = decoders[label].generate([token_ids[i] for i in batch])
                 tpots[label].append(result.metrics.time_per_output_token_s)
                 merged[label] = result.metrics if merged[label] is None else merged[label].merge(result.metrics)
-                previous = domain_metrics[label].get(domain)
-                domain_metrics[label][domain] = result.metrics if previous is None else previous.merge(result.metrics)
-                for i, out in zip(batch, result.outputs):
-                    outputs[concurrency][label][i] = {"tokens": out.tokens, "finish_reason": out.finish_reason}
+                for grouped, key in ((domain_metrics, domain), (bucket_metrics, bucket)):
+                    previous = grouped[label].get(key)
+                    grouped[label][key] = result.metrics if previous is None else previous.merge(result.metrics)
+                for i, out, tau in zip(batch, result.outputs, result.metrics.request_tau):
+                    outputs[concurrency][label][i] = {"tokens": out.tokens, "finish_reason": out.finish_reason, "tau": tau}
                 bar.update(1)
                 bar.set_postfix(drafter=label, c=concurrency)
         baseline = merged[AUTOREGRESSIVE]
@@ -199,11 +206,15 @@ def run_eval(
             same = None
             if sampling.greedy:
                 same = sum(out["tokens"] == outputs[concurrency][AUTOREGRESSIVE][i]["tokens"] for i, out in outputs[concurrency][label].items())
+            per_domain = {d: m.to_json() for d, m in sorted(domain_metrics[label].items())}
             records.append(RunRecord(
                 drafter=label,
                 concurrency=concurrency,
                 overall=metrics.to_json(),
-                per_domain={d: m.to_json() for d, m in sorted(domain_metrics[label].items())},
+                per_domain=per_domain,
+                per_bucket={bucket_label(b): m.to_json() for b, m in sorted(bucket_metrics[label].items())},
+                tau_distribution=tau_distribution([out["tau"] for out in outputs[concurrency][label].values()]),
+                macro_tau=macro_tau(per_domain),
                 speedup=metrics.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else None,
                 median_tpot_s=statistics.median(tpots[label]),
                 tpot_vs_autoregressive=statistics.median(ratios) if ratios else None,

@@ -21,6 +21,14 @@
 * ``domains``      every domain once: MT-Bench by category, math word problems (``math-word``), code,
                    translation (use ``--limit-per-domain`` to keep it short).
 * ``quick``        a few prompts of each of the above, for the quickstart.
+* ``long-context`` LongBench-shaped prompts (a long document or conversation, then a question or a
+                   continuation request) at 1k, 2k, 4k tokens and the target's context minus the
+                   generation, from text that ships offline: stdlib source (``stdlib-code``, continue
+                   the code), stdlib docstrings (``stdlib-docs``, a question on one entry), long held-out
+                   ShareGPT conversations (``sharegpt-long``, the rows ShareGPT cut one chat into joined
+                   again; the next user turn) and specdraft's own source (``specdraft-source``, a
+                   question on one definition). Sized with the target's chat template, so every prompt
+                   falls in its power-of-two length bucket.
 
 A JSONL prompt file is accepted too: one object per line with ``prompt`` (a string) or
 ``messages`` (OpenAI form), optional ``id`` and ``domain``.
@@ -28,10 +36,13 @@ A JSONL prompt file is accepted too: one object per line with ``prompt`` (a stri
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import dataclasses
+import random
 import re
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -39,7 +50,9 @@ from typing import Callable
 from specdraft.data.sources import EmbeddedDataset, conversation, conversation_group, first_reply_index, iter_json_values, iter_rows, parse_row
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
+from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, SplitKey, held_out, prompt_digest
+from specdraft.utils.threads import power_of_two_at_least
 
 HELD_OUT_ROWS = 4000
 
@@ -179,6 +192,178 @@ def quick(per_domain: int = 2) -> list[EvalPrompt]:
                 counts[prompt.domain] = counts.get(prompt.domain, 0) + 1
                 picked.append(prompt)
     return picked
+
+
+#: nominal prompt lengths of ``long-context`` below the target's context (which adds the longest that fits)
+LONG_CONTEXT_LENGTHS = (1024, 2048, 4096)
+#: a prompt shorter than this share of its nominal length would fall into the bucket below it
+_MIN_FILL = 0.6
+
+
+def length_bucket(tokens: int) -> int:
+    """The power-of-two bucket a prompt length falls in, as its upper edge (2049..4096 -> 4096): the long-context
+    suite's nominal lengths each fill one bucket, so tau and speed-up per bucket are per nominal length."""
+    return max(256, power_of_two_at_least(tokens))
+
+
+def bucket_label(edge: int) -> str:
+    """'<=512', '<=4k': how reports name a ``length_bucket``."""
+    return f"<={edge // 1024}k" if edge >= 1024 else f"<={edge}"
+
+
+def _stdlib_files() -> list[Path]:
+    """The standard library's own modules (tests, IDLE, 2to3 and installed packages left out), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def _docstrings(path: Path) -> str:
+    """A module's documentation: its docstring, then every documented class and function as 'name: doc'."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return ""
+    sections = [f"Module {path.stem}: {ast.get_docstring(tree) or ''}"]
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and (doc := ast.get_docstring(node)):
+            sections.append(f"{path.stem}.{node.name}: {doc}")
+    return "\n\n".join(sections) if len(sections) > 1 else ""
+
+
+_DEFINITION = re.compile(r"^(?:def|class) ([A-Za-z_]\w*)", re.M)
+_ENTRY = re.compile(r"^([\w.]+\.\w+): ", re.M)
+
+
+def _pick(rng: random.Random, names: list[str], fallback: str) -> str:
+    """One name from the middle half of ``names`` (the question's answer lies deep in the document)."""
+    middle = names[len(names) // 4 : max(len(names) * 3 // 4, len(names) // 4 + 1)]
+    return rng.choice(middle) if middle else fallback
+
+
+def _code_task(name: str, code: str, rng: random.Random) -> tuple[dict, ...]:
+    return _user(f"Here is the start of `{name}` from the Python standard library.\n\n```python\n{code}\n```\n\n"
+                 "Continue the code from exactly where it stops.")
+
+
+def _docs_task(name: str, text: str, rng: random.Random) -> tuple[dict, ...]:
+    entry = _pick(rng, _ENTRY.findall(text), name)
+    return _user(f"Below is reference documentation from the Python standard library.\n\n{text}\n\n"
+                 f"Using only the documentation above, explain what `{entry}` does and when one would use it.")
+
+
+def _source_task(name: str, code: str, rng: random.Random) -> tuple[dict, ...]:
+    definition = _pick(rng, _DEFINITION.findall(code), "the first function")
+    return _user(f"Below is source code of specdraft, a speculative decoding library.\n\n```python\n{code}\n```\n\n"
+                 f"Explain what `{definition}` in the code above does and which other parts of the code use it.")
+
+
+def _long_documents(domain: str) -> list[tuple[str, str]]:
+    """(name, text) candidates of one document domain: single stdlib modules (source or docstrings), or
+    specdraft's source as one file-by-file concatenation per starting file."""
+    if domain == "stdlib-code":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return [(str(p.relative_to(root)), p.read_text(encoding="utf-8", errors="replace")) for p in _stdlib_files()]
+    if domain == "stdlib-docs":
+        return [(p.stem, text) for p in _stdlib_files() if (text := _docstrings(p))]
+    package = Path(__file__).resolve().parents[1]
+    files = sorted(package.rglob("*.py"))
+    chunks = [f"# file: {p.relative_to(package.parent)}\n{p.read_text(encoding='utf-8')}" for p in files]
+    return [(str(files[i].relative_to(package.parent)), "\n".join(chunks[i:] + chunks[:i])) for i in range(len(files))]
+
+
+_DOCUMENT_TASKS = {"stdlib-code": _code_task, "stdlib-docs": _docs_task, "specdraft-source": _source_task}
+LONG_CONTEXT_DOMAINS = (*_DOCUMENT_TASKS, "sharegpt-long")
+
+
+def _fit_document(tokenizer, task, name: str, text: str, length: int, rng_seed: str) -> tuple[dict, ...] | None:
+    """The task's messages with ``text`` cut (at a line end) so the rendered prompt has at most ``length``
+    tokens, or None when the whole text is too short to reach ``_MIN_FILL`` of it."""
+    count = lambda messages: len(EvalPrompt("", "", messages).token_ids(tokenizer))
+    budget = length - count(task(name, "", random.Random(rng_seed)))
+    ids = tokenizer(text[: length * 8], add_special_tokens=False)["input_ids"]
+    while budget > 0:
+        cut = tokenizer.decode(ids[:budget])
+        if len(ids) > budget:
+            cut = cut[: cut.rfind("\n")] if "\n" in cut else cut
+        messages = task(name, cut.rstrip(), random.Random(rng_seed))
+        tokens = count(messages)
+        if tokens <= length:
+            return messages if tokens >= _MIN_FILL * length else None
+        budget -= tokens - length
+    return None
+
+
+def _held_out_sharegpt_chats() -> list[tuple[str, list[dict]]]:
+    """(conversation, messages) of the held-out ShareGPT rows with the rows ShareGPT cut from one chat
+    (``X_0``, ``X_1``, ...) joined again in file order: the long conversations the file splits up."""
+    chats: dict[str, list[dict]] = {}
+    for _, row in _held_out_sharegpt_rows():
+        chats.setdefault(conversation_group(row.sample_id, f"sharegpt:{row.fmt}"), []).extend(row.messages)
+    return [(name, conversation(messages)) for name, messages in chats.items()]
+
+
+def _fit_conversation(tokenizer, messages: list[dict], length: int) -> tuple[dict, ...] | None:
+    """The longest prefix of a conversation that ends with a user turn and renders to at most ``length`` tokens, when
+    it is multi-turn (a reply before that turn) and fills ``_MIN_FILL`` of them."""
+    best = None
+    for end, message in enumerate(messages, 1):
+        if message["role"] == "user":
+            prefix = tuple(messages[:end])
+            if len(EvalPrompt("", "", prefix).token_ids(tokenizer)) > length:
+                break
+            best = prefix
+    multi_turn = best is not None and any(m["role"] == "assistant" for m in best)
+    return best if multi_turn and len(EvalPrompt("", "", best).token_ids(tokenizer)) >= _MIN_FILL * length else None
+
+
+@SUITES.register("long-context")
+def long_context(*, target: str = DEFAULT_TARGET, lengths: tuple[int, ...] | None = None, max_new_tokens: int = 256,
+                 per_length: int = 2, seed: int = 0, domains: tuple[str, ...] = LONG_CONTEXT_DOMAINS) -> list[EvalPrompt]:
+    """``per_length`` prompts per domain and nominal length (default ``LONG_CONTEXT_LENGTHS`` plus the target's
+    context minus ``max_new_tokens``), each at most that many tokens in ``target``'s chat template and more than
+    ``_MIN_FILL`` of it. The documents and questions are drawn with ``seed``; every prompt uses its own document."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specdraft.targets import resolve_target_dir
+
+    unknown = sorted(set(domains) - set(LONG_CONTEXT_DOMAINS))
+    if unknown:
+        raise SpecdraftError(f"long-context suite: unknown domains {unknown} (known: {', '.join(LONG_CONTEXT_DOMAINS)})")
+    path = resolve_target_dir(target)
+    context = int(AutoConfig.from_pretrained(path).get_text_config().max_position_embeddings)
+    lengths = tuple(lengths) if lengths else (*[l for l in LONG_CONTEXT_LENGTHS if l + max_new_tokens <= context], context - max_new_tokens)
+    for length in lengths:
+        if length < 256 or length + max_new_tokens > context:
+            raise SpecdraftError(
+                f"long-context suite: prompt length {length} + {max_new_tokens} new tokens does not fit target {target!r}, "
+                f"whose context is {context} tokens (lengths must be >= 256 and <= {context - max_new_tokens})"
+            )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = []
+    for domain in domains:
+        if domain == "sharegpt-long":  # long chats only (~4 characters a token), in seeded order
+            candidates = [(name, chat) for name, chat in _held_out_sharegpt_chats()
+                          if sum(len(m["content"]) for m in chat) > 2 * _MIN_FILL * min(lengths)]
+        else:
+            candidates = _long_documents(domain)
+        random.Random(f"{seed}:{domain}").shuffle(candidates)
+        used = 0
+        for length in lengths:
+            found = 0
+            while found < per_length and used < len(candidates):
+                name, content = candidates[used]
+                used += 1
+                if domain == "sharegpt-long":
+                    messages = _fit_conversation(tokenizer, content, length)
+                else:
+                    messages = _fit_document(tokenizer, _DOCUMENT_TASKS[domain], name, content, length, f"{seed}:{name}")
+                if messages is not None:
+                    prompts.append(EvalPrompt(f"long-{domain}-{length}-{found}", domain, messages))
+                    found += 1
+            if found < per_length:
+                raise SpecdraftError(f"long-context suite: only {found} {domain} prompts of ~{length} tokens in the shipped text")
+    return prompts
 
 
 def load_prompt_file(path: str | Path) -> list[EvalPrompt]:

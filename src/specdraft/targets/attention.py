@@ -7,6 +7,11 @@ columns by count, so with holes a window would cover fewer real tokens than the 
 trained with. Here a column's position is the number of valid columns up to it minus one, and a
 query at position ``p`` attends to valid columns at positions ``p - window < q <= p``: the same
 tokens an unbatched, hole-free run attends to, in every layer.
+
+Masks are boolean (1 byte a cell, True = attend) where the model runs HF's ``sdpa`` attention, which
+hands them to torch's SDPA as they are; other implementations (eager: gpt-oss's sinks) add the mask to
+the scores, so they get an additive float mask (4 bytes a cell). Either way a mask is R x Q x C: the
+runtime bounds Q at prefill (``decode/runtime.py``), so a long prompt never builds a prompt-squared mask.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class AttentionLayout:
 
     layer_types: tuple[str, ...]
     windows: dict[str, int | None]  # layer type -> window
+    boolean: bool = False  # the model's attention takes boolean masks (HF sdpa), else additive float masks
 
     @classmethod
     def from_config(cls, text_config: Any) -> "AttentionLayout":
@@ -47,7 +53,8 @@ class AttentionLayout:
             raise SpecdraftError(f"{type(text_config).__name__}: {len(types)} layer_types for {layers} layers")
         if SLIDING in types and not (isinstance(window, int) and window > 0):
             raise SpecdraftError(f"{type(text_config).__name__}: sliding-window layers but sliding_window={window!r}")
-        return cls(tuple(types), {t: (int(window) if t == SLIDING else None) for t in set(types)})
+        boolean = getattr(text_config, "_attn_implementation", None) == "sdpa"
+        return cls(tuple(types), {t: (int(window) if t == SLIDING else None) for t in set(types)}, boolean)
 
     @property
     def has_sliding(self) -> bool:
@@ -57,15 +64,19 @@ class AttentionLayout:
         return self.windows[self.layer_types[layer]]
 
     def masks(self, valid: torch.Tensor, query_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Additive 4-D masks [R, 1, Q, C] for queries at ``query_positions`` [R, Q] over cache columns ``valid``
-        [R, C] (the queries' own columns last). One tensor when every layer has the same type (models such as
-        Llama/Mistral take only that), else HF's per-layer-type dict (Gemma 3, Qwen3)."""
-        positions = valid.long().cumsum(1) - 1  # [R, C] position of each valid column
-        gap = query_positions[:, :, None] - positions[:, None, :]  # [R, Q, C]
-        allowed = valid[:, None, :] & (gap >= 0)
-        blocked = torch.finfo(dtype).min
+        """4-D masks [R, 1, Q, C] for queries at ``query_positions`` [R, Q] over cache columns ``valid`` [R, C] (the
+        queries' own columns last): boolean (``self.boolean``) or additive in ``dtype``. One tensor when every layer
+        has the same type (models such as Llama/Mistral take only that), else HF's per-layer-type dict (Gemma 3, Qwen3).
+        A boolean row that allows no column (a padding query before its row's first token, at chunked prefill) allows
+        them all instead: SDPA turns an empty row into NaN, which the cache would carry into that column's values."""
+        keys = (valid.long().cumsum(1) - 1)[:, None, :]  # [R, 1, C] position of each valid column
+        queries = query_positions[:, :, None]  # [R, Q, 1]
+        allowed = valid[:, None, :] & (keys <= queries)  # [R, Q, C], compared without a [R, Q, C] integer tensor
         out = {}
         for kind, window in self.windows.items():
-            keep = allowed if window is None else allowed & (gap < window)
-            out[kind] = torch.zeros(keep.shape, dtype=dtype, device=valid.device).masked_fill_(~keep, blocked)[:, None]
+            keep = allowed if window is None else allowed & (keys > queries - window)
+            if self.boolean:
+                out[kind] = (keep | ~keep.any(-1, keepdim=True))[:, None]
+            else:
+                out[kind] = torch.zeros(keep.shape, dtype=dtype, device=valid.device).masked_fill_(~keep, torch.finfo(dtype).min)[:, None]
         return next(iter(out.values())) if len(out) == 1 else out
