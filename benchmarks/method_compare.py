@@ -18,7 +18,8 @@ Protocol, all on one hidden-state store:
 
 tau = committed tokens per verify round (bonus included). Training tokens/s is each trainer's step clock (see
 ``peer_compare.py``); absolute times are noisy on a shared machine, tau at equal tokens is the comparison.
-Runs already finished under ``--out`` are reused (``--retrain`` redoes them). Writes ``RESULTS.json``, ``.md`` and
+Runs and decodes already finished under ``--out`` are reused (``--retrain`` redoes them), so seeds can run as separate
+processes (``--seeds 0`` and ``--seeds 1``, same ``--out``) and one ``--seeds 0,1`` run then merges them. Writes ``RESULTS.json``, ``.md`` and
 ``.png`` (``--results``, default ``OUT/method_compare``).
 
 Run from the repository root in .venv (the peer trains in .venv-interop), e.g. (docs/results/method_compare.md)::
@@ -96,16 +97,17 @@ def markdown(result: dict) -> str:
              f"--limit-per-domain {p['limit_per_domain']} --max-new-tokens {p['max_new_tokens']}`. "
              f"Peer: speculators {p['peer_version']} trainer. {p['threads']} torch threads.", "", f"    {p['command']}", ""]
     domains = sorted({d for r in result["runs"] for d in r["suite_tau"].get("per_domain", {})})
-    lines += ["| method | trainer | seed | steps | train tokens | tokens/s | tau val (decoded) | tau suite (decoded) | TF val acc (teacher-forced) | "
+    lines += ["| method | trainer | seed | steps | train tokens | tokens/s | tau val (decoded) | tau suite (decoded) | tau val (teacher-forced) | "
               + " | ".join(domains) + " |", "| --- | --- | ---: |" + " ---: |" * (6 + len(domains))]
     for r in result["runs"]:
         t, s = r["train"], r["suite_tau"]
         tf = r.get("teacher_forced", {})
-        tf_key = next((k for k in ("val_acc", "acc", "val_tau", "tau") if k in tf), None)
+        tf_key = "tau_teacher_forced" if "tau_teacher_forced" in tf else None
         lines.append(f"| {r['method']} | {r['trainer']} | {r['seed']} | {t['steps']} | {t['tokens']} | {t['tokens_per_s']:.0f} | "
                      f"{r['val_tau']['tau']:.3f} | " + (f"{s['overall']:.3f}" if "overall" in s else "-") + " | "
-                     + (f"{tf_key} {tf[tf_key]:.3f}" if tf_key else "-") + " | "
+                     + (f"{tf[tf_key]:.3f}" if tf_key else "-") + " | "
                      + " | ".join(f"{s['per_domain'][d]:.3f}" if d in s.get("per_domain", {}) else "-" for d in domains) + " |")
+    lines += [""] * bool(result.get("failures")) + [f"- peer {f['method']} seed {f['seed']} failed: {f['error']}" for f in result.get("failures", [])]
     lines += ["", "Mean over seeds (+- half the range):", "", "| method | trainer | tau val (decoded) | tau suite (decoded) |", "| --- | --- | ---: | ---: |"]
     for row in result["summary"]:
         cell = lambda k: f"{row[k]['mean']:.3f} +- {row[k]['spread']:.3f}" if k in row else "-"  # noqa: E731
@@ -185,22 +187,30 @@ def main() -> None:
                 "peer_version": subprocess.run([str(INTEROP_PYTHON), "-c", "import importlib.metadata as m; print(m.version('speculators'))"],
                                                capture_output=True, text=True).stdout.strip()}
     runs: list[dict] = []
+    failures: list[dict] = []
     for seed in seeds:
         base = out / f"seed{seed}"
         trained: list[dict] = []
         for method in methods:
-            ours_args = argparse.Namespace(**vars(args), ours_flags=f"--seed {seed}")
+            ours_args = argparse.Namespace(**vars(args), ours_flags=f"--seed {seed} --decode-prompts 0 --eval-interval 0")  # decoded below
             ours = train_ours(method, ours_args, base / f"ours-{method}")
             trained.append({"seed": seed, "method": method, "trainer": "ours", "train": ours, "teacher_forced": teacher_forced(base / f"ours-{method}")})
+            print(json.dumps(trained[-1]["train"]), flush=True)
             if method in peers:
                 peer_args = argparse.Namespace(**vars(args), peer_flags=f"--seed {seed}")
-                trained.append({"seed": seed, "method": method, "trainer": "peer", "train": train_peer(method, peer_args, base / f"peer-{method}", ours)})
-            print(json.dumps(trained[-1]["train"]), flush=True)
+                try:
+                    trained.append({"seed": seed, "method": method, "trainer": "peer", "train": train_peer(method, peer_args, base / f"peer-{method}", ours)})
+                except SystemExit as failed:  # the peer's failure is a result too (its log is named); ours go on
+                    failures.append({"seed": seed, "method": method, "trainer": "peer", "error": str(failed)})
+                    print(failures[-1], flush=True)
         if args.train_only:
             continue
         for run in trained:
-            run["val_tau"] = decode_validation(args.store, args.target, Path(run["train"]["checkpoint"]), val_fraction=args.val_fraction,
-                                               split_seed=args.split_seed, prompts=args.val_prompts, tokens=args.val_tokens)
+            cached = base / f"val-{run['trainer']}-{run['method']}.json"  # one per checkpoint: a rerun (e.g. merging seeds) reuses it
+            if args.retrain or not cached.is_file():
+                cached.write_text(json.dumps(decode_validation(args.store, args.target, Path(run["train"]["checkpoint"]), val_fraction=args.val_fraction,
+                                                               split_seed=args.split_seed, prompts=args.val_prompts, tokens=args.val_tokens)))
+            run["val_tau"] = json.loads(cached.read_text())
             print(run["trainer"], run["method"], seed, "tau val", run["val_tau"]["tau"], flush=True)
         if args.suite:
             taus = suite_taus(args, {f"{r['trainer']}/{r['method']}": r["train"]["checkpoint"] for r in trained}, out / f"eval-seed{seed}")
@@ -210,18 +220,19 @@ def main() -> None:
             for run in trained:
                 run["suite_tau"] = {}
         runs += trained
-        result = {"protocol": protocol, "runs": runs, "summary": summarize(runs)}
-        results.parent.mkdir(parents=True, exist_ok=True)
-        results.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    if args.train_only:
-        return
-    tokens = {run["train"]["tokens"] for run in runs}
-    result["protocol"]["equal_tokens"] = len(tokens) == 1
-    result["protocol"]["tokens_seen"] = sorted(tokens)
+        write_results(results, {"protocol": protocol, "runs": runs, "summary": summarize(runs), "failures": failures})
+
+
+def write_results(results: Path, result: dict) -> None:
+    """JSON, Markdown and PNG of the runs so far (written after every seed, so a cut-short run leaves its finished seeds)."""
+    seen = {trainer: sorted({r["train"]["tokens"] for r in result["runs"] if r["trainer"] == trainer}) for trainer in ("ours", "peer")}
+    # ours count tokens exactly; the peer's are its step records' tokens/s x step time, rounded per step
+    result["protocol"].update(equal_tokens=len(seen["ours"]) == 1, tokens_seen=seen)
+    results.parent.mkdir(parents=True, exist_ok=True)
     results.with_suffix(".json").write_text(json.dumps(result, indent=1))
     results.with_suffix(".md").write_text(markdown(result))
     plot(result, results.with_suffix(".png"))
-    print(markdown(result))
+    print(markdown(result), flush=True)
 
 
 if __name__ == "__main__":
