@@ -165,6 +165,9 @@ def main() -> None:
     parser.add_argument("--suite", default="domains", help="`specdraft eval --suite` prompts ('' to skip)")
     parser.add_argument("--limit-per-domain", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--ours-flags", default="--dtype fp32",
+                        help="further `specdraft train` flags of every run of ours (default: one compute dtype for all, not each run's own "
+                        "`auto` timing, which two runs measuring at once can settle differently)")
     parser.add_argument("--retrain", action="store_true", help="redo runs already finished under --out")
     parser.add_argument("--train-only", action="store_true", help="stop after training every run")
     args = parser.parse_args()
@@ -182,7 +185,7 @@ def main() -> None:
     protocol = {"store": args.store, "methods": methods, "peer_methods": peers, "seeds": seeds, "epochs": args.epochs,
                 "train_samples": len(split.train), "val_samples": len(split.val), "train_tokens_per_epoch": sum(dataset.lengths()[i] for i in split.train),
                 "val_prompts": args.val_prompts, "val_tokens": args.val_tokens, "suite": args.suite, "limit_per_domain": args.limit_per_domain,
-                "max_new_tokens": args.max_new_tokens, "threads": args.threads, "peer_anchors": args.peer_anchors,
+                "max_new_tokens": args.max_new_tokens, "threads": args.threads, "peer_anchors": args.peer_anchors, "ours_flags": args.ours_flags,
                 "decode": "greedy, full-block verification, specdraft runtime", "command": " ".join(["benchmarks/method_compare.py", *sys.argv[1:]]),
                 "peer_version": subprocess.run([str(INTEROP_PYTHON), "-c", "import importlib.metadata as m; print(m.version('speculators'))"],
                                                capture_output=True, text=True).stdout.strip()}
@@ -192,7 +195,7 @@ def main() -> None:
         base = out / f"seed{seed}"
         trained: list[dict] = []
         for method in methods:
-            ours_args = argparse.Namespace(**vars(args), ours_flags=f"--seed {seed} --decode-prompts 0 --eval-interval 0")  # decoded below
+            ours_args = argparse.Namespace(**vars(args), ours_flags=f"--seed {seed} --decode-prompts 0 --eval-interval 0 {args.ours_flags}")  # decoded below
             ours = train_ours(method, ours_args, base / f"ours-{method}")
             trained.append({"seed": seed, "method": method, "trainer": "ours", "train": ours, "teacher_forced": teacher_forced(base / f"ours-{method}")})
             print(json.dumps(trained[-1]["train"]), flush=True)
