@@ -195,7 +195,7 @@ def main() -> None:
         base = out / f"seed{seed}"
         trained: list[dict] = []
         for method in methods:
-            ours_args = argparse.Namespace(**vars(args), ours_flags=f"--seed {seed} --decode-prompts 0 --eval-interval 0 {args.ours_flags}")  # decoded below
+            ours_args = argparse.Namespace(**{**vars(args), "ours_flags": f"--seed {seed} --decode-prompts 0 --eval-interval 0 {args.ours_flags}"})  # decoded below
             ours = train_ours(method, ours_args, base / f"ours-{method}")
             trained.append({"seed": seed, "method": method, "trainer": "ours", "train": ours, "teacher_forced": teacher_forced(base / f"ours-{method}")})
             print(json.dumps(trained[-1]["train"]), flush=True)
@@ -208,11 +208,19 @@ def main() -> None:
                     print(failures[-1], flush=True)
         if args.train_only:
             continue
-        for run in trained:
+        for run in list(trained):
             cached = base / f"val-{run['trainer']}-{run['method']}.json"  # one per checkpoint: a rerun (e.g. merging seeds) reuses it
             if args.retrain or not cached.is_file():
-                cached.write_text(json.dumps(decode_validation(args.store, args.target, Path(run["train"]["checkpoint"]), val_fraction=args.val_fraction,
-                                                               split_seed=args.split_seed, prompts=args.val_prompts, tokens=args.val_tokens)))
+                try:
+                    decoded = decode_validation(args.store, args.target, Path(run["train"]["checkpoint"]), val_fraction=args.val_fraction,
+                                                split_seed=args.split_seed, prompts=args.val_prompts, tokens=args.val_tokens)
+                except Exception as failed:  # a peer checkpoint we cannot read is a result too; ours must decode
+                    if run["trainer"] == "ours":
+                        raise
+                    failures.append({"seed": seed, "method": run["method"], "trainer": "peer", "error": f"decoding: {failed!r}"})
+                    trained.remove(run)
+                    continue
+                cached.write_text(json.dumps(decoded))
             run["val_tau"] = json.loads(cached.read_text())
             print(run["trainer"], run["method"], seed, "tau val", run["val_tau"]["tau"], flush=True)
         if args.suite:
