@@ -91,8 +91,10 @@ def markdown(result: dict) -> str:
     p = result["protocol"]
     lines = [f"# {' vs '.join(p['methods'])} at equal training tokens (seeds {', '.join(map(str, p['seeds']))})", "",
              f"Store `{p['store']}`: {p['train_samples']} training / {p['val_samples']} validation samples (split by conversation), "
-             f"{p['train_tokens_per_epoch']} training tokens per epoch, {p['epochs']} epoch(s): every run below trains on "
-             f"{p['train_tokens_per_epoch'] * p['epochs']} tokens. Decoded greedily by specdraft's runtime, full-block verification: "
+             f"{p['train_tokens_per_epoch']} training tokens per epoch; "
+             + (f"every run {p['max_steps']} optimizer steps of one 2048-token packed row (train tokens per run in the table). " if p.get("max_steps")
+                else f"{p['epochs']} epoch(s): every run trains on {p['train_tokens_per_epoch'] * p['epochs']} tokens. ")
+             + f"Decoded greedily by specdraft's runtime, full-block verification: "
              f"tau val = {p['val_prompts']} validation prompts x {p['val_tokens']} tokens; tau suite = `--suite {p['suite']} "
              f"--limit-per-domain {p['limit_per_domain']} --max-new-tokens {p['max_new_tokens']}`. "
              f"Peer: speculators {p['peer_version']} trainer. {p['threads']} torch threads.", "", f"    {p['command']}", ""]
@@ -134,7 +136,7 @@ def plot(result: dict, path: Path) -> str | None:
     ax.set_xticks(range(len(rows)), labels)
     ax.set_ylim(1.0, max([r.get(k, {}).get("mean", 1) for r in rows for k in ("tau_val", "tau_suite")] + [1.1]) * 1.05)
     ax.set_ylabel("decoded tau (greedy)")
-    ax.set_title(f"equal training tokens ({result['protocol']['train_tokens_per_epoch'] * result['protocol']['epochs']}), seeds = dots")
+    ax.set_title(f"equal training tokens ({', '.join(map(str, result['protocol']['tokens_seen']['ours']))}), seeds = dots")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -154,6 +156,8 @@ def main() -> None:
     parser.add_argument("--peer-methods", default="dflash2", help="methods also trained by speculators' trainer ('' for none)")
     parser.add_argument("--seeds", default="0,1", help="training seeds (ours: --seed; the peer: --seed)")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the training split, every run")
+    parser.add_argument("--max-steps", type=int, default=0, help="instead of --epochs: this many optimizer steps of one 2048-token packed row, "
+                        "every run (ours: --max-steps, the peer: its --max-steps; the schedule spans them)")
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--peer-anchors", choices=["matched", "default"], default="matched",
@@ -183,7 +187,7 @@ def main() -> None:
     out = Path(args.out)
     results = Path(args.results) if args.results else out / "method_compare"
     protocol = {"store": args.store, "methods": methods, "peer_methods": peers, "seeds": seeds, "epochs": args.epochs,
-                "train_samples": len(split.train), "val_samples": len(split.val), "train_tokens_per_epoch": sum(dataset.lengths()[i] for i in split.train),
+                "train_samples": len(split.train), "val_samples": len(split.val), "train_tokens_per_epoch": sum(dataset.lengths()[i] for i in split.train), "max_steps": args.max_steps,
                 "val_prompts": args.val_prompts, "val_tokens": args.val_tokens, "suite": args.suite, "limit_per_domain": args.limit_per_domain,
                 "max_new_tokens": args.max_new_tokens, "threads": args.threads, "peer_anchors": args.peer_anchors, "ours_flags": args.ours_flags,
                 "decode": "greedy, full-block verification, specdraft runtime", "command": " ".join(["benchmarks/method_compare.py", *sys.argv[1:]]),
@@ -191,11 +195,12 @@ def main() -> None:
                                                capture_output=True, text=True).stdout.strip()}
     runs: list[dict] = []
     failures: list[dict] = []
+    steps = f"--max-steps {args.max_steps}" if args.max_steps else ""
     for seed in seeds:
         base = out / f"seed{seed}"
         trained: list[dict] = []
         for method in methods:
-            ours_args = argparse.Namespace(**{**vars(args), "ours_flags": f"--seed {seed} --decode-prompts 0 --eval-interval 0 {args.ours_flags}"})  # decoded below
+            ours_args = argparse.Namespace(**{**vars(args), "ours_flags": f"--seed {seed} --decode-prompts 0 --eval-interval 0 {steps} {args.ours_flags}"})  # decoded below
             ours = train_ours(method, ours_args, base / f"ours-{method}")
             trained.append({"seed": seed, "method": method, "trainer": "ours", "train": ours, "teacher_forced": teacher_forced(base / f"ours-{method}")})
             print(json.dumps(trained[-1]["train"]), flush=True)

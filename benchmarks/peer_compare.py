@@ -103,7 +103,7 @@ def train_peer(method: str, args: argparse.Namespace, out: Path, ours: dict) -> 
             vocab = ["--draft-vocab-size", flags[at + 1]]
             del flags[at:at + 2]
         cmd = [str(INTEROP_PYTHON), str(ROOT / "benchmarks/peer_trainer.py"), "--store", args.store, "--target", args.target,
-               "--method", method, "--epochs", str(args.epochs), "--out", str(out), "--data-dir", str(Path(args.out) / "peer-data"),
+               "--method", method, "--epochs", str(args.epochs), *(["--steps", str(args.max_steps)] if getattr(args, "max_steps", 0) else []), "--out", str(out), "--data-dir", str(Path(args.out) / "peer-data"),
                "--val-fraction", str(args.val_fraction), "--split-seed", str(args.split_seed), *vocab,
                "--extra", " ".join(flags)]
         wall = run_logged(cmd, out.with_suffix(".log"), args.threads, args.lock)
