@@ -109,7 +109,7 @@ def markdown(result: dict) -> str:
                      f"{r['val_tau']['tau']:.3f} | " + (f"{s['overall']:.3f}" if "overall" in s else "-") + " | "
                      + (f"{tf[tf_key]:.3f}" if tf_key else "-") + " | "
                      + " | ".join(f"{s['per_domain'][d]:.3f}" if d in s.get("per_domain", {}) else "-" for d in domains) + " |")
-    lines += [""] * bool(result.get("failures")) + [f"- peer {f['method']} seed {f['seed']} failed: {f['error']}" for f in result.get("failures", [])]
+    lines += [""] * bool(result.get("failures")) + [f"- {f['trainer']} {f['method']} seed {f['seed']} missing: {f['error']}" for f in result.get("failures", [])]
     lines += ["", "Mean over seeds (+- half the range):", "", "| method | trainer | tau val (decoded) | tau suite (decoded) |", "| --- | --- | ---: | ---: |"]
     for row in result["summary"]:
         cell = lambda k: f"{row[k]['mean']:.3f} +- {row[k]['spread']:.3f}" if k in row else "-"  # noqa: E731
@@ -173,6 +173,8 @@ def main() -> None:
                         help="further `specdraft train` flags of every run of ours (default: one compute dtype for all, not each run's own "
                         "`auto` timing, which two runs measuring at once can settle differently)")
     parser.add_argument("--retrain", action="store_true", help="redo runs already finished under --out")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="report only the validation decodes earlier runs finished (list the rest): what a cut-short run leaves")
     parser.add_argument("--train-only", action="store_true", help="stop after training every run")
     args = parser.parse_args()
 
@@ -215,6 +217,10 @@ def main() -> None:
             continue
         for run in list(trained):
             cached = base / f"val-{run['trainer']}-{run['method']}.json"  # one per checkpoint: a rerun (e.g. merging seeds) reuses it
+            if args.cached_only and not cached.is_file():
+                failures.append({"seed": seed, "method": run["method"], "trainer": run["trainer"], "error": "not decoded (--cached-only)"})
+                trained.remove(run)
+                continue
             if args.retrain or not cached.is_file():
                 try:
                     decoded = decode_validation(args.store, args.target, Path(run["train"]["checkpoint"]), val_fraction=args.val_fraction,
