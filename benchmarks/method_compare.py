@@ -95,20 +95,22 @@ def markdown(result: dict) -> str:
              + (f"every run {p['max_steps']} optimizer steps of one 2048-token packed row (train tokens per run in the table). " if p.get("max_steps")
                 else f"{p['epochs']} epoch(s): every run trains on {p['train_tokens_per_epoch'] * p['epochs']} tokens. ")
              + f"Decoded greedily by specdraft's runtime, full-block verification: "
-             f"tau val = {p['val_prompts']} validation prompts x {p['val_tokens']} tokens; tau suite = `--suite {p['suite']} "
-             f"--limit-per-domain {p['limit_per_domain']} --max-new-tokens {p['max_new_tokens']}`. "
+             f"tau val = the first {p['val_prompts']} validation prompts (all of them when fewer) x {p['val_tokens']} tokens; "
+             + (f"tau suite = `--suite {p['suite']} --limit-per-domain {p['limit_per_domain']} --max-new-tokens {p['max_new_tokens']}`. " if p["suite"]
+                else "no suite in this run. ")
+             + f"
              f"Peer: speculators {p['peer_version']} trainer. {p['threads']} torch threads.", "", f"    {p['command']}", ""]
     domains = sorted({d for r in result["runs"] for d in r["suite_tau"].get("per_domain", {})})
-    lines += ["| method | trainer | seed | steps | train tokens | tokens/s | tau val (decoded) | tau suite (decoded) | tau val (teacher-forced) | "
-              + " | ".join(domains) + " |", "| --- | --- | ---: |" + " ---: |" * (6 + len(domains))]
+    lines += ["| method | trainer | seed | steps | train tokens | tokens/s | tau val (decoded) | rounds | tau suite (decoded) | tau val (teacher-forced) |"
+              + "".join(f" {d} |" for d in domains), "| --- | --- | ---: |" + " ---: |" * (7 + len(domains))]
     for r in result["runs"]:
         t, s = r["train"], r["suite_tau"]
         tf = r.get("teacher_forced", {})
         tf_key = "tau_teacher_forced" if "tau_teacher_forced" in tf else None
-        lines.append(f"| {r['method']} | {r['trainer']} | {r['seed']} | {t['steps']} | {t['tokens']} | {t['tokens_per_s']:.0f} | "
-                     f"{r['val_tau']['tau']:.3f} | " + (f"{s['overall']:.3f}" if "overall" in s else "-") + " | "
-                     + (f"{tf[tf_key]:.3f}" if tf_key else "-") + " | "
-                     + " | ".join(f"{s['per_domain'][d]:.3f}" if d in s.get("per_domain", {}) else "-" for d in domains) + " |")
+        lines.append(f"| {r['method']} | {r['trainer']} | {r['seed']} | {t['steps']} | {int(t['tokens'])} | {t['tokens_per_s']:.0f} | "
+                     f"{r['val_tau']['tau']:.3f} | {r['val_tau'].get('rounds', '-')} | " + (f"{s['overall']:.3f}" if "overall" in s else "-") + " | "
+                     + (f"{tf[tf_key]:.3f}" if tf_key else "-") + " |"
+                     + "".join(f" {s['per_domain'][d]:.3f} |" if d in s.get("per_domain", {}) else " - |" for d in domains))
     lines += [""] * bool(result.get("failures")) + [f"- {f['trainer']} {f['method']} seed {f['seed']} missing: {f['error']}" for f in result.get("failures", [])]
     lines += ["", "Mean over seeds (+- half the range):", "", "| method | trainer | tau val (decoded) | tau suite (decoded) |", "| --- | --- | ---: | ---: |"]
     for row in result["summary"]:
