@@ -98,8 +98,7 @@ def markdown(result: dict) -> str:
              f"tau val = the first {p['val_prompts']} validation prompts (all of them when fewer) x {p['val_tokens']} tokens; "
              + (f"tau suite = `--suite {p['suite']} --limit-per-domain {p['limit_per_domain']} --max-new-tokens {p['max_new_tokens']}`. " if p["suite"]
                 else "no suite in this run. ")
-             + f"
-             f"Peer: speculators {p['peer_version']} trainer. {p['threads']} torch threads.", "", f"    {p['command']}", ""]
+             + f"Peer: speculators {p['peer_version']} trainer. {p['threads']} torch threads.", "", f"    {p['command']}", ""]
     domains = sorted({d for r in result["runs"] for d in r["suite_tau"].get("per_domain", {})})
     lines += ["| method | trainer | seed | steps | train tokens | tokens/s | tau val (decoded) | rounds | tau suite (decoded) | tau val (teacher-forced) |"
               + "".join(f" {d} |" for d in domains), "| --- | --- | ---: |" + " ---: |" * (7 + len(domains))]
