@@ -1,12 +1,13 @@
-"""Head-to-head: specdraft's trainer against speculators 0.9.0's on one store (issue 16, item 4).
+"""Head-to-head: specdraft's trainer against speculators 0.9.0's on one store (issue 16, item 4; DFlash2: issue 29).
 
-For each method (DSpark, DFlash): ``specdraft train --config METHOD`` and the peer's own entry point
+For each method (by default every registered block drafter: DFlash, DFlash2, DSpark; ``peer_methods``): ``specdraft train --config METHOD`` and the peer's own entry point
 (``benchmarks/peer_trainer.py``: our store exported to its data by ``specdraft export-speculators``, its losses, optimizer and
 schedule) train on the same training samples for the same number of epochs, so both consume exactly
 the training split's tokens times ``--epochs`` (both pack whole samples into rows of at most
 2048 tokens and drop none; the step counts can differ by a row or two of packing). The draft shape
 is matched where both expose it: the peer gets our recipe's layers, block size, draft vocabulary (its
-d2t/t2d written from the counts ours uses) and, for DSpark, Markov rank. Anchors are counted
+d2t/t2d written from the counts ours uses), DSpark's Markov rank and DFlash2's convolution and selector shape
+(``integrations/speculators/data.py`` ``SHAPE_FLAGS``, keyed by our config fields). Anchors are counted
 differently: ours draws up to ``max_anchors`` (64) per *sample*, the peer ``--max-anchors`` (512) per
 packed 2048-token *row*; on regenerated ShareGPT rows (~14 samples) ours drew 704-753 blocks a step,
 so ``--peer-anchors matched`` (default) gives the peer our run's mean blocks per step, equal
@@ -95,12 +96,15 @@ def train_peer(method: str, args: argparse.Namespace, out: Path, ours: dict) -> 
     summary = out / "summary.json"
     wall = None
     if args.retrain or not summary.is_file():
-        flags = peer_flags(method, args, ours)
-        vocab = flags.pop(flags.index("--draft-vocab-size") + 1)
-        flags.remove("--draft-vocab-size")
+        flags = peer_flags(method, args, ours) + shlex.split(getattr(args, "peer_flags", ""))
+        vocab = []  # peer_trainer builds the peer's d2t/t2d from our counts (DFlash2 has none: the full vocabulary)
+        if "--draft-vocab-size" in flags:
+            at = flags.index("--draft-vocab-size")
+            vocab = ["--draft-vocab-size", flags[at + 1]]
+            del flags[at:at + 2]
         cmd = [str(INTEROP_PYTHON), str(ROOT / "benchmarks/peer_trainer.py"), "--store", args.store, "--target", args.target,
-               "--method", method, "--epochs", str(args.epochs), "--out", str(out), "--data-dir", str(Path(args.out) / "peer-data"),
-               "--val-fraction", str(args.val_fraction), "--split-seed", str(args.split_seed), "--draft-vocab-size", vocab,
+               "--method", method, "--epochs", str(args.epochs), *(["--steps", str(args.max_steps)] if getattr(args, "max_steps", 0) else []), "--out", str(out), "--data-dir", str(Path(args.out) / "peer-data"),
+               "--val-fraction", str(args.val_fraction), "--split-seed", str(args.split_seed), *vocab,
                "--extra", " ".join(flags)]
         wall = run_logged(cmd, out.with_suffix(".log"), args.threads, args.lock)
     facts = json.loads(summary.read_text())
@@ -113,22 +117,25 @@ def defaults(method: str, args: argparse.Namespace, ours_dir: Path, peer_dir: Pa
     """(setting, ours, peer) for the training choices left at each trainer's own value."""
     import yaml
 
+    from specdraft.integrations.speculators.data import loss_summary
+
     ours = yaml.safe_load((ours_dir / "config.resolved.yaml").read_text())
     run_yaml = yaml.safe_load((peer_dir / "run" / "run.yaml").read_text())["train"]
     peer = _peer_resolved(run_yaml)
     model = ours["model"]
     weighting = model.get("position_weighting", "exp")
-    ours_loss = {"dspark": "0.1 CE + 0.9 L1 + 1.0 BCE (confidence)", "dflash": "CE (hard target argmax)"}[method] + (
+    ours_loss = loss_summary(model) + (
         f", exp(-k/{model.get('loss_gamma') or 'gamma'}) position weights" if weighting == "exp" else f", {weighting} position weights")
+    peer_terms = "".join(f", {term}" for term in [loss_summary(model, peer)] if term)
     return [
         ("optimizer", f"{ours.get('optimizer', 'adamw')} lr {ours['lr']}, wd {ours['weight_decay']}, betas {ours['betas']}",
          f"{peer['optimizer']} lr {peer['lr']} (muon_lr {peer['muon_lr']}), wd {peer['weight_decay']}, muon wd {peer['muon_weight_decay']}"),
         ("schedule", f"{ours['warmup_ratio']:.0%} warm-up, cosine", f"{peer['scheduler_type']}, warm-up {peer['scheduler_warmup_steps'] or peer['scheduler_warmup_ratio'] or '1% of steps'}"),
         ("loss", ours_loss, f"{peer['loss_fn']}, {peer['per_position_loss_weight']} position weights (gamma {peer['dflash_decay_gamma']})"
-         + (f", confidence BCE x{peer['confidence_head_alpha']}" if method == "dspark" else "")),
+         + peer_terms),
         ("anchors", f"up to {model['max_anchors']} per sample ({model.get('anchor_sampling')})", f"{peer['max_anchors']} per packed row"),
         ("warm start", f"draft layers from target: {ours['init_from_target']}, fc {ours['fc_init']}"
-         + (f", Markov {ours['markov_init']}" if method == "dspark" else ""), "random init (embeddings/lm_head from the verifier)"),
+         + (f", Markov {ours['markov_init']}" if "markov_rank" in model else ""), "random init (embeddings/lm_head from the verifier)"),
         ("draft head", f"{'trained' if model.get('train_draft_head', True) else 'frozen'}, from the target head's rows",
          "frozen, the verifier head's rows"),
         ("compute dtype", str(ours["dtype"]), f"autocast {peer['hidden_states_dtype']}"),
@@ -186,11 +193,14 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
+    from specdraft.integrations.speculators.data import peer_methods
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, help="specdraft hidden-state store holding the methods' slots")
     parser.add_argument("--target", default=None, help="the target's Hugging Face directory (default: the one the store recorded)")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--methods", default="dspark,dflash")
+    parser.add_argument("--methods", default=",".join(peer_methods()),
+                        help="methods to compare (default: every registered block drafter, integrations/speculators/data.py peer_methods)")
     parser.add_argument("--epochs", type=int, default=2, help="passes over the training split, both trainers (our recipes' 2)")
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--split-seed", type=int, default=0)

@@ -117,10 +117,12 @@ def install_cpu_harness() -> bool:
 
 
 def main() -> None:
+    from specdraft.integrations.speculators.data import peer_methods
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, help="specdraft hidden-state store (its layers are the drafter's)")
     parser.add_argument("--target", required=True, help="the target's Hugging Face directory (the peer's --verifier-name-or-path)")
-    parser.add_argument("--method", default="dspark", choices=["dspark", "dflash"], help="the peer's --speculator-type")
+    parser.add_argument("--method", default="dspark", choices=peer_methods(), help="the peer's --speculator-type (a registered block drafter)")
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps (the peer's --max-steps; 0 = as many as --epochs take)")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the training rows (the peer's --epochs)")
     parser.add_argument("--out", required=True, help="work directory: data/ (converted), run/ (the peer's checkpoints), metrics.jsonl")

@@ -104,3 +104,57 @@ def test_peer_gets_our_shape_and_blocks_per_step():
         str(model["draft_vocab_size"]), "--markov-rank", str(model["markov_rank"]), "--max-anchors", "737"]
     dflash = trainer_flags(resolve_config("dflash").model)
     assert "--markov-rank" not in dflash and "--max-anchors" not in dflash and dflash[dflash.index("--block-size") + 1] == "8"
+
+
+def test_peer_methods_are_the_registered_block_drafters(monkeypatch):
+    """peer_compare/peer_trainer's method list is read from the method registry (DFlash2 included): a block drafter
+    registered later joins it without being named anywhere, a chain drafter (EAGLE-3) does not."""
+    import dataclasses
+
+    from specdraft.integrations.speculators.data import peer_methods
+    from specdraft.models import METHODS
+
+    assert {"dflash", "dflash2", "dspark"} <= set(peer_methods()) and "eagle3" not in peer_methods()
+    monkeypatch.setitem(METHODS._items, "toyblock", dataclasses.replace(METHODS.get("dflash2"), name="toyblock"))
+    monkeypatch.setitem(METHODS._items, "toychain", dataclasses.replace(METHODS.get("eagle3"), name="toychain"))
+    assert "toyblock" in peer_methods() and "toychain" not in peer_methods()
+
+
+def test_peer_gets_dflash2_convolution_and_selector_shape():
+    """DFlash2's recipe fields reach the peer under its own flag names (speculators' DFlash2Args); no reduced vocabulary."""
+    from specdraft.integrations.speculators.data import trainer_flags
+    from specdraft.train.config import resolve_config
+
+    model = resolve_config("dflash2").model
+    flags = trainer_flags(model)
+    pairs = dict(zip(flags[::2], flags[1::2]))
+    assert pairs == {"--num-layers": str(model["num_layers"]), "--block-size": str(model["block_size"]),
+                     "--conv-kernel-size": str(model["conv_kernel_size"]), "--conv-group-size": str(model["conv_group_size"]),
+                     "--selector-rank": str(model["selector_rank"]), "--selector-top-k": str(model["selector_top_k"]),
+                     "--selector-loss-alpha": str(model["selector_weight"])}
+
+
+def test_loss_summary_names_each_family_terms_and_the_peer_keys():
+    import dataclasses
+
+    from specdraft.integrations.speculators.data import loss_summary, peer_methods
+    from specdraft.models import METHODS
+
+    full = {name: dataclasses.asdict(METHODS.get(name).config_cls()) for name in peer_methods()}  # as config.resolved.yaml's model
+    assert loss_summary(full["dflash"]) == "CE (hard target argmax)"
+    assert loss_summary(full["dflash2"]) == "unary_loss kl, selector_weight 1.0"
+    assert loss_summary(full["dspark"]) == "ce_weight 0.1, l1_weight 0.9, bce_weight 1.0"
+    peer = {"confidence_head_alpha": 1.0, "selector_loss_alpha": 0.5}
+    assert loss_summary(full["dflash2"], peer) == "selector_loss_alpha 0.5" and loss_summary(full["dflash"], peer) == ""
+
+
+@pytest.mark.interop
+@needs_interop
+def test_the_peer_trainer_has_every_shape_flag():
+    """Each flag SHAPE_FLAGS maps to is one speculators 0.9.0's trainer accepts (its --help), DFlash2's included."""
+    from specdraft.integrations.speculators.data import SHAPE_FLAGS
+
+    done = subprocess.run([str(INTEROP_PYTHON), "-m", "speculators.train", "--help"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    missing = [flag for flag in SHAPE_FLAGS.values() if flag not in done.stdout]
+    assert not missing, missing

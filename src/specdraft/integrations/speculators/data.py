@@ -27,8 +27,35 @@ from specdraft.utils.config import config_field, require_finite
 
 DONE_FILE = "converted.json"
 #: Our model config field -> the speculators trainer flag that sets the same quantity (absent fields are skipped).
+#: Keys are the method configs' own field names, so a method's recipe selects its flags (DSpark's Markov rank, DFlash2's
+#: convolution and selector) without naming the method.
 SHAPE_FLAGS = {"num_layers": "--num-layers", "block_size": "--block-size", "draft_vocab_size": "--draft-vocab-size",
-               "markov_rank": "--markov-rank"}
+               "markov_rank": "--markov-rank", "conv_kernel_size": "--conv-kernel-size", "conv_group_size": "--conv-group-size",
+               "selector_rank": "--selector-rank", "selector_top_k": "--selector-top-k", "selector_weight": "--selector-loss-alpha"}
+
+
+#: Loss terms of our method configs (field names of the resolved recipe's ``model``; a method has the ones its config
+#: defines, DFlash none of them: hard-label CE) -> the peer's flattened config key weighting the same term, or None.
+LOSS_TERMS = {"unary_loss": None, "ce_weight": None, "l1_weight": None, "bce_weight": "confidence_head_alpha",
+              "selector_weight": "selector_loss_alpha"}
+
+
+def peer_methods() -> list[str]:
+    """The registered methods compared with speculators' trainer (``benchmarks/peer_compare.py``): the block drafters
+    (the DFlash family, each block drafted in one parallel pass), which the peer trains as the ``--speculator-type`` of
+    the same name from the data ``export_speculators_data`` writes. Read from the method registry, so a family is
+    compared once its ``MethodSpec`` is registered, without being named here."""
+    from specdraft.models import METHODS
+
+    return [name for name in METHODS if METHODS.get(name).proposer == "block"]
+
+
+def loss_summary(model: dict, peer: dict | None = None) -> str:
+    """Our resolved ``model`` config's loss terms, e.g. 'unary_loss kl, selector_weight 1.0'; with ``peer`` (the peer's
+    flattened config) its keys for the same terms instead."""
+    if peer is None:
+        return ", ".join(f"{key} {model[key]}" for key in LOSS_TERMS if key in model) or "CE (hard target argmax)"
+    return ", ".join(f"{peer_key} {peer[peer_key]}" for key, peer_key in LOSS_TERMS.items() if key in model and peer_key)
 
 
 def trainer_flags(model: dict, *, anchors_per_step: int | None = None) -> list[str]:
