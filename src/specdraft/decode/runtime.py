@@ -1,6 +1,6 @@
 """The speculative decoding loop over an HF causal LM: draft, verify with ONE target forward, commit.
 
-Batching without re-padding: every request is a row of one target KV cache (``DynamicCache``).
+Batching without re-padding: every request is a row of one target KV cache (``kv_cache.GrowingCache``).
 Rows accept different numbers of drafts per round, so instead of shifting caches the runtime
 keeps a boolean *validity mask* over cache columns and passes it as the attention mask: rejected
 drafts stay in the cache as masked-out "holes", position ids are tracked per row, and trailing
@@ -178,8 +178,9 @@ def build_proposer(config: DecodeConfig, target: Target | None = None) -> Propos
 def decoder_for_target(
     target: Target, *, config: DecodeConfig, sampling: SamplingConfig, scheduler: SchedulerConfig = SchedulerConfig()
 ) -> "SpeculativeDecoder":
-    """A decoder for a loaded ``Target``: builds the proposer and, when the verify policy needs it,
-    the target's SPS profile (measured once per target + device, then cached)."""
+    """A decoder for a loaded ``Target``: puts the target on its forward path (``config.forward_path``), builds
+    the proposer and, when the verify policy needs it, the target's SPS profile on that path (measured once
+    per target, device and path, then cached)."""
     forward_path = resolve_target_path(target, config.forward_path)  # first: proposers that price verify widths read SPS on it
     proposer = build_proposer(config, target)
     sps = None
