@@ -240,7 +240,6 @@ def size_eval(config: QuickstartConfig, target: Target, train_config: Any, *, fi
     costs = [DecoderCost(AUTOREGRESSIVE, round_seconds(sps, overhead_s=overhead)),
              DecoderCost("ngram", round_seconds(sps, overhead_s=overhead, verify_tokens=1 + defaults.num_draft_tokens))]
     drafters = {"drafter": fresh_drafter(train_config, target)}
-    costs.append(DecoderCost("drafter+ngram@scheduled", gated))  # the hybrid is gated like the drafter it contains
     if "reference@full" in eval_drafters(config, final):
         drafters["reference"] = load_drafter(reference_drafter(config.target), target=target)
     for name, drafter in drafters.items():
@@ -248,6 +247,8 @@ def size_eval(config: QuickstartConfig, target: Target, train_config: Any, *, fi
         costs.append(drafter_cost(f"{name}@full", proposer, sps, overhead_s=overhead, draft_dtype=defaults.draft_dtype,
                                   forward_path=defaults.forward_path))
         costs.append(DecoderCost(f"{name}@scheduled", gated))
+    full = next(c.round_s for c in costs if c.label == "drafter@full")
+    costs.append(DecoderCost("drafter+ngram", full))  # the hybrid at worst drafts and verifies a whole block every round
     prompts = load_prompts("quick", None, config.eval_prompts_per_domain)
     estimate = estimate_eval_seconds([len(p.token_ids(target.tokenizer)) for p in prompts], config.eval_max_new_tokens, costs, sps)
     reserve = estimate["seconds"] + EVAL_MARGIN_S
@@ -272,11 +273,11 @@ def fresh_drafter(train_config: Any, target: Target) -> Any:
 
 
 def eval_drafters(config: QuickstartConfig, final: Path) -> list[str]:
-    """ngram, the freshly trained drafter (full block, scheduled, and scheduled in its hybrid with prompt
-    lookup) and, when specdraft ships one for the target, the reference drafter with the scheduler."""
+    """ngram, the freshly trained drafter (full block, scheduled, and in its hybrid with prompt lookup, which
+    picks its own verify lengths) and, when specdraft ships one for the target, the reference drafter with the scheduler."""
     from specdraft.reference import REFERENCE_DRAFTERS
 
-    drafters = ["ngram", str(final), f"{final}@scheduled", f"{final}+ngram@scheduled"]
+    drafters = ["ngram", str(final), f"{final}@scheduled", f"{final}+ngram"]  # the hybrid picks its own verify lengths
     if config.compare_reference and config.target in REFERENCE_DRAFTERS:
         drafters += ["reference@full", "reference@scheduled"]
     return drafters
