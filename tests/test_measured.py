@@ -58,7 +58,8 @@ def test_dtype_auto_trains_in_the_measured_dtype(tmp_path, monkeypatch, bf16_sec
     monkeypatch.setattr(compute_dtype, "fastest_time", fake_fastest_time)
     real_autocast = step.autocast
     monkeypatch.setattr(step, "autocast", lambda name, device: autocast_dtypes.append(name) or real_autocast(name, device))
-    result = train(toy_config(tmp_path / "run", dtype="auto", max_steps=2), target=ToyTarget(), dataset=ToyStore())
+    # the path pinned: its own probe (tests/test_forward_path.py) would time fp32 steps before these
+    result = train(toy_config(tmp_path / "run", dtype="auto", max_steps=2, forward_path="eager"), target=ToyTarget(), dataset=ToyStore())
     assert len(timed) == 2 and result.completed
     # the probe's two steps (one per dtype), then the training steps: the same train_step, in the chosen dtype
     assert result.compute_dtype == expected and autocast_dtypes[:2] == ["fp32", "bf16"] and set(autocast_dtypes[2:]) == {expected}
