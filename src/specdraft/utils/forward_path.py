@@ -14,7 +14,6 @@ within ``LOGIT_TOLERANCE`` of eager, tested).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -25,23 +24,23 @@ from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
 from specdraft.utils.measured import Measurement, measured_choice
 
-log = logging.getLogger(__name__)
-
 AUTO = "auto"
 EAGER = "eager"
-#: Largest |logit - eager logit| a path may produce on the embedded target (fp32 reassociation; measured ~1e-4).
+#: Largest |logit - eager logit| a path may produce (fp32 reassociation; tests/test_forward_path.py holds tiny targets to it).
 LOGIT_TOLERANCE = 2e-3
 
 
 @dataclass(frozen=True)
 class ForwardPath:
     """One way to execute a model's forward: whether it applies to (device, parameter dtype), and how to
-    switch a model onto it (``install``) and back (``uninstall``); both are idempotent and in place."""
+    switch a model onto it (``install``) and back (``uninstall``); both are idempotent and in place.
+    ``installed`` says whether a model holds modules of this path (eager installs none)."""
 
     name: str
     applies: Callable[[torch.device, torch.dtype], bool]
     install: Callable[[nn.Module], None]
     uninstall: Callable[[nn.Module], None]
+    installed: Callable[[nn.Module], bool] = lambda model: False
 
 
 FORWARD_PATHS: Registry[ForwardPath] = Registry("forward path")
@@ -92,7 +91,8 @@ def _prepacked_applies(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 FORWARD_PATHS.register(EAGER)(ForwardPath(EAGER, lambda device, dtype: True, lambda model: None, lambda model: None))
-FORWARD_PATHS.register("prepacked")(ForwardPath("prepacked", _prepacked_applies, _install_prepacked, _uninstall_prepacked))
+FORWARD_PATHS.register("prepacked")(ForwardPath("prepacked", _prepacked_applies, _install_prepacked, _uninstall_prepacked,
+                                                 lambda model: any(type(m) is PrepackedLinear for m in model.modules())))
 
 
 def path_choices() -> list[str]:
@@ -106,7 +106,7 @@ def applicable_paths(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 def current_path(model: nn.Module) -> str:
     """The path a model runs on now (eager unless a path installed modules of its own)."""
-    return "prepacked" if any(type(m) is PrepackedLinear for m in model.modules()) else EAGER
+    return next((name for name in FORWARD_PATHS.names() if FORWARD_PATHS.get(name).installed(model)), EAGER)
 
 
 def use_path(model: nn.Module, name: str) -> None:
