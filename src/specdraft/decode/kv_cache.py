@@ -1,7 +1,6 @@
 """The runtime's target KV cache: HF's ``DynamicCache`` semantics, without a copy of the whole cache per forward.
 
-``DynamicLayer.update`` concatenates, so every forward copies each layer's whole K/V: at a
-256-token context that was ~10% of a 1-token step of the embedded target on 2 CPU cores, and it
+``DynamicLayer.update`` concatenates, so every forward copies each layer's whole K/V, a cost that
 grows with the context. Here each layer writes new columns into a buffer with spare capacity
 (grown by doubling) and hands attention a view of the filled part; ``crop`` and batch selection
 keep the buffer. Keys and values are the same tensors a ``DynamicCache`` would return, so outputs
