@@ -15,11 +15,17 @@ from specdraft.cli.main import load_plugins
 
 load_plugins()  # the integrations and the decoding runtime register from above, as under the CLI
 
-TINY_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "mistral", "deepseek_v3", "glm4_moe", "gpt_oss", "gemma4_text")
+TINY_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "mistral", "deepseek_v3", "glm4_moe", "gpt_oss", "gemma4_text",
+                 "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear")
 #: few small experts, one dense layer first (DeepSeek/GLM), MLA with 32-wide rope and nope parts
 MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
            n_shared_experts=1)
 MLA = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
+#: the linear-attention layers of the hybrids: 2 gated-delta-net heads of 32 (Qwen3-Next / Qwen3.5), 2 KDA heads of 32 (Kimi)
+GATED_DELTA = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32)
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+KIMI = dict(linear_num_heads=2, linear_head_dim=32, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            n_group=1, topk_group=1, **MLA)
 
 
 def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "llama", num_layers: int = 6, seed: int = 0, **extra) -> Path:
@@ -58,11 +64,24 @@ def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "
         "gpt_oss": lambda: transformers.GptOssConfig(**{"sliding_window": 64, **common}, num_local_experts=4, num_experts_per_tok=2),
         "gemma4_text": lambda: transformers.Gemma4TextConfig(**{"sliding_window": 64, **common}, hidden_size_per_layer_input=16,
                                                             vocab_size_per_layer_input=common["vocab_size"], per_layer_config={}),
+        # hybrids: the configs' own layer_types (3 of 4 layers linear attention, the 4th or 5th full attention)
+        "qwen3_next": lambda: transformers.Qwen3NextConfig(**common, **GATED_DELTA, **QWEN_MOE),
+        "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**common, **GATED_DELTA),
+        "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(**common, **GATED_DELTA, **QWEN_MOE),
+        "kimi_linear": lambda: transformers.KimiLinearConfig(**common, **KIMI),
     }
     common.update(extra)
     config = configs[family]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        # HF zero-initialises the pad token's embedding row; a chat template uses that token, and until a full-attention
+        # layer mixes in other tokens, linear-attention and MoE layers map a zero row to a zero row, which extraction
+        # rightly refuses as a degenerate capture. A trained model's rows are never zero: give the row random values.
+        with torch.no_grad():
+            embed = model.get_input_embeddings().weight
+            zero = embed.abs().amax(-1) == 0
+            embed[zero] = torch.randn(int(zero.sum()), embed.shape[1]) * float(embed[~zero].std())
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     for name in TOKENIZER_FILES:

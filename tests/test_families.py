@@ -1,7 +1,8 @@
 """Every supported target family end to end, on a tiny random model of its own HF config class.
 
 Per family (``conftest.TINY_FAMILIES``: Llama, Qwen3, Qwen3-MoE, Gemma 3, Mistral, DeepSeek-V3 (MLA + MoE),
-GLM-4.5 (MoE, partial RoPE), gpt-oss (sinks, alternating windows, MoE), Gemma 4; hidden 64, heads of 32):
+GLM-4.5 (MoE, partial RoPE), gpt-oss (sinks, alternating windows, MoE), Gemma 4, and the linear-attention hybrids
+Qwen3-Next, Qwen3.5, Qwen3.5-MoE and Kimi-Linear (recurrent states rolled back per row); hidden 64, heads of 32):
 prepare -> extract (stored states == HF ``output_hidden_states`` at the declared layers, the last layer
 included) -> train a DFlash drafter a few steps (and DSpark) -> decode greedy exact (batched, with the
 trained drafter, and with drafts rejected at random positions) and sampled exact
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MLA, MOE, TINY_FAMILIES, build_tiny_target_dir
+from conftest import GATED_DELTA, KIMI, MLA, MOE, QWEN_MOE, TINY_FAMILIES, build_tiny_target_dir
 from specdraft.errors import SpecdraftError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ VLLM_PYTHON = ROOT / ".venv-vllm/bin/python"
 WINDOW = 8
 EXTRA = {f: {"sliding_window": WINDOW} for f in ("gemma3", "mistral", "gpt_oss", "gemma4_text")}
 #: families whose HF MoE (grouped expert matmul) has no float64 kernel: their exactness tests run in float32
-FLOAT32_ONLY = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+FLOAT32_ONLY = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", "kimi_linear")
 DFLASH = {"num_layers": 1, "block_size": 4, "max_anchors": 8, "intermediate_size": 64}
 DRAFTERS = {"dflash": DFLASH, "dspark": {**DFLASH, "markov_rank": 16}}
 GEMMA_TEMPLATE = (
@@ -248,11 +249,14 @@ def test_greedy_decoding_with_the_trained_drafter_is_exact(runs, family):
 
 
 SLIDE = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"])
+HYBRID = dict(layer_types=["linear_attention", "full_attention"])
 SAMPLED_EXTRA = {"gemma3": dict(query_pre_attn_scalar=32, **SLIDE), "mistral": dict(sliding_window=3),
                  "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
                  "deepseek_v3": dict(num_key_value_heads=2, **{**MOE, **MLA}), "glm4_moe": MOE,
                  "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, **SLIDE),
-                 "gemma4_text": dict(hidden_size_per_layer_input=16, per_layer_config={}, **SLIDE)}
+                 "gemma4_text": dict(hidden_size_per_layer_input=16, per_layer_config={}, **SLIDE),
+                 "qwen3_next": dict(**GATED_DELTA, **QWEN_MOE, **HYBRID), "qwen3_5_text": dict(**GATED_DELTA, **HYBRID),
+                 "qwen3_5_moe_text": dict(**GATED_DELTA, **QWEN_MOE, **HYBRID), "kimi_linear": dict(**{**KIMI, **HYBRID}, num_key_value_heads=2)}
 
 
 def tiny_family_model(family: str, vocab: int, seed: int):
@@ -343,7 +347,10 @@ job = json.load(open(sys.argv[1]))
 out = {}
 for model_type, arch in job["claims"].items():
     cls = ModelRegistry._try_load_model_cls(arch)
-    ours = lambda c: inspect.isclass(c) and c.__module__.startswith("vllm.model_executor.models")
+    if cls is None:  # the module does not import in this build
+        out[model_type] = {"eagle3": None, "convention": None}
+        continue
+    ours = lambda c: inspect.isclass(c) and c.__module__.startswith(("vllm.model_executor.models", "vllm.models."))
     modules = {inspect.getmodule(c) for c in cls.__mro__ if ours(c)}
     # the decoder stacks those modules use (Qwen3Model subclasses qwen2.py's Qwen2Model)
     modules |= {inspect.getmodule(b) for m in list(modules) for c in vars(m).values() if ours(c) and c.__name__.endswith("Model")
@@ -356,7 +363,10 @@ for model_type, arch in job["claims"].items():
     before_each = (r"if idx in self\.aux_hidden_state_layers:\s*aux_hidden_state = hidden_states \+ residual[\s\S]{0,600}?"
                    r"hidden_states, residual = layer\([\s\S]*?if self\.end_layer in self\.aux_hidden_state_layers:\s*"
                    r"aux_hidden_states\.append\(hidden_states \+ residual\)")
-    convention = bool(re.search(first, source) and re.search(after, source) or re.search(before_each, source))
+    # or, as kimi_k3's model writes it, start_layer tested and (layer_idx + 1) tested after layer layer_idx ran
+    listed = (r"self\.start_layer in self\.aux_hidden_state_layers[\s\S]{0,400}?aux_hidden_states\.append\(hidden_states \+ residual\)"
+              r"[\s\S]*?hidden_states, [\w, ]*residual = layer\([\s\S]{0,300}?if \(layer_idx \+ 1\) in self\.aux_hidden_state_layers:")
+    convention = bool(re.search(first, source) and re.search(after, source) or re.search(before_each, source) or re.search(listed, source))
     out[model_type] = {"eagle3": bool(supports_eagle3(cls)), "convention": convention}
 print("RESULT " + json.dumps({"claims": out}), flush=True)  # kept if a load below fails
 import torch
@@ -368,11 +378,12 @@ from vllm.model_executor.model_loader import get_model
 # what vLLM's CPU model runner does before loading: no accelerator calls on a CPU-only host
 torch.accelerator.synchronize = lambda *a, **k: None
 torch.accelerator.empty_cache = lambda *a, **k: None
-configs = {}
-for family, paths in job["load"].items():
+def engine_config(paths):
     args = EngineArgs(model=paths["target"], dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=2,
                       speculative_config={"method": "dflash", "model": paths["drafter"], "num_speculative_tokens": 3})
-    configs[family] = args.create_engine_config()
+    return args.create_engine_config()
+
+configs = {family: engine_config(paths) for family, paths in job["load"].items()}
 # one process group for all: set up under a MoE config when there is one (dense configs create no expert group)
 first = next((c for c in configs.values() if c.model_config.is_moe), next(iter(configs.values())))
 with set_current_vllm_config(first):
@@ -390,7 +401,17 @@ for family, config in configs.items():
                        "aux_ids": list(draft_config.hf_config.eagle_aux_hidden_state_layer_ids),
                        "mask_token_id": draft_config.hf_config.dflash_config["mask_token_id"],
                        "drafter_params": sum(p.numel() for p in drafter.parameters())}
-print("RESULT " + json.dumps({"load": out}))
+print("RESULT " + json.dumps({"load": out}), flush=True)
+refused = {}
+for family, paths in job["refused"].items():  # what Family.vllm_cpu_refusal claims: this build cannot load the target
+    try:
+        config = engine_config(paths)
+        with set_current_vllm_config(config):
+            get_model(vllm_config=config)
+        refused[family] = {"failed": False, "error": ""}
+    except Exception as exc:
+        refused[family] = {"failed": True, "error": f"{type(exc).__name__}: {exc}"[-300:]}
+print("RESULT " + json.dumps({"refused": refused}))
 '''
 
 
@@ -405,9 +426,11 @@ def vllm_side(runs, tmp_path_factory) -> tuple[dict, str]:
         pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
     from specdraft.targets.families import supported_families
 
+    served = {f: run for f, run in runs.items() if run.stage("target").family.vllm_aux_hidden_states}
+    paths = {f: {"target": str(run.stage("target_dir")), "drafter": str(run.stage("train").final)} for f, run in served.items()}
     job = {"claims": {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name] for name in supported_families()},
-           "load": {f: {"target": str(run.stage("target_dir")), "drafter": str(run.stage("train").final)}
-                    for f, run in runs.items() if run.stage("target").family.vllm_aux_hidden_states}}
+           "load": {f: p for f, p in paths.items() if not served[f].stage("target").family.vllm_cpu_refusal},
+           "refused": {f: p for f, p in paths.items() if served[f].stage("target").family.vllm_cpu_refusal}}
     return _run_side(VLLM_PYTHON, VLLM_SIDE, job, tmp_path_factory.mktemp("vllm-side"), timeout=900)
 
 
@@ -424,11 +447,15 @@ def vllm_loaded(vllm_side) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_checkpoint_loads_in_vllm(runs, vllm_loaded, family):
+def test_checkpoint_loads_in_vllm(runs, vllm_side, vllm_loaded, family):
     target = runs[family].stage("target")
     if not target.family.vllm_aux_hidden_states:
         assert family not in vllm_loaded
         pytest.skip(f"vLLM 0.32 serves no drafter for {family} targets (no aux hidden states)")
+    if target.family.vllm_cpu_refusal:
+        refused = _vllm_result(vllm_side, "refused")[family]
+        assert refused["failed"], f"{family}: vLLM-CPU loaded the target that Family.vllm_cpu_refusal says it cannot"
+        pytest.skip(f"vLLM-CPU cannot load {family} targets ({refused['error']}); a CUDA vLLM serves them")
     loaded = vllm_loaded[family]
     written = json.loads((runs[family].stage("train").final / "config.json").read_text())
     assert loaded["drafter_params"] > 0 and loaded["target"] == target.config.architectures[0]
@@ -445,6 +472,9 @@ def test_vllm_claims_of_every_family_match_vllm(vllm_side):
     found = _vllm_result(vllm_side, "claims")
     for name in supported_families():
         claim = FAMILIES.get(name).vllm_aux_hidden_states
+        if found[name]["eagle3"] is None:  # vLLM's module for it does not import in this build: say so, and why
+            assert FAMILIES.get(name).vllm_cpu_refusal, f"{name}: vLLM's model class does not import here and the family does not say why"
+            continue
         assert found[name]["eagle3"] == claim, name
         if claim:
             assert found[name]["convention"], f"{name}: vLLM's aux layer ids no longer mean HF hidden_states indices"
@@ -474,6 +504,21 @@ def test_vllm_paths_refuse_families_vllm_cannot_serve(tiny_target_factory, tmp_p
         drafter_server(ServeConfig(drafter=str(drafter), vllm_python=str(VLLM_PYTHON)))
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "kimi_linear"])
+def test_a_vllm_cpu_server_refuses_a_target_it_cannot_run_before_it_starts(tiny_target_factory, family):
+    """Every vLLM start (prepare's regeneration, extraction, serving) goes through ``VllmServer.start``: a hybrid
+    target the vLLM-CPU build cannot load is refused there in one line, no process started (the load itself is
+    shown to fail in ``test_checkpoint_loads_in_vllm``)."""
+    from specdraft.integrations.vllm.engine import VllmServer
+
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
+    server = VllmServer(tiny_target_factory(family), python=str(VLLM_PYTHON))
+    with pytest.raises(SpecdraftError, match=rf"the vLLM-CPU build cannot run {family} targets: vLLM 0.32.*--engine hf"):
+        server.start()
+    assert server.process is None
+
+
 def test_system_turn_is_folded_only_for_families_without_one():
     from specdraft.targets.families import FAMILIES
 
@@ -498,13 +543,10 @@ def test_extraction_refuses_zero_states_from_a_layer_that_computed_nothing(tmp_p
     assert FileBackend(tmp_path / "hs").keys() == []
 
 
-@pytest.mark.parametrize("model_type, why", [
-    ("qwen3_next", "recurrent state"), ("qwen3_5_text", "recurrent state"), ("qwen3_5_moe_text", "recurrent state"),
-    ("kimi_linear", "recurrent state"), ("glm_moe_dsa", "index_topk best-scoring cache columns"),
-])
+@pytest.mark.parametrize("model_type, why", [("glm_moe_dsa", "index_topk best-scoring cache columns")])
 def test_families_the_runtime_cannot_keep_lossless_are_refused_at_the_first_command(model_type, why, tmp_path, capsys):
-    """A hybrid linear-attention (or sparse-indexer) target stops `prepare` before any work, in one line naming
-    its model_type and why: only its config is read (the weights here are a placeholder, and there is no tokenizer)."""
+    """A sparse-indexer target stops `prepare` before any work, in one line naming its model_type and why: only
+    its config is read (the weights here are a placeholder, and there is no tokenizer)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from specdraft.cli.main import main

@@ -76,6 +76,19 @@ def test_init_from_target_is_off_for_a_partial_rotary_target(caplog):
     assert "rotates 0.5 of each head (partial_rotary_factor)" in caplog.text
 
 
+def test_init_from_target_is_off_when_the_copied_layers_are_linear_attention(caplog):
+    """A hybrid's linear-attention layer (Qwen3.5, Kimi-Linear: a recurrent state) computes nothing a softmax draft
+    layer computes, whatever its MLP and norms share: nothing is copied and the log names the layer type."""
+    target = make_target(num_layers=6)
+    target.model.config.layer_types = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2
+    drafter = build("dflash", target)
+    fresh = {k: v.clone() for k, v in drafter.state_dict().items()}
+    with caplog.at_level("WARNING"):
+        assert warm(drafter, "dflash", target, init_from_target=True)["init_from_target"] == []
+    assert all(torch.equal(v, fresh[k]) for k, v in drafter.state_dict().items())
+    assert "it is a linear_attention layer (a recurrent state, not softmax attention)" in caplog.text
+
+
 def test_init_from_target_eagle3_feature_half(llama):
     drafter = build("eagle3", llama)
     fc_before = drafter.fc.weight.clone()

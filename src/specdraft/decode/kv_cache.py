@@ -1,17 +1,31 @@
-"""The runtime's target KV cache: HF's ``DynamicCache`` semantics, without a copy of the whole cache per forward.
+"""The runtime's target cache: attention K/V that grows without a copy per forward, and recurrent states
+that roll back per row.
 
-``DynamicLayer.update`` concatenates, so every forward copies each layer's whole K/V, a cost that
-grows with the context. Here each layer writes new columns into a buffer with spare capacity
-(grown by doubling) and hands attention a view of the filled part; ``crop`` and batch selection
-keep the buffer. Keys and values are the same tensors a ``DynamicCache`` would return, so outputs
-are bit-identical (tested).
+Attention layers: ``DynamicLayer.update`` concatenates, so every forward copies each layer's whole
+K/V, a cost that grows with the context. Here each layer writes new columns into a buffer with spare
+capacity (grown by doubling) and hands attention a view of the filled part; ``crop`` and batch
+selection keep the buffer. Keys and values are the same tensors a ``DynamicCache`` would return, so
+outputs are bit-identical (tested). Rejected drafts stay behind as masked holes (``decode/runtime.py``).
+
+Linear-attention layers (Qwen3-Next / Qwen3.5 gated delta nets, Kimi-Linear's KDA) hold a recurrent
+state and a short-convolution window instead, and a state that absorbed a rejected draft cannot be
+masked. So a verify forward records the state after every one of its columns (HF's past recording:
+the block's tokens run through the per-token recurrence) and ``rollback`` hands each row the state and
+window at its own last accepted token -- vLLM's design (one state per draft position), not a replay.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
+
+from specdraft.errors import SpecdraftError
+
+#: HF layer types whose cache is a recurrent state (+ conv window), not K/V columns
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention"})
 
 #: Columns a layer's buffer holds beyond what it needs when it (re)allocates: the verify blocks of a few rounds.
 SPARE_COLUMNS = 64
@@ -58,8 +72,66 @@ def _regrow(filled: torch.Tensor, new: torch.Tensor, length: int, end: int) -> t
     return buffer
 
 
-class GrowingCache(DynamicCache):
-    """A ``DynamicCache`` (models that check the type still see one) whose layers are ``GrowingLayer``s."""
+class RecurrentLayer(LinearAttentionLayer):
+    """HF's linear-attention cache layer, plus batch selection and a per-row rollback after a recorded forward."""
 
-    def __init__(self) -> None:
-        Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def state_bytes(self) -> int:
+        """Bytes of this layer's conv windows and recurrent states (all rows), as held between forwards."""
+        tensors = [*self.conv_states.values(), *self.recurrent_states.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def rollback(self, kept: torch.Tensor, new: int) -> None:
+        """After a recorded forward of ``new`` columns, keep the first ``kept[r]`` of them in row ``r`` (0: none):
+        its recurrent state is the one recorded after that column, its conv window the last ``kernel`` inputs
+        up to it. The history is dropped and recording ends."""
+        rows = torch.arange(kept.shape[0], device=kept.device)
+        for i in range(self.number_of_states):
+            if self.is_conv_states_initialized[i]:
+                full, width = self.conv_states[i], self.conv_kernel_size[i]  # [R, C, width + new]
+                if full.shape[-1] != width + new:
+                    raise SpecdraftError(f"linear-attention conv state holds {full.shape[-1]} columns, expected {width} + {new} after a recorded forward")
+                index = (kept.to(full.device)[:, None] + torch.arange(width, device=full.device)[None])[:, None, :]
+                self.conv_states[i] = full.gather(-1, index.expand(full.shape[0], full.shape[1], width)).contiguous()
+            if self.is_recurrent_states_initialized[i]:
+                history = [*self.recurrent_states_history[i], self.recurrent_states[i]]  # the state before the forward, then after each column
+                if len(history) != new + 1:
+                    raise SpecdraftError(f"linear-attention layer recorded {len(history) - 1} states for a {new}-column forward")
+                self.recurrent_states[i] = torch.stack(history)[kept.to(history[0].device), rows.to(history[0].device)]
+                self.recurrent_states_history[i] = []
+        self.cumulative_length_linear.sub_(new - int(kept.max()))
+        self.record_past = False
+
+
+class GrowingCache(DynamicCache):
+    """A ``DynamicCache`` (models that check the type still see one): ``GrowingLayer``s for attention and, given a
+    config with linear-attention layers, ``RecurrentLayer``s for those."""
+
+    def __init__(self, config: Any = None) -> None:
+        types = list(getattr(config, "layer_types", None) or []) if config is not None else []
+        if not RECURRENT_LAYER_TYPES & set(types):
+            Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+            return
+        Cache.__init__(self, layers=[RecurrentLayer() if t in RECURRENT_LAYER_TYPES else GrowingLayer() for t in types])
+
+    @property
+    def recurrent(self) -> list[RecurrentLayer]:
+        return [layer for layer in self.layers if isinstance(layer, RecurrentLayer)]
+
+    def record(self, columns: int) -> None:
+        """Before a forward of ``columns`` new columns that ``rollback`` may shorten: recurrent layers record the
+        state after each column (HF runs those columns through the per-token recurrence)."""
+        for layer in self.recurrent:
+            layer.activate_past_recording(recurrent_states_to_keep=columns)
+
+    def rollback(self, kept: torch.Tensor, new: int) -> None:
+        """Keep the first ``kept[r]`` of the last forward's ``new`` columns in row ``r``: attention layers drop the
+        columns no row kept (the rest of a shorter row's are masked holes), recurrent layers go back per row."""
+        longest = int(kept.max())
+        for layer in self.layers:
+            if isinstance(layer, RecurrentLayer):
+                layer.rollback(kept, new)
+            elif longest < new:
+                layer.crop(longest - new)

@@ -5,7 +5,9 @@ Rows accept different numbers of drafts per round, so instead of shifting caches
 keeps a boolean *validity mask* over cache columns and passes it as the attention mask: rejected
 drafts stay in the cache as masked-out "holes", position ids are tracked per row, and trailing
 columns that no row kept are cropped away. A row's attention therefore sees exactly its own
-committed tokens at their true positions, as in an unbatched run.
+committed tokens at their true positions, as in an unbatched run. Linear-attention layers (hybrid
+targets) hold a recurrent state instead, which a rejected draft would corrupt: the verify forward
+records the state after each column and every row resumes from the one at its last accepted token.
 
 Round for the R active rows (each has an *anchor*: its last committed token, not yet in the cache):
   1. the proposer drafts up to k tokens per row from the committed tokens and the target hidden
@@ -273,7 +275,7 @@ class SpeculativeDecoder:
             )
         if policy.needs_sps and sps is None:
             raise SpecdraftError(f"verify policy {scheduler.verify_policy!r} needs the target's steps/s profile (sps)")
-        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.text_config = text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         family = family_of(model)
         # Rejected drafts stay in the cache as masked holes: the masks count positions, not cache columns,
         # so every layer (sliding-window ones included) sees exactly its unbatched window.
@@ -316,7 +318,9 @@ class SpeculativeDecoder:
             valid[i, width - len(p) :] = True
         ids, valid = ids.to(device), valid.to(device)
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        cache = GrowingCache()  # full-length layers everywhere: sliding-window caches drop columns by count, not position
+        # full-length attention layers everywhere (sliding-window caches drop columns by count, not position); recurrent
+        # layers where the target has linear attention
+        cache = GrowingCache(self.text_config)
         logits, captured = self._prefill(ids, valid, positions, cache)
         metrics.target_forwards += 1
         first, _ = sample_from_logits(logits, self.sampling, generator)
@@ -390,6 +394,7 @@ class SpeculativeDecoder:
         cols = torch.arange(width + 1, device=device)
         block_valid = cols[None] <= lengths[:, None]
         positions = state.next_pos[:, None] + cols[None]
+        cache.record(width + 1)
         logits, captured = self._forward(block, torch.cat([valid, block_valid], dim=1), positions, cache)
         metrics.target_forwards += 1
         result = self._verify(drafts, lengths, draft_probs, logits, generator)
@@ -398,8 +403,7 @@ class SpeculativeDecoder:
 
         accepted = result.num_accepted
         kept = int(accepted.max()) + 1
-        if kept < width + 1:
-            cache.crop(kept - (width + 1))
+        cache.rollback(accepted + 1, width + 1)
         valid = torch.cat([valid, (cols[None] <= accepted[:, None])[:, :kept]], dim=1)
         if captured is not None:
             fresh = [captured[i, : int(n) + 1] for i, n in enumerate(accepted.tolist())]

@@ -102,7 +102,9 @@ def measure_sps(model: Any, *, token_counts: list[int], context_tokens: int = 25
     vocab = int(model.config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, context_tokens), generator=gen).to(device)
-    cache = GrowingCache()  # the runtime's cache: full-length layers (a sliding layer's cache cannot be cropped past its window)
+    # the runtime's cache: full-length attention layers (a sliding layer's cache cannot be cropped past its window), and
+    # recurrent layers that record per column as a verify forward does, so the timing includes that cost
+    cache = GrowingCache(model.config.get_text_config())
     model(input_ids=context, cache=cache, use_cache=True)
     step_times = []
     for b in token_counts:
@@ -113,11 +115,12 @@ def measure_sps(model: Any, *, token_counts: list[int], context_tokens: int = 25
         for i in range(repeats + 1):  # the first run warms up kernels for this shape
             _sync(device)
             start = time.perf_counter()
+            cache.record(b)
             model(input_ids=block, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
             _sync(device)
             if i:
                 times.append(time.perf_counter() - start)
-            cache.crop(-b)
+            cache.rollback(torch.zeros(1, dtype=torch.long, device=device), b)
         step_times.append(max(min(times), step_times[-1] if step_times else 0.0))
     return SpsTable(tuple(token_counts), tuple(1.0 / t for t in step_times))
 

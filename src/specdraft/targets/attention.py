@@ -25,6 +25,9 @@ from specdraft.errors import SpecdraftError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+#: a linear-attention layer (gated delta net, KDA): no K/V columns; its mask is the new columns' [R, Q] validity,
+#: which zeroes padding inputs so that they leave the recurrent state as it was (``decode/kv_cache.py`` rolls back the rest)
+LINEAR = "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,10 @@ class AttentionLayout:
         types = getattr(text_config, "layer_types", None)
         if types is None:
             types = [SLIDING if window is not None else FULL] * layers
-        unknown = sorted(set(types) - {FULL, SLIDING})
+        unknown = sorted(set(types) - {FULL, SLIDING, LINEAR})
         if unknown:
             raise SpecdraftError(
-                f"{type(text_config).__name__}: layer types {unknown} are not supported (specdraft handles {FULL!r} and {SLIDING!r} layers)"
+                f"{type(text_config).__name__}: layer types {unknown} are not supported (specdraft handles {FULL!r}, {SLIDING!r} and {LINEAR!r} layers)"
             )
         if len(types) != layers:
             raise SpecdraftError(f"{type(text_config).__name__}: {len(types)} layer_types for {layers} layers")
@@ -68,12 +71,16 @@ class AttentionLayout:
         queries' own columns last): boolean (``self.boolean``) or additive in ``dtype``. One tensor when every layer
         has the same type (models such as Llama/Mistral take only that), else HF's per-layer-type dict (Gemma 3, Qwen3).
         A boolean row that allows no column (a padding query before its row's first token, at chunked prefill) allows
-        them all instead: SDPA turns an empty row into NaN, which the cache would carry into that column's values."""
+        them all instead: SDPA turns an empty row into NaN, which the cache would carry into that column's values.
+        Linear-attention layers get the queries' own validity [R, Q] (HF zeroes the inputs it masks)."""
         keys = (valid.long().cumsum(1) - 1)[:, None, :]  # [R, 1, C] position of each valid column
         queries = query_positions[:, :, None]  # [R, Q, 1]
         allowed = valid[:, None, :] & (keys <= queries)  # [R, Q, C], compared without a [R, Q, C] integer tensor
         out = {}
         for kind, window in self.windows.items():
+            if kind == LINEAR:
+                out[kind] = valid[:, -query_positions.shape[1]:]
+                continue
             keep = allowed if window is None else allowed & (keys > queries - window)
             if self.boolean:
                 out[kind] = (keep | ~keep.any(-1, keepdim=True))[:, None]

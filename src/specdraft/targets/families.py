@@ -14,9 +14,9 @@ One ``Family`` per family, each concern one field, so supporting a new family is
 - vLLM: whether vLLM 0.32's model class exposes aux hidden states (``SupportsEagle3``) with the
   layer-id convention of ``models/common/checkpoint.py`` (id i = the input of layer i = HF
   ``hidden_states[i]``); ``tests/test_families.py`` checks each claim against vLLM's own classes;
-- a refusal: families whose HF model runs but which the runtime cannot decode losslessly (recurrent
-  linear-attention hybrids, a sparse indexer) are registered with the reason, which ``family_of``
-  gives at the first command instead of the generic "not a supported family".
+- a refusal: families whose HF model runs but which the runtime cannot decode losslessly (a sparse
+  indexer) are registered with the reason, which ``family_of`` gives at the first command instead
+  of the generic "not a supported family".
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Family:
     vllm_aux_hidden_states: bool = True
     mask_token: str | None = None
     refusal: str | None = None  # why specdraft cannot serve this family yet: ``family_of`` refuses it with this reason
+    vllm_cpu_refusal: str | None = None  # why the vllm-cpu build cannot run this family's target (a CUDA vLLM can)
 
     def decoder_parts(self, model: Any) -> DecoderParts:
         """Layers, final norm, embedding and LM head of a ``*ForCausalLM`` (multimodal wrappers unwrapped)."""
@@ -82,6 +83,14 @@ class Family:
                 "(no SupportsEagle3); use specdraft's own engine instead (--engine hf, `specdraft generate`/`eval`)"
             )
 
+    def require_vllm_build(self, *, cpu: bool) -> None:
+        """Refuse, before a vLLM server starts, a target that this vLLM build cannot run (``cpu``: the vllm-cpu build)."""
+        if cpu and self.vllm_cpu_refusal:
+            raise SpecdraftError(
+                f"the vLLM-CPU build cannot run {self.name} targets: {self.vllm_cpu_refusal}; use specdraft's own engine "
+                "here (--engine hf, `specdraft generate`/`eval`), or a CUDA vLLM"
+            )
+
     def system_folded(self, messages: list[dict]) -> list[dict]:
         """``messages`` as this family's template accepts them: without a system role, the system text
         is prepended to the first user turn (as Gemma's own templates do when they accept one at all)."""
@@ -95,11 +104,9 @@ class Family:
 
 
 FAMILIES: Registry[Family] = Registry("target family (HF model_type)")
-#: why a recurrent (linear-attention) hybrid cannot decode here: its rows would need their state rolled back
-_RECURRENT = (
-    "its linear-attention layers carry a recurrent state that each verified draft token updates, and the runtime "
-    "(decode/runtime.py) can roll back only KV-cache columns (rejected drafts stay as masked holes), not a state "
-    "that has already absorbed a rejected draft"
+_QWEN3_5_VLLM_CPU = (
+    "vLLM 0.32's qwen3_5 module imports the Qwen2-VL image processor, which needs torchvision, and the CPU install has "
+    "none (PyPI's torchvision is broken there)"
 )
 for _family in (
     Family("llama"),
@@ -126,10 +133,14 @@ for _family in (
             "than index_topk (measured on a tiny model: exact with index_topk >= context, not with 4)"
         ),
     ),
-    Family("kimi_linear", refusal=_RECURRENT),
-    Family("qwen3_next", refusal=_RECURRENT),
-    Family("qwen3_5_text", refusal=_RECURRENT),
-    Family("qwen3_5_moe_text", refusal=_RECURRENT),
+    # linear-attention hybrids: the recurrent state rolls back per row (decode/kv_cache.py), attention layers keep holes
+    Family("qwen3_next"),
+    Family("qwen3_5_text", vllm_cpu_refusal=_QWEN3_5_VLLM_CPU),
+    Family("qwen3_5_moe_text", vllm_cpu_refusal=_QWEN3_5_VLLM_CPU),
+    Family("kimi_linear", vllm_cpu_refusal=(
+        "vLLM 0.32 has KimiLinearForCausalLM only in its GPU packages (vllm.models.kimi_k3.nvidia / .amd), and on CPU its "
+        "engine config is rejected (\"--mamba-block-size can only be set with --enable-prefix-caching\", with prefix caching too)"
+    )),
 ):
     FAMILIES.register(_family.name)(_family)
 

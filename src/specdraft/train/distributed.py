@@ -84,10 +84,18 @@ def gloo_interface() -> None:
 
 @contextlib.contextmanager
 def process_group_scope() -> Any:
-    """Destroy a process group that ``train`` itself created (one the caller made is left alone)."""
+    """Destroy a process group that ``train`` itself created (one the caller made is left alone).
+
+    After a run that ended normally every rank first meets at a barrier, so no rank tears gloo down while
+    a peer is still in its last collective (CI once saw rank 1 of a 2-rank run abort at the end with
+    "terminate called without an active exception"). After an error no barrier: the others may never arrive."""
     existed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    ended_normally = False
     try:
         yield
+        ended_normally = True
     finally:
         if not existed and torch.distributed.is_available() and torch.distributed.is_initialized():
+            if ended_normally:
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()

