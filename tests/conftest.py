@@ -15,8 +15,30 @@ from specdraft.cli.main import load_plugins
 
 load_plugins()  # the integrations and the decoding runtime register from above, as under the CLI
 
+
+def tie_free_sparse_indexer() -> None:
+    """GLM-5's indexer scores columns with a ReLU, which in a random model leaves many exactly 0; top-k then breaks the
+    ties by a column's place in its row, which differs with a row's length (a longer forward, a padded batch) with or
+    without speculation. Its tests use a softplus there (> 0, tie-free), so the top-k choice is unique and exactness
+    is a property of the runtime, not of tie-breaking. Only the indexer's module sees the change."""
+    import types
+
+    import torch
+    import transformers.models.glm_moe_dsa.modeling_glm_moe_dsa as dsa
+
+    class _Functional(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch.nn.functional, name)
+
+    functional = _Functional("torch.nn.functional")
+    functional.relu = torch.nn.functional.softplus
+    dsa.F = functional
+
+
+tie_free_sparse_indexer()
+
 TINY_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "mistral", "deepseek_v3", "glm4_moe", "gpt_oss", "gemma4_text",
-                 "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear")
+                 "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "glm_moe_dsa")
 #: few small experts, one dense layer first (DeepSeek/GLM), MLA with 32-wide rope and nope parts
 MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
            n_shared_experts=1)
@@ -69,6 +91,10 @@ def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "
         "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**common, **GATED_DELTA),
         "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(**common, **GATED_DELTA, **QWEN_MOE),
         "kimi_linear": lambda: transformers.KimiLinearConfig(**common, **KIMI),
+        # GLM-5 sparse attention, its indexer keeping as many columns as a pipeline prompt has: a selection of fewer would
+        # flip between near-equal scores with a batch's shape, which the stages here compare bit for bit; the decoding
+        # tests (``test_families.SAMPLED_EXTRA``) keep 3 columns per query
+        "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(**common, **MOE, **MLA, index_topk=2048, index_n_heads=2, index_head_dim=32),
     }
     common.update(extra)
     config = configs[family]()

