@@ -51,9 +51,9 @@ def stage_table(report: Path) -> dict[str, dict[str, dict]]:
         skipped = case.find("skipped")
         failed = case.find("failure") if case.find("failure") is not None else case.find("error")
         if failed is not None:
-            entry = {"status": "failed", "why": (failed.get("message") or "")[:200]}
+            entry = {"status": "failed", "why": " ".join((failed.get("message") or "").split())[:300]}
         elif skipped is not None:
-            entry = {"status": "n/a", "why": (skipped.get("message") or "").removeprefix("Skipped: ")[:200]}
+            entry = {"status": "n/a", "why": " ".join((skipped.get("message") or "").removeprefix("Skipped: ").split())[:300]}
         else:
             entry = {"status": "passed", "why": ""}
         table.setdefault(family, {})[STAGES[test]] = entry

@@ -52,7 +52,7 @@ KIMI = dict(linear_num_heads=2, linear_head_dim=32, num_local_experts=4, num_exp
 
 def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "llama", num_layers: int = 6, seed: int = 0, **extra) -> Path:
     """Save a random causal LM (hidden 64, 2 heads of 32) of ``family`` with the tokenizer from ``tokenizer_dir``
-    (``extra``: further config fields, e.g. a shorter ``sliding_window``)."""
+    (``extra``: further config fields, e.g. a shorter ``sliding_window`` or a hybrid's linear-attention heads)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -87,9 +87,9 @@ def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "
         "gemma4_text": lambda: transformers.Gemma4TextConfig(**{"sliding_window": 64, **common}, hidden_size_per_layer_input=16,
                                                             vocab_size_per_layer_input=common["vocab_size"], per_layer_config={}),
         # hybrids: the configs' own layer_types (3 of 4 layers linear attention, the 4th or 5th full attention)
-        "qwen3_next": lambda: transformers.Qwen3NextConfig(**common, **GATED_DELTA, **QWEN_MOE),
-        "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**common, **GATED_DELTA),
-        "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(**common, **GATED_DELTA, **QWEN_MOE),
+        "qwen3_next": lambda: transformers.Qwen3NextConfig(**{**GATED_DELTA, **QWEN_MOE, **common}),
+        "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**{**GATED_DELTA, **common}),
+        "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(**{**GATED_DELTA, **QWEN_MOE, **common}),
         "kimi_linear": lambda: transformers.KimiLinearConfig(**common, **KIMI),
         # GLM-5 sparse attention, its indexer keeping as many columns as a pipeline prompt has: a selection of fewer would
         # flip between near-equal scores with a batch's shape, which the stages here compare bit for bit; the decoding

