@@ -132,6 +132,33 @@ def test_sliding_window_targets_batched_greedy_is_exact(family, drafter):
         assert 0 < result.metrics.accepted < result.metrics.drafted  # holes in the cache and accepted drafts
 
 
+@pytest.mark.parametrize("family", sorted(SLIDING))
+def test_sliding_window_layers_forget_what_no_query_reaches_and_stay_exact(family):
+    """60 new tokens past windows of 4-5, drafts rejected at random (holes): sliding-window layers drop the leading
+    columns every row is done with, so they hold about a window (plus the holes in it) while full-attention layers
+    hold every column; every token is still the uncached full forward's, batched and left-padded."""
+    model = tiny_model(seed=2, **SLIDING[family])
+    refs = [reference_greedy(model, p, 60) for p in PROMPTS]
+    dec = decoder(model, OracleProposer(PROMPTS, [r + [0] * 8 for r in refs], 64, miss=0.5), max_new_tokens=60)
+    held = []
+    forward = dec._forward
+
+    def spy(ids, valid, positions, cache, trim, **kw):
+        cached = valid.shape[1] - ids.shape[1]  # columns in the cache before this forward adds its own
+        held.append((cached, [layer.keys.shape[-2] for layer in cache.layers if layer.is_initialized], trim.start))
+        return forward(ids, valid, positions, cache, trim, **kw)
+
+    dec._forward = spy
+    result = dec.generate(PROMPTS)
+    assert [o.tokens for o in result.outputs] == refs
+    columns, per_layer, dropped = held[-1]
+    window = SLIDING[family]["sliding_window"]
+    types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * len(per_layer)  # Mistral: every layer slides
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    assert dropped > 40 and all(per_layer[i] == columns - dropped <= 4 * window for i in sliding), held[-1]
+    assert all(n == columns for i, n in enumerate(per_layer) if i not in sliding)
+
+
 def test_eos_and_context_limits():
     model = tiny_model(context=24)
     ref = reference_greedy(model, PROMPTS[0], 12)

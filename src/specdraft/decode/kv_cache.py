@@ -29,30 +29,40 @@ SPARE_COLUMNS = 64
 
 
 class GrowingLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose keys/values are views into buffers [B, H, capacity, D] filled up to their length."""
+    """A ``DynamicLayer`` whose keys/values are views into buffers [B, H, capacity, D], columns ``start`` to ``start +
+    length``: ``drop_front`` moves ``start`` (a sliding-window layer forgetting columns no query will attend again)
+    without a copy, and a regrow copies only the live columns, so such a layer's memory stays bounded by its window."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._key_buffer = self._value_buffer = None
+        self._start = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
-        end = length + key_states.shape[-2]
-        if self._key_buffer is None or end > self._key_buffer.shape[-2] or not self._holds_views():
-            self._key_buffer = _regrow(self.keys, key_states, length, end)
-            self._value_buffer = _regrow(self.values, value_states, length, end)
-        self._key_buffer[..., length:end, :] = key_states
-        self._value_buffer[..., length:end, :] = value_states
-        self.keys = self._key_buffer[..., :end, :]
-        self.values = self._value_buffer[..., :end, :]
+        if self._key_buffer is None or self._start + length + key_states.shape[-2] > self._key_buffer.shape[-2] or not self._holds_views():
+            self._key_buffer = _regrow(self.keys, key_states, length, length + key_states.shape[-2])
+            self._value_buffer = _regrow(self.values, value_states, length, length + key_states.shape[-2])
+            self._start = 0
+        begin, end = self._start + length, self._start + length + key_states.shape[-2]
+        self._key_buffer[..., begin:end, :] = key_states
+        self._value_buffer[..., begin:end, :] = value_states
+        self.keys = self._key_buffer[..., self._start : end, :]
+        self.values = self._value_buffer[..., self._start : end, :]
         return self.keys, self.values
+
+    def drop_front(self, columns: int) -> None:
+        """Forget the first ``columns`` columns (every row's), keeping the rest in place."""
+        if columns:
+            self.keys, self.values = self.keys[..., columns:, :], self.values[..., columns:, :]
+            self._start += columns
 
     def _holds_views(self) -> bool:
         """Whether keys/values are still views of the buffers (a crop keeps them; other HF code may have replaced them)."""
-        return (self.keys.numel() == 0 or self.keys.data_ptr() == self._key_buffer.data_ptr()) and (
-            self.values.numel() == 0 or self.values.data_ptr() == self._value_buffer.data_ptr())
+        return all(t.numel() == 0 or t.data_ptr() == buffer[..., self._start :, :].data_ptr()
+                   for t, buffer in ((self.keys, self._key_buffer), (self.values, self._value_buffer)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)  # copies the kept rows out; the next update moves them into a new buffer
@@ -79,6 +89,12 @@ class RecurrentLayer(LinearAttentionLayer):
         """Bytes of this layer's conv windows and recurrent states (all rows), as held between forwards."""
         tensors = [*self.conv_states.values(), *self.recurrent_states.values()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def drop_front(self, layers: list[int], columns: int) -> None:
+        """Forget the first ``columns`` columns of attention ``layers`` (sliding-window ones no query reaches back to)."""
+        for i in layers:
+            if columns and i < len(self.layers) and self.layers[i].is_initialized:  # a layer that shares another's K/V holds none
+                self.layers[i].drop_front(columns)
 
     def rollback(self, kept: torch.Tensor, new: int) -> None:
         """After a recorded forward of ``new`` columns, keep the first ``kept[r]`` of them in row ``r`` (0: none):
@@ -127,6 +143,12 @@ class GrowingCache(DynamicCache):
         state after each column (HF runs those columns through the per-token recurrence)."""
         for layer in self.recurrent:
             layer.activate_past_recording(recurrent_states_to_keep=columns)
+
+    def drop_front(self, layers: list[int], columns: int) -> None:
+        """Forget the first ``columns`` columns of attention ``layers`` (sliding-window ones no query reaches back to)."""
+        for i in layers:
+            if columns and i < len(self.layers) and self.layers[i].is_initialized:  # a layer that shares another's K/V holds none
+                self.layers[i].drop_front(columns)
 
     def rollback(self, kept: torch.Tensor, new: int) -> None:
         """Keep the first ``kept[r]`` of the last forward's ``new`` columns in row ``r``: attention layers drop the

@@ -39,6 +39,7 @@ from specdraft.decode.verification import VerifyOutput, verify_greedy, verify_re
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.capture import record_slots
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.targets.attention import SLIDING, WindowTrim
 from specdraft.targets.base import Target
 from specdraft.targets.families import family_of
 from specdraft.utils.forward_path import PathChoice, current_path, resolve_path
@@ -321,7 +322,8 @@ class SpeculativeDecoder:
         # full-length attention layers everywhere (sliding-window caches drop columns by count, not position); recurrent
         # layers where the target has linear attention
         cache = GrowingCache(self.text_config)
-        logits, captured = self._prefill(ids, valid, positions, cache)
+        trim = WindowTrim(0, torch.zeros(rows, dtype=torch.long, device=device)) if self.attention.sliding_layers else None
+        logits, captured = self._prefill(ids, valid, positions, cache, trim)
         metrics.target_forwards += 1
         first, _ = sample_from_logits(logits, self.sampling, generator)
         metrics.ttft_s = self.clock() - start
@@ -337,12 +339,13 @@ class SpeculativeDecoder:
         )
         outputs: list[RequestOutput | None] = [None] * rows
         finished = self._commit(state, [[int(t)] for t in first.tolist()], limits, outputs)
-        valid = self._drop(state, finished, valid, cache)
+        valid = self._drop(state, finished, valid, cache, trim)
 
         gate = self._gate(len(state.row_ids))
         while state.row_ids:
-            valid, finished = self._round(state, valid, cache, limits, outputs, generator, metrics, gate)
-            valid = self._drop(state, finished, valid, cache)
+            self._trim(trim, valid, state.next_pos, cache)
+            valid, finished = self._round(state, valid, cache, trim, limits, outputs, generator, metrics, gate)
+            valid = self._drop(state, finished, valid, cache, trim)
 
         metrics.wall_s = self.clock() - start
         final = [o for o in outputs if o is not None]
@@ -360,7 +363,7 @@ class SpeculativeDecoder:
             self.draft_gates[rows] = DraftGate(plain_rate=rows * self.sps(rows))
         return self.draft_gates[rows]
 
-    def _round(self, state: "_Rows", valid, cache, limits, outputs, generator, metrics: DecodeMetrics, gate: DraftGate | None) -> tuple[torch.Tensor, list[int]]:
+    def _round(self, state: "_Rows", valid, cache, trim, limits, outputs, generator, metrics: DecodeMetrics, gate: DraftGate | None) -> tuple[torch.Tensor, list[int]]:
         """One draft + verify round for every active row; returns the new validity mask and the finished rows."""
         device = self.device
         rows = len(state.row_ids)
@@ -395,7 +398,7 @@ class SpeculativeDecoder:
         block_valid = cols[None] <= lengths[:, None]
         positions = state.next_pos[:, None] + cols[None]
         cache.record(width + 1)
-        logits, captured = self._forward(block, torch.cat([valid, block_valid], dim=1), positions, cache)
+        logits, captured = self._forward(block, torch.cat([valid, block_valid], dim=1), positions, cache, trim)
         metrics.target_forwards += 1
         result = self._verify(drafts, lengths, draft_probs, logits, generator)
         metrics.draft_s += t1 - t0
@@ -462,8 +465,8 @@ class SpeculativeDecoder:
                     break
         return finished
 
-    def _drop(self, state: "_Rows", finished: list[int], valid: torch.Tensor, cache: Any) -> torch.Tensor:
-        """Remove finished rows from the batch (state, target cache, validity mask, proposer state)."""
+    def _drop(self, state: "_Rows", finished: list[int], valid: torch.Tensor, cache: Any, trim: WindowTrim | None) -> torch.Tensor:
+        """Remove finished rows from the batch (state, target cache, validity mask, window trim, proposer state)."""
         if not finished:
             return valid
         self.proposer.release([state.row_ids[i] for i in finished])
@@ -474,25 +477,35 @@ class SpeculativeDecoder:
             index = torch.tensor(keep, device=valid.device)
             cache.batch_select_indices(index)
             valid = valid[index]
+            if trim is not None:
+                trim.select(index)
         return valid
 
-    def _prefill(self, ids, valid, positions, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _trim(self, trim: WindowTrim | None, valid: torch.Tensor, next_positions: torch.Tensor, cache: Any) -> None:
+        """Sliding-window layers forget the leading columns that no query from ``next_positions`` on can attend: their
+        cache stays about a window long however long the context grows (full-attention layers keep every column)."""
+        if trim is not None:
+            cache.drop_front(self.attention.sliding_layers, trim.advance(valid, next_positions, self.attention.windows[SLIDING]))
+
+    def _prefill(self, ids, valid, positions, cache, trim: WindowTrim | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompts' forward in chunks of at most ``PREFILL_CHUNK`` columns, each attending to the cache of the
         chunks before it (as a round attends to the prompt): the masks (and SDPA's scores) stay R x chunk x C, not
         R x W x W. Returns the last column's logits [R, V] and, if the proposer reads features, [R, W, S, D]."""
         chunks = []
         for start in range(0, ids.shape[1], PREFILL_CHUNK):
             end = start + PREFILL_CHUNK
-            logits, captured = self._forward(ids[:, start:end], valid[:, :end], positions[:, start:end], cache, logits_to_keep=1)
+            logits, captured = self._forward(ids[:, start:end], valid[:, :end], positions[:, start:end], cache, trim, logits_to_keep=1)
             chunks.append(captured)
+            if end < ids.shape[1]:
+                self._trim(trim, valid[:, :end], positions[:, end], cache)
         features = None if captured is None else chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
         return logits[:, -1], features
 
-    def _forward(self, ids, valid, positions, cache, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, ids, valid, positions, cache, trim: WindowTrim | None, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target logits [R, T', V] and, if the proposer reads features, its slots [R, T, S, D].
         ``valid`` [R, C] covers the cache and the new columns; ``positions`` [R, T] are the new tokens'."""
         seen: dict[LayerSlot, torch.Tensor] = {}
-        masks = self.attention.masks(valid, positions, self.model.dtype)
+        masks = self.attention.masks(valid, positions, self.model.dtype, trim)
         with record_slots(self.layers, self.slots, seen):
             out = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
         hidden = torch.stack([seen[s] for s in self.slots], dim=2) if self.slots else None

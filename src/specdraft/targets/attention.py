@@ -32,6 +32,31 @@ LINEAR = "linear_attention"
 INDEXED = "indexed_attention"
 
 
+@dataclass
+class WindowTrim:
+    """The columns sliding-window layers no longer hold: the first ``start`` cache columns (every row's), of which
+    ``offset`` [R] were valid in each row (so positions of the held columns still count from the row's first token)."""
+
+    start: int
+    offset: torch.Tensor
+
+    def advance(self, valid: torch.Tensor, next_positions: torch.Tensor, window: int) -> int:
+        """How many more leading columns no future query reaches: queries come at positions >= ``next_positions`` [R]
+        and attend keys at positions > query - ``window``, so a column is done in a row when it is a hole or padding,
+        or its position is <= next - window; the run of columns done in every row is dropped. Returns that count."""
+        held = valid[:, self.start:]
+        positions = held.long().cumsum(1) - 1 + self.offset[:, None]
+        done = ~held | (positions <= (next_positions - window)[:, None])
+        columns = int(done.all(0).long().cumprod(0).sum())  # leading run only: later columns may still be needed
+        if columns:
+            self.offset = self.offset + held[:, :columns].sum(1)
+            self.start += columns
+        return columns
+
+    def select(self, index: torch.Tensor) -> None:
+        self.offset = self.offset[index]
+
+
 @dataclass(frozen=True)
 class AttentionLayout:
     """Per decoder layer: its HF layer type and its window in tokens (None = full attention)."""
@@ -63,27 +88,36 @@ class AttentionLayout:
         return cls(tuple(types), {t: (int(window) if t == SLIDING else None) for t in set(types)}, boolean)
 
     @property
-    def has_sliding(self) -> bool:
-        return SLIDING in self.windows
+    def sliding_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_types) if kind == SLIDING]
 
     def window(self, layer: int) -> int | None:
         return self.windows[self.layer_types[layer]]
 
-    def masks(self, valid: torch.Tensor, query_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    def masks(self, valid: torch.Tensor, query_positions: torch.Tensor, dtype: torch.dtype,
+              trimmed: "WindowTrim | None" = None) -> torch.Tensor | dict[str, torch.Tensor]:
         """4-D masks [R, 1, Q, C] for queries at ``query_positions`` [R, Q] over cache columns ``valid`` [R, C] (the
         queries' own columns last): boolean (``self.boolean``) or additive in ``dtype``. One tensor when every layer
         has the same type (models such as Llama/Mistral take only that), else HF's per-layer-type dict (Gemma 3, Qwen3).
         A boolean row that allows no column (a padding query before its row's first token, at chunked prefill) allows
         them all instead: SDPA turns an empty row into NaN, which the cache would carry into that column's values.
-        Linear-attention layers get the queries' own validity [R, Q] (HF zeroes the inputs it masks)."""
-        keys = (valid.long().cumsum(1) - 1)[:, None, :]  # [R, 1, C] position of each valid column
+        Linear-attention layers get the queries' own validity [R, Q] (HF zeroes the inputs it masks). Sliding-window
+        layers whose first columns were dropped (``trimmed``) get a mask over the columns they still hold."""
         queries = query_positions[:, :, None]  # [R, Q, 1]
-        allowed = valid[:, None, :] & (keys <= queries)  # [R, Q, C], compared without a [R, Q, C] integer tensor
+        seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         out = {}
         for kind, window in self.windows.items():
             if kind == LINEAR:
                 out[kind] = valid[:, -query_positions.shape[1]:]
                 continue
+            start = trimmed.start if trimmed is not None and kind == SLIDING else 0
+            if start not in seen:
+                held = valid[:, start:]
+                keys = (held.long().cumsum(1) - 1)[:, None, :]  # [R, 1, C] position of each valid column
+                if start:
+                    keys = keys + trimmed.offset[:, None, None]  # valid columns before the ones held
+                seen[start] = keys, held[:, None, :] & (keys <= queries)  # [R, Q, C], without a [R, Q, C] integer tensor
+            keys, allowed = seen[start]
             keep = allowed if window is None else allowed & (keys > queries - window)
             if self.boolean:
                 out[kind] = (keep | ~keep.any(-1, keepdim=True))[:, None]
