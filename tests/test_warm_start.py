@@ -63,30 +63,27 @@ def test_init_from_target_copies_the_last_layers(method, qwen3, llama):
         assert all(d.startswith("layers.") for d in done)
 
 
-def test_init_from_target_is_off_for_a_partial_rotary_target(caplog):
-    """GLM-4.5-style partial RoPE (rope_parameters' partial_rotary_factor): the draft layers rotate whole heads, so a
-    copied layer would read positions differently from how it was trained; nothing is copied and the log says why."""
+@pytest.mark.parametrize("change, why", [
+    # GLM-4.5-style partial RoPE: the draft layers rotate whole heads, so a copied layer would read positions
+    # differently from how it was trained
+    ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5}},
+     "rotates 0.5 of each head (partial_rotary_factor)"),
+    # a hybrid's linear-attention layers (Qwen3.5, Kimi-Linear: a recurrent state) compute nothing a softmax draft
+    # layer computes, whatever their MLP and norms share
+    ({"layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2},
+     "it is a linear_attention layer (a recurrent state, not softmax attention)"),
+])
+def test_init_from_target_is_off_where_the_target_layer_computes_something_else(change, why, caplog):
+    """Nothing is copied and the log says why."""
     target = make_target(num_layers=6)
-    target.model.config.rope_parameters = {**target.model.config.rope_parameters, "partial_rotary_factor": 0.5}
+    for key, value in change.items():
+        setattr(target.model.config, key, value)
     drafter = build("dflash", target)
     fresh = {k: v.clone() for k, v in drafter.state_dict().items()}
     with caplog.at_level("WARNING"):
         assert warm(drafter, "dflash", target, init_from_target=True)["init_from_target"] == []
     assert all(torch.equal(v, fresh[k]) for k, v in drafter.state_dict().items())
-    assert "rotates 0.5 of each head (partial_rotary_factor)" in caplog.text
-
-
-def test_init_from_target_is_off_when_the_copied_layers_are_linear_attention(caplog):
-    """A hybrid's linear-attention layer (Qwen3.5, Kimi-Linear: a recurrent state) computes nothing a softmax draft
-    layer computes, whatever its MLP and norms share: nothing is copied and the log names the layer type."""
-    target = make_target(num_layers=6)
-    target.model.config.layer_types = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2
-    drafter = build("dflash", target)
-    fresh = {k: v.clone() for k, v in drafter.state_dict().items()}
-    with caplog.at_level("WARNING"):
-        assert warm(drafter, "dflash", target, init_from_target=True)["init_from_target"] == []
-    assert all(torch.equal(v, fresh[k]) for k, v in drafter.state_dict().items())
-    assert "it is a linear_attention layer (a recurrent state, not softmax attention)" in caplog.text
+    assert why in caplog.text
 
 
 def test_init_from_target_eagle3_feature_half(llama):
