@@ -5,7 +5,9 @@ Attention layers: ``DynamicLayer.update`` concatenates, so every forward copies 
 K/V, a cost that grows with the context. Here each layer writes new columns into a buffer with spare
 capacity (grown by doubling) and hands attention a view of the filled part; ``crop`` and batch
 selection keep the buffer. Keys and values are the same tensors a ``DynamicCache`` would return, so
-outputs are bit-identical (tested). Rejected drafts stay behind as masked holes (``decode/runtime.py``).
+outputs are bit-identical (tested). Rejected drafts stay behind as masked holes (``decode/runtime.py``), and
+sliding-window layers forget leading columns no query reaches any more (``drop_front``; which ones:
+``targets/attention.WindowTrim``, by position, since holes make a count wrong).
 
 Linear-attention layers (Qwen3-Next / Qwen3.5 gated delta nets, Kimi-Linear's KDA) hold a recurrent
 state and a short-convolution window instead, and a state that absorbed a rejected draft cannot be

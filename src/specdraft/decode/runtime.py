@@ -319,8 +319,8 @@ class SpeculativeDecoder:
             valid[i, width - len(p) :] = True
         ids, valid = ids.to(device), valid.to(device)
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        # full-length attention layers everywhere (sliding-window caches drop columns by count, not position); recurrent
-        # layers where the target has linear attention
+        # HF's sliding-window caches drop columns by count, which holes would make wrong: here attention layers grow and
+        # sliding-window ones forget leading columns by position (``_trim``); recurrent layers where attention is linear
         cache = GrowingCache(self.text_config)
         trim = WindowTrim(0, torch.zeros(rows, dtype=torch.long, device=device)) if self.attention.sliding_layers else None
         logits, captured = self._prefill(ids, valid, positions, cache, trim)
