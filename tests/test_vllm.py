@@ -120,18 +120,24 @@ def test_vllm_extraction_equals_hf_extraction(tiny_target, tmp_path):
     assert (again.samples_skipped, again.samples_extracted) == (len(LENGTHS), 0)
 
 
+@pytest.fixture(scope="module")
+def vllm_cpu_hybrid(smollm2_dir, tmp_path_factory):
+    """A Qwen3-Next target vLLM-CPU can run (bf16, 128-wide gated-delta-net heads: its CPU kernel's only size)."""
+    from conftest import build_tiny_target_dir
+
+    heads = dict(linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=128, linear_value_head_dim=128)
+    return build_tiny_target_dir(tmp_path_factory.mktemp("qwen3-next") / "target", smollm2_dir, family="qwen3_next", num_layers=4, seed=1, **heads)
+
+
 @pytest.mark.slow
-def test_vllm_extraction_of_a_hybrid_target_equals_hf(smollm2_dir, tmp_path):
+def test_vllm_extraction_of_a_hybrid_target_equals_hf(vllm_cpu_hybrid, tmp_path):
     """speculators #613: a drafter trained on hidden states vLLM extracted from a hybrid target (all zeros) served at
     tau ~1. A Qwen3-Next target (3 of 4 layers gated delta nets) extracted through vLLM-CPU holds HF's states at
     every slot, the last layer's output included. vLLM-CPU runs gated delta nets in bf16 only, with 128-wide heads:
     the store is fp32, the states agree to bf16's rounding (within 2% of each slot's largest value; measured ~1%)."""
-    from conftest import build_tiny_target_dir
-
     from specdraft.targets import load_target
 
-    heads = dict(linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=128, linear_value_head_dim=128)
-    target = load_target(str(build_tiny_target_dir(tmp_path / "target", smollm2_dir, family="qwen3_next", num_layers=4, seed=1, **heads)))
+    target = load_target(str(vllm_cpu_hybrid))
     g = torch.Generator().manual_seed(0)
     rows = [{"sample_id": f"s/{i}", "source": "t", "input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(), "loss_mask": [1] * n}
             for i, n in enumerate((7, 12, 30))]
@@ -148,6 +154,31 @@ def test_vllm_extraction_of_a_hybrid_target_equals_hf(smollm2_dir, tmp_path):
         scale = pa.hidden_states.abs().amax(dim=(0, 2), keepdim=True)  # per slot
         assert ((pb.hidden_states - pa.hidden_states).abs() <= 0.02 * scale).all(), key
         assert (pb.last_hidden - pa.last_hidden).abs().max() <= 0.02 * pa.last_hidden.abs().max(), key
+
+
+@pytest.mark.slow
+def test_vllm_cpu_cannot_speculate_on_a_hybrid_target_and_serve_says_so_first(vllm_cpu_hybrid, tmp_path):
+    """``Family.vllm_cpu_draft_refusal`` checked against vLLM: with a DFlash drafter as its speculator, vLLM-CPU starts
+    for a Qwen3-Next target and then fails the first request in the Triton kernel that copies recurrent states between
+    draft positions. `serve` refuses the same job in one line before any server starts."""
+    from specdraft.errors import SpecdraftError
+    from specdraft.integrations.vllm.engine import VllmServer, complete
+    from specdraft.integrations.vllm.serve import ServeConfig, drafter_server
+    from specdraft.models import METHODS
+    from specdraft.targets import load_target
+
+    target = load_target(str(vllm_cpu_hybrid))
+    torch.manual_seed(0)
+    spec = METHODS.get("dflash")
+    drafter = spec.build(spec.config_cls(num_layers=1, block_size=4, max_anchors=8, intermediate_size=64), target)
+    drafter.save_pretrained(tmp_path / "drafter")
+    with pytest.raises(SpecdraftError, match=r"the vLLM-CPU build cannot serve drafters for qwen3_next targets: .*Triton kernel"):
+        drafter_server(ServeConfig(drafter=str(tmp_path / "drafter"), target=str(vllm_cpu_hybrid)))
+    speculative = json.dumps({"method": "dflash", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 3})
+    server = VllmServer(vllm_cpu_hybrid, ["--speculative-config", speculative, *EAGER.split(), "--dtype", "bfloat16", "--max-model-len", "256"])
+    with server, pytest.raises(SpecdraftError, match="HTTP 500"):
+        complete(server.url, [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=8)
+    assert "precopy_mamba_align_fused_kernel" in server.log_path.read_text()
 
 
 def test_parse_spec_decode_metrics_sums_counters():

