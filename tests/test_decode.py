@@ -159,6 +159,22 @@ def test_sliding_window_layers_forget_what_no_query_reaches_and_stay_exact(famil
     assert all(n == columns for i, n in enumerate(per_layer) if i not in sliding)
 
 
+def test_gemma4_layers_that_reuse_another_layers_kv_decode_exactly_with_trimmed_windows():
+    """Gemma 4's KV sharing: the last layers read the K/V a 'store' layer of their own type wrote, so a reusing sliding
+    layer reads the trimmed columns and gets the trimmed mask. Window 3, 40 new tokens, random rejections: exact."""
+    model = tiny_model(vocab=64, layers=4, seed=2, family="gemma4_text", hidden_size_per_layer_input=16, per_layer_config={},
+                       vocab_size_per_layer_input=64, sliding_window=3, num_kv_shared_layers=2,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]).float()
+    assert model.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    with torch.no_grad():  # larger weights so that greedy text varies
+        for p in model.parameters():
+            p.mul_(4) if p.dim() == 2 else None
+    refs = [reference_greedy(model, p, 40) for p in PROMPTS]
+    result = decoder(model, OracleProposer(PROMPTS, [r + [0] * 8 for r in refs], 64, miss=0.5), max_new_tokens=40).generate(PROMPTS)
+    assert [o.tokens for o in result.outputs] == refs
+    assert 0 < result.metrics.accepted < result.metrics.drafted
+
+
 def test_eos_and_context_limits():
     model = tiny_model(context=24)
     ref = reference_greedy(model, PROMPTS[0], 12)
