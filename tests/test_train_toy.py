@@ -201,8 +201,14 @@ def main(argv: list[str]) -> int:
     cfg = TrainConfig(**json.loads(argv[0]))
     store = ToyStore(read_delay=float(argv[2]) if len(argv) > 2 else 0.0)
     result = train(cfg, target=ToyTarget(), dataset=store)
-    if len(argv) > 1 and argv[1]:  # where to record the ids this process read
-        Path(argv[1], f"seen-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(sorted(store.seen)))
+    if len(argv) > 1 and argv[1]:  # where to record the ids this process read, and the DDP wrappers still alive
+        import gc
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        rank = os.environ.get("RANK", "0")
+        Path(argv[1], f"seen-{rank}.json").write_text(json.dumps(sorted(store.seen)))
+        Path(argv[1], f"wrappers-{rank}.json").write_text(json.dumps(sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())))
     print(json.dumps({"step": result.step, "stopped_by": result.stopped_by, "completed": result.completed}), flush=True)
     return 0
 

@@ -7,6 +7,7 @@ Multi-process runs use gloo on CPU and NCCL on GPU; a single process creates no 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -86,9 +87,12 @@ def gloo_interface() -> None:
 def process_group_scope() -> Any:
     """Destroy a process group that ``train`` itself created (one the caller made is left alone).
 
-    After a run that ended normally every rank first meets at a barrier, so no rank tears gloo down while
-    a peer is still in its last collective (CI once saw rank 1 of a 2-rank run abort at the end with
-    "terminate called without an active exception"). After an error no barrier: the others may never arrive."""
+    First the run's DDP wrapper goes: it sits in reference cycles, so it outlived ``train`` (found alive after
+    it returned) and its reducer was freed whenever the collector ran, sometimes after the group it holds was
+    destroyed; a rank then aborted at exit ("terminate called without an active exception", rank 1 of the
+    2-rank gloo test, in CI and in a full local run). Then, after a run that ended normally, every rank meets at
+    a barrier, so none tears gloo down while a peer is in its last collective. After an error no barrier: the
+    others may never arrive."""
     existed = torch.distributed.is_available() and torch.distributed.is_initialized()
     ended_normally = False
     try:
@@ -96,6 +100,7 @@ def process_group_scope() -> Any:
         ended_normally = True
     finally:
         if not existed and torch.distributed.is_available() and torch.distributed.is_initialized():
+            gc.collect()
             if ended_normally:
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
