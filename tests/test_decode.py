@@ -166,11 +166,19 @@ def test_gemma4_layers_that_reuse_another_layers_kv_decode_exactly_with_trimmed_
                        vocab_size_per_layer_input=64, sliding_window=3, num_kv_shared_layers=2,
                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]).float()
     assert model.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
-    with torch.no_grad():  # larger weights so that greedy text varies
+    assert_exact_under_random_rejections(model, 40)
+
+
+def assert_exact_under_random_rejections(model, new_tokens: int) -> None:
+    """Weights x4 (so that greedy text varies), then ``PROMPTS`` batched with half of the drafts corrupted at random
+    positions (rejected drafts stay as holes): every token is the uncached full forward's, and drafts were both
+    accepted and rejected."""
+    with torch.no_grad():
         for p in model.parameters():
             p.mul_(4) if p.dim() == 2 else None
-    refs = [reference_greedy(model, p, 40) for p in PROMPTS]
-    result = decoder(model, OracleProposer(PROMPTS, [r + [0] * 8 for r in refs], 64, miss=0.5), max_new_tokens=40).generate(PROMPTS)
+    refs = [reference_greedy(model, p, new_tokens) for p in PROMPTS]
+    proposer = OracleProposer(PROMPTS, [r + [0] * 8 for r in refs], 64, miss=0.5)
+    result = decoder(model, proposer, max_new_tokens=new_tokens).generate(PROMPTS)
     assert [o.tokens for o in result.outputs] == refs
     assert 0 < result.metrics.accepted < result.metrics.drafted
 

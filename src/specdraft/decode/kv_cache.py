@@ -92,12 +92,6 @@ class RecurrentLayer(LinearAttentionLayer):
         tensors = [*self.conv_states.values(), *self.recurrent_states.values()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def drop_front(self, layers: list[int], columns: int) -> None:
-        """Forget the first ``columns`` columns of attention ``layers`` (sliding-window ones no query reaches back to)."""
-        for i in layers:
-            if columns and i < len(self.layers) and self.layers[i].is_initialized:  # a layer that shares another's K/V holds none
-                self.layers[i].drop_front(columns)
-
     def rollback(self, kept: torch.Tensor, new: int) -> None:
         """After a recorded forward of ``new`` columns, keep the first ``kept[r]`` of them in row ``r`` (0: none):
         its recurrent state is the one recorded after that column, its conv window the last ``kernel`` inputs

