@@ -2,7 +2,7 @@
 
 The table ``--forward-path auto`` decides from (``utils/forward_path.py``), at the shape decoding
 pays: k new tokens through the runtime's KV cache (``decode/kv_cache.py``) after a ``--context``-token
-prompt, median of ``--repeats`` after a warm-up, on every path that applies here. The floor is the
+prompt, median of ``--repeats`` after a warm-up, on every path that applies here (taking turns). The floor is the
 target's weight bytes over the read bandwidth measured here (the fastest sum over a 1 GiB fp32
 tensor): no forward can read its weights faster. Draft rounds are ``DrafterProposer.round_seconds``
 (the probe ``--draft-dtype auto`` and the path choice use) of a fresh drafter of each method's
@@ -22,26 +22,31 @@ from pathlib import Path
 from _common import benchmark_parser, load_benchmark_target
 
 
-def forward_ms(model, *, context: int, tokens: int, repeats: int) -> float:
-    """Median ms of a forward of ``tokens`` new tokens after ``context`` cached ones (the cache cropped back each time)."""
+def forward_table(model, paths: list[str], *, context: int, repeats: int) -> dict[str, dict[int, float]]:
+    """Median ms of a forward of k = 1..8 new tokens after ``context`` cached ones (the cache cropped back each time),
+    per path. The paths take turns within every repeat, so a slow spell of a shared machine hits them alike."""
     import torch
 
     from specdraft.decode.kv_cache import GrowingCache
+    from specdraft.utils.forward_path import use_path
 
     vocab = int(model.config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(0)
     cache = GrowingCache()
+    times: dict[str, dict[int, list[float]]] = {path: {k: [] for k in range(1, 9)} for path in paths}
     with torch.no_grad():
         model(input_ids=torch.randint(0, vocab, (1, context), generator=gen), cache=cache, use_cache=True, logits_to_keep=1)
-        block = torch.randint(0, vocab, (1, tokens), generator=gen)
-        times = []
-        for i in range(repeats + 1):
-            start = time.perf_counter()
-            model(input_ids=block, cache=cache, use_cache=True)
-            if i:
-                times.append(time.perf_counter() - start)
-            cache.crop(-tokens)
-    return statistics.median(times) * 1e3
+        blocks = {k: torch.randint(0, vocab, (1, k), generator=gen) for k in range(1, 9)}
+        for i in range(repeats + 1):  # the first round warms every path up
+            for path in paths:
+                use_path(model, path)
+                for k, block in blocks.items():
+                    start = time.perf_counter()
+                    model(input_ids=block, cache=cache, use_cache=True)
+                    if i:
+                        times[path][k].append(time.perf_counter() - start)
+                    cache.crop(-k)
+    return {path: {k: statistics.median(t) * 1e3 for k, t in by_k.items()} for path, by_k in times.items()}
 
 
 def read_bandwidth() -> float:
@@ -57,20 +62,21 @@ def read_bandwidth() -> float:
     return data.numel() * 4 / best
 
 
-def draft_rounds(target, paths: list[str], methods: list[str]) -> dict:
-    """ms per draft round of each method: fp32 on each path, and bf16 autocast (on eager: prepacking serves fp32 only)."""
+def draft_rounds(target, methods: list[str]) -> dict:
+    """ms per draft round of each method: fp32 on each path that applies to it, and bf16 autocast (on eager: prepacking
+    serves fp32 only)."""
     from specdraft.decode.config import DecodeConfig
     from specdraft.decode.proposers.drafters import decodable_methods, drafter_proposer
     from specdraft.quickstart import fresh_drafter
     from specdraft.train.config import resolve_config
-    from specdraft.utils.forward_path import use_path
+    from specdraft.utils.forward_path import applicable_paths, use_path
 
     rounds = {}
     for method in methods or decodable_methods():
         drafter = fresh_drafter(resolve_config(method, {}), target)
         proposer = drafter_proposer(drafter, DecodeConfig(drafter=method))
         figures = {}
-        for path in paths:
+        for path in applicable_paths(drafter):
             use_path(drafter, path)
             figures[f"fp32/{path}"] = proposer.round_seconds("fp32", repeats=5) * 1e3
         use_path(drafter, "eager")
@@ -92,17 +98,12 @@ def main() -> None:
     from specdraft.utils.forward_path import applicable_paths, use_path
 
     target = load_benchmark_target(args)
-    param = next(target.model.parameters())
-    paths = applicable_paths(param.device, param.dtype)
-    table = {}
-    for path in paths:
-        use_path(target.model, path)
-        table[path] = {k: forward_ms(target.model, context=args.context, tokens=k, repeats=args.repeats) for k in range(1, 9)}
+    table = forward_table(target.model, applicable_paths(target.model), context=args.context, repeats=args.repeats)
     use_path(target.model, "eager")
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
     bandwidth = read_bandwidth()
     floor_ms = weight_bytes / bandwidth * 1e3
-    rounds = draft_rounds(target, paths, [m for m in args.methods.split(",") if m])
+    rounds = draft_rounds(target, [m for m in args.methods.split(",") if m])
     result = {"target": args.target, "threads": torch.get_num_threads(), "torch": torch.__version__, "context": args.context,
               "forward_ms": table, "weight_bytes": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9, "floor_ms": floor_ms,
               "draft_round_ms": rounds}

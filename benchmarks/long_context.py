@@ -10,6 +10,7 @@ Prints a table and one JSON object.
 of it) decoded for 2 tokens, as the process's peak resident set (``ru_maxrss``) before and after.
 
   PYTHONPATH=$PWD/src .venv/bin/python benchmarks/long_context.py --lengths 512,2048,4096,7000 --max-new-tokens 24
+  PYTHONPATH=$PWD/src .venv/bin/python benchmarks/long_context.py --forward-path prepacked,prepacked+gqa --drafters none,ngram
   PYTHONPATH=$PWD/src .venv/bin/python benchmarks/long_context.py --lengths 7000 --peak-rss
 """
 
@@ -33,11 +34,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt")
     parser.add_argument("--drafters", default="none,ngram,reference", help="comma-separated: none (the baseline), ngram, reference")
     parser.add_argument("--peak-rss", action="store_true", help="measure the peak RSS of one batched prefill instead")
+    parser.add_argument("--forward-path", default="auto", help="the target's forward path (utils/forward_path.py); several, comma-"
+                        "separated, take turns with every decoder on each, e.g. prepacked,prepacked+gqa for the cost of copying the "
+                        "cache per grouped head")
     args = parser.parse_args()
 
     from specdraft.decode.runtime import decoder_for_target
     from specdraft.eval.suites import long_context
     from specdraft.reference import reference_drafter
+    from specdraft.utils.forward_path import use_path
 
     target = load_benchmark_target(args)
     lengths = tuple(int(x) for x in args.lengths.split(","))
@@ -55,39 +60,54 @@ def main() -> None:
                           "prefill_peak_mb": round(after - before), "prefill_s": round(ttft, 1)}))
         return
 
-    configs = {
-        "none": (DecodeConfig(drafter="none", max_new_tokens=args.max_new_tokens), SchedulerConfig()),
-        "ngram": (DecodeConfig(drafter="ngram", max_new_tokens=args.max_new_tokens), SchedulerConfig()),
-        "reference": (DecodeConfig(drafter="dspark", drafter_path=str(reference_drafter(args.target)), max_new_tokens=args.max_new_tokens),
-                      SchedulerConfig()),
-    }
-    names = args.drafters.split(",")
+    def config(name: str, path: str) -> DecodeConfig:
+        common = {"max_new_tokens": args.max_new_tokens, "forward_path": path}
+        if name == "reference":
+            return DecodeConfig(drafter="dspark", drafter_path=str(reference_drafter(args.target)), **common)
+        return DecodeConfig(drafter=name, **common)
+
+    names, paths = args.drafters.split(","), args.forward_path.split(",")
     if names[0] != "none":
         raise SystemExit("--drafters must start with 'none', the baseline")
-    decoders = {n: decoder_for_target(target, config=configs[n][0], sampling=sampling, scheduler=configs[n][1]) for n in names}
-    for decoder in decoders.values():
+    label = (lambda name, path: name) if len(paths) == 1 else (lambda name, path: f"{name}@{path}")
+    decoders = {label(n, p): (p, decoder_for_target(target, config=config(n, p), sampling=sampling, scheduler=SchedulerConfig()))
+                for p in paths for n in names}
+    for _, decoder in decoders.values():
+        use_path(target.model, decoder.forward_path.name)
         decoder.generate([prompts[0][:64]])
+    labels = list(decoders)
     rows = []
     for i, prompt in enumerate(prompts):
         row = {"prompt_tokens": len(prompt)}
-        order = names[i % len(names):] + names[: i % len(names)]
         outputs = {}
-        for name in order:
-            result = decoders[name].generate([prompt])
-            outputs[name] = result.outputs[0].tokens
-            row[name] = {"tpot_ms": result.metrics.time_per_output_token_s * 1e3, "ttft_s": result.metrics.ttft_s, "tau": result.metrics.tau}
-        for name in names[1:]:
-            if outputs[name] != outputs["none"]:
-                raise SystemExit(f"{name} output differs from autoregressive decoding at {len(prompt)} prompt tokens")
-            row[name]["tpot_vs_ar"] = row[name]["tpot_ms"] / row["none"]["tpot_ms"]
+        for key in labels[i % len(labels):] + labels[: i % len(labels)]:  # taking turns: load hits every decoder alike
+            _, decoder = decoders[key]
+            use_path(target.model, decoder.forward_path.name)  # the target is shared: each decoder's own path
+            result = decoder.generate([prompt])
+            outputs[key] = result.outputs[0].tokens
+            row[key] = {"tpot_ms": result.metrics.time_per_output_token_s * 1e3, "ttft_s": result.metrics.ttft_s, "tau": result.metrics.tau}
+        for path in paths:
+            base = label("none", path)
+            for name in names[1:]:
+                key = label(name, path)
+                if outputs[key] != outputs[base]:
+                    raise SystemExit(f"{key} output differs from autoregressive decoding at {len(prompt)} prompt tokens")
+                row[key]["tpot_vs_ar"] = row[key]["tpot_ms"] / row[base]["tpot_ms"]
+            if outputs[base] != outputs[label("none", paths[0])]:
+                print(f"note: autoregressive outputs differ between paths {paths[0]} and {path} at {len(prompt)} tokens (float reassociation)")
         rows.append(row)
 
-    print("| prompt tokens | AR ms/token | AR TTFT s | " + " | ".join(f"{n} ms/token (vs AR) | {n} tau" for n in names[1:]) + " |")
-    print("|" + " ---: |" * (3 + 2 * (len(names) - 1)))
-    for row in rows:
-        cells = [f"{row[n]['tpot_ms']:.1f} ({row[n]['tpot_vs_ar']:.2f}x) | {row[n]['tau']:.2f}" for n in names[1:]]
-        print(f"| {row['prompt_tokens']} | {row['none']['tpot_ms']:.1f} | {row['none']['ttft_s']:.2f} | " + " | ".join(cells) + " |")
-    print(json.dumps({"max_new_tokens": args.max_new_tokens, "domain": args.domain, "identical_to_autoregressive": True, "rows": rows}))
+    for path in paths:
+        base = label("none", path)
+        print(f"\n{decoders[base][1].forward_path.name}:\n")
+        print("| prompt tokens | AR ms/token | AR TTFT s | " + " | ".join(f"{n} ms/token (vs AR) | {n} tau" for n in names[1:]) + " |")
+        print("|" + " ---: |" * (3 + 2 * (len(names) - 1)))
+        for row in rows:
+            cells = [f"{row[label(n, path)]['tpot_ms']:.1f} ({row[label(n, path)]['tpot_vs_ar']:.2f}x) | {row[label(n, path)]['tau']:.2f}" for n in names[1:]]
+            print(f"| {row['prompt_tokens']} | {row[base]['tpot_ms']:.1f} | {row[base]['ttft_s']:.2f} | " + " | ".join(cells) + " |")
+    print(json.dumps({"max_new_tokens": args.max_new_tokens, "domain": args.domain,
+                      "forward_paths": {p: decoders[label("none", p)][1].forward_path.name for p in paths},
+                      "identical_to_autoregressive": True, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -54,8 +54,11 @@ def teacher_forced(run_dir: Path) -> dict:
 
 
 def suite_taus(args: argparse.Namespace, checkpoints: dict[str, str], out: Path) -> dict:
-    """tau overall and per domain of every checkpoint (label -> directory) in one ``specdraft eval`` run."""
+    """tau overall and per domain of every checkpoint (label -> directory) in one ``specdraft eval`` run (with
+    ``--cached-only``, only an earlier run's: none for a seed whose suite eval did not finish)."""
     report = out / "report.json"
+    if args.cached_only and not report.is_file():
+        return {label: {} for label in checkpoints}
     if args.retrain or not report.is_file():
         cmd = [sys.executable, "-m", "specdraft.cli.main", "eval", "--target", args.target, "--drafters", ",".join(checkpoints.values()),
                "--suite", args.suite, "--limit-per-domain", str(args.limit_per_domain), "--max-new-tokens", str(args.max_new_tokens),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from specdraft.utils import forward_path as fp
 from specdraft.utils.config import FORWARD_PATH_CHOICES
 from test_decode import PROMPTS, SLIDING, OracleProposer, assert_target_distribution, tiny_model
 
-pytestmark = pytest.mark.skipif(not fp.FORWARD_PATHS.get("prepacked").applies(torch.device("cpu"), torch.float32),
+pytestmark = pytest.mark.skipif(not fp.FORWARD_PATHS.get("prepacked").applies(nn.Linear(2, 2)),
                                 reason="oneDNN is not available in this torch build")
 
 
@@ -23,7 +25,7 @@ def fp32_model(**kwargs):
 
 def test_config_names_every_registered_path():
     assert list(FORWARD_PATH_CHOICES) == fp.path_choices()
-    with pytest.raises(SpecdraftError, match="forward_path must be one of auto, eager, prepacked, got 'fast'"):
+    with pytest.raises(SpecdraftError, match=r"forward_path must be one of auto, eager, gqa, prepacked, prepacked\+gqa, got 'fast'"):
         DecodeConfig(forward_path="fast")
 
 
@@ -64,7 +66,7 @@ def test_prepacked_linear_matches_eager_and_falls_back_where_it_cannot_serve():
 
 def test_a_path_that_cannot_apply_is_refused_naming_what_can():
     model = nn.Linear(8, 8).double()
-    with pytest.raises(SpecdraftError, match="--forward-path prepacked does not apply to a float64 model on cpu here; use one of auto, eager"):
+    with pytest.raises(SpecdraftError, match=r"--forward-path prepacked does not apply to a float64 model on cpu here \(it needs CPU fp32 with oneDNN\); use one of auto, eager$"):
         fp.use_path(model, "prepacked")
 
 
@@ -132,15 +134,16 @@ def test_growing_cache_does_not_reallocate_in_a_steady_decode():
     assert cache.layers[0]._key_buffer.data_ptr() == buffer
 
 
+@pytest.mark.parametrize("path", ["prepacked", "gqa", "prepacked+gqa"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_prepacked_speculative_greedy_equals_autoregressive_on_the_same_path(family):
-    """fp32 on the prepacked path, batched rows with different accepted lengths (oracle drafts wrong half the
+def test_speculative_greedy_equals_autoregressive_on_the_same_path(family, path):
+    """fp32 on each path, batched rows with different accepted lengths (oracle drafts wrong half the
     time): every token equals plain decoding on that path, and the logits stay within tolerance of eager."""
     model = fp32_model(seed=2, **(SLIDING[family] if family != "llama" else {}))
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # clear argmax margins: float reassociation must not decide a token
         eager_logits = model(torch.tensor([PROMPTS[0]])).logits
-    fp.use_path(model, "prepacked")
+    assert fp.use_path(model, path) == path and fp.current_path(model) == path
     with torch.no_grad():
         assert (model(torch.tensor([PROMPTS[0]])).logits - eager_logits).abs().max() < fp.LOGIT_TOLERANCE
 
@@ -154,15 +157,56 @@ def test_prepacked_speculative_greedy_equals_autoregressive_on_the_same_path(fam
     assert 0 < spec.metrics.accepted < spec.metrics.drafted and len(set(spec.metrics.position_accepted)) > 1
 
 
+def test_gqa_path_lets_sdpa_group_heads_instead_of_copying_the_cache(monkeypatch):
+    """On ``gqa`` a masked multi-token forward (a verify forward) never calls HF's ``repeat_kv`` (which copies every
+    layer's K/V per grouped head), gives eager's logits, and leaves HF's process-wide switch as it found it; a model
+    without grouped attention (a drafter) takes the rest of a path naming ``gqa``; uninstalling restores the forward."""
+    from transformers.integrations import sdpa_attention
+
+    copies = []
+    real = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: (copies.append(n), real(x, n))[1])
+    monkeypatch.delenv(fp.GQA_SWITCH, raising=False)
+    model = fp32_model(seed=4)
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[1]])
+    mask = torch.ones_like(ids)
+    mask[0, 2] = 0  # a hole, as the runtime masks rejected drafts: HF builds a 4-D mask, SDPA gets it
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=mask).logits
+        assert copies  # eager attention copies
+        copies.clear()
+        assert fp.use_path(model, "gqa") == "gqa"
+        grouped = model(input_ids=ids, attention_mask=mask).logits
+    assert copies == [] and (grouped - eager).abs().max() < fp.LOGIT_TOLERANCE
+    assert fp.GQA_SWITCH not in os.environ
+    monkeypatch.setenv(fp.GQA_SWITCH, "0")
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert copies == [] and os.environ[fp.GQA_SWITCH] == "0"
+    assert fp.use_path(model, "eager") == "eager" and "forward" not in model.__dict__
+    drafter = nn.Sequential(nn.Linear(8, 8))
+    assert fp.applicable_paths(drafter) == ["eager", "prepacked"] and fp.use_path(drafter, "prepacked+gqa") == "prepacked"
+    assert fp.applicable_paths(model) == ["eager", "gqa", "prepacked", "prepacked+gqa"]
+
+
+def test_auto_times_every_combination_on_a_grouped_attention_target(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    model = fp32_model(seed=4)
+    table = {"eager": 1.0, "gqa": 0.8, "prepacked": 0.75, "prepacked+gqa": 0.6}
+    choice = fp.resolve_path(model, "auto", "test", {"case": "gqa"}, lambda: table[fp.current_path(model)])
+    assert (choice.name, choice.seconds, fp.current_path(model)) == ("prepacked+gqa", table, "prepacked+gqa")
+    assert type(model.lm_head) is fp.PrepackedLinear and "forward" in model.__dict__
+
+
 @pytest.mark.slow
-def test_prepacked_rejection_sampling_follows_the_target_distribution():
+def test_prepacked_gqa_rejection_sampling_follows_the_target_distribution():
     from test_decode import DistributionProposer
 
     vocab, length, rows = 4, 4, 6000
     model = fp32_model(vocab=vocab, layers=2, seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)
-    fp.use_path(model, "prepacked")
+    fp.use_path(model, "prepacked+gqa")
     sampling = SamplingConfig(temperature=0.8, top_k=3)
     prompt = [0, 1, 2, 3, 2, 1]
     proposer = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0]))

@@ -14,7 +14,7 @@ from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfi
 from specdraft.decode.proposers import hybrid
 from specdraft.decode.proposers.base import Draft, ProposalInput
 from specdraft.decode.proposers.hybrid import DRAFTER, LOOKUP, AcceptanceStats, HybridProposer, choose_branch
-from specdraft.decode.proposers.ngram import lookup
+from specdraft.decode.proposers.ngram import Lookup, lookup
 from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
 from specdraft.decode.sps import SpsTable
 from specdraft.errors import SpecdraftError
@@ -120,8 +120,8 @@ def hybrid_for(config: DecodeConfig, target, *, lookup_prior: float = 0.95, step
     """The hybrid around the checkpoint's drafter on a flat SPS profile, with a lookup prior that makes
     matched rows take the lookup and unmatched ones the drafter (whose drafting the frozen clock makes free)."""
     drafter = build_proposer(DecodeConfig(**{**vars(config), "drafter": config.drafter.removesuffix("+ngram")}), target)
-    return HybridProposer(drafter, step_rate=step_rate, max_ngram=config.ngram_max, min_ngram=config.ngram_min,
-                          lookup_prior=lookup_prior, clock=lambda: 0.0)
+    return HybridProposer(drafter, step_rate=step_rate, lookup=Lookup(config.ngram_max, config.ngram_min), lookup_prior=lookup_prior,
+                          clock=lambda: 0.0)
 
 
 @pytest.mark.parametrize("method, policy", [("dspark", "scheduled"), ("dspark", "full"), ("dflash", "full"), ("eagle3", "full")])
@@ -164,7 +164,7 @@ def test_the_drafter_sees_the_features_of_every_committed_position():
     model = tiny_model()
     refs = [reference_greedy(model, p, 16) for p in PROMPTS]
     recorder = FeatureRecorder([r + [0] * 8 for r in refs])
-    proposer = HybridProposer(recorder, step_rate=lambda tokens: 100.0, max_ngram=2, min_ngram=1, lookup_prior=0.9, clock=lambda: 0.0)
+    proposer = HybridProposer(recorder, step_rate=lambda tokens: 100.0, lookup=Lookup(2, 1), lookup_prior=0.9, clock=lambda: 0.0)
     config = DecodeConfig(max_new_tokens=16, num_draft_tokens=4)
     result = SpeculativeDecoder(model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[]).generate(PROMPTS)
     assert [o.tokens for o in result.outputs] == refs
@@ -184,7 +184,7 @@ class PeekingHybrid(HybridProposer):
         tokens, lengths, probs = drafted.tokens.clone(), drafted.lengths.clone(), drafted.probs.clone()
         for i, context in enumerate(inputs.tokens):
             if tokens.shape[1] and int(tokens[i, 0]) == 0:
-                found = lookup(context, max_ngram=self.max_ngram, min_ngram=self.min_ngram, max_tokens=int(lengths[i])).tokens
+                found, _ = self.lookup(context, int(lengths[i]))
                 k = int(found.numel())
                 tokens[i, :k], lengths[i], probs[i] = found, k, 0.0
                 probs[i, :k] = torch.nn.functional.one_hot(found, probs.shape[-1]).to(probs.dtype)
@@ -194,7 +194,7 @@ class PeekingHybrid(HybridProposer):
         return Draft(tokens=tokens, lengths=lengths, probs=probs)
 
 
-def sampled_outputs(cls, rows: int = 6000):
+def sampled_outputs(cls, rows: int = 6000, lookup: Lookup = Lookup(2, 2)):
     vocab, length = 4, 4
     model = tiny_model(vocab=vocab, layers=2, seed=3)
     with torch.no_grad():
@@ -202,7 +202,7 @@ def sampled_outputs(cls, rows: int = 6000):
     sampling = SamplingConfig(temperature=0.8, top_k=3)
     prompt = [0, 1, 2, 3, 2, 1, 0, 1]
     drafter = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0], dtype=torch.float64))
-    proposer = cls(drafter, step_rate=lambda tokens: 100.0, max_ngram=2, min_ngram=2, lookup_prior=0.9, clock=lambda: 0.0)
+    proposer = cls(drafter, step_rate=lambda tokens: 100.0, lookup=lookup, lookup_prior=0.9, clock=lambda: 0.0)
     dec = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=length, num_draft_tokens=3, seed=5), sampling=sampling,
                              eos_token_ids=[])
     result = dec.generate([prompt] * rows)
@@ -212,6 +212,19 @@ def sampled_outputs(cls, rows: int = 6000):
 def test_sampled_outputs_of_mixed_rounds_follow_the_target_distribution():
     model, prompt, outputs, sampling, vocab, proposer, metrics = sampled_outputs(HybridProposer)
     assert proposer.branches[LOOKUP] > 1000 and proposer.branches[DRAFTER] > 1000, proposer.branches
+    assert 0 < metrics.accepted < metrics.drafted
+    assert_target_distribution(model, prompt, outputs, sampling, vocab)
+
+
+def test_sampled_outputs_with_suffix_drafting_follow_the_target_distribution():
+    """Rows whose lookup is the answer corpus's continuation (prompt matches of 6 tokens are rare here) beside drafter
+    rows: still distribution-exact, and the corpus's buckets are what the lookup was scored on."""
+    from specdraft.decode.proposers.corpus import AnswerCorpus
+
+    answers = [np.random.default_rng(seed).integers(0, 4, 200) for seed in range(3)]
+    model, prompt, outputs, sampling, vocab, proposer, metrics = sampled_outputs(HybridProposer, lookup=Lookup(6, 6, AnswerCorpus(answers)))
+    corpus_rounds = sum(sum(s.tried[:1]) for bucket, s in proposer.lookup_stats.items() if isinstance(bucket, tuple))
+    assert proposer.branches[LOOKUP] > 1000 and proposer.branches[DRAFTER] > 1000 and corpus_rounds > 1000, proposer.branches
     assert 0 < metrics.accepted < metrics.drafted
     assert_target_distribution(model, prompt, outputs, sampling, vocab)
 
@@ -226,7 +239,8 @@ def test_the_distribution_check_catches_a_choice_that_reads_the_drafts():
 # -- spelling ----------------------------------------------------------------------------------------
 
 
-def test_hybrid_is_a_registered_drafter_and_an_eval_spec(target, checkpoints, monkeypatch):
+def test_hybrid_is_a_registered_drafter_and_an_eval_spec(target, checkpoints, monkeypatch, tmp_path):
+    from specdraft.data.dataset import write_prepared
     from specdraft.eval.runner import resolve_drafter
 
     from specdraft.decode import sps
@@ -241,6 +255,14 @@ def test_hybrid_is_a_registered_drafter_and_an_eval_spec(target, checkpoints, mo
     assert spec.label == f"dspark+ngram:{checkpoints['dspark'].name}@scheduled"
     with pytest.raises(SpecdraftError, match="'\\+ngram' follows a checkpoint directory or 'reference'"):
         resolve_drafter("ngram+ngram", num_draft_tokens=4, max_new_tokens=8, seed=0)
+    # with suffix drafting: the corpus (answers prepared for this target) reaches the hybrid's lookup
+    data = str(write_prepared(tmp_path / "data", [{"sample_id": "a", "source": "x", "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 1, 1, 1, 1]}],
+                              target_info={"tokenizer_hash": target.tokenizer_hash}, config={}, stats={}, vocab_size=int(target.vocab_size)))
+    proposer = build_proposer(DecodeConfig(drafter="dspark+suffix", drafter_path=str(checkpoints["dspark"]), lookup_corpus=data), target)
+    assert isinstance(proposer, HybridProposer) and proposer.lookup.corpus.source == data
+    spec = resolve_drafter(f"{checkpoints['dspark']}+suffix", num_draft_tokens=4, max_new_tokens=8, seed=0, lookup_corpus=data)
+    assert (spec.decode.drafter, spec.decode.lookup_corpus, spec.label) == ("dspark+suffix", data, f"dspark+suffix:{checkpoints['dspark'].name}")
+    assert resolve_drafter("suffix", num_draft_tokens=4, max_new_tokens=8, seed=0, lookup_corpus=data).label == "suffix"
     with pytest.raises(SpecdraftError, match="unknown drafter 'magic\\+ngram'"):
         build_proposer(DecodeConfig(drafter="magic+ngram"))
 

@@ -36,7 +36,7 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
     assert all(s["status"] == "done" for s in stages.values())
     # the comparison's reserve is measured (no --eval-reserve), bounds what the comparison took, and is what training was left
     reserve = stages["size-eval"]
-    assert set(reserve["round_ms"]) == {"autoregressive", "ngram", "drafter@full", "drafter@scheduled", "drafter+ngram"}
+    assert set(reserve["round_ms"]) == {"autoregressive", "ngram", "suffix", "drafter@full", "drafter@scheduled", "drafter+suffix"}
     assert stages["eval"]["seconds"] + stages["calibrate"]["seconds"] < reserve["reserve_s"] < 60
     # two passes over ~4 training samples take fewer steps than the time budget would allow: the epochs cap binds
     sized = stages["size-training"]
@@ -49,7 +49,7 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
     assert len(json.loads((run / "train" / "final" / "config.json").read_text())["specdraft"]["config"]["confidence_temperatures"]) == 4
     report = json.loads((run / "eval" / "report.json").read_text())
     labels = {r["drafter"] for r in report["runs"]}
-    assert labels == {"autoregressive", "ngram", "dspark:final", "dspark:final@scheduled", "dspark+ngram:final"}
+    assert labels == {"autoregressive", "ngram", "suffix", "dspark:final", "dspark:final@scheduled", "dspark+suffix:final"}
     assert all(r["identical_to_autoregressive"] == report["num_prompts"] for r in report["runs"])
     assert (run / "eval" / "tau_per_domain.png").is_file()
     out = capsys.readouterr().out
@@ -81,9 +81,9 @@ def test_quickstart_compares_the_reference_drafter_when_one_ships(tmp_path):
     from specdraft.quickstart import QuickstartConfig, eval_drafters
 
     final = tmp_path / "final"
-    assert eval_drafters(QuickstartConfig(), final) == ["ngram", str(final), f"{final}@scheduled", f"{final}+ngram", "reference@full", "reference@scheduled"]
-    assert eval_drafters(QuickstartConfig(compare_reference=False), final) == ["ngram", str(final), f"{final}@scheduled", f"{final}+ngram"]
-    assert eval_drafters(QuickstartConfig(target=str(tmp_path)), final) == ["ngram", str(final), f"{final}@scheduled", f"{final}+ngram"]
+    assert eval_drafters(QuickstartConfig(), final) == ["ngram", "suffix", str(final), f"{final}@scheduled", f"{final}+suffix", "reference@full", "reference@scheduled"]
+    assert eval_drafters(QuickstartConfig(compare_reference=False), final) == ["ngram", "suffix", str(final), f"{final}@scheduled", f"{final}+suffix"]
+    assert eval_drafters(QuickstartConfig(target=str(tmp_path)), final) == ["ngram", "suffix", str(final), f"{final}@scheduled", f"{final}+suffix"]
 
 
 def test_training_cut_by_the_time_budget_counts_as_done_but_a_signal_does_not(tmp_path):
@@ -190,7 +190,7 @@ def test_a_slow_machine_reserves_more_for_the_comparison_and_trains_less(tiny_ll
     for step_s in (0.01, 0.1):
         monkeypatch.setattr(sps_module, "load_or_measure_sps", lambda model, fingerprint, forward_path=None, s=step_s: sps_module.SpsTable((1, 64), (1 / s, 1 / (4 * s))))
         sized = size_eval(config, target, train_config, final=tmp_path / "final")
-        assert set(sized["round_ms"]) == {"autoregressive", "ngram", "drafter@full", "drafter@scheduled", "drafter+ngram"}  # no reference for a local target
+        assert set(sized["round_ms"]) == {"autoregressive", "ngram", "suffix", "drafter@full", "drafter@scheduled", "drafter+suffix"}  # no reference for a local target
         assert sized["round_ms"]["autoregressive"] == pytest.approx(1e3 * step_s + 2)
         assert sized["round_ms"]["drafter@full"] > sized["round_ms"]["ngram"] > sized["round_ms"]["autoregressive"]
         reserves[step_s] = sized["reserve_s"] - 30  # less the fixed margin for what the comparison's time limit does not cover

@@ -13,8 +13,9 @@ Stages, each under ``RUN/`` and each skipped or resumed when the command is reru
                          small set only overfit); its validation logs the teacher-forced and the
                          decoded tau (``metrics.jsonl``)
   4. ``train/final/``    calibrate its confidence head on the run's validation split (``train/split.json``)
-  5. ``eval/``           compare autoregressive decoding, ngram and the drafter (verifying the full
-                         block, with the confidence scheduler, and in its hybrid with prompt lookup) on prompts of the ``quick`` suite, next to the
+  5. ``eval/``           compare autoregressive decoding, ngram, suffix drafting from the answers of ``data/`` and the
+                         drafter (verifying the full block, with the confidence scheduler, and in its hybrid with suffix
+                         drafting) on prompts of the ``quick`` suite, next to the
                          reference drafter shipped for the target (when one ships, e.g. smollm2-135m),
                          on as many prompts as the rest of the budget allows
 
@@ -197,7 +198,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
 
     eval_config = EvalConfig(
         out=str(run / "eval"), target=config.target, suite="quick", limit_per_domain=config.eval_prompts_per_domain,
-        max_new_tokens=config.eval_max_new_tokens, drafters=eval_drafters(config, final),
+        max_new_tokens=config.eval_max_new_tokens, drafters=eval_drafters(config, final), lookup_corpus=str(data),
         threads=config.threads, max_time=max(60.0, deadline - time.perf_counter() - EVAL_MARGIN_S),
     )
     report: dict = {}
@@ -237,8 +238,8 @@ def size_eval(config: QuickstartConfig, target: Target, train_config: Any, *, fi
     sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint, forward_path=path.name)
     overhead = plain_overhead_seconds(target, sps)
     gated = round_seconds(sps, overhead_s=overhead, gated=True)  # a scheduled drafter's bound does not depend on the drafter
-    costs = [DecoderCost(AUTOREGRESSIVE, round_seconds(sps, overhead_s=overhead)),
-             DecoderCost("ngram", round_seconds(sps, overhead_s=overhead, verify_tokens=1 + defaults.num_draft_tokens))]
+    lookup = round_seconds(sps, overhead_s=overhead, verify_tokens=1 + defaults.num_draft_tokens)
+    costs = [DecoderCost(AUTOREGRESSIVE, round_seconds(sps, overhead_s=overhead)), DecoderCost("ngram", lookup), DecoderCost("suffix", lookup)]
     drafters = {"drafter": fresh_drafter(train_config, target)}
     if "reference@full" in eval_drafters(config, final):
         drafters["reference"] = load_drafter(reference_drafter(config.target), target=target)
@@ -248,7 +249,7 @@ def size_eval(config: QuickstartConfig, target: Target, train_config: Any, *, fi
                                   forward_path=defaults.forward_path))
         costs.append(DecoderCost(f"{name}@scheduled", gated))
     full = next(c.round_s for c in costs if c.label == "drafter@full")
-    costs.append(DecoderCost("drafter+ngram", full))  # the hybrid at worst drafts and verifies a whole block every round
+    costs.append(DecoderCost("drafter+suffix", full))  # the hybrid at worst drafts and verifies a whole block every round
     prompts = load_prompts("quick", None, config.eval_prompts_per_domain)
     estimate = estimate_eval_seconds([len(p.token_ids(target.tokenizer)) for p in prompts], config.eval_max_new_tokens, costs, sps)
     reserve = estimate["seconds"] + EVAL_MARGIN_S
@@ -273,11 +274,12 @@ def fresh_drafter(train_config: Any, target: Target) -> Any:
 
 
 def eval_drafters(config: QuickstartConfig, final: Path) -> list[str]:
-    """ngram, the freshly trained drafter (full block, scheduled, and in its hybrid with prompt lookup, which
-    picks its own verify lengths) and, when specdraft ships one for the target, the reference drafter with the scheduler."""
+    """ngram, suffix drafting (the run's own answers as its corpus), the freshly trained drafter (full block, scheduled,
+    and in its hybrid with suffix drafting, which picks its own verify lengths) and, when specdraft ships one for the
+    target, the reference drafter with the scheduler."""
     from specdraft.reference import REFERENCE_DRAFTERS
 
-    drafters = ["ngram", str(final), f"{final}@scheduled", f"{final}+ngram"]  # the hybrid picks its own verify lengths
+    drafters = ["ngram", "suffix", str(final), f"{final}@scheduled", f"{final}+suffix"]  # the hybrid picks its own verify lengths
     if config.compare_reference and config.target in REFERENCE_DRAFTERS:
         drafters += ["reference@full", "reference@scheduled"]
     return drafters

@@ -15,8 +15,9 @@ class DecodeConfig:
     """What to draft with and how long to generate."""
 
     drafter: str = config_field(
-        "ngram", help="draft proposer: ngram (prompt lookup), none (plain autoregressive decoding), a trained eagle3 | dflash | dflash2 | dspark, "
-        "or one of those with lookup, e.g. dspark+ngram (per request and round, the lookup's match or the drafter's block, "
+        "ngram", help="draft proposer: ngram (prompt lookup), suffix (prompt lookup, else the target's own answers: --lookup-corpus), "
+        "none (plain autoregressive decoding), a trained eagle3 | dflash | dflash2 | dspark, or one of those with a lookup, "
+        "e.g. dspark+ngram or dspark+suffix (per request and round, the lookup's match or the drafter's block, "
         "whichever measured acceptance and cost say commits more tokens per second)"
     )
     drafter_path: str = config_field("", help="checkpoint directory of a trained eagle3/dflash/dflash2/dspark drafter (also for METHOD+ngram)")
@@ -25,6 +26,10 @@ class DecodeConfig:
     seed: int = config_field(0, help="seed of the sampling generator (temperature > 0)")
     ngram_max: int = config_field(3, help="ngram drafter: longest context suffix looked up earlier in the context")
     ngram_min: int = config_field(2, help="ngram drafter: shortest suffix tried before giving up for this round (1-gram matches are mostly wrong)")
+    lookup_corpus: str = config_field(
+        "", help="suffix drafting (suffix, METHOD+suffix): a `specdraft prepare` output for this target; where prompt lookup finds "
+        "no match, its answers propose what the target most often wrote after the context's last 2-4 tokens"
+    )
     draft_dtype: str = config_field(
         "auto", help="compute dtype of a trained drafter's rounds: fp32, bf16 autocast, or auto (times a draft round in both "
         "once per machine and drafter configuration, cached under the specdraft cache, and picks the faster)",
@@ -32,7 +37,8 @@ class DecodeConfig:
     )
     forward_path: str = config_field(
         "auto", help="how the target's and the drafter's forwards execute: eager PyTorch, prepacked (linear weights reordered "
-        "once for oneDNN; CPU, fp32), or auto (times decode-shaped forwards on each path once per machine and model, "
+        "once for oneDNN; CPU, fp32), gqa (SDPA groups query heads over shared K/V heads instead of HF copying the cache per "
+        "head; targets with grouped attention), prepacked+gqa (both; a drafter takes the parts that apply to it), or auto (times decode-shaped forwards on each path once per machine and model, "
         "cached, and picks the fastest)", metadata={"choices": list(FORWARD_PATH_CHOICES)},
     )
 

@@ -198,21 +198,31 @@ def decoder_for_target(
 
 #: Verify width the target-path probe times beside the 1-token step: an anchor plus a DSpark/DFlash block of 8.
 PROBE_VERIFY_TOKENS = 9
+#: Cached tokens the target-path probe times its steps after: a chat turn, and a long prompt (where a path that
+#: does not copy the cache per grouped head, ``gqa``, shows; at 128 it ties).
+PROBE_CONTEXTS = (128, 2048)
 
 
 def resolve_target_path(target: Target, requested: str) -> PathChoice:
     """Put the target on ``requested`` (``--forward-path``), or for ``auto`` on the path whose plain step plus
-    verify step (1 and ``PROBE_VERIFY_TOKENS`` tokens after a 128-token cache, the two forwards decoding pays)
-    ran fastest here, measured once per machine and target, then cached (``utils/forward_path.py``)."""
+    verify step (1 and ``PROBE_VERIFY_TOKENS`` tokens, the two forwards decoding pays) after each of
+    ``PROBE_CONTEXTS`` cached tokens (capped at the target's context) ran fastest here, measured once per machine
+    and target, then cached (``utils/forward_path.py``)."""
     from specdraft.decode.sps import measure_sps
 
     param = next(target.model.parameters())
+    limit = int(getattr(target.model.config.get_text_config(), "max_position_embeddings", 0) or 0) - PROBE_VERIFY_TOKENS
+    contexts = sorted({min(c, limit) for c in PROBE_CONTEXTS if limit > 0}) or [PROBE_CONTEXTS[0]]
 
     def work_seconds() -> float:
-        table = measure_sps(target.model, token_counts=[1, PROBE_VERIFY_TOKENS], context_tokens=128, repeats=2)
-        return 1.0 / table(1) + 1.0 / table(PROBE_VERIFY_TOKENS)
+        total = 0.0
+        for context_tokens in contexts:
+            table = measure_sps(target.model, token_counts=[1, PROBE_VERIFY_TOKENS], context_tokens=context_tokens, repeats=2)
+            total += 1.0 / table(1) + 1.0 / table(PROBE_VERIFY_TOKENS)
+        return total
 
-    context = {"work": "plain+verify-step", "target": target.fingerprint, "dtype": str(param.dtype), "verify_tokens": PROBE_VERIFY_TOKENS}
+    context = {"work": "plain+verify-step", "target": target.fingerprint, "dtype": str(param.dtype), "verify_tokens": PROBE_VERIFY_TOKENS,
+               "contexts": contexts}
     choice = resolve_path(target.model, requested, "target", context, work_seconds)
     log.info("target forward path: %s (%s%s)", choice.name, choice.source,
              "".join(f", {k} {v * 1e3:.1f} ms" for k, v in choice.seconds.items()))

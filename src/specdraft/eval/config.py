@@ -17,10 +17,15 @@ class EvalConfig:
     target: str = config_field("smollm2-135m", help="embedded target name or a local Hugging Face model directory")
     drafters: list[str] = config_field(
         ["ngram"], help="comma-separated drafters compared against plain autoregressive decoding: 'ngram' "
-        "(prompt lookup, no training), 'reference' (the drafter shipped for the embedded target) and/or checkpoint "
-        "directories (method read from their config.json); append '+ngram' to a checkpoint or 'reference' for its hybrid "
-        "with prompt lookup (per request and round, whichever is expected to commit more tokens per second); "
-        "append '@POLICY' to set one drafter's verify policy, e.g. DIR@scheduled or reference+ngram@scheduled"
+        "(prompt lookup, no training), 'suffix' (prompt lookup, else the target's own answers in --lookup-corpus), "
+        "'reference' (the drafter shipped for the embedded target) and/or checkpoint directories (method read from "
+        "their config.json); append '+ngram' or '+suffix' to a checkpoint or 'reference' for its hybrid with that lookup "
+        "(per request and round, whichever is expected to commit more tokens per second); "
+        "append '@POLICY' to set one drafter's verify policy, e.g. DIR@scheduled or reference+suffix@scheduled"
+    )
+    lookup_corpus: str = config_field(
+        "", help="for 'suffix' drafters: a `specdraft prepare` output for this target whose answers (the target's own, when "
+        "prepare regenerated them) propose continuations where prompt lookup finds none"
     )
     suite: str = config_field("quick", help="prompt suite: mtbench | humaneval | translation | math | sharegpt | domains | quick | long-context (1k-8k-token documents and chats, sized for the embedded target; ignored with --prompts)")
     prompts: str = config_field("", help="JSONL prompt file ('prompt' or 'messages' per line, optional 'id'/'domain')")
@@ -36,7 +41,7 @@ class EvalConfig:
     )
     forward_path: str = config_field(
         "auto", help="how the target's and the drafters' forwards execute: eager, prepacked (oneDNN-prepacked linear weights; "
-        "CPU, fp32) or auto (the fastest here, measured once per machine and model); the report records the path and why",
+        "CPU, fp32), gqa (SDPA groups query heads over shared K/V heads; targets with grouped attention), prepacked+gqa or auto (the fastest here, measured once per machine and model); the report records the path and why",
         metadata={"choices": list(FORWARD_PATH_CHOICES)},
     )
     device: str = config_field("cpu", help="torch device, e.g. cpu or cuda")

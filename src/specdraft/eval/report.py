@@ -178,7 +178,7 @@ def compute_line(report: dict[str, Any]) -> str:
     target_path = report.get("target_forward_path")
     if target_path:
         parts.append(f"target forward {target_path['forward_path']} "
-                     f"({why(target_path['forward_path_source'], target_path.get('forward_path_seconds'), 1e3, 'ms per plain + verify step')})")
+                     f"({why(target_path['forward_path_source'], target_path.get('forward_path_seconds'), 1e3, 'ms per plain + verify step, short and long context')})")
     for label, drafter in report.get("drafters", {}).items():
         if drafter.get("draft_dtype"):
             path = (f"; forward path {drafter['draft_forward_path']} "

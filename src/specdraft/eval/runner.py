@@ -48,23 +48,23 @@ class DrafterSpec:
 
 
 def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, seed: int, target: str = "",
-                    draft_dtype: str = "auto", forward_path: str = "auto") -> DrafterSpec:
-    """'ngram' / 'none', 'reference' (the drafter shipped for the embedded ``target``), or a checkpoint
-    directory whose config.json names its method, optionally followed by '+ngram' (the hybrid of that
-    drafter with prompt lookup) and by '@POLICY' to pick that drafter's verify policy (e.g.
-    'runs/x/final+ngram@scheduled')."""
+                    draft_dtype: str = "auto", forward_path: str = "auto", lookup_corpus: str = "") -> DrafterSpec:
+    """'ngram' / 'suffix' / 'none', 'reference' (the drafter shipped for the embedded ``target``), or a checkpoint
+    directory whose config.json names its method, optionally followed by '+ngram' or '+suffix' (the hybrid of
+    that drafter with prompt lookup, or with suffix drafting from ``lookup_corpus``) and by '@POLICY' to pick
+    that drafter's verify policy (e.g. 'runs/x/final+ngram@scheduled')."""
     from specdraft.decode.proposers import PROPOSERS
-    from specdraft.decode.proposers.hybrid import HYBRID_SUFFIX
+    from specdraft.decode.proposers.hybrid import HYBRID_KINDS
     from specdraft.decode.scheduler import VERIFY_POLICIES
     from specdraft.reference import reference_drafter
 
     common = {"num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "seed": seed, "draft_dtype": draft_dtype,
-              "forward_path": forward_path}
+              "forward_path": forward_path, "lookup_corpus": lookup_corpus}
     name, _, policy = text.partition("@")
     if policy:
         VERIFY_POLICIES.get(policy)
     suffix = f"@{policy}" if policy else ""
-    hybrid = HYBRID_SUFFIX if name.endswith(HYBRID_SUFFIX) and name != HYBRID_SUFFIX else ""
+    hybrid = next((kind for kind in HYBRID_KINDS if name.endswith(kind) and name != kind), "")
     name = name.removesuffix(hybrid)
     path = reference_drafter(target) if name == "reference" else Path(name)
     if path.is_dir():
@@ -77,10 +77,10 @@ def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, se
         decode = DecodeConfig(drafter=method + hybrid, drafter_path=str(path), **common)
         return DrafterSpec(f"{method}{hybrid}:{path.name}{suffix}", decode, policy or None)
     if hybrid:
-        raise SpecdraftError(f"drafter {text!r}: '{HYBRID_SUFFIX}' follows a checkpoint directory or 'reference', and {name!r} is neither")
-    if name in ("ngram", "none"):
+        raise SpecdraftError(f"drafter {text!r}: '{hybrid}' follows a checkpoint directory or 'reference', and {name!r} is neither")
+    if name in ("ngram", "suffix", "none"):
         return DrafterSpec((AUTOREGRESSIVE if name == "none" else name) + suffix, DecodeConfig(drafter=name, **common), policy or None)
-    raise SpecdraftError(f"drafter {name!r} is neither 'ngram', 'reference' nor a checkpoint directory")
+    raise SpecdraftError(f"drafter {name!r} is neither 'ngram', 'suffix', 'reference' nor a checkpoint directory")
 
 
 @dataclass
@@ -106,7 +106,7 @@ def _scheduler_for(spec: DrafterSpec, default: SchedulerConfig) -> SchedulerConf
     decoding have no confidences, so they verify every draft unless told otherwise."""
     if spec.verify_policy is not None:
         return dataclasses.replace(default, verify_policy=spec.verify_policy)
-    return default if spec.decode.drafter not in ("none", "ngram") else SchedulerConfig()
+    return default if spec.decode.drafter not in ("none", "ngram", "suffix") else SchedulerConfig()
 
 
 def _dtype_facts(spec: DrafterSpec, proposer: Any) -> dict[str, Any]:
@@ -154,7 +154,8 @@ def run_eval(
     specs = [resolve_drafter("none", num_draft_tokens=0, max_new_tokens=config.max_new_tokens, seed=config.seed,
                              forward_path=config.forward_path)]  # one target: every decoder runs it on the same path
     specs += [resolve_drafter(d, num_draft_tokens=config.num_draft_tokens, max_new_tokens=config.max_new_tokens, seed=config.seed,
-                              target=config.target, draft_dtype=config.draft_dtype, forward_path=config.forward_path) for d in config.drafters]
+                              target=config.target, draft_dtype=config.draft_dtype, forward_path=config.forward_path,
+                              lookup_corpus=config.lookup_corpus) for d in config.drafters]
     if len({s.label for s in specs}) != len(specs):
         raise SpecdraftError(f"--drafters names the same drafter twice: {config.drafters}")
     decoders = {s.label: decoder_for_target(target, config=s.decode, sampling=sampling, scheduler=_scheduler_for(s, scheduler))

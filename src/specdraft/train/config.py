@@ -99,8 +99,8 @@ class TrainConfig:
         "cached under the specdraft cache, and picks the faster)", metadata={"choices": DTYPE_CHOICES}
     )
     forward_path: str = config_field(
-        "auto", help="how the step's modules execute: eager, prepacked (frozen linears through oneDNN-prepacked weights; CPU, fp32), "
-        "or auto (times this run's fp32 step on each once per machine, cached, and picks the faster)",
+        "auto", help="how the step's modules execute: eager, prepacked (frozen linears through oneDNN-prepacked weights; CPU, fp32; "
+        "gqa applies to targets only, so prepacked+gqa trains as prepacked), or auto (times this run's fp32 step on each once per machine, cached, and picks the faster)",
         metadata={"choices": list(FORWARD_PATH_CHOICES)},
     )
     device: str = config_field("auto", help="torch device: auto (the local CUDA device if any, else cpu), cpu, cuda")

@@ -4,7 +4,10 @@ Why: on CPUs eager ``F.linear`` with a few rows (a verify block of 2-9 tokens) p
 GEMV's memory traffic, so a target forward of 8 tokens cost 1.7-1.9x one token on a 2-core EPYC;
 the same linear through oneDNN with its weight reordered once into oneDNN's blocked layout does
 not (``benchmarks/forward_path.py``), and it needs no compilation (``torch.compile`` with frozen
-weights prepacks the same way, after 1-2.5 min of compiling per shape on that CPU). Which path is
+weights prepacks the same way, after 1-2.5 min of compiling per shape on that CPU). And HF's SDPA
+attention copies every layer's K/V once per query head of a group on each masked forward of more than
+one token (every verify forward), unless told to let SDPA group the heads itself (part ``gqa``).
+Paths combine such parts (``prepacked+gqa``). Which path is
 faster depends on the machine and the model, so ``auto`` times decode-shaped work on each
 applicable path once per machine and model (``utils/measured.py``), logs the figures and keeps the
 fastest; eager is preferred unless another is clearly faster. A path changes how modules compute,
@@ -14,6 +17,7 @@ within ``LOGIT_TOLERANCE`` of eager, tested).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,18 +35,33 @@ LOGIT_TOLERANCE = 2e-3
 
 
 @dataclass(frozen=True)
-class ForwardPath:
-    """One way to execute a model's forward: whether it applies to (device, parameter dtype), and how to
-    switch a model onto it (``install``) and back (``uninstall``); both are idempotent and in place.
-    ``installed`` says whether a model holds modules of this path (eager installs none)."""
+class PathPart:
+    """One change to how a model computes that paths combine: whether it can apply to a model (``fits``; ``needs``
+    says what it needs, for errors), how to switch it on (``install``) and off (``uninstall``), both idempotent and
+    in place, and whether a model holds it now (``installed``). An ``optional`` part that does not fit a model would
+    change nothing there (no grouped attention to group): a path naming it runs without it instead of being refused."""
 
     name: str
-    applies: Callable[[torch.device, torch.dtype], bool]
+    needs: str
+    fits: Callable[[nn.Module], bool]
     install: Callable[[nn.Module], None]
     uninstall: Callable[[nn.Module], None]
-    installed: Callable[[nn.Module], bool] = lambda model: False
+    installed: Callable[[nn.Module], bool]
+    optional: bool = False
 
 
+@dataclass(frozen=True)
+class ForwardPath:
+    """One way to execute a model's forward: the parts it switches on (eager: none; every other part is off)."""
+
+    name: str
+    parts: tuple[str, ...]
+
+    def applies(self, model: nn.Module) -> bool:
+        return all(PATH_PARTS.get(part).fits(model) for part in self.parts)
+
+
+PATH_PARTS: Registry[PathPart] = Registry("forward path part")
 FORWARD_PATHS: Registry[ForwardPath] = Registry("forward path")
 
 
@@ -85,14 +104,67 @@ def _uninstall_prepacked(model: nn.Module) -> None:
             del module._packed, module._packed_version
 
 
-def _prepacked_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+def _prepacked_fits(model: nn.Module) -> bool:
+    param = next(model.parameters(), None)
+    return (param is not None and param.device.type == "cpu" and param.dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-FORWARD_PATHS.register(EAGER)(ForwardPath(EAGER, lambda device, dtype: True, lambda model: None, lambda model: None))
-FORWARD_PATHS.register("prepacked")(ForwardPath("prepacked", _prepacked_applies, _install_prepacked, _uninstall_prepacked,
-                                                 lambda model: any(type(m) is PrepackedLinear for m in model.modules())))
+#: HF's switch (read per call by ``transformers.integrations.sdpa_attention.use_gqa_in_sdpa``) that hands grouped
+#: K/V heads to SDPA (``enable_gqa``) even with a mask. Without it every masked forward of more than one token --
+#: each verify forward of the runtime -- copies every layer's whole K/V once per query head of a group (``repeat_kv``),
+#: a cost that grows with the context.
+GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+class _GqaForward:
+    """A model's own forward run with ``GQA_SWITCH`` on for the call and restored after (the switch is process-wide,
+    so other models keep HF's default unless they run in another thread meanwhile, which changes their speed only)."""
+
+    def __init__(self, forward: Callable[..., Any]):
+        self.forward = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        previous = os.environ.get(GQA_SWITCH)
+        os.environ[GQA_SWITCH] = "1"
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            if previous is None:
+                os.environ.pop(GQA_SWITCH, None)
+            else:
+                os.environ[GQA_SWITCH] = previous
+
+
+def _gqa_fits(model: nn.Module) -> bool:
+    """An HF model on ``sdpa`` attention whose attention groups query heads over shared K/V heads."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return (getattr(text, "_attn_implementation", None) == "sdpa"
+            and any(getattr(module, "num_key_value_groups", 1) > 1 for module in model.modules()))
+
+
+def _install_gqa(model: nn.Module) -> None:
+    if not _gqa_installed(model):
+        model.forward = _GqaForward(model.forward)  # an instance attribute: nn.Module.__call__ runs it
+
+
+def _uninstall_gqa(model: nn.Module) -> None:
+    if _gqa_installed(model):
+        del model.forward
+
+
+def _gqa_installed(model: nn.Module) -> bool:
+    return isinstance(model.__dict__.get("forward"), _GqaForward)
+
+
+PATH_PARTS.register("prepacked")(PathPart("prepacked", "CPU fp32 with oneDNN", _prepacked_fits, _install_prepacked, _uninstall_prepacked,
+                                          lambda model: any(type(m) is PrepackedLinear for m in model.modules())))
+PATH_PARTS.register("gqa")(PathPart("gqa", "a Hugging Face model on sdpa attention with grouped K/V heads", _gqa_fits, _install_gqa,
+                                    _uninstall_gqa, _gqa_installed, optional=True))
+for _path in (ForwardPath(EAGER, ()), ForwardPath("prepacked", ("prepacked",)), ForwardPath("gqa", ("gqa",)),
+              ForwardPath("prepacked+gqa", ("prepacked", "gqa"))):
+    FORWARD_PATHS.register(_path.name)(_path)
 
 
 def path_choices() -> list[str]:
@@ -100,26 +172,32 @@ def path_choices() -> list[str]:
     return [AUTO, *FORWARD_PATHS.names()]
 
 
-def applicable_paths(device: torch.device, dtype: torch.dtype) -> list[str]:
-    return [name for name in FORWARD_PATHS.names() if FORWARD_PATHS.get(name).applies(torch.device(device), dtype)]
+def applicable_paths(model: nn.Module) -> list[str]:
+    return [name for name in FORWARD_PATHS.names() if FORWARD_PATHS.get(name).applies(model)]
 
 
 def current_path(model: nn.Module) -> str:
-    """The path a model runs on now (eager unless a path installed modules of its own)."""
-    return next((name for name in FORWARD_PATHS.names() if FORWARD_PATHS.get(name).installed(model)), EAGER)
+    """The path a model runs on now (eager unless parts of another are installed)."""
+    installed = {name for name in PATH_PARTS.names() if PATH_PARTS.get(name).installed(model)}
+    return next((name for name in FORWARD_PATHS.names() if set(FORWARD_PATHS.get(name).parts) == installed), EAGER)
 
 
-def use_path(model: nn.Module, name: str) -> None:
-    """Switch ``model`` onto path ``name`` (uninstalling any other first); refused where it cannot apply."""
-    param = next(model.parameters())
-    path = FORWARD_PATHS.get(name)
-    if not path.applies(param.device, param.dtype):
+def use_path(model: nn.Module, name: str) -> str:
+    """Switch ``model`` onto path ``name`` (the parts it names on, every other part off) and return the path it is on:
+    ``name`` less the optional parts that do not fit this model. Refused where a required part cannot apply."""
+    parts = FORWARD_PATHS.get(name).parts
+    missing = [PATH_PARTS.get(part).needs for part in parts if not PATH_PARTS.get(part).fits(model) and not PATH_PARTS.get(part).optional]
+    if missing:
+        param = next(model.parameters())
         raise SpecdraftError(f"--forward-path {name} does not apply to a {str(param.dtype).removeprefix('torch.')} model on "
-                             f"{param.device.type} here; use one of {', '.join([AUTO, *applicable_paths(param.device, param.dtype)])}")
-    for other in FORWARD_PATHS.names():
-        if other != name:
-            FORWARD_PATHS.get(other).uninstall(model)
-    path.install(model)
+                             f"{param.device.type} here (it needs {'; '.join(missing)}); use one of {', '.join([AUTO, *applicable_paths(model)])}")
+    kept = [part for part in parts if PATH_PARTS.get(part).fits(model)]
+    for part in PATH_PARTS.names():
+        if part not in kept:
+            PATH_PARTS.get(part).uninstall(model)
+    for part in kept:
+        PATH_PARTS.get(part).install(model)
+    return current_path(model)
 
 
 @dataclass(frozen=True)
@@ -138,10 +216,9 @@ def resolve_path(model: nn.Module, requested: str, what: str, context: dict[str,
     """Put ``model`` on ``requested``, or for ``auto`` on the applicable path whose ``work_seconds()`` (decode-
     shaped work on the model as it is now) was fastest, timed once per machine and ``context`` and cached."""
     if requested != AUTO:
-        use_path(model, requested)
-        return PathChoice(requested, "flag", {})
+        return PathChoice(use_path(model, requested), "flag", {})
     param = next(model.parameters())
-    names = applicable_paths(param.device, param.dtype)
+    names = applicable_paths(model)
 
     def timer(name: str) -> Callable[[], float]:
         def run() -> float:

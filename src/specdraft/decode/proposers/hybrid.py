@@ -1,13 +1,15 @@
-"""Hybrid proposer: per row and round, prompt lookup or a trained drafter, whichever is expected to
+"""Hybrid proposer: per row and round, a lookup or a trained drafter, whichever is expected to
 commit more tokens per second.
 
-Spelled ``--drafter METHOD+ngram`` (e.g. ``dspark+ngram`` with ``--drafter-path``; in ``specdraft eval``
-a drafter spec ``DIR+ngram`` or ``reference+ngram``). Each round, for every row:
+Spelled ``--drafter METHOD+ngram`` (prompt lookup) or ``METHOD+suffix`` (prompt lookup, else the
+target's own answers, ``--lookup-corpus``), e.g. ``dspark+suffix`` with ``--drafter-path``; in
+``specdraft eval`` a drafter spec ``DIR+ngram`` or ``reference+suffix``. Each round, for every row:
 
-  1. look the context's suffix up earlier in the context (``ngram.lookup``): a continuation of up to
-     the round's draft width and its *match length* (how many tokens before it agree);
+  1. look the context's suffix up earlier in the context (``ngram.Lookup``; with a corpus, in the
+     target's answers where the context has no match): a continuation of up to the round's draft
+     width and its *bucket* (the prompt match's length, or the corpus match's context length and share);
   2. estimate both branches' expected committed tokens for every verify length l from measured
-     acceptance (``AcceptanceStats``): the lookup's per match-length bucket, the drafter's per
+     acceptance (``AcceptanceStats``): the lookup's per bucket, the drafter's per
      draft position; committed = 1 + sum_{j<=l} a_j with a_j the prefix survival;
   3. price them: a row's round costs its drafting (the drafter's measured seconds per row; the
      lookup is already paid in 1.) plus its share of the verify forward, 1 / SPS(R (1 + l)) / R
@@ -37,21 +39,22 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
 from specdraft.decode.config import DecodeConfig
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.proposers.drafters import decodable_methods
-from specdraft.decode.proposers.ngram import lookup
+from specdraft.decode.proposers.ngram import Lookup, answer_corpus
 from specdraft.decode.scheduler import StepRate
 from specdraft.decode.verification import PAD
 from specdraft.errors import SpecdraftError
 from specdraft.targets.base import Target
 
-#: ``--drafter`` names ``METHOD + HYBRID_SUFFIX`` for every decodable method.
-HYBRID_SUFFIX = "+ngram"
+#: ``--drafter`` names ``METHOD + kind`` for every decodable method and lookup kind: prompt lookup, or suffix drafting
+#: (prompt lookup, else the target's answers in ``--lookup-corpus``).
+HYBRID_KINDS = ("+ngram", "+suffix")
 LOOKUP, DRAFTER = "lookup", "drafter"
 
 
@@ -134,7 +137,7 @@ class _Proposed:
     tokens: list[int]
     verified: int  # drafts sent to verification (the verify policy may have cut further)
     context: int  # committed tokens when it was proposed
-    bucket: int  # the lookup's match length
+    bucket: Hashable  # the lookup's bucket: its prompt match's length, or its corpus match's (context, share)
 
 
 @dataclass
@@ -153,18 +156,18 @@ class HybridProposer(Proposer):
     per draft before any is measured; ``clock`` times the drafter's rounds (tests inject one).
     """
 
-    def __init__(self, drafter: Proposer, *, step_rate: StepRate, max_ngram: int, min_ngram: int, lookup_prior: float = 0.5,
+    def __init__(self, drafter: Proposer, *, step_rate: StepRate, lookup: Lookup, lookup_prior: float = 0.5,
                  drafter_prior: float = 0.5, clock: Callable[[], float] = time.perf_counter):
         self.drafter = drafter
         self.step_rate = step_rate
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.lookup = lookup
         self.clock = clock
         self.layer_slots = drafter.layer_slots
         self.provides_confidences = drafter.provides_confidences
         self.confidences_calibrated = drafter.confidences_calibrated
         self.block_length = drafter.block_length
         self.lookup_prior = lookup_prior
-        self.lookup_stats: dict[int, AcceptanceStats] = {}  # by match length
+        self.lookup_stats: dict[Hashable, AcceptanceStats] = {}  # by bucket
         self.drafter_stats = AcceptanceStats(prior=drafter_prior)
         self.draft_s: float | None = None  # measured seconds of drafting one row (smoothed)
         self.rows: dict[int, _RowState] = {}
@@ -184,7 +187,7 @@ class HybridProposer(Proposer):
         rows = len(inputs.row_ids)
         choices: list[Branch] = []
         found: list[torch.Tensor] = []
-        buckets: list[int] = []
+        buckets: list[Hashable] = []
         for i, rid in enumerate(inputs.row_ids):
             state = self.rows.setdefault(rid, _RowState())
             context = inputs.tokens[i].cpu()
@@ -194,17 +197,17 @@ class HybridProposer(Proposer):
                     state.pending_start = inputs.new_start[i]
                 state.pending.append(inputs.new_hidden[i])
             cap = int(inputs.max_draft[i])
-            match = lookup(context, max_ngram=self.max_ngram, min_ngram=self.min_ngram, max_tokens=cap)
-            stats = self._lookup_stats(match.match_length)
+            continuation, bucket = self.lookup(context, cap)
+            stats = self._lookup_stats(bucket)
             width = min(self.block_length or cap, cap)
             choices.append(choose_branch(
-                lookup_survival=stats.survival(int(match.tokens.numel())), drafter_survival=self.drafter_stats.survival(width),
+                lookup_survival=stats.survival(int(continuation.numel())), drafter_survival=self.drafter_stats.survival(width),
                 draft_s=self.draft_s or 0.0, step_s=lambda b: 1.0 / self.step_rate(b), rows=rows,
             ))
-            found.append(match.tokens)
-            buckets.append(match.match_length)
-            state.lookup = _Proposed(match.tokens.tolist(), choices[-1].length if choices[-1].name == LOOKUP else 0,
-                                     int(context.shape[0]), match.match_length)
+            found.append(continuation)
+            buckets.append(bucket)
+            state.lookup = _Proposed(continuation.tolist(), choices[-1].length if choices[-1].name == LOOKUP else 0,
+                                     int(context.shape[0]), bucket)
         drafted = self._draft(inputs, [i for i, c in enumerate(choices) if c.name == DRAFTER])
         return self._assemble(inputs, choices, found, buckets, drafted)
 
@@ -231,7 +234,7 @@ class HybridProposer(Proposer):
             s.pending, s.drafted = [], True
         return draft
 
-    def _assemble(self, inputs: ProposalInput, choices: list[Branch], found: list[torch.Tensor], buckets: list[int],
+    def _assemble(self, inputs: ProposalInput, choices: list[Branch], found: list[torch.Tensor], buckets: list[Hashable],
                   drafted: Draft | None) -> Draft:
         """One ``Draft`` for all rows: lookup rows with a one-hot ``probs`` and their estimated
         conditional acceptance as confidences, drafter rows as the drafter drew them."""
@@ -286,10 +289,10 @@ class HybridProposer(Proposer):
             stats.record(tried=tried, accepted=accepted)
         state.lookup = state.drafter = None
 
-    def _lookup_stats(self, match_length: int) -> AcceptanceStats:
-        if match_length not in self.lookup_stats:
-            self.lookup_stats[match_length] = AcceptanceStats(prior=self.lookup_prior)
-        return self.lookup_stats[match_length]
+    def _lookup_stats(self, bucket: Hashable) -> AcceptanceStats:
+        if bucket not in self.lookup_stats:
+            self.lookup_stats[bucket] = AcceptanceStats(prior=self.lookup_prior)
+        return self.lookup_stats[bucket]
 
     def release(self, row_ids: Sequence[int]) -> None:
         self.drafter.release(row_ids)
@@ -298,15 +301,17 @@ class HybridProposer(Proposer):
 
 
 def build_hybrid(config: DecodeConfig, target: Target | None) -> Proposer:
-    """The checkpoint's drafter (``config.drafter`` less the suffix) with prompt lookup, priced by the
-    target's SPS profile (measured once per target and device, then cached)."""
+    """The checkpoint's drafter (``config.drafter`` less the kind) with its lookup (with the answer corpus for
+    ``+suffix``), priced by the target's SPS profile (measured once per target and device, then cached)."""
     from specdraft.decode.sps import load_or_measure_sps
 
-    method = config.drafter.removesuffix(HYBRID_SUFFIX)
+    method, _, kind = config.drafter.rpartition("+")
+    corpus = answer_corpus(config, target) if kind == "suffix" else None
     drafter = PROPOSERS.get(method)(dataclasses.replace(config, drafter=method), target)
     sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint)
-    return HybridProposer(drafter, step_rate=sps, max_ngram=config.ngram_max, min_ngram=config.ngram_min)
+    return HybridProposer(drafter, step_rate=sps, lookup=Lookup(config.ngram_max, config.ngram_min, corpus))
 
 
 for _method in decodable_methods():
-    PROPOSERS.register(f"{_method}{HYBRID_SUFFIX}")(build_hybrid)
+    for _kind in HYBRID_KINDS:
+        PROPOSERS.register(f"{_method}{_kind}")(build_hybrid)

@@ -3,17 +3,22 @@
 The last n tokens of the context are searched for earlier in the same context (prompt and output
 so far); the tokens that followed the match are proposed. Strong on inputs that copy from the
 prompt (summaries, code edits, extraction) and the baseline every learned drafter must beat.
-Proposals are deterministic, so their draft distribution is a point mass (``Draft.probs=None``).
+``suffix`` drafting falls back, where the context holds no match, to what the target most often
+wrote next in its own answers (``corpus.py``). Proposals are deterministic, so their draft
+distribution is a point mass (``Draft.probs=None``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Hashable
 
 import torch
 
 from specdraft.decode.config import DecodeConfig
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
+from specdraft.decode.proposers.corpus import AnswerCorpus
+from specdraft.errors import SpecdraftError
 from specdraft.decode.verification import PAD
 from specdraft.targets.base import Target
 
@@ -68,12 +73,29 @@ def prompt_lookup(context: torch.Tensor, *, max_ngram: int, min_ngram: int, max_
     return lookup(context, max_ngram=max_ngram, min_ngram=min_ngram, max_tokens=max_tokens).tokens
 
 
-class NgramProposer(Proposer):
-    """Prompt lookup over each request's own tokens; stateless."""
+@dataclass(frozen=True)
+class Lookup:
+    """Prompt lookup, and where it finds nothing (and a ``corpus`` is given) the corpus' continuation."""
 
-    def __init__(self, *, max_ngram: int, min_ngram: int):
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
+    max_ngram: int
+    min_ngram: int
+    corpus: AnswerCorpus | None = None
+
+    def __call__(self, context: torch.Tensor, max_tokens: int) -> tuple[torch.Tensor, Hashable]:
+        """(continuation [<= max_tokens], bucket): the prompt match's length, or the corpus match's ``bucket``;
+        both functions of committed tokens only, so a choice made on them stays lossless."""
+        match = lookup(context, max_ngram=self.max_ngram, min_ngram=self.min_ngram, max_tokens=max_tokens)
+        if match.tokens.numel() or self.corpus is None or max_tokens <= 0:
+            return match.tokens, match.match_length
+        found = self.corpus.propose(context.tolist(), max_tokens)
+        return torch.tensor(found.tokens, dtype=torch.long), found.bucket
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (with a corpus: suffix drafting) over each request's own tokens; stateless."""
+
+    def __init__(self, *, max_ngram: int, min_ngram: int, corpus: AnswerCorpus | None = None):
+        self.lookup = Lookup(max_ngram, min_ngram, corpus)
 
     def propose(self, inputs: ProposalInput) -> Draft:
         rows = len(inputs.tokens)
@@ -81,13 +103,26 @@ class NgramProposer(Proposer):
         tokens = torch.full((rows, width), PAD, dtype=torch.long)
         lengths = torch.zeros(rows, dtype=torch.long)
         for i, context in enumerate(inputs.tokens):
-            found = prompt_lookup(context.cpu(), max_ngram=self.max_ngram, min_ngram=self.min_ngram, max_tokens=int(inputs.max_draft[i]))
+            found, _ = self.lookup(context.cpu(), int(inputs.max_draft[i]))
             tokens[i, : found.numel()] = found
             lengths[i] = found.numel()
         device = inputs.max_draft.device
         return Draft(tokens=tokens.to(device), lengths=lengths.to(device))
 
 
+def answer_corpus(config: DecodeConfig, target: Target | None) -> AnswerCorpus:
+    """``config.lookup_corpus``'s answers, for the target's tokenizer; a clear error when none is named."""
+    if not config.lookup_corpus:
+        raise SpecdraftError(f"--drafter {config.drafter} drafts from the target's own answers: pass --lookup-corpus DATASET "
+                             "(a `specdraft prepare` output for this target, e.g. the quickstart's runs/NAME/data)")
+    return AnswerCorpus.from_prepared(config.lookup_corpus, tokenizer_hash=target.tokenizer_hash if target is not None else None)
+
+
 @PROPOSERS.register("ngram")
 def build_ngram(config: DecodeConfig, target: Target | None = None) -> Proposer:
     return NgramProposer(max_ngram=config.ngram_max, min_ngram=config.ngram_min)
+
+
+@PROPOSERS.register("suffix")
+def build_suffix(config: DecodeConfig, target: Target | None = None) -> Proposer:
+    return NgramProposer(max_ngram=config.ngram_max, min_ngram=config.ngram_min, corpus=answer_corpus(config, target))

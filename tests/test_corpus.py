@@ -1,0 +1,94 @@
+"""Suffix drafting from the target's own answers (``decode/proposers/corpus.py``): the index, reading a prepared
+dataset's answers, and decoding with it exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdraft.data.dataset import write_prepared
+from specdraft.decode.config import DecodeConfig, SamplingConfig
+from specdraft.decode.proposers.corpus import MIN_SHARE, AnswerCorpus, CorpusMatch
+from specdraft.decode.proposers.ngram import Lookup, NgramProposer
+from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
+from specdraft.errors import SpecdraftError
+from test_decode import PROMPTS, reference_greedy, tiny_model
+
+
+def test_the_corpus_chains_the_most_frequent_continuation_of_the_longest_context():
+    corpus = AnswerCorpus([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2, 3, 9], [8, 2, 3, 7], [8, 2, 3, 7], [8, 2, 3, 7]])
+    # (1, 2, 3) was followed by 4 twice and 9 once: the 3-token context wins over (2, 3), whose favourite is 7
+    assert corpus.propose([0, 1, 2, 3], 8) == CorpusMatch([4, 5, 6], context=3, share=pytest.approx(2 / 3))
+    assert corpus.propose([0, 1, 2, 3], 8).bucket == ("corpus", 3, 6)
+    assert corpus.propose([0, 1, 2, 3], 2).tokens == [4, 5]
+    assert corpus.propose([5, 2, 3], 8).tokens[0] == 7  # (5, 2, 3) unseen: (2, 3) was followed by 7 three of six times
+    assert corpus.propose([4, 9], 8) == CorpusMatch([])  # (4, 9) never seen; a 1-token context is not indexed
+    assert AnswerCorpus([[1, 2, 3]]).propose([1, 2], 4) == CorpusMatch([])  # seen once: an anecdote, no proposal
+    assert corpus.tokens == 6 + 6 + 4 + 4 + 4 + 4
+
+
+def test_chaining_stops_at_a_weak_continuation_and_ties_go_to_the_smaller_id():
+    weak = int(1 / MIN_SHARE) + 1  # (2, 3) then has that many different continuations, each below MIN_SHARE
+    corpus = AnswerCorpus([[1, 2, 3]] * 3 + [[2, 3, 10 + i] for i in range(weak)] * 2)
+    assert corpus.propose([1, 2], 4).tokens == [3]  # (1, 2) -> 3, then (2, 3)'s favourite is too weak to chain
+    first = corpus.propose([9, 2, 3], 4)
+    assert first.tokens == [10] and first.share < MIN_SHARE  # a first token is proposed whatever its share (tie: smallest id)
+    assert AnswerCorpus([[4, 5, 1, 4, 5, 1], [4, 5, 2, 4, 5, 2]]).propose([4, 5], 1).tokens == [1]
+
+
+def _write(directory, rows, tokenizer_hash="t" * 16):
+    info = {"name": "fake", "path": "/nowhere", "fingerprint": "f" * 16, "tokenizer_hash": tokenizer_hash}
+    return write_prepared(directory, rows, target_info=info, config={}, stats={}, vocab_size=64)
+
+
+def test_a_prepared_datasets_answers_are_the_corpus_and_its_tokenizer_must_be_the_targets(tmp_path):
+    prompt, answer = [1, 2, 3, 4], [20, 21, 22, 23]
+    rows = [{"sample_id": f"s{i}", "source": "x", "input_ids": prompt + answer + prompt + answer,
+             "loss_mask": [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4} for i in range(2)]
+    _write(tmp_path / "data", rows)
+    corpus = AnswerCorpus.from_prepared(tmp_path / "data", tokenizer_hash="t" * 16)
+    assert corpus.tokens == 16 and corpus.source == str(tmp_path / "data")
+    assert corpus.propose([20, 21], 8).tokens == [22, 23]  # each answer turn is its own run: 23 was never followed by 1
+    assert corpus.propose([1, 2], 8).tokens == []  # prompt tokens (loss_mask 0) are not the target's writing
+    with pytest.raises(SpecdraftError, match=r"--lookup-corpus .*data: prepared with tokenizer 'tttttttttttttttt', but the target's is 'other'"):
+        AnswerCorpus.from_prepared(tmp_path / "data", tokenizer_hash="other")
+    _write(tmp_path / "prompts", [{"sample_id": "p", "source": "x", "input_ids": prompt, "loss_mask": [0] * 4}])
+    with pytest.raises(SpecdraftError, match="holds no answer tokens"):
+        AnswerCorpus.from_prepared(tmp_path / "prompts")
+    with pytest.raises(SpecdraftError, match="pass --lookup-corpus DATASET"):
+        build_proposer(DecodeConfig(drafter="suffix"))
+    with pytest.raises(SpecdraftError, match="pass --lookup-corpus DATASET"):
+        build_proposer(DecodeConfig(drafter="dspark+suffix", drafter_path=str(tmp_path)))
+    assert isinstance(build_proposer(DecodeConfig(drafter="suffix", lookup_corpus=str(tmp_path / "data"))), NgramProposer)
+
+
+def test_suffix_decoding_equals_greedy_decoding_with_rows_accepting_differently():
+    """The target's own greedy answers (and some noise) as the corpus: prompt lookup alone finds little in these
+    prompts, the corpus proposes most rounds, drafts are accepted and rejected, and every row's output is the
+    target's greedy one."""
+    model = tiny_model(seed=5)
+    new = 24
+    expected = [reference_greedy(model, p, new) for p in PROMPTS]
+    rng = np.random.default_rng(0)
+    answers = [e[: new // 2] for e in expected] * 2 + [rng.integers(0, 64, 40) for _ in range(4)] * 2
+    config = DecodeConfig(max_new_tokens=new, num_draft_tokens=4)
+
+    def run(proposer):
+        return SpeculativeDecoder(model, proposer, config=config, sampling=SamplingConfig(), eos_token_ids=[]).generate(PROMPTS)
+
+    suffix = run(NgramProposer(max_ngram=3, min_ngram=2, corpus=AnswerCorpus(answers)))
+    plain = run(NgramProposer(max_ngram=3, min_ngram=2))
+    assert [o.tokens for o in suffix.outputs] == expected == [o.tokens for o in plain.outputs]
+    assert 0 < suffix.metrics.accepted < suffix.metrics.drafted and suffix.metrics.accepted > plain.metrics.accepted
+    assert len(set(suffix.metrics.request_rounds)) > 1  # rows accepted different numbers of drafts
+
+
+def test_the_lookup_prefers_a_prompt_match_and_buckets_each_source_apart():
+    corpus = AnswerCorpus([[5, 6, 7, 8]] * 2)
+    lookup = Lookup(3, 2, corpus)
+    tokens, bucket = lookup(torch.tensor([1, 2, 9, 1, 2]), 3)
+    assert tokens.tolist() == [9, 1, 2] and bucket == 2  # the prompt's own match, bucketed by its length
+    tokens, bucket = lookup(torch.tensor([0, 5, 6]), 3)
+    assert tokens.tolist() == [7, 8] and bucket == ("corpus", 2, 9)
+    assert Lookup(3, 2)(torch.tensor([0, 5, 6]), 3)[0].tolist() == []
