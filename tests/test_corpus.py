@@ -13,6 +13,7 @@ from specdraft.decode.proposers.corpus import MIN_SHARE, AnswerCorpus, CorpusMat
 from specdraft.decode.proposers.ngram import Lookup, NgramProposer
 from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
 from specdraft.errors import SpecdraftError
+from specdraft.eval.lookup_replay import ReplayRound, replay, summarize
 from test_decode import PROMPTS, reference_greedy, tiny_model
 
 
@@ -24,13 +25,19 @@ def test_the_corpus_chains_the_most_frequent_continuation_of_the_longest_context
     assert corpus.propose([0, 1, 2, 3], 2).tokens == [4, 5]
     assert corpus.propose([5, 2, 3], 8).tokens[0] == 7  # (5, 2, 3) unseen: (2, 3) was followed by 7 three of six times
     assert corpus.propose([4, 9], 8) == CorpusMatch([])  # (4, 9) never seen; a 1-token context is not indexed
-    assert AnswerCorpus([[1, 2, 3]]).propose([1, 2], 4) == CorpusMatch([])  # seen once: an anecdote, no proposal
+    assert AnswerCorpus([[1, 2, 3]]).propose([1, 2], 4).tokens == [3]  # seen once proposes (measured to pay) ...
+    assert AnswerCorpus([[1, 2, 3]], min_occurrences=2).propose([1, 2], 4) == CorpusMatch([])  # ... unless a floor says no
+    assert AnswerCorpus([[1, 2, 3, 4]], context_lengths=(3,)).propose([1, 2, 3], 4).tokens == [4]  # only 3-token contexts
+    assert AnswerCorpus([[1, 2, 3, 4]], context_lengths=(3,)).propose([2, 3], 4) == CorpusMatch([])
+    with pytest.raises(SpecdraftError, match="min_occurrences >= 1"):
+        AnswerCorpus([[1, 2, 3]], min_occurrences=0)
     assert corpus.tokens == 6 + 6 + 4 + 4 + 4 + 4
 
 
 def test_chaining_stops_at_a_weak_continuation_and_ties_go_to_the_smaller_id():
     weak = int(1 / MIN_SHARE) + 1  # (2, 3) then has that many different continuations, each below MIN_SHARE
     corpus = AnswerCorpus([[1, 2, 3]] * 3 + [[2, 3, 10 + i] for i in range(weak)] * 2)
+    assert AnswerCorpus([[1, 2, 3]] * 3 + [[2, 3, 10 + i] for i in range(weak)] * 2, min_share=0.0).propose([1, 2], 4).tokens == [3, 10]
     assert corpus.propose([1, 2], 4).tokens == [3]  # (1, 2) -> 3, then (2, 3)'s favourite is too weak to chain
     first = corpus.propose([9, 2, 3], 4)
     assert first.tokens == [10] and first.share < MIN_SHARE  # a first token is proposed whatever its share (tie: smallest id)
@@ -92,3 +99,29 @@ def test_the_lookup_prefers_a_prompt_match_and_buckets_each_source_apart():
     tokens, bucket = lookup(torch.tensor([0, 5, 6]), 3)
     assert tokens.tolist() == [7, 8] and bucket == ("corpus", 2, 9)
     assert Lookup(3, 2)(torch.tensor([0, 5, 6]), 3)[0].tolist() == []
+
+
+def test_replaying_the_greedy_text_gives_the_rounds_the_runtime_decodes():
+    """eval/lookup_replay.py: prompt lookup and suffix drafting replayed on the target's greedy continuations run the
+    very rounds (count, committed and accepted tokens) the runtime runs, so the replayed tau is exact."""
+    model = tiny_model(seed=5)
+    new = 24
+    expected = [reference_greedy(model, p, new) for p in PROMPTS]
+    rng = np.random.default_rng(0)
+    answers = [e[: new // 2] for e in expected] * 2 + [rng.integers(0, 64, 40) for _ in range(4)] * 2
+    for corpus in (None, AnswerCorpus(answers)):
+        proposer = NgramProposer(max_ngram=3, min_ngram=2, corpus=corpus)
+        decoded = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=new, num_draft_tokens=4), sampling=SamplingConfig(),
+                                     eos_token_ids=[]).generate(PROMPTS).metrics
+        replayed = [replay(proposer.lookup, np.array(p + e), len(p), len(p) + new, 4) for p, e in zip(PROMPTS, expected)]
+        assert [len(r) for r in replayed] == decoded.request_rounds
+        assert [sum(x.accepted + 1 for x in r) for r in replayed] == decoded.request_committed
+        assert sum(x.accepted for r in replayed for x in r) == decoded.accepted > 0
+        assert sum(x.proposed for r in replayed for x in r) == decoded.drafted
+
+
+def test_a_replays_speed_up_prices_each_round_by_its_verify_width():
+    rounds = [ReplayRound(0, 0), ReplayRound(3, 3), ReplayRound(9, 1)]  # 1 + 4 + 2 tokens; widths 1, 4 and 10 (priced as 8)
+    summary = summarize(rounds, {1: 10.0, 4: 12.0, 8: 20.0})
+    assert summary.tokens == 7 and summary.tau == pytest.approx(7 / 3) and summary.drafted_share == pytest.approx(2 / 3)
+    assert summary.speedup_est == pytest.approx(7 * 10.0 / (10.0 + 12.0 + 20.0)) and summary.accepted_per_proposed == pytest.approx(4 / 12)

@@ -28,8 +28,10 @@ from specdraft.errors import SpecdraftError
 
 #: Context lengths indexed, longest tried first; a 1-token context predicts too little to be worth a verify slot.
 CONTEXT_LENGTHS = (4, 3, 2)
-#: A context seen fewer times than this proposes nothing (one occurrence is an anecdote).
-MIN_OCCURRENCES = 2
+#: A context seen fewer times than this proposes nothing. 1: a context the target wrote once still predicts its
+#: next token often enough to pay a verify slot (``benchmarks/lookup_sim.py``, exact greedy replay: tau 1.324 -> 1.372 on
+#: the quick suite, 1.506 -> 1.566 on held-out answers, against 2; docs/results/lookup_sim*.md).
+MIN_OCCURRENCES = 1
 #: Chaining stops at a continuation with a smaller share of its context's occurrences.
 MIN_SHARE = 0.2
 _MULTIPLIER = np.int64(1_000_003)
@@ -60,14 +62,22 @@ def _hash(windows: np.ndarray) -> np.ndarray:
 
 
 class AnswerCorpus:
-    """Most frequent continuation of every 2-4 token context in a set of answers; see the module docstring."""
+    """Most frequent continuation of every 2-4 token context in a set of answers; see the module docstring.
 
-    def __init__(self, answers: Iterable[np.ndarray], *, source: str = ""):
+    The thresholds default to the module's constants; ``benchmarks/lookup_sim.py`` sweeps them."""
+
+    def __init__(self, answers: Iterable[np.ndarray], *, source: str = "", context_lengths: tuple[int, ...] = CONTEXT_LENGTHS,
+                 min_occurrences: int = MIN_OCCURRENCES, min_share: float = MIN_SHARE):
+        if not context_lengths or min(context_lengths) < 1 or min_occurrences < 1 or not 0.0 <= min_share <= 1.0:
+            raise SpecdraftError(f"answer corpus: need context lengths >= 1, min_occurrences >= 1 and 0 <= min_share <= 1, got "
+                                 f"{context_lengths}, {min_occurrences}, {min_share}")
         self.source = source
+        self.context_lengths = tuple(sorted(context_lengths, reverse=True))
+        self.min_share = min_share
         self._tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         answers = [np.asarray(a, dtype=np.int64) for a in answers]
         self.tokens = int(sum(len(a) for a in answers))
-        for n in CONTEXT_LENGTHS:
+        for n in self.context_lengths:
             keys, nexts = [], []
             for answer in answers:
                 if len(answer) > n:
@@ -76,7 +86,7 @@ class AnswerCorpus:
             if not keys:
                 self._tables[n] = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))
                 continue
-            self._tables[n] = _most_frequent(np.concatenate(keys), np.concatenate(nexts))
+            self._tables[n] = _most_frequent(np.concatenate(keys), np.concatenate(nexts), min_occurrences)
 
     @classmethod
     def from_prepared(cls, directory: str | os.PathLike, *, tokenizer_hash: str | None = None) -> "AnswerCorpus":
@@ -93,7 +103,7 @@ class AnswerCorpus:
         for i in range(len(dataset)):
             row = dataset[i]
             ids, mask = row["input_ids"].numpy(), row["loss_mask"].numpy().astype(bool)
-            answers += [ids[lo:hi] for lo, hi in _runs(mask)]
+            answers += [ids[lo:hi] for lo, hi in answer_runs(mask)]
         corpus = cls(answers, source=str(Path(directory)))
         if not corpus.tokens:
             raise SpecdraftError(f"--lookup-corpus {directory}: the dataset holds no answer tokens (loss_mask is all 0)")
@@ -102,24 +112,25 @@ class AnswerCorpus:
     def propose(self, context: list[int], max_tokens: int) -> CorpusMatch:
         """Up to ``max_tokens`` continuations chained from the end of ``context``."""
         tokens: list[int] = []
-        window = list(context[-max(CONTEXT_LENGTHS):])
+        longest = self.context_lengths[0]
+        window = list(context[-longest:])
         first = (0, 0.0)
         while len(tokens) < max_tokens:
             found = self._continuation(window)
             if found is None:
                 break
             token, n, share = found
-            if tokens and share < MIN_SHARE:
+            if tokens and share < self.min_share:
                 break
             if not tokens:
                 first = (n, share)
             tokens.append(token)
-            window = window[1:] + [token] if len(window) >= max(CONTEXT_LENGTHS) else window + [token]
+            window = window[1:] + [token] if len(window) >= longest else window + [token]
         return CorpusMatch(tokens, *first)
 
     def _continuation(self, window: list[int]) -> tuple[int, int, float] | None:
         """(next token, context length, share) of the longest indexed suffix of ``window``, or None."""
-        for n in CONTEXT_LENGTHS:
+        for n in self.context_lengths:
             if len(window) < n:
                 continue
             keys, nexts, shares = self._tables[n]
@@ -130,8 +141,8 @@ class AnswerCorpus:
         return None
 
 
-def _most_frequent(keys: np.ndarray, nexts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per distinct key seen at least ``MIN_OCCURRENCES`` times: its most frequent next token and that token's share."""
+def _most_frequent(keys: np.ndarray, nexts: np.ndarray, min_occurrences: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per distinct key seen at least ``min_occurrences`` times: its most frequent next token and that token's share."""
     order = np.lexsort((nexts, keys))
     keys, nexts = keys[order], nexts[order]
     pair_start = np.flatnonzero(np.r_[True, (keys[1:] != keys[:-1]) | (nexts[1:] != nexts[:-1])])
@@ -143,11 +154,11 @@ def _most_frequent(keys: np.ndarray, nexts: np.ndarray) -> tuple[np.ndarray, np.
     # the first pair of each key with the best count (pairs are sorted by next token: ties go to the smaller id)
     is_best = pair_count == np.repeat(best, np.diff(np.r_[key_start, len(pair_key)]))
     first_best = np.minimum.reduceat(np.where(is_best, np.arange(len(pair_key)), len(pair_key)), key_start)
-    keep = totals >= MIN_OCCURRENCES
+    keep = totals >= min_occurrences
     return pair_key[key_start][keep], pair_next[first_best][keep], (best / totals).astype(np.float32)[keep]
 
 
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+def answer_runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """[lo, hi) of every run of True in ``mask``."""
     edges = np.flatnonzero(np.diff(np.r_[0, mask.astype(np.int8), 0]))
     return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
