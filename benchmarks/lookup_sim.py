@@ -114,16 +114,14 @@ def main() -> None:
     args = parser.parse_args()
 
     from specdraft.data.dataset import PreparedDataset
-    from specdraft.decode.proposers.corpus import answer_runs
+    from specdraft.decode.proposers.corpus import answer_runs, prepared_answers
     from specdraft.hidden_states.source import PreparedRows
     from specdraft.train.split import dataset_split
 
     prepared = PreparedDataset(args.data)
     split = dataset_split(PreparedRows(prepared), val_fraction=args.val_fraction, seed=args.split_seed)
-    rows = [(prepared[i]["input_ids"].numpy(), prepared[i]["loss_mask"].numpy()) for i in range(len(prepared))]
-    corpus_rows = rows if args.suite else [rows[i] for i in split.train]
-    corpus_answers = [ids[lo:hi] for ids, mask in corpus_rows for lo, hi in answer_runs(mask)]
-    val_rows = suite_rows(args) if args.suite else [rows[i] for i in split.val]
+    corpus_answers = prepared_answers(prepared, range(len(prepared)) if args.suite else split.train)
+    val_rows = suite_rows(args) if args.suite else [(prepared[i]["input_ids"].numpy(), prepared[i]["loss_mask"].numpy()) for i in split.val]
     table = json.loads(Path(args.costs).read_text())["forward_ms"]
     if args.path not in table:
         raise SystemExit(f"--path {args.path}: {args.costs} has forward costs for {', '.join(table)}")

@@ -31,6 +31,9 @@ def test_the_corpus_chains_the_most_frequent_continuation_of_the_longest_context
     assert AnswerCorpus([[1, 2, 3, 4]], context_lengths=(3,)).propose([2, 3], 4) == CorpusMatch([])
     with pytest.raises(SpecdraftError, match="min_occurrences >= 1"):
         AnswerCorpus([[1, 2, 3]], min_occurrences=0)
+    for bad in ({"min_share": 1.5}, {"context_lengths": (0, 2)}, {"context_lengths": ()}):
+        with pytest.raises(SpecdraftError, match="answer corpus: need context lengths >= 1"):
+            AnswerCorpus([[1, 2, 3]], **bad)
     assert corpus.tokens == 6 + 6 + 4 + 4 + 4 + 4
 
 

@@ -64,4 +64,3 @@ def summarize(rounds: Sequence[ReplayRound], cost_ms: dict[int, float]) -> Repla
                          mean_proposed=float(np.mean([r.proposed for r in drafted])) if drafted else 0.0,
                          accepted_per_proposed=sum(r.accepted for r in drafted) / max(1, sum(r.proposed for r in drafted)),
                          speedup_est=tokens * cost_ms[1] / spent)
-

@@ -20,11 +20,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
 from specdraft.errors import SpecdraftError
+
+if TYPE_CHECKING:
+    from specdraft.data.dataset import PreparedDataset
+
 
 #: Context lengths indexed, longest tried first; a 1-token context predicts too little to be worth a verify slot.
 CONTEXT_LENGTHS = (4, 3, 2)
@@ -99,12 +103,7 @@ class AnswerCorpus:
         if tokenizer_hash is not None and recorded != tokenizer_hash:
             raise SpecdraftError(f"--lookup-corpus {directory}: prepared with tokenizer {recorded!r}, but the target's is {tokenizer_hash!r}; "
                                  "prepare the corpus for this target")
-        answers = []
-        for i in range(len(dataset)):
-            row = dataset[i]
-            ids, mask = row["input_ids"].numpy(), row["loss_mask"].numpy().astype(bool)
-            answers += [ids[lo:hi] for lo, hi in answer_runs(mask)]
-        corpus = cls(answers, source=str(Path(directory)))
+        corpus = cls(prepared_answers(dataset, range(len(dataset))), source=str(Path(directory)))
         if not corpus.tokens:
             raise SpecdraftError(f"--lookup-corpus {directory}: the dataset holds no answer tokens (loss_mask is all 0)")
         return corpus
@@ -156,6 +155,16 @@ def _most_frequent(keys: np.ndarray, nexts: np.ndarray, min_occurrences: int) ->
     first_best = np.minimum.reduceat(np.where(is_best, np.arange(len(pair_key)), len(pair_key)), key_start)
     keep = totals >= min_occurrences
     return pair_key[key_start][keep], pair_next[first_best][keep], (best / totals).astype(np.float32)[keep]
+
+
+def prepared_answers(dataset: "PreparedDataset", rows: Iterable[int]) -> list[np.ndarray]:
+    """Every answer (run of loss-masked tokens: one per assistant turn) of the prepared ``rows``."""
+    answers = []
+    for i in rows:
+        row = dataset[i]
+        ids, mask = row["input_ids"].numpy(), row["loss_mask"].numpy().astype(bool)
+        answers += [ids[lo:hi] for lo, hi in answer_runs(mask)]
+    return answers
 
 
 def answer_runs(mask: np.ndarray) -> list[tuple[int, int]]:
