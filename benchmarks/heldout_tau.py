@@ -54,7 +54,7 @@ def main() -> None:
     config = drafter.config
     with torch.no_grad():
         for row in tqdm(rows, desc="held-out", unit="row"):
-            batch = collate([[dataset[i] for i in row]], pack_tokens=args.pack_tokens, slot_index=slot_index)
+            batch = collate([[dataset[i] for i in row]], sample_tokens=args.pack_tokens, slot_index=slot_index)
             tokens = int((batch.segment_ids >= 0).sum())
             for name, total in sums.items():
                 torch.manual_seed(args.seed)

@@ -88,7 +88,7 @@ def score(dataset, indices: list[int], drafter, target, slot_index, *, decode_pr
     drafter.eval()
     for name, max_batches in (("teacher_forced_as_logged", s["val_max_batches"]), ("teacher_forced_all", 0)):
         batches = plan.val_batches(max_batches)
-        sums = teacher_forced(drafter.training_forward, dataset, batches, pack_tokens=s["pack_tokens"], slot_index=slot_index,
+        sums = teacher_forced(drafter.training_forward, dataset, batches, sample_tokens=s["pack_tokens"], slot_index=slot_index,
                               device="cpu", compute_dtype=s["compute_dtype"], seed=step_seed(s["seed"], 0, FINAL_STEP, EVAL_SEED_KIND))
         out[name] = {"tau": round(sums.summary()["accept_len"], 4), "packed_rows": len(batches)}
     if decode_tokens:

@@ -30,10 +30,9 @@ def main() -> None:
 
         if not tune_malloc():
             raise SystemExit("could not apply the malloc settings (no glibc?)")
-    import resource
-
     from specdraft.train.config import resolve_config
     from specdraft.train.trainer import train
+    from specdraft.utils.memory import peak_rss_mb
 
     with tempfile.TemporaryDirectory() as scratch:
         cfg = resolve_config("dspark", {"data": args.data, "out": f"{scratch}/run", "max_steps": args.steps, "checkpoint_interval": 0,
@@ -48,7 +47,7 @@ def main() -> None:
     for q in range(4):
         part = steps[q * n // 4 : (q + 1) * n // 4]
         quarters.append(round(sum(r["anchors"] for r in part) / sum(r["seconds"] for r in part), 1))
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mb = peak_rss_mb()
     print(json.dumps({"malloc": args.malloc, "steps": n, "anchors_per_s_by_quarter": quarters, "peak_rss_mb": round(peak_mb),
                       "wall_s": round(wall, 1)}))
 

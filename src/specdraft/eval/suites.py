@@ -28,7 +28,8 @@
                    ShareGPT conversations (``sharegpt-long``, the rows ShareGPT cut one chat into joined
                    again; the next user turn) and specdraft's own source (``specdraft-source``, a
                    question on one definition). Sized with the target's chat template, so every prompt
-                   falls in its power-of-two length bucket.
+                   falls in its power-of-two length bucket. The stdlib documents are the held-out side of
+                   ``data/long_documents.py``'s split: the ``long-documents`` training source never reads them.
 
 A JSONL prompt file is accepted too: one object per line with ``prompt`` (a string) or
 ``messages`` (OpenAI form), optional ``id`` and ``domain``.
@@ -36,17 +37,16 @@ A JSONL prompt file is accepted too: one object per line with ``prompt`` (a stri
 
 from __future__ import annotations
 
-import ast
 import gzip
 import json
 import dataclasses
 import random
 import re
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from specdraft.data.long_documents import DOCUMENT_TASKS, documents, user as _user
 from specdraft.data.sources import EmbeddedDataset, conversation, conversation_group, first_reply_index, iter_json_values, iter_rows, parse_row
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
@@ -78,10 +78,6 @@ class EvalPrompt:
 
 
 SUITES: Registry[Callable[[], list[EvalPrompt]]] = Registry("prompt suite")
-
-
-def _user(text: str) -> tuple[dict, ...]:
-    return ({"role": "user", "content": text},)
 
 
 @SUITES.register("mtbench")
@@ -211,69 +207,7 @@ def bucket_label(edge: int) -> str:
     return f"<={edge // 1024}k" if edge >= 1024 else f"<={edge}"
 
 
-def _stdlib_files() -> list[Path]:
-    """The standard library's own modules (tests, IDLE, 2to3 and installed packages left out), sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-
-
-def _docstrings(path: Path) -> str:
-    """A module's documentation: its docstring, then every documented class and function as 'name: doc'."""
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (SyntaxError, UnicodeDecodeError, ValueError):
-        return ""
-    sections = [f"Module {path.stem}: {ast.get_docstring(tree) or ''}"]
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and (doc := ast.get_docstring(node)):
-            sections.append(f"{path.stem}.{node.name}: {doc}")
-    return "\n\n".join(sections) if len(sections) > 1 else ""
-
-
-_DEFINITION = re.compile(r"^(?:def|class) ([A-Za-z_]\w*)", re.M)
-_ENTRY = re.compile(r"^([\w.]+\.\w+): ", re.M)
-
-
-def _pick(rng: random.Random, names: list[str], fallback: str) -> str:
-    """One name from the middle half of ``names`` (the question's answer lies deep in the document)."""
-    middle = names[len(names) // 4 : max(len(names) * 3 // 4, len(names) // 4 + 1)]
-    return rng.choice(middle) if middle else fallback
-
-
-def _code_task(name: str, code: str, rng: random.Random) -> tuple[dict, ...]:
-    return _user(f"Here is the start of `{name}` from the Python standard library.\n\n```python\n{code}\n```\n\n"
-                 "Continue the code from exactly where it stops.")
-
-
-def _docs_task(name: str, text: str, rng: random.Random) -> tuple[dict, ...]:
-    entry = _pick(rng, _ENTRY.findall(text), name)
-    return _user(f"Below is reference documentation from the Python standard library.\n\n{text}\n\n"
-                 f"Using only the documentation above, explain what `{entry}` does and when one would use it.")
-
-
-def _source_task(name: str, code: str, rng: random.Random) -> tuple[dict, ...]:
-    definition = _pick(rng, _DEFINITION.findall(code), "the first function")
-    return _user(f"Below is source code of specdraft, a speculative decoding library.\n\n```python\n{code}\n```\n\n"
-                 f"Explain what `{definition}` in the code above does and which other parts of the code use it.")
-
-
-def _long_documents(domain: str) -> list[tuple[str, str]]:
-    """(name, text) candidates of one document domain: single stdlib modules (source or docstrings), or
-    specdraft's source as one file-by-file concatenation per starting file."""
-    if domain == "stdlib-code":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return [(str(p.relative_to(root)), p.read_text(encoding="utf-8", errors="replace")) for p in _stdlib_files()]
-    if domain == "stdlib-docs":
-        return [(p.stem, text) for p in _stdlib_files() if (text := _docstrings(p))]
-    package = Path(__file__).resolve().parents[1]
-    files = sorted(package.rglob("*.py"))
-    chunks = [f"# file: {p.relative_to(package.parent)}\n{p.read_text(encoding='utf-8')}" for p in files]
-    return [(str(files[i].relative_to(package.parent)), "\n".join(chunks[i:] + chunks[:i])) for i in range(len(files))]
-
-
-_DOCUMENT_TASKS = {"stdlib-code": _code_task, "stdlib-docs": _docs_task, "specdraft-source": _source_task}
-LONG_CONTEXT_DOMAINS = (*_DOCUMENT_TASKS, "sharegpt-long")
+LONG_CONTEXT_DOMAINS = (*DOCUMENT_TASKS, "sharegpt-long")
 
 
 def _fit_document(tokenizer, task, name: str, text: str, length: int, rng_seed: str) -> tuple[dict, ...] | None:
@@ -346,7 +280,7 @@ def long_context(*, target: str = DEFAULT_TARGET, lengths: tuple[int, ...] | Non
             candidates = [(name, chat) for name, chat in _held_out_sharegpt_chats()
                           if sum(len(m["content"]) for m in chat) > 2 * _MIN_FILL * min(lengths)]
         else:
-            candidates = _long_documents(domain)
+            candidates = documents(domain, "held-out")
         random.Random(f"{seed}:{domain}").shuffle(candidates)
         used = 0
         for length in lengths:
@@ -357,7 +291,7 @@ def long_context(*, target: str = DEFAULT_TARGET, lengths: tuple[int, ...] | Non
                 if domain == "sharegpt-long":
                     messages = _fit_conversation(tokenizer, content, length)
                 else:
-                    messages = _fit_document(tokenizer, _DOCUMENT_TASKS[domain], name, content, length, f"{seed}:{name}")
+                    messages = _fit_document(tokenizer, DOCUMENT_TASKS[domain], name, content, length, f"{seed}:{name}")
                 if messages is not None:
                     prompts.append(EvalPrompt(f"long-{domain}-{length}-{found}", domain, messages))
                     found += 1

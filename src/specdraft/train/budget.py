@@ -45,7 +45,7 @@ def epoch_steps(cfg: Any) -> int:
     dataset = open_sample_source(cfg)
     split = dataset_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed)
     plan = DataPlan.build(list(dataset.sample_ids), dataset.lengths(), split=split,
-                          pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=cfg.seed)
+                          pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=cfg.seed, max_sample_tokens=cfg.max_sample_tokens)
     return plan.total_steps(cfg.epochs)
 
 

@@ -97,7 +97,7 @@ def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress
     generator = torch.Generator().manual_seed(config.seed)
     parts: dict[str, list[torch.Tensor]] = {}
     for row in tqdm(rows, desc="calibrate", unit="row", disable=not progress):
-        batch = collate([[dataset[i] for i in row]], pack_tokens=config.pack_tokens, slot_index=slot_index)
+        batch = collate([[dataset[i] for i in row]], sample_tokens=config.pack_tokens, slot_index=slot_index)
         for key, value in drafter.confidence_records(batch, generator=generator).items():
             parts.setdefault(key, []).append(value.cpu())
     records = {k: torch.cat(v) for k, v in parts.items()}

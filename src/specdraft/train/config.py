@@ -73,7 +73,13 @@ class TrainConfig:
     warmup_ratio: float = config_field(0.04, help="fraction of total steps with linear warm-up, then cosine decay")
     min_lr_ratio: float = config_field(0.0, help="cosine floor as a fraction of the peak learning rate")
     grad_clip: float = config_field(1.0, help="clip the global gradient norm to this value (0 = off)")
-    pack_tokens: int = config_field(2048, help="tokens per packed row; samples are packed whole, longer ones are truncated")
+    pack_tokens: int = config_field(2048, help="tokens per packed row; samples are packed whole, longer ones are truncated "
+                                    "(unless --max-sample-tokens gives them rows of their own)")
+    max_sample_tokens: int = config_field(
+        0, help="long samples, not long packs: a sample longer than --pack-tokens gets a row of its own of up to this many "
+        "tokens (longer ones are truncated to it), so short samples still pack as before; memory grows with it and with "
+        "the anchors per sample, and each log record carries the process's peak RSS (0 = --pack-tokens: truncate)"
+    )
     batch_rows: int = config_field(1, help="packed rows per optimizer step on each process")
     epochs: int = config_field(1, help="passes over the training split (ignored when --max-steps is set)")
     max_steps: int = config_field(0, help="optimizer steps to train (0 = as many as --epochs take)")
@@ -143,7 +149,7 @@ class TrainConfig:
         for name in ("pack_tokens", "batch_rows", "epochs", "log_interval", "prefetch", "decode_tokens"):
             if getattr(self, name) < 1:
                 raise SpecdraftError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "val_max_batches", "decode_prompts", "eval_interval", "checkpoint_interval", "keep_checkpoints", "num_threads"):
+        for name in ("max_steps", "max_sample_tokens", "val_max_batches", "decode_prompts", "eval_interval", "checkpoint_interval", "keep_checkpoints", "num_threads"):
             if getattr(self, name) < 0:
                 raise SpecdraftError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -170,6 +176,17 @@ class TrainConfig:
             if getattr(self, name) in (None, ""):
                 flag = "--" + name.replace("_", "-")
                 raise SpecdraftError(f"{flag} is required (or set `{name}:` in the --config recipe)")
+
+    @property
+    def round_row_widths(self) -> bool:
+        """Pad rows to a few widths (``train/data.py: padded_width``): with long samples, rows of 500 to 8k tokens
+        fragmented the heap (peak RSS 4.3 vs 2.5 GB, docs/results/long_train)."""
+        return self.max_sample_tokens > self.pack_tokens
+
+    @property
+    def sample_tokens(self) -> int:
+        """The most tokens of one sample a step reads (longer samples are truncated to it)."""
+        return max(self.pack_tokens, self.max_sample_tokens)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

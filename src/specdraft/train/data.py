@@ -6,13 +6,16 @@ recompute exactly which batch comes next from the step number alone -- no loader
 
 Packing ("next fit" in shuffled order): samples are laid end to end in a row of at most
 ``pack_tokens`` tokens; when the next sample does not fit a new row starts. Samples are never
-split across rows (a longer one is truncated to ``pack_tokens``). Example with ``pack_tokens=8``
+split across rows: a longer one gets a row of its own of up to ``max_sample_tokens`` (long samples,
+not long packs: the short ones around it pack as before) and is truncated to that; with
+``max_sample_tokens`` at most ``pack_tokens`` it is truncated to ``pack_tokens``. Example with ``pack_tokens=8``
 and shuffled lengths 3, 4, 5, 2::
 
     row 0: a a a b b b b -        segment_ids 0 0 0 1 1 1 1 -1   position_ids 0 1 2 0 1 2 3 0
     row 1: c c c c c d d -        segment_ids 0 0 0 0 0 1 1 -1   position_ids 0 1 2 3 4 0 1 0
 
-Rows are grouped ``batch_rows`` at a time and padded to the longest row of their batch. With W
+Rows are grouped ``batch_rows`` at a time and padded to the longest row of their batch (with long samples,
+rounded up to one of a few widths: ``padded_width``). With W
 processes, global batch ``i * W + r`` of an epoch goes to rank ``r`` at step ``i`` (the tail that
 does not fill every rank is dropped), so ranks see disjoint data.
 """
@@ -99,15 +102,20 @@ def epoch_order(indices: Sequence[int], *, seed: int, epoch: int) -> list[int]:
     return [indices[p] for p in perm]
 
 
-def pack_rows(order: Sequence[int], lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
-    """Next-fit packing of sample indices (in ``order``) into rows of at most ``pack_tokens`` tokens."""
+def pack_rows(order: Sequence[int], lengths: Sequence[int], pack_tokens: int, max_sample_tokens: int = 0) -> list[list[int]]:
+    """Next-fit packing of sample indices (in ``order``) into rows of at most ``pack_tokens`` tokens; a sample
+    longer than that gets a row of its own (of at most ``max(pack_tokens, max_sample_tokens)`` tokens)."""
     rows: list[list[int]] = []
     current: list[int] = []
     used = 0
     for i in order:
-        n = min(int(lengths[i]), pack_tokens)
+        n = int(lengths[i])
         if n <= 0:
             continue
+        if n > pack_tokens and max_sample_tokens > pack_tokens:  # a long sample: a row of its own
+            rows.append([i])
+            continue
+        n = min(n, pack_tokens)
         if current and used + n > pack_tokens:
             rows.append(current)
             current, used = [], 0
@@ -142,12 +150,13 @@ class DataPlan:
     seed: int
     world_size: int = 1
     rank: int = 0
+    max_sample_tokens: int = 0  # a sample longer than pack_tokens gets a row of its own of up to this many tokens
     _epochs: dict[int, list[list[list[int]]]] = field(default_factory=dict, repr=False)  # only the latest epoch
     _counts: dict[int, int] = field(default_factory=dict, repr=False)  # batches per epoch, all seen epochs
 
     @classmethod
     def build(cls, sample_ids: Sequence[str], lengths: Sequence[int], *, split: Split, pack_tokens: int,
-              batch_rows: int, seed: int, world_size: int = 1, rank: int = 0) -> "DataPlan":
+              batch_rows: int, seed: int, world_size: int = 1, rank: int = 0, max_sample_tokens: int = 0) -> "DataPlan":
         """``split``: the validation split (``train.split``) of exactly these samples."""
         if len(sample_ids) != len(lengths):
             raise ValueError("sample_ids and lengths differ in length")
@@ -156,16 +165,26 @@ class DataPlan:
         train, val = list(split.train), list(split.val)
         if sorted(train + val) != list(range(len(sample_ids))):
             raise ValueError("the split does not cover these samples exactly once")
-        plan = cls(list(map(str, sample_ids)), [int(n) for n in lengths], train, val, pack_tokens, batch_rows, seed, world_size, rank)
+        plan = cls(list(map(str, sample_ids)), [int(n) for n in lengths], train, val, pack_tokens, batch_rows, seed, world_size, rank,
+                   max_sample_tokens)
         if plan.steps_in_epoch(0) == 0:
             raise SpecdraftError(
                 f"the training split ({len(train)} samples, {sum(plan.lengths[i] for i in train)} tokens) does not fill one step "
                 f"of {batch_rows} row(s) x {world_size} process(es); add data, lower --batch-rows, or lower --val-fraction"
             )
-        truncated = sum(1 for n in plan.lengths if n > pack_tokens)
+        truncated = sum(1 for n in plan.lengths if n > plan.sample_tokens)
         if truncated:
-            log.warning("%d sample(s) are longer than pack_tokens=%d and will be truncated", truncated, pack_tokens)
+            log.warning("%d sample(s) are longer than %d tokens and will be truncated (their replies, at the end, lost): raise "
+                        "--max-sample-tokens to train on them whole", truncated, plan.sample_tokens)
+        own_rows = sum(1 for n in plan.lengths if n > pack_tokens) if max_sample_tokens > pack_tokens else 0
+        if own_rows:
+            log.info("%d sample(s) longer than pack_tokens=%d get rows of their own (up to %d tokens)", own_rows, pack_tokens, plan.sample_tokens)
         return plan
+
+    @property
+    def sample_tokens(self) -> int:
+        """The most tokens of one sample a row holds (longer ones are truncated to it)."""
+        return max(self.pack_tokens, self.max_sample_tokens)
 
     def fingerprint(self) -> str:
         """Identifies the training split and its lengths (a resumed run must see the same data)."""
@@ -178,7 +197,7 @@ class DataPlan:
         """All batches of one epoch (before splitting across ranks), each a list of rows of sample indices."""
         if epoch not in self._epochs:
             order = epoch_order(self.train_indices, seed=self.seed, epoch=epoch)
-            rows = pack_rows(order, self.lengths, self.pack_tokens)
+            rows = pack_rows(order, self.lengths, self.pack_tokens, self.max_sample_tokens)
             self._epochs = {epoch: [rows[i : i + self.batch_rows] for i in range(0, len(rows) - self.batch_rows + 1, self.batch_rows)]}
             self._counts[epoch] = len(self._epochs[epoch])
         return self._epochs[epoch]
@@ -206,7 +225,7 @@ class DataPlan:
     def val_batches(self, max_batches: int = 0) -> list[list[list[int]]]:
         """This rank's validation batches (fixed order, no shuffle; every rank gets as many, since
         each forward may be a collective under DDP/FSDP -- the remainder is dropped)."""
-        rows = pack_rows(self.val_indices, self.lengths, self.pack_tokens)
+        rows = pack_rows(self.val_indices, self.lengths, self.pack_tokens, self.max_sample_tokens)
         batches = [rows[i : i + self.batch_rows] for i in range(0, len(rows), self.batch_rows)]
         if max_batches:
             batches = batches[: max_batches * self.world_size]
@@ -233,16 +252,28 @@ def select_slots(store_slots: Sequence[LayerSlot], wanted: Sequence[LayerSlot], 
     return [store_slots.index(s) for s in wanted]
 
 
-def collate(rows: Sequence[Sequence[dict[str, Any]]], *, pack_tokens: int, slot_index: Sequence[int] | None = None) -> DrafterBatch:
-    """Pack per-sample dicts into one padded ``DrafterBatch`` (see the module docstring for the layout).
+def padded_width(tokens: int) -> int:
+    """``tokens`` rounded up to one of 8 widths per power of two (at most 1/8 more): rows of long samples then come
+    in a few shapes whose buffers the allocator reuses, where every new length fragmented the heap further
+    (docs/results/long_train: a 7k-token run's peak RSS 4.3 GB with exact widths)."""
+    step = 1 << max(int(tokens).bit_length() - 4, 0)
+    return -(-int(tokens) // step) * step
+
+
+def collate(rows: Sequence[Sequence[dict[str, Any]]], *, sample_tokens: int, round_width: bool = False,
+            slot_index: Sequence[int] | None = None) -> DrafterBatch:
+    """Pack per-sample dicts into one padded ``DrafterBatch`` (see the module docstring for the layout), each
+    sample truncated to ``sample_tokens`` (the plan's ``sample_tokens``). ``round_width`` pads the batch to
+    ``padded_width``: for runs with long samples (``TrainConfig.round_row_widths``), whose row lengths range widely;
+    other runs keep exact widths, so they train (and resume, ``scripts/resume_across.py``) bit for bit as before.
 
     Hidden states are cast to float32 (autocast lowers them again where it pays off).
     """
     first = rows[0][0]
     S = len(slot_index) if slot_index is not None else first["hidden_states"].shape[1]
     D = first["last_hidden"].shape[-1]
-    lengths = [sum(min(len(item["token_ids"]), pack_tokens) for item in row) for row in rows]
-    B, T = len(rows), max(lengths)
+    lengths = [sum(min(len(item["token_ids"]), sample_tokens) for item in row) for row in rows]
+    B, T = len(rows), padded_width(max(lengths)) if round_width else max(lengths)
     token_ids = torch.zeros(B, T, dtype=torch.long)
     loss_mask = torch.zeros(B, T, dtype=torch.bool)
     segment_ids = torch.full((B, T), -1, dtype=torch.int32)
@@ -252,7 +283,7 @@ def collate(rows: Sequence[Sequence[dict[str, Any]]], *, pack_tokens: int, slot_
     for b, row in enumerate(rows):
         start = 0
         for seg, item in enumerate(row):
-            n = min(len(item["token_ids"]), pack_tokens)
+            n = min(len(item["token_ids"]), sample_tokens)
             span = slice(start, start + n)
             token_ids[b, span] = torch.as_tensor(item["token_ids"][:n], dtype=torch.long)
             loss_mask[b, span] = torch.as_tensor(item["loss_mask"][:n]).bool()

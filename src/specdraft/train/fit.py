@@ -15,6 +15,7 @@ from typing import Any, Callable
 from specdraft.train.checkpointer import TrainState
 from specdraft.train.metrics import MetricSums, MetricsLog
 from specdraft.train.step import StepOutput
+from specdraft.utils.memory import peak_rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class StepDone:
     lr: float  # the rate the update used
     seconds: float = 0.0  # the whole step: reading, collating, forward, backward, update (``fit`` times it)
     fetch_seconds: float = 0.0  # of which reading samples (waiting for them, when they are streamed)
+    row_tokens: int = 0  # the batch's longest row (real tokens): the context one row's attention spans
 
 
 @dataclass
@@ -70,7 +72,8 @@ def fit(state: TrainState, total_steps: int, hooks: FitHooks, *, desc: str, show
 
 class TrainLog:
     """The logging hook: sums every ``interval`` steps (and the last) into one ``metrics.jsonl`` record
-    with throughput, also shown on the progress bar."""
+    with throughput, the longest row since the last record and the process's peak resident memory so far (what
+    long samples cost), also shown on the progress bar."""
 
     def __init__(self, metrics: MetricsLog, *, interval: int, total_steps: int, locate: Callable[[int], tuple[int, int]],
                  context: dict, main: bool):
@@ -78,11 +81,13 @@ class TrainLog:
         self.metrics, self.interval, self.total_steps, self.locate = metrics, interval, total_steps, locate
         self.context, self.main = context, main
         self.sums, self.seconds, self.fetch_seconds = MetricSums(), 0.0, 0.0  # since the last record (eval/checkpoints excluded)
+        self.row_tokens = 0
 
     def __call__(self, state: TrainState, done: StepDone) -> dict | None:
         self.sums.add(done.result.output, done.tokens)
         self.seconds += done.seconds
         self.fetch_seconds += done.fetch_seconds
+        self.row_tokens = max(self.row_tokens, done.row_tokens)
         step = state.step
         if step % self.interval and step != self.total_steps:
             return None
@@ -91,12 +96,13 @@ class TrainLog:
         seconds = max(self.seconds, 1e-9)
         record = {"split": "train", "step": step, "epoch": epoch, **self.context, "lr": done.lr, "grad_norm": done.result.grad_norm,
                   **self.sums.summary(), "tokens": self.sums.tokens, "tokens_per_s": self.sums.tokens / seconds,
-                  "seconds": self.seconds, "fetch_fraction": self.fetch_seconds / seconds}
+                  "seconds": self.seconds, "fetch_fraction": self.fetch_seconds / seconds, "row_tokens": self.row_tokens,
+                  "peak_rss_mb": round(peak_rss_mb())}
         if "anchors" in record:
             record["anchors_per_s"] = record["anchors"] / seconds
         if self.main:
             self.metrics.write(record)
-        self.sums, self.seconds, self.fetch_seconds = MetricSums(), 0.0, 0.0
+        self.sums, self.seconds, self.fetch_seconds, self.row_tokens = MetricSums(), 0.0, 0.0, 0
         return record
 
 

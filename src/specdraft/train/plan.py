@@ -67,7 +67,7 @@ def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: Dra
     slot_index = None if slot_index == list(range(len(dataset.slots))) else slot_index
     split = resolve_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed, recorded=out / SPLIT_FILE)
     data = DataPlan.build(list(dataset.sample_ids), dataset.lengths(), split=split, pack_tokens=cfg.pack_tokens,
-                          batch_rows=cfg.batch_rows, seed=cfg.seed, world_size=world, rank=rank)
+                          batch_rows=cfg.batch_rows, seed=cfg.seed, world_size=world, rank=rank, max_sample_tokens=cfg.max_sample_tokens)
     probe, probe_skipped = None, None
     if cfg.decode_prompts and data.val_indices:
         probe_skipped = unavailable_reason(spec.name, target)

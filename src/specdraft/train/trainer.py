@@ -138,7 +138,7 @@ def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_
         return result(step=state.step, completed=False, stopped_by=None, final=None)
 
     validate = _Validation(run, dataset, target, checkpointer, metrics_log, compute, max_batches=cfg.val_max_batches,
-                           pack_tokens=cfg.pack_tokens, seed=cfg.seed)
+                           sample_tokens=cfg.sample_tokens, round_width=cfg.round_row_widths, seed=cfg.seed)
     already_done = run.resume is not None and state.step >= run.total_steps
     if isinstance(dataset, PrefetchingSource):
         dataset.start(training_order(run.data, state.step, run.total_steps))
@@ -179,7 +179,7 @@ def _hooks(cfg: TrainConfig, run: RunPlan, dataset: SampleSource, checkpointer: 
 
     return FitHooks(
         read=lambda step: [[dataset[i] for i in row] for row in run.data.train_rows(step)],
-        step=functools.partial(_step, pack_tokens=cfg.pack_tokens, seed=cfg.seed, grad_clip=cfg.grad_clip, run=run, compute=compute,
+        step=functools.partial(_step, sample_tokens=cfg.sample_tokens, round_width=cfg.round_row_widths, seed=cfg.seed, grad_clip=cfg.grad_clip, run=run, compute=compute,
                                checkpointer=checkpointer),
         log=TrainLog(metrics_log, interval=cfg.log_interval, total_steps=run.total_steps, locate=run.data.locate,
                      context={"dtype": compute.dtype, "threads": compute.threads["threads"]}, main=checkpointer.dist.main),
@@ -279,11 +279,11 @@ def _checkpoint_meta(run: RunPlan, world: int, at_step: int) -> dict:
     }
 
 
-def _step(state: TrainState, items: list, *, pack_tokens: int, seed: int, grad_clip: float, run: RunPlan, compute: Compute,
+def _step(state: TrainState, items: list, *, sample_tokens: int, round_width: bool, seed: int, grad_clip: float, run: RunPlan, compute: Compute,
           checkpointer: Checkpointer) -> StepDone:
     """The fit loop's step: collate, reseed from (seed, rank, step), ``train_step`` (refusing a non-finite
     loss or gradient on any rank before the update), advance the schedule."""
-    batch = collate(items, pack_tokens=pack_tokens, slot_index=run.slot_index).to(compute.device)
+    batch = collate(items, sample_tokens=sample_tokens, round_width=round_width, slot_index=run.slot_index).to(compute.device)
     reseed(step_seed(seed, checkpointer.dist.rank, state.step))
     lr = state.scheduler.get_last_lr()[0]
 
@@ -295,7 +295,7 @@ def _step(state: TrainState, items: list, *, pack_tokens: int, seed: int, grad_c
                         grad_clip=grad_clip, check=check)
     state.scheduler.step()
     state.step += 1
-    return StepDone(result, tokens=int((batch.segment_ids >= 0).sum()), lr=lr)
+    return StepDone(result, tokens=int((batch.segment_ids >= 0).sum()), lr=lr, row_tokens=int((batch.segment_ids >= 0).sum(1).max()))
 
 
 def _stopping(max_time: float, total_steps: int, checkpointer: Checkpointer) -> Callable[[TrainState, int | None], str | None]:
@@ -318,14 +318,14 @@ class _Validation:
     the decoded tau (rank 0), written to ``metrics.jsonl``."""
 
     def __init__(self, run: RunPlan, dataset: SampleSource, target: Target, checkpointer: Checkpointer, metrics_log: MetricsLog,
-                 compute: Compute, *, max_batches: int, pack_tokens: int, seed: int):
+                 compute: Compute, *, max_batches: int, sample_tokens: int, round_width: bool, seed: int):
         self.run, self.dataset, self.target, self.checkpointer, self.metrics_log, self.compute = run, dataset, target, checkpointer, metrics_log, compute
-        self.batches, self.pack_tokens, self.seed = run.data.val_batches(max_batches), pack_tokens, seed
+        self.batches, self.sample_tokens, self.round_width, self.seed = run.data.val_batches(max_batches), sample_tokens, round_width, seed
 
     def __call__(self, state: TrainState) -> dict | None:
         dist_ = self.checkpointer.dist
         state.module.eval()
-        sums = teacher_forced(state.module, self.dataset, self.batches, pack_tokens=self.pack_tokens, slot_index=self.run.slot_index,
+        sums = teacher_forced(state.module, self.dataset, self.batches, sample_tokens=self.sample_tokens, round_width=self.round_width, slot_index=self.run.slot_index,
                               device=self.compute.device, compute_dtype=self.compute.dtype,
                               seed=step_seed(self.seed, dist_.rank, state.step, EVAL_SEED_KIND))
         sums.all_reduce()
@@ -349,8 +349,8 @@ class _Validation:
 
 
 def teacher_forced(forward: Callable[[DrafterBatch], TrainOutput], dataset: SampleSource, batches: list[list[list[int]]], *,
-                   pack_tokens: int, slot_index: list[int] | None, device: torch.device | str, compute_dtype: str,
-                   seed: int) -> MetricSums:
+                   sample_tokens: int, slot_index: list[int] | None, device: torch.device | str, compute_dtype: str,
+                   seed: int, round_width: bool = False) -> MetricSums:
     """The validation pass's teacher-forced sums (``accept_len`` = ``tau_teacher_forced``) over ``batches``
     (``DataPlan.val_batches``), every RNG seeded with ``seed`` first. ``forward`` is the step module or a
     drafter's ``training_forward``, already in eval mode (uniform anchors); the benchmarks score other
@@ -359,7 +359,8 @@ def teacher_forced(forward: Callable[[DrafterBatch], TrainOutput], dataset: Samp
     reseed(seed)
     with torch.no_grad():
         for rows in batches:
-            batch = collate([[dataset[i] for i in row] for row in rows], pack_tokens=pack_tokens, slot_index=slot_index).to(device)
+            batch = collate([[dataset[i] for i in row] for row in rows], sample_tokens=sample_tokens, round_width=round_width,
+                            slot_index=slot_index).to(device)
             with autocast(compute_dtype, device):
                 sums.add(forward(batch), int((batch.segment_ids >= 0).sum()))
     return sums
