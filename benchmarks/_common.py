@@ -23,6 +23,11 @@ def benchmark_parser(doc: str, *, target: bool = True, threads: int = 0) -> argp
     return parser
 
 
+def labelled(items: list[str]) -> dict[str, str]:
+    """``{label: value}`` of command-line items written ``LABEL=VALUE`` or just ``VALUE`` (then its own label)."""
+    return dict(item.partition("=")[::2] if "=" in item else (item, item) for item in items)
+
+
 def load_benchmark_target(args: argparse.Namespace, name: str | None = None) -> Any:
     """Apply ``--threads``, then load the target ``name`` (default: ``--target``)."""
     import torch

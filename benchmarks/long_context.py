@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from _common import benchmark_parser, load_benchmark_target
+from _common import benchmark_parser, labelled, load_benchmark_target
 from specdraft.decode.config import SamplingConfig, SchedulerConfig
 from specdraft.utils.memory import peak_rss_mb
 
@@ -47,15 +47,16 @@ def main() -> None:
     from specdraft.decode.config import DecodeConfig
     from specdraft.decode.runtime import DecodeMetrics, decoder_for_target
     from specdraft.eval.runner import resolve_drafter
-    from specdraft.eval.suites import bucket_label, length_bucket, long_context
+    from specdraft.eval.suites import bucket_label, long_context
+    from specdraft.utils.lengths import length_bucket
     from specdraft.utils.forward_path import use_path
 
     target = load_benchmark_target(args)
     lengths = tuple(int(x) for x in args.lengths.split(","))
     suite = long_context(target=args.target, lengths=lengths, per_length=args.per_length, domains=tuple(args.domains.split(",")),
                          max_new_tokens=args.max_new_tokens)
-    suite.sort(key=lambda p: len(p.token_ids(target.tokenizer)))
-    prompts = [p.token_ids(target.tokenizer) for p in suite]
+    ordered = sorted(((p.token_ids(target.tokenizer), p) for p in suite), key=lambda pair: len(pair[0]))  # each rendered once
+    prompts, suite = [ids for ids, _ in ordered], [p for _, p in ordered]
     sampling = SamplingConfig()
     if args.peak_rss:
         decoder = decoder_for_target(target, config=DecodeConfig(drafter="none", max_new_tokens=2), sampling=sampling)
@@ -68,7 +69,7 @@ def main() -> None:
                           "prefill_peak_mb": round(after - before), "prefill_s": round(ttft, 1)}))
         return
 
-    specs = dict(text.partition("=")[::2] if "=" in text else (text, text) for text in args.drafters.split(","))
+    specs = labelled(args.drafters.split(","))
     names, paths = list(specs), args.forward_path.split(",")
     if specs[names[0]] != "none":
         raise SystemExit("--drafters must start with 'none', the baseline")

@@ -11,6 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
+from _common import labelled
+
 
 def summarize(run: Path) -> dict:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -33,7 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="training run directories, each optionally LABEL=DIR")
     args = parser.parse_args()
-    runs = dict(text.partition("=")[::2] if "=" in text else (text, text) for text in args.runs)
+    runs = labelled(args.runs)
     table = {label: summarize(Path(run)) for label, run in runs.items()}
     keys = list(next(iter(table.values())))
     print("| run | " + " | ".join(keys) + " |")

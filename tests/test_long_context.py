@@ -8,7 +8,8 @@ import torch
 from conftest import TINY_FAMILIES
 from specdraft.decode.runtime import DecodeMetrics
 from specdraft.errors import SpecdraftError
-from specdraft.eval.suites import bucket_label, length_bucket
+from specdraft.eval.suites import bucket_label
+from specdraft.utils.lengths import length_bucket
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -42,7 +42,7 @@ from specdraft.targets.base import Target
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.lock import claims_output
-from specdraft.utils.threads import power_of_two_at_least
+from specdraft.utils.lengths import length_bucket
 from specdraft.utils.vllm_options import VllmServerOptions
 
 log = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ def length_distribution(lengths: list[int]) -> dict[str, Any]:
     how a user sees whether a dataset holds the long samples a long-context drafter needs."""
     ordered = sorted(lengths)
     quantile = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-    buckets = Counter(f"<={max(256, power_of_two_at_least(n))}" for n in ordered)
+    buckets = Counter(f"<={length_bucket(n)}" for n in ordered)
     return {"min": ordered[0], "p10": quantile(0.1), "median": quantile(0.5), "p90": quantile(0.9), "max": ordered[-1],
             "buckets": dict(sorted(buckets.items(), key=lambda kv: int(kv[0][2:])))}
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specdraft.eval.suites import bucket_label, length_bucket
+from specdraft.eval.suites import bucket_label
+from specdraft.utils.lengths import length_bucket
 from specdraft.utils.io import DirKind, atomic_path, atomic_write_bytes, atomic_write_json, json_field_is
 
 #: What `specdraft eval` writes into: its reports and plots (a rerun overwrites them, nothing else).

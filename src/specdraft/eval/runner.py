@@ -1,7 +1,7 @@
 """Side-by-side evaluation: each drafter against plain autoregressive decoding of the same target, in the
 same runtime, on the same prompts, batch by batch (so machine load hits both alike).
 
-Prompts are grouped by domain and prompt-length bucket (``suites.length_bucket``) before batching, so
+Prompts are grouped by domain and prompt-length bucket (``utils.lengths.length_bucket``) before batching, so
 every batch is single-domain and single-bucket, and per-domain and per-bucket metrics are exact even at
 concurrency > 1. Speed-up = drafter tokens/s / autoregressive tokens/s at the same concurrency. At
 temperature 0 the report also says whether every output was identical to the autoregressive one (it
@@ -31,8 +31,9 @@ from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfi
 from specdraft.errors import SpecdraftError
 from specdraft.eval.config import EvalConfig
 from specdraft.eval.report import EVAL_DIR
-from specdraft.eval.suites import bucket_label, length_bucket, load_prompts
+from specdraft.eval.suites import bucket_label, load_prompts
 from specdraft.targets.base import Target
+from specdraft.utils.lengths import length_bucket
 from specdraft.utils.lock import claims_output
 
 log = logging.getLogger(__name__)

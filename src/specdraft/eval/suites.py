@@ -52,7 +52,6 @@ from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, SplitKey, held_out, prompt_digest
-from specdraft.utils.threads import power_of_two_at_least
 
 HELD_OUT_ROWS = 4000
 
@@ -196,14 +195,8 @@ LONG_CONTEXT_LENGTHS = (1024, 2048, 4096)
 _MIN_FILL = 0.6
 
 
-def length_bucket(tokens: int) -> int:
-    """The power-of-two bucket a prompt length falls in, as its upper edge (2049..4096 -> 4096): the long-context
-    suite's nominal lengths each fill one bucket, so tau and speed-up per bucket are per nominal length."""
-    return max(256, power_of_two_at_least(tokens))
-
-
 def bucket_label(edge: int) -> str:
-    """'<=512', '<=4k': how reports name a ``length_bucket``."""
+    """'<=512', '<=4k': how reports name a ``utils.lengths.length_bucket``."""
     return f"<={edge // 1024}k" if edge >= 1024 else f"<={edge}"
 
 
