@@ -94,6 +94,53 @@ def test_suffix_decoding_equals_greedy_decoding_with_rows_accepting_differently(
     assert len(set(suffix.metrics.request_rounds)) > 1  # rows accepted different numbers of drafts
 
 
+def test_a_lookups_confidences_are_the_measured_acceptance_of_its_bucket():
+    """Confidences start at the prior; once a row commits, its last proposal is scored against the committed tokens
+    (matched 2 of 3 here) and the next proposal of the same bucket carries the measured conditional rates."""
+    from specdraft.decode.proposers.base import ProposalInput
+
+    proposer = NgramProposer(max_ngram=2, min_ngram=2)
+    context = [5, 6, 7, 8, 9, 1, 5, 6]  # [5 6] matched 6 back: proposes [7 8 9], match length 2
+
+    def round_(tokens):
+        return proposer.propose(ProposalInput(row_ids=[0], tokens=[torch.tensor(tokens)], new_hidden=None, new_start=[0],
+                                              max_draft=torch.tensor([3]), sampling=SamplingConfig(), generator=None))
+
+    first = round_(context)
+    assert first.tokens[0].tolist() == [7, 8, 9] and first.confidences[0].tolist() == [0.5, 0.5, 0.5]
+    committed = context + [7, 8, 4, 3, 5, 6]  # the row went on 7 8 (accepted), 4 (not 9), then [5 6] again: same bucket
+    second = round_(committed)
+    torch.testing.assert_close(second.confidences[0], torch.tensor([2 / 3, 2 / 3, 1 / 3]))  # (accepted + 1) / (tried + 2)
+    proposer.release([0])
+    assert proposer.scores.last == {}
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_scheduled_lookups_stay_exact_and_verify_less_where_long_verifies_cost_more(drafter, tmp_path):
+    """``ngram@scheduled`` / ``suffix@scheduled``: the measured per-bucket acceptance prices each row's verify length
+    against the target's step costs; outputs stay the target's greedy ones, and where a verify forward of more
+    tokens costs much more, fewer drafts are verified than the lookup proposed."""
+    from specdraft.decode.config import SchedulerConfig
+
+    model = tiny_model(seed=5)
+    new = 24
+    expected = [reference_greedy(model, p, new) for p in PROMPTS]
+    rng = np.random.default_rng(0)
+    corpus = AnswerCorpus([e[: new // 2] for e in expected] * 2 + [rng.integers(0, 64, 40) for _ in range(4)] * 2)
+    config = DecodeConfig(max_new_tokens=new, num_draft_tokens=4)
+
+    def run(scheduler, sps):
+        proposer = NgramProposer(max_ngram=3, min_ngram=2, corpus=corpus if drafter == "suffix" else None)
+        return SpeculativeDecoder(model, proposer, config=config, sampling=SamplingConfig(), scheduler=scheduler, sps=sps,
+                                  eos_token_ids=[]).generate(PROMPTS)
+
+    full = run(SchedulerConfig(), None)
+    steep = run(SchedulerConfig("scheduled", adaptive_drafting=False), lambda tokens: 1.0 / tokens)  # k tokens cost k steps
+    for result in (full, steep):
+        assert [o.tokens for o in result.outputs] == expected
+    assert full.metrics.drafted > 0 and steep.metrics.drafted < full.metrics.drafted
+
+
 def test_the_lookup_prefers_a_prompt_match_and_buckets_each_source_apart():
     corpus = AnswerCorpus([[5, 6, 7, 8]] * 2)
     lookup = Lookup(3, 2, corpus)

@@ -212,8 +212,8 @@ def test_bad_inputs_are_clear_errors(model):
         DecodeConfig(num_draft_tokens=-1)
     with pytest.raises(SpecdraftError, match="unknown drafter 'magic'"):
         build_proposer(DecodeConfig(drafter="magic"))
-    with pytest.raises(SpecdraftError, match="confidence"):
-        SpeculativeDecoder(model, build_proposer(DecodeConfig()), config=DecodeConfig(), sampling=SamplingConfig(),
+    with pytest.raises(SpecdraftError, match="needs draft confidences, which the 'ngram' drafter does not produce"):
+        SpeculativeDecoder(model, OracleProposer([[1]], [[1]], 64, miss=0.0), config=DecodeConfig(), sampling=SamplingConfig(),
                            scheduler=SchedulerConfig("threshold"))
 
 

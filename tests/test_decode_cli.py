@@ -26,5 +26,5 @@ def test_generate_cli_errors(tiny_llama_dir, capsys):
     assert "--prompt TEXT or --prompts-file" in capsys.readouterr().err
     assert main(["generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--temperature", "-1"]) == 2
     assert "temperature must be 0 (greedy) or at least 0.001, got -1" in capsys.readouterr().err
-    assert main(["generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--verify-policy", "scheduled"]) == 2
+    assert main(["generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--drafter", "none", "--verify-policy", "scheduled"]) == 2
     assert "confidence" in capsys.readouterr().err

@@ -145,7 +145,7 @@ def test_greedy_draft_is_the_selector_argmax_given_the_previous_draft(target):
         cands = unary[k].topk(8).indices
         bilinear = torch.einsum("r,r,cr->c", sel.predecessor_codebook[prev], sel.hidden_projection(hidden[1 + k]), sel.successor_codebook[cands])
         want = int(cands[(unary[k, cands] + bilinear).argmax()])
-        assert int(proposal.tokens[k]) == want and float(proposal.probs[k, want]) == 1.0
+        assert int(proposal.tokens[k]) == want
         differs |= want != int(unary[k].argmax())
         prev = want
     assert differs

@@ -25,7 +25,8 @@ def fp32_model(**kwargs):
 
 def test_config_names_every_registered_path():
     assert list(FORWARD_PATH_CHOICES) == fp.path_choices()
-    with pytest.raises(SpecdraftError, match=r"forward_path must be one of auto, eager, gqa, prepacked, prepacked\+gqa, got 'fast'"):
+    with pytest.raises(SpecdraftError, match=r"forward_path must be one of auto, eager, gqa, prepacked, prepacked\+gqa, prepacked\+streamed, "
+                                             r"prepacked\+streamed\+gqa, got 'fast'"):
         DecodeConfig(forward_path="fast")
 
 
@@ -64,6 +65,83 @@ def test_prepacked_linear_matches_eager_and_falls_back_where_it_cannot_serve():
     assert fp.current_path(model) == "eager" and type(model[0]) is nn.Linear and not hasattr(model[0], "_packed")
 
 
+def _streamed_ops():
+    from specdraft.utils.streamed import build_failure, streamed_ops
+
+    if streamed_ops() is None:
+        pytest.skip(f"specdraft's streamed linear cannot be built here: {build_failure()}")
+    return streamed_ops()
+
+
+def test_streamed_kernel_matches_linear_and_a_row_does_not_depend_on_its_neighbours():
+    """The kernel against F.linear (odd sizes: a 16-lane body plus a tail; with and without bias), and each row of
+    a multi-row call bit for bit its own one-row call: a position's logits do not change with the tokens beside it."""
+    ops = _streamed_ops()
+    gen = torch.Generator().manual_seed(0)
+    for n_in, n_out in ((48, 96), (37, 5), (576, 192)):
+        weight, bias, x = torch.randn(n_out, n_in, generator=gen), torch.randn(n_out, generator=gen), torch.randn(9, n_in, generator=gen)
+        for b in (None, bias):
+            full = ops.streamed_linear(x, weight, b)
+            torch.testing.assert_close(full, nn.functional.linear(x, weight, b), atol=1e-4, rtol=1e-5)
+            for i in range(9):
+                assert torch.equal(ops.streamed_linear(x[i : i + 1].contiguous(), weight, b)[0], full[i])
+    with pytest.raises(RuntimeError, match="float32 CPU tensors only"):
+        ops.streamed_linear(x.double(), weight.double(), None)
+
+
+def test_streamed_linear_serves_small_row_counts_and_leaves_the_rest(monkeypatch, tmp_path):
+    """Up to the cap the module calls the kernel, above it oneDNN's prepacked op, and autograd or autocast plain
+    F.linear; every answer matches eager; uninstalling restores nn.Linear with no leftovers."""
+    from specdraft.utils import streamed
+
+    _streamed_ops()
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(fp, "stream_rows", lambda model: 3)
+    calls = []
+    real = streamed.streamed_linear
+    monkeypatch.setattr(streamed, "streamed_linear", lambda x, w, b: (calls.append(x.shape[0]), real(x, w, b))[1])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.ReLU(), nn.Linear(96, 32, bias=False))
+    x = torch.randn(2, 3, 48)
+    with torch.no_grad():
+        expected = model(x)
+    assert fp.use_path(model, "prepacked+streamed") == "prepacked+streamed" and type(model[0]) is fp.StreamedLinear
+    with torch.no_grad():
+        torch.testing.assert_close(model(x[:1]), expected[:1], atol=1e-5, rtol=1e-5)  # 3 rows: streamed
+        assert calls == [3, 3]
+        torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)  # 6 rows: prepacked
+        assert calls == [3, 3]
+    model(x[:1]).sum().backward()  # autograd: F.linear, gradients reach the weights
+    assert calls == [3, 3] and model[0].weight.grad.abs().sum() > 0
+    assert fp.use_path(model, "prepacked") == "prepacked" and type(model[0]) is fp.PrepackedLinear
+    fp.use_path(model, "prepacked+streamed")
+    assert fp.use_path(model, "eager") == "eager" and type(model[0]) is nn.Linear
+    assert not {"_packed", "_packed_version", "_stream_rows"} & model[0].__dict__.keys()
+
+
+def test_stream_cap_takes_the_rows_where_the_streamed_pass_was_clearly_faster():
+    """The decision from injected timings (seconds per pass by row count)."""
+    prepacked = {1: 31.0, 2: 34.0, 3: 29.0, 4: 29.0, 5: 28.0}
+    assert fp.stream_cap({1: 20.0, 2: 20.0, 3: 23.0, 4: 35.0, 5: 20.0}, prepacked) == 3  # 5 does not count past the loss at 4
+    assert fp.stream_cap({1: 30.0, 2: 20.0, 3: 20.0, 4: 20.0, 5: 20.0}, prepacked) == 0  # one row within the margin: never
+    assert fp.stream_cap({r: 1.0 for r in prepacked}, prepacked) == 5
+
+
+def test_stream_rows_measures_once_per_machine_and_shapes(monkeypatch, tmp_path):
+    """The cap comes from timed passes (injected here), is cached per set of linear shapes and read back after."""
+    from specdraft.utils import measured
+
+    _streamed_ops()
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    times = iter([0.5, 1.0] * 2 + [2.0, 1.0] * 6)  # per row count: streamed, then prepacked
+    calls = []
+    monkeypatch.setattr(measured, "fastest_time", lambda fn, **kw: (fn(), calls.append(1), next(times))[2])
+    model = nn.Sequential(nn.Linear(48, 96))
+    fp.use_path(model, "prepacked")
+    assert fp.stream_rows(model) == 2 and len(calls) == 2 * fp.STREAM_PROBE_ROWS
+    assert fp.stream_rows(model) == 2 and len(calls) == 2 * fp.STREAM_PROBE_ROWS  # cached
+
+
 def test_a_path_that_cannot_apply_is_refused_naming_what_can():
     model = nn.Linear(8, 8).double()
     with pytest.raises(SpecdraftError, match=r"--forward-path prepacked does not apply to a float64 model on cpu here \(it needs CPU fp32 with oneDNN\); use one of auto, eager$"):
@@ -72,7 +150,10 @@ def test_a_path_that_cannot_apply_is_refused_naming_what_can():
 
 def test_auto_picks_the_measured_faster_path_and_caches_it(monkeypatch, tmp_path):
     """The decision from injected timings: prepacked only when clearly faster; measured once per context."""
+    from specdraft.utils import streamed
+
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(streamed, "streamed_ops", lambda: None)  # two candidates here: eager and prepacked
     model = nn.Sequential(nn.Linear(8, 8))
     calls = []
 
@@ -134,11 +215,15 @@ def test_growing_cache_does_not_reallocate_in_a_steady_decode():
     assert cache.layers[0]._key_buffer.data_ptr() == buffer
 
 
-@pytest.mark.parametrize("path", ["prepacked", "gqa", "prepacked+gqa"])
+@pytest.mark.parametrize("path", ["prepacked", "gqa", "prepacked+gqa", "prepacked+streamed+gqa"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_speculative_greedy_equals_autoregressive_on_the_same_path(family, path):
+def test_speculative_greedy_equals_autoregressive_on_the_same_path(family, path, monkeypatch, tmp_path):
     """fp32 on each path, batched rows with different accepted lengths (oracle drafts wrong half the
-    time): every token equals plain decoding on that path, and the logits stay within tolerance of eager."""
+    time): every token equals plain decoding on that path, and the logits stay within tolerance of eager.
+    On ``streamed`` forwards of up to 6 rows take the streamed kernel and wider ones oneDNN's, so plain steps
+    and verify forwards mix both kernels."""
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(fp, "stream_rows", lambda model: 6)  # the measured cap of a tiny model is timing noise
     model = fp32_model(seed=2, **(SLIDING[family] if family != "llama" else {}))
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # clear argmax margins: float reassociation must not decide a token
@@ -185,14 +270,17 @@ def test_gqa_path_lets_sdpa_group_heads_instead_of_copying_the_cache(monkeypatch
     assert copies == [] and os.environ[fp.GQA_SWITCH] == "0"
     assert fp.use_path(model, "eager") == "eager" and "forward" not in model.__dict__
     drafter = nn.Sequential(nn.Linear(8, 8))
-    assert fp.applicable_paths(drafter) == ["eager", "prepacked"] and fp.use_path(drafter, "prepacked+gqa") == "prepacked"
-    assert fp.applicable_paths(model) == ["eager", "gqa", "prepacked", "prepacked+gqa"]
+    assert fp.applicable_paths(drafter) == ["eager", "prepacked", "prepacked+streamed"]
+    assert fp.use_path(drafter, "prepacked+gqa") == "prepacked"
+    assert fp.applicable_paths(model) == ["eager", "gqa", "prepacked", "prepacked+gqa", "prepacked+streamed", "prepacked+streamed+gqa"]
 
 
 def test_auto_times_every_combination_on_a_grouped_attention_target(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     model = fp32_model(seed=4)
-    table = {"eager": 1.0, "gqa": 0.8, "prepacked": 0.75, "prepacked+gqa": 0.6}
+    monkeypatch.setattr(fp, "stream_rows", lambda model: 4)
+    table = {"eager": 1.0, "gqa": 0.8, "prepacked": 0.75, "prepacked+gqa": 0.6, "prepacked+streamed": 0.7, "prepacked+streamed+gqa": 0.65}
+    table = {path: table[path] for path in fp.applicable_paths(model)}  # the streamed ones where the kernel builds
     choice = fp.resolve_path(model, "auto", "test", {"case": "gqa"}, lambda: table[fp.current_path(model)])
     assert (choice.name, choice.seconds, fp.current_path(model)) == ("prepacked+gqa", table, "prepacked+gqa")
     assert type(model.lm_head) is fp.PrepackedLinear and "forward" in model.__dict__
@@ -226,11 +314,12 @@ def test_training_runs_on_the_path_its_probe_chose_and_still_learns(tmp_path, mo
     from test_train_toy import ToyStore, ToyTarget, toy_config
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
-    timings = iter([1.0, 0.5])  # eager, then prepacked (the registry's order)
+    monkeypatch.setattr(fp, "stream_rows", lambda model: 4)
+    seconds = dict(zip(fp.applicable_paths(nn.Linear(2, 2)), [1.0, 0.5, 0.6]))  # eager, prepacked, prepacked+streamed where it builds
+    timings = iter(seconds.values())  # timed in the registry's order
     monkeypatch.setattr(trainer, "fastest_time", lambda fn, **kw: (fn(), next(timings))[1])
     result = train(toy_config(tmp_path / "run", max_steps=3, eval_interval=0), target=ToyTarget(), dataset=ToyStore())
-    assert result.forward_path == {"forward_path": "prepacked", "forward_path_source": "measured",
-                                   "forward_path_seconds": {"eager": 1.0, "prepacked": 0.5}}
+    assert result.forward_path == {"forward_path": "prepacked", "forward_path_source": "measured", "forward_path_seconds": seconds}
     assert type(result.drafter.fc) is fp.PrepackedLinear and result.step == 3
     first = train(toy_config(tmp_path / "eager", max_steps=3, eval_interval=0, forward_path="eager"), target=ToyTarget(), dataset=ToyStore())
     assert first.forward_path["forward_path_source"] == "flag" and type(first.drafter.fc) is nn.Linear

@@ -223,7 +223,7 @@ def test_sampled_outputs_with_suffix_drafting_follow_the_target_distribution():
 
     answers = [np.random.default_rng(seed).integers(0, 4, 200) for seed in range(3)]
     model, prompt, outputs, sampling, vocab, proposer, metrics = sampled_outputs(HybridProposer, lookup=Lookup(6, 6, AnswerCorpus(answers)))
-    corpus_rounds = sum(sum(s.tried[:1]) for bucket, s in proposer.lookup_stats.items() if isinstance(bucket, tuple))
+    corpus_rounds = sum(sum(s.tried[:1]) for bucket, s in proposer.lookup_scores.by_bucket.items() if isinstance(bucket, tuple))
     assert proposer.branches[LOOKUP] > 1000 and proposer.branches[DRAFTER] > 1000 and corpus_rounds > 1000, proposer.branches
     assert 0 < metrics.accepted < metrics.drafted
     assert_target_distribution(model, prompt, outputs, sampling, vocab)

@@ -21,7 +21,7 @@ C = TypeVar("C")
 
 
 #: ``auto`` and the paths of ``utils/forward_path.FORWARD_PATHS``, named here so configs stay torch-free (a test keeps them equal).
-FORWARD_PATH_CHOICES = ("auto", "eager", "gqa", "prepacked", "prepacked+gqa")
+FORWARD_PATH_CHOICES = ("auto", "eager", "gqa", "prepacked", "prepacked+gqa", "prepacked+streamed", "prepacked+streamed+gqa")
 
 
 def check_forward_path(value: str, flag: str = "forward_path") -> None:

@@ -7,6 +7,9 @@ not (``benchmarks/forward_path.py``), and it needs no compilation (``torch.compi
 weights prepacks the same way, after 1-2.5 min of compiling per shape on that CPU). And HF's SDPA
 attention copies every layer's K/V once per query head of a group on each masked forward of more than
 one token (every verify forward), unless told to let SDPA group the heads itself (part ``gqa``).
+And oneDNN's kernels for one to three rows read the weights at about half the machine's bandwidth, so part
+``streamed`` sends forwards of up to the row count measured to pay here through specdraft's own kernel
+(``utils/streamed.py``; a pass over the embedded target's linears at one row: 30.7 -> 20.2 ms on a 2-core VM).
 Paths combine such parts (``prepacked+gqa``). Which path is
 faster depends on the machine and the model, so ``auto`` times decode-shaped work on each
 applicable path once per machine and model (``utils/measured.py``), logs the figures and keeps the
@@ -17,6 +20,7 @@ within ``LOGIT_TOLERANCE`` of eager, tested).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,6 +31,8 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
 from specdraft.utils.measured import Measurement, measured_choice
+
+log = logging.getLogger(__name__)
 
 AUTO = "auto"
 EAGER = "eager"
@@ -80,14 +86,34 @@ class PrepackedLinear(nn.Linear):
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         self._packed_version = self.weight._version
 
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether the inference-only ops may compute ``self(x)``: not where autograd tracks the weight or the input,
+        under autocast, or for another dtype or device."""
+        return not (x.dtype != self.weight.dtype or x.device.type != "cpu" or torch.is_autocast_enabled("cpu")
+                    or (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if (x.dtype != weight.dtype or x.device.type != "cpu" or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-                or torch.is_autocast_enabled("cpu")):
-            return nn.functional.linear(x, weight, self.bias)
-        if self._packed_version != weight._version:
+        if not self.serves(x):
+            return nn.functional.linear(x, self.weight, self.bias)
+        if self._packed_version != self.weight._version:
             self.pack()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+class StreamedLinear(PrepackedLinear):
+    """A ``PrepackedLinear`` whose forwards of at most ``_stream_rows`` rows go through specdraft's streamed kernel
+    (``utils/streamed.py``), which reads the weight itself (no copy; it follows in-place updates by construction)."""
+
+    _stream_rows: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features if x.shape[-1:] == (self.in_features,) else -1
+        if 0 < rows <= self._stream_rows and self.weight.is_contiguous() and self.serves(x):
+            from specdraft.utils.streamed import streamed_linear
+
+            out = streamed_linear(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        return super().forward(x)
 
 
 def _install_prepacked(model: nn.Module) -> None:
@@ -99,15 +125,105 @@ def _install_prepacked(model: nn.Module) -> None:
 
 def _uninstall_prepacked(model: nn.Module) -> None:
     for module in model.modules():
-        if type(module) is PrepackedLinear:
+        if isinstance(module, PrepackedLinear):  # a StreamedLinear too: the part it refines goes with it
             module.__class__ = nn.Linear
-            del module._packed, module._packed_version
+            for name in ("_packed", "_packed_version", "_stream_rows"):
+                module.__dict__.pop(name, None)
 
 
 def _prepacked_fits(model: nn.Module) -> bool:
     param = next(model.parameters(), None)
     return (param is not None and param.device.type == "cpu" and param.dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+#: Row counts part ``streamed`` is measured at (a verify forward of a 7-token block plus its anchor is 8 rows).
+STREAM_PROBE_ROWS = 8
+#: The streamed kernel takes a row count only where its pass was faster than oneDNN's by more than this share.
+STREAM_MARGIN = 0.05
+
+
+def stream_cap(streamed: dict[int, float], prepacked: dict[int, float], *, margin: float = STREAM_MARGIN) -> int:
+    """The largest row count up to which every count ran faster streamed than prepacked (by ``margin``), from
+    seconds per pass at each row count; 0 where one row already does not pay. E.g. streamed {1: 20, 2: 20, 3: 23,
+    4: 35}, prepacked {1: 31, 2: 34, 3: 29, 4: 29} -> 3."""
+    cap = 0
+    for rows in sorted(streamed):
+        if rows != cap + 1 or rows not in prepacked or streamed[rows] >= (1.0 - margin) * prepacked[rows]:
+            break
+        cap = rows
+    return cap
+
+
+def stream_rows(model: nn.Module) -> int:
+    """Up to how many rows this model's prepacked linears run streamed here: a pass through all of them (the weights
+    streaming from memory as in a forward) timed per row count 1..``STREAM_PROBE_ROWS`` on both kernels, once per
+    machine and set of linear shapes, then cached (``utils/measured.py``); ``stream_cap`` decides."""
+    from specdraft.utils.measured import fastest_time, measured_figures
+    from specdraft.utils.streamed import streamed_linear
+
+    linears = [m for m in model.modules() if isinstance(m, PrepackedLinear) and m.weight.is_contiguous()]
+    if not linears:
+        return 0
+    shapes = sorted({(m.in_features, m.out_features, m.bias is not None) for m in linears})
+
+    def measure() -> dict[str, float]:
+        for m in linears:
+            if m._packed_version != m.weight._version:
+                m.pack()
+        figures = {}
+        with torch.no_grad():
+            for rows in range(1, STREAM_PROBE_ROWS + 1):
+                inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in linears}}
+                passes = {"streamed": lambda: [streamed_linear(inputs[m.in_features], m.weight, m.bias) for m in linears],
+                          "prepacked": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[m.in_features], m._packed, m.bias, "none", [], "")
+                                                for m in linears]}
+                for kernel, one_pass in passes.items():
+                    figures[f"{kernel}/{rows}"] = fastest_time(one_pass, repeats=3)
+        return figures
+
+    def split(figures: dict[str, float]) -> tuple[dict[int, float], dict[int, float]]:
+        by = {"streamed": {}, "prepacked": {}}
+        for key, seconds in figures.items():
+            kernel, _, rows = key.partition("/")
+            by[kernel][int(rows)] = seconds
+        return by["streamed"], by["prepacked"]
+
+    figures, cached, path = measured_figures("stream-rows", {"linears": shapes, "rows": STREAM_PROBE_ROWS}, measure,
+                                             decide=lambda f: stream_cap(*split(f)))
+    cap = stream_cap(*split(figures))
+    streamed, prepacked = split(figures)
+    log.info("streamed linears up to %d row(s) (%s in %s; ms per pass streamed/prepacked by rows: %s)", cap,
+             "cached" if cached else "measured", path,
+             ", ".join(f"{r} {streamed[r] * 1e3:.1f}/{prepacked[r] * 1e3:.1f}" for r in sorted(streamed)))
+    return cap
+
+
+def _streamed_fits(model: nn.Module) -> bool:
+    from specdraft.utils.streamed import streamed_ops
+
+    return _prepacked_fits(model) and streamed_ops() is not None
+
+
+def _install_streamed(model: nn.Module) -> None:
+    if _streamed_installed(model):
+        return
+    cap = stream_rows(model)
+    for module in model.modules():
+        if type(module) is PrepackedLinear:
+            module.__class__ = StreamedLinear
+            module._stream_rows = cap
+
+
+def _uninstall_streamed(model: nn.Module) -> None:
+    for module in model.modules():
+        if type(module) is StreamedLinear:
+            module.__class__ = PrepackedLinear
+            del module._stream_rows
+
+
+def _streamed_installed(model: nn.Module) -> bool:
+    return any(type(m) is StreamedLinear for m in model.modules())
 
 
 #: HF's switch (read per call by ``transformers.integrations.sdpa_attention.use_gqa_in_sdpa``) that hands grouped
@@ -159,11 +275,15 @@ def _gqa_installed(model: nn.Module) -> bool:
 
 
 PATH_PARTS.register("prepacked")(PathPart("prepacked", "CPU fp32 with oneDNN", _prepacked_fits, _install_prepacked, _uninstall_prepacked,
-                                          lambda model: any(type(m) is PrepackedLinear for m in model.modules())))
+                                          lambda model: any(isinstance(m, PrepackedLinear) for m in model.modules())))
+PATH_PARTS.register("streamed")(PathPart("streamed", "CPU fp32 with oneDNN and a C++ compiler that builds specdraft's streamed linear "
+                                         "(the log says why it did not)", _streamed_fits, _install_streamed, _uninstall_streamed,
+                                         _streamed_installed))
 PATH_PARTS.register("gqa")(PathPart("gqa", "a Hugging Face model on sdpa attention with grouped K/V heads", _gqa_fits, _install_gqa,
                                     _uninstall_gqa, _gqa_installed, optional=True))
 for _path in (ForwardPath(EAGER, ()), ForwardPath("prepacked", ("prepacked",)), ForwardPath("gqa", ("gqa",)),
-              ForwardPath("prepacked+gqa", ("prepacked", "gqa"))):
+              ForwardPath("prepacked+gqa", ("prepacked", "gqa")), ForwardPath("prepacked+streamed", ("prepacked", "streamed")),
+              ForwardPath("prepacked+streamed+gqa", ("prepacked", "streamed", "gqa"))):
     FORWARD_PATHS.register(_path.name)(_path)
 
 

@@ -63,14 +63,16 @@ class DrafterProposer(Proposer):
                 proposals.append(self.draft_row(cache, inputs, i))
         rows, device = len(proposals), inputs.max_draft.device
         width = max((int(p.tokens.shape[0]) for p in proposals), default=0)
-        vocab = int(proposals[0].probs.shape[-1]) if proposals else 0
         tokens = torch.zeros((rows, width), dtype=torch.long, device=device)
-        probs = torch.zeros((rows, width, vocab), device=device)
+        # greedy rounds draw argmaxes (probs None: point masses, which verification needs no table for)
+        probs = torch.zeros((rows, width, int(proposals[0].probs.shape[-1])), device=device) if proposals and proposals[0].probs is not None else None
         confidences = torch.zeros((rows, width), device=device) if self.provides_confidences else None
         lengths = torch.zeros(rows, dtype=torch.long, device=device)
         for i, p in enumerate(proposals):
             k = int(p.tokens.shape[0])
-            tokens[i, :k], probs[i, :k], lengths[i] = p.tokens, p.probs, k
+            tokens[i, :k], lengths[i] = p.tokens, k
+            if probs is not None:
+                probs[i, :k] = p.probs
             if confidences is not None:
                 confidences[i, :k] = p.confidences
         return Draft(tokens=tokens, lengths=lengths.minimum(inputs.max_draft), probs=probs, confidences=confidences)

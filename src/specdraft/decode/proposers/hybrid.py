@@ -44,6 +44,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from specdraft.decode.config import DecodeConfig
+from specdraft.decode.proposers.acceptance import AcceptanceStats, LookupScores, Proposed, score
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.proposers.drafters import decodable_methods
 from specdraft.decode.proposers.ngram import Lookup, answer_corpus
@@ -56,40 +57,6 @@ from specdraft.targets.base import Target
 #: (prompt lookup, else the target's answers in ``--lookup-corpus``).
 HYBRID_KINDS = ("+ngram", "+suffix")
 LOOKUP, DRAFTER = "lookup", "drafter"
-
-
-@dataclass
-class AcceptanceStats:
-    """Measured conditional acceptance per draft position j (P(x_j accepted | x_<j accepted)),
-    shrunk towards ``prior`` by ``strength`` pseudo-rounds so that a few rounds do not swing it."""
-
-    prior: float = 0.5
-    strength: float = 2.0
-    tried: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-
-    def rates(self, length: int) -> list[float]:
-        """P(x_j accepted | x_<j accepted) for j = 1..length."""
-        return [((self.accepted[j] if j < len(self.accepted) else 0) + self.prior * self.strength)
-                / ((self.tried[j] if j < len(self.tried) else 0) + self.strength) for j in range(length)]
-
-    def survival(self, length: int) -> list[float]:
-        """a_1..a_length: the chance that the first j drafts are all accepted."""
-        out, a = [], 1.0
-        for rate in self.rates(length):
-            a *= rate
-            out.append(a)
-        return out
-
-    def record(self, *, tried: int, accepted: int) -> None:
-        """A proposal whose first ``tried`` positions were judged and first ``accepted`` of them passed."""
-        grow = tried - len(self.tried)
-        if grow > 0:
-            self.tried += [0] * grow
-            self.accepted += [0] * grow
-        for j in range(tried):
-            self.tried[j] += 1
-            self.accepted[j] += j < accepted
 
 
 @dataclass(frozen=True)
@@ -131,22 +98,11 @@ def choose_branch(*, lookup_survival: Sequence[float], drafter_survival: Sequenc
 
 
 @dataclass
-class _Proposed:
-    """A row's last proposal, scored against what was committed after it."""
-
-    tokens: list[int]
-    verified: int  # drafts sent to verification (the verify policy may have cut further)
-    context: int  # committed tokens when it was proposed
-    bucket: Hashable  # the lookup's bucket: its prompt match's length, or its corpus match's (context, share)
-
-
-@dataclass
 class _RowState:
     pending: list[torch.Tensor] = field(default_factory=list)  # features the drafter has not seen yet
     pending_start: int = 0
     drafted: bool = False  # the drafter has run for this row (its first round also absorbs the prompt)
-    lookup: _Proposed | None = None
-    drafter: _Proposed | None = None
+    drafter: Proposed | None = None
 
 
 class HybridProposer(Proposer):
@@ -166,8 +122,7 @@ class HybridProposer(Proposer):
         self.provides_confidences = drafter.provides_confidences
         self.confidences_calibrated = drafter.confidences_calibrated
         self.block_length = drafter.block_length
-        self.lookup_prior = lookup_prior
-        self.lookup_stats: dict[Hashable, AcceptanceStats] = {}  # by bucket
+        self.lookup_scores = LookupScores(prior=lookup_prior)  # by bucket
         self.drafter_stats = AcceptanceStats(prior=drafter_prior)
         self.draft_s: float | None = None  # measured seconds of drafting one row (smoothed)
         self.rows: dict[int, _RowState] = {}
@@ -191,14 +146,14 @@ class HybridProposer(Proposer):
         for i, rid in enumerate(inputs.row_ids):
             state = self.rows.setdefault(rid, _RowState())
             context = inputs.tokens[i].cpu()
-            self._learn(state, context, inputs.sampling.greedy)
+            self._learn(rid, state, context, inputs.sampling.greedy)
             if inputs.new_hidden is not None:
                 if not state.pending:
                     state.pending_start = inputs.new_start[i]
                 state.pending.append(inputs.new_hidden[i])
             cap = int(inputs.max_draft[i])
             continuation, bucket = self.lookup(context, cap)
-            stats = self._lookup_stats(bucket)
+            stats = self.lookup_scores.stats(bucket)
             width = min(self.block_length or cap, cap)
             choices.append(choose_branch(
                 lookup_survival=stats.survival(int(continuation.numel())), drafter_survival=self.drafter_stats.survival(width),
@@ -206,8 +161,8 @@ class HybridProposer(Proposer):
             ))
             found.append(continuation)
             buckets.append(bucket)
-            state.lookup = _Proposed(continuation.tolist(), choices[-1].length if choices[-1].name == LOOKUP else 0,
-                                     int(context.shape[0]), bucket)
+            self.lookup_scores.remember(rid, Proposed(continuation.tolist(), choices[-1].length if choices[-1].name == LOOKUP else 0,
+                                                      int(context.shape[0]), bucket))
         drafted = self._draft(inputs, [i for i, c in enumerate(choices) if c.name == DRAFTER])
         return self._assemble(inputs, choices, found, buckets, drafted)
 
@@ -259,7 +214,7 @@ class HybridProposer(Proposer):
                     probs[i, :k] = drafted.probs[d]
                 if confidences is not None and drafted.confidences is not None:
                     confidences[i, :k] = drafted.confidences[d]
-                self.rows[rid].drafter = _Proposed(drafted.tokens[d, : int(drafted.lengths[d])].tolist(), int(lengths[i]),
+                self.rows[rid].drafter = Proposed(drafted.tokens[d, : int(drafted.lengths[d])].tolist(), int(lengths[i]),
                                                    int(inputs.tokens[i].shape[0]), 0)
                 d += 1
             else:
@@ -269,33 +224,21 @@ class HybridProposer(Proposer):
                 if probs is not None and k:
                     probs[i, :k] = torch.nn.functional.one_hot(found[i], probs.shape[-1]).to(device, probs.dtype)
                 if confidences is not None:
-                    confidences[i, :k] = torch.tensor(self.lookup_stats[buckets[i]].rates(k), device=device)
+                    confidences[i, :k] = torch.tensor(self.lookup_scores.stats(buckets[i]).rates(k), device=device)
             self.branches[choice.name] += 1
         return Draft(tokens=tokens, lengths=lengths, probs=probs, confidences=confidences)
 
-    def _learn(self, state: _RowState, context: torch.Tensor, greedy: bool) -> None:
-        """Score the row's last proposals against the tokens committed since."""
-        for proposed, stats, anywhere in ((state.lookup, None, True), (state.drafter, self.drafter_stats, greedy)):
-            if proposed is None:
-                continue
-            committed = context[proposed.context :].tolist()
-            judged = min(len(proposed.tokens), len(committed)) if anywhere else min(proposed.verified, len(committed))
-            accepted = 0
-            while accepted < judged and proposed.tokens[accepted] == committed[accepted]:
-                accepted += 1
-            tried = min(judged, accepted + 1)
-            if stats is None:
-                stats = self._lookup_stats(proposed.bucket)
-            stats.record(tried=tried, accepted=accepted)
-        state.lookup = state.drafter = None
-
-    def _lookup_stats(self, bucket: Hashable) -> AcceptanceStats:
-        if bucket not in self.lookup_stats:
-            self.lookup_stats[bucket] = AcceptanceStats(prior=self.lookup_prior)
-        return self.lookup_stats[bucket]
+    def _learn(self, rid: int, state: _RowState, context: torch.Tensor, greedy: bool) -> None:
+        """Score the row's last proposals against the tokens committed since: the lookup's anywhere (a point mass),
+        the drafter's where greedy decoding makes the committed text the target's own, else up to its verified length."""
+        self.lookup_scores.learn(rid, context)
+        if state.drafter is not None:
+            score(state.drafter, context, self.drafter_stats, anywhere=greedy)
+            state.drafter = None
 
     def release(self, row_ids: Sequence[int]) -> None:
         self.drafter.release(row_ids)
+        self.lookup_scores.release(row_ids)
         for rid in row_ids:
             self.rows.pop(rid, None)
 

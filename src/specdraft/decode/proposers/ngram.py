@@ -5,17 +5,21 @@ so far); the tokens that followed the match are proposed. Strong on inputs that 
 prompt (summaries, code edits, extraction) and the baseline every learned drafter must beat.
 ``suffix`` drafting falls back, where the context holds no match, to what the target most often
 wrote next in its own answers (``corpus.py``). Proposals are deterministic, so their draft
-distribution is a point mass (``Draft.probs=None``).
+distribution is a point mass (``Draft.probs=None``). Their confidences are the acceptance measured so far
+for proposals of the same bucket (``acceptance.LookupScores``): calibrated by construction, so
+``ngram@scheduled`` / ``suffix@scheduled`` verify each row only as far as the target's measured step
+costs say pays, where the default verifies every proposed token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import torch
 
 from specdraft.decode.config import DecodeConfig
+from specdraft.decode.proposers.acceptance import LookupScores, Proposed
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.proposers.corpus import AnswerCorpus
 from specdraft.errors import SpecdraftError
@@ -92,22 +96,36 @@ class Lookup:
 
 
 class NgramProposer(Proposer):
-    """Prompt lookup (with a corpus: suffix drafting) over each request's own tokens; stateless."""
+    """Prompt lookup (with a corpus: suffix drafting) over each request's own tokens, with each proposal's measured
+    per-bucket acceptance as its confidences."""
+
+    provides_confidences = True
+    confidences_calibrated = True  # measured acceptance rates, not a model's guess
 
     def __init__(self, *, max_ngram: int, min_ngram: int, corpus: AnswerCorpus | None = None):
         self.lookup = Lookup(max_ngram, min_ngram, corpus)
+        self.scores = LookupScores()
 
     def propose(self, inputs: ProposalInput) -> Draft:
         rows = len(inputs.tokens)
         width = int(inputs.max_draft.max()) if rows else 0
         tokens = torch.full((rows, width), PAD, dtype=torch.long)
+        confidences = torch.zeros((rows, width))
         lengths = torch.zeros(rows, dtype=torch.long)
-        for i, context in enumerate(inputs.tokens):
-            found, _ = self.lookup(context.cpu(), int(inputs.max_draft[i]))
-            tokens[i, : found.numel()] = found
-            lengths[i] = found.numel()
+        for i, (rid, context) in enumerate(zip(inputs.row_ids, inputs.tokens)):
+            context = context.cpu()
+            self.scores.learn(rid, context)
+            found, bucket = self.lookup(context, int(inputs.max_draft[i]))
+            k = found.numel()
+            tokens[i, :k] = found
+            confidences[i, :k] = torch.tensor(self.scores.stats(bucket).rates(k))
+            lengths[i] = k
+            self.scores.remember(rid, Proposed(found.tolist(), k, int(context.shape[0]), bucket))
         device = inputs.max_draft.device
-        return Draft(tokens=tokens.to(device), lengths=lengths.to(device))
+        return Draft(tokens=tokens.to(device), lengths=lengths.to(device), confidences=confidences.to(device))
+
+    def release(self, row_ids: Sequence[int]) -> None:
+        self.scores.release(row_ids)
 
 
 def answer_corpus(config: DecodeConfig, target: Target | None) -> AnswerCorpus:

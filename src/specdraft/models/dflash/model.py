@@ -43,7 +43,7 @@ from specdraft.models.common.drafter import NOT_SAVED, SpeculatorsDrafter
 from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from specdraft.models.common.masks import anchor_block_mask
 from specdraft.models.common.metrics import position_metrics
-from specdraft.models.common.sampling import DraftProposal, sample_token
+from specdraft.models.common.sampling import DraftProposal, sample_tokens
 from specdraft.models.common.vocab import check_vocab_tables, coverage_vocab_size, draft_ids, install_draft_vocab, target_to_draft
 from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.models.dflash.config import DFlashConfig
@@ -151,12 +151,12 @@ class DFlashDrafter(SpeculatorsDrafter):
         ids = self.draft_target_ids()
         return self.verifier_lm_head.weight if ids is None else self.verifier_lm_head.weight[ids]
 
-    def to_target_vocab(self, tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft ids [...] and their distributions [..., N] -> target ids and distributions over V
+    def to_target_vocab(self, tokens: torch.Tensor, probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft ids [...] and their distributions [..., N] (None: argmaxes) -> target ids and distributions over V
         (zero outside the draft vocabulary)."""
         ids = self.draft_target_ids()
-        if ids is None:
-            return tokens, probs
+        if ids is None or probs is None:
+            return (tokens if ids is None else ids[tokens]), probs
         full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
         full[..., ids] = probs
         return ids[tokens], full
@@ -352,10 +352,8 @@ class DFlashDrafter(SpeculatorsDrafter):
 
     def propose(self, hidden: torch.Tensor, *, anchor_token: int, temperature: float, generator: torch.Generator | None) -> DraftProposal:
         """Independent per-slot draws from slots 1..B-1."""
-        logits = self.lm_logits(hidden[self.draft_slots()])
-        drawn = [sample_token(row, temperature=temperature, generator=generator) for row in logits]
-        tokens, probs = self.to_target_vocab(torch.stack([t for t, _ in drawn]), torch.stack([p for _, p in drawn]))
-        return DraftProposal(tokens=tokens, probs=probs)
+        tokens, probs = sample_tokens(self.lm_logits(hidden[self.draft_slots()]), temperature=temperature, generator=generator)
+        return DraftProposal(*self.to_target_vocab(tokens, probs))
 
 
 def build_block_drafter(cls: type[DFlashDrafter], config: DFlashConfig, target: Target, counts: torch.Tensor | None) -> DFlashDrafter:

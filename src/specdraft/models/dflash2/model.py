@@ -31,7 +31,7 @@ from specdraft.models.base import DrafterBatch, TrainOutput
 from specdraft.models.common.anchors import block_labels
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.metrics import position_metrics
-from specdraft.models.common.sampling import DraftProposal, sample_token
+from specdraft.models.common.sampling import DraftProposal, sample_token, stacked
 from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.models.dflash.loss import ce_rows, weighted_mean
 from specdraft.models.dflash.model import DFlashDrafter, build_block_drafter
@@ -120,8 +120,8 @@ class DFlash2Drafter(DFlashDrafter):
             choice, p = sample_token(scores, temperature=temperature, generator=generator)
             prev = candidates[k, choice]
             tokens.append(prev)
-            probs.append(p.new_zeros(self.config.vocab_size).index_copy_(0, candidates[k], p))
-        return DraftProposal(tokens=torch.stack(tokens), probs=torch.stack(probs))
+            probs.append(None if p is None else p.new_zeros(self.config.vocab_size).index_copy_(0, candidates[k], p))
+        return DraftProposal(tokens=torch.stack(tokens), probs=stacked(probs))
 
 
 def build_dflash2(config: DFlash2Config, target: Target, *, counts: torch.Tensor | None = None, **_: Any) -> DFlash2Drafter:

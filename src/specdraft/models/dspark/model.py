@@ -25,7 +25,7 @@ from specdraft.models.base import DrafterBatch, TrainOutput
 from specdraft.models.common.anchors import block_labels, sample_anchors
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.metrics import position_metrics
-from specdraft.models.common.sampling import DraftProposal, sample_token
+from specdraft.models.common.sampling import DraftProposal, sample_token, stacked
 from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.models.dflash.loss import weighted_mean
 from specdraft.models.dflash.model import DFlashDrafter, build_block_drafter
@@ -211,26 +211,29 @@ class DSparkDrafter(DFlashDrafter):
 
     # ----- inference -----------------------------------------------------------------------
     def propose(self, hidden: torch.Tensor, *, anchor_token: int, temperature: float, generator: torch.Generator | None) -> DraftProposal:
-        """Left-to-right over the block: x_k ~ softmax((U_k + B_k(x_{k-1}))/T), c_k alongside."""
-        base = self.lm_logits(hidden)
+        """Left-to-right over the block: x_k ~ softmax((U_k + B_k(x_{k-1}))/T); the confidences c_k, which nothing in
+        the chain reads, afterwards in one call over the block."""
+        block = self.config.block_size
+        base = self.lm_logits(hidden[:block])
         ids = self.draft_target_ids()
         prev = torch.tensor([anchor_token], device=hidden.device)
         state = self.markov_head.init_state(1, hidden[:1])
-        tokens, probs, confs = [], [], []
-        for k in range(self.config.block_size):
+        tokens, probs, prev_embs = [], [], []
+        for k in range(block):
             prev_emb = self.markov_head.prev_embeddings(prev)
             bias, state = self.markov_head.step(state, prev_emb, hidden[k : k + 1])
             token, p = sample_token(base[k] + bias[0], temperature=temperature, generator=generator)
-            conf = self.confidence_logits(hidden[k : k + 1], prev_emb)
-            if conf is not None and self.config.confidence_temperatures:
-                conf = conf / self.config.confidence_temperatures[k]
             tokens.append(token)
             probs.append(p)
-            if conf is not None:
-                confs.append(torch.sigmoid(conf[0]))
+            prev_embs.append(prev_emb)
             prev = (token if ids is None else ids[token]).view(1)
-        drafted, full = self.to_target_vocab(torch.stack(tokens), torch.stack(probs))
-        return DraftProposal(tokens=drafted, probs=full, confidences=torch.stack(confs) if confs else None)
+        conf = self.confidence_logits(hidden[:block], torch.cat(prev_embs))
+        if conf is not None:
+            if self.config.confidence_temperatures:
+                conf = conf / conf.new_tensor(self.config.confidence_temperatures[:block])
+            conf = torch.sigmoid(conf)
+        drafted, full = self.to_target_vocab(torch.stack(tokens), stacked(probs))
+        return DraftProposal(tokens=drafted, probs=full, confidences=conf)
 
 
 def build_dspark(config: DSparkConfig, target: Target, *, counts: torch.Tensor | None = None, **_: Any) -> DSparkDrafter:
