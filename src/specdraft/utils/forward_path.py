@@ -30,6 +30,7 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
+from specdraft.utils import streamed
 from specdraft.utils.measured import Measurement, measured_choice
 
 log = logging.getLogger(__name__)
@@ -109,9 +110,7 @@ class StreamedLinear(PrepackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if x.shape[-1:] == (self.in_features,) else -1
         if 0 < rows <= self._stream_rows and self.weight.is_contiguous() and self.serves(x):
-            from specdraft.utils.streamed import streamed_linear
-
-            out = streamed_linear(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
+            out = streamed.streamed_linear(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         return super().forward(x)
 
@@ -143,13 +142,13 @@ STREAM_PROBE_ROWS = 8
 STREAM_MARGIN = 0.05
 
 
-def stream_cap(streamed: dict[int, float], prepacked: dict[int, float], *, margin: float = STREAM_MARGIN) -> int:
+def stream_cap(streamed_s: dict[int, float], prepacked_s: dict[int, float], *, margin: float = STREAM_MARGIN) -> int:
     """The largest row count up to which every count ran faster streamed than prepacked (by ``margin``), from
     seconds per pass at each row count; 0 where one row already does not pay. E.g. streamed {1: 20, 2: 20, 3: 23,
     4: 35}, prepacked {1: 31, 2: 34, 3: 29, 4: 29} -> 3."""
     cap = 0
-    for rows in sorted(streamed):
-        if rows != cap + 1 or rows not in prepacked or streamed[rows] >= (1.0 - margin) * prepacked[rows]:
+    for rows in sorted(streamed_s):
+        if rows != cap + 1 or rows not in prepacked_s or streamed_s[rows] >= (1.0 - margin) * prepacked_s[rows]:
             break
         cap = rows
     return cap
@@ -160,7 +159,6 @@ def stream_rows(model: nn.Module) -> int:
     streaming from memory as in a forward) timed per row count 1..``STREAM_PROBE_ROWS`` on both kernels, once per
     machine and set of linear shapes, then cached (``utils/measured.py``); ``stream_cap`` decides."""
     from specdraft.utils.measured import fastest_time, measured_figures
-    from specdraft.utils.streamed import streamed_linear
 
     linears = [m for m in model.modules() if isinstance(m, PrepackedLinear) and m.weight.is_contiguous()]
     if not linears:
@@ -175,7 +173,7 @@ def stream_rows(model: nn.Module) -> int:
         with torch.no_grad():
             for rows in range(1, STREAM_PROBE_ROWS + 1):
                 inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in linears}}
-                passes = {"streamed": lambda: [streamed_linear(inputs[m.in_features], m.weight, m.bias) for m in linears],
+                passes = {"streamed": lambda: [streamed.streamed_linear(inputs[m.in_features], m.weight, m.bias) for m in linears],
                           "prepacked": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[m.in_features], m._packed, m.bias, "none", [], "")
                                                 for m in linears]}
                 for kernel, one_pass in passes.items():
@@ -191,18 +189,16 @@ def stream_rows(model: nn.Module) -> int:
 
     figures, cached, path = measured_figures("stream-rows", {"linears": shapes, "rows": STREAM_PROBE_ROWS}, measure,
                                              decide=lambda f: stream_cap(*split(f)))
-    cap = stream_cap(*split(figures))
-    streamed, prepacked = split(figures)
+    by_streamed, by_prepacked = split(figures)
+    cap = stream_cap(by_streamed, by_prepacked)
     log.info("streamed linears up to %d row(s) (%s in %s; ms per pass streamed/prepacked by rows: %s)", cap,
              "cached" if cached else "measured", path,
-             ", ".join(f"{r} {streamed[r] * 1e3:.1f}/{prepacked[r] * 1e3:.1f}" for r in sorted(streamed)))
+             ", ".join(f"{r} {by_streamed[r] * 1e3:.1f}/{by_prepacked[r] * 1e3:.1f}" for r in sorted(by_streamed)))
     return cap
 
 
 def _streamed_fits(model: nn.Module) -> bool:
-    from specdraft.utils.streamed import streamed_ops
-
-    return _prepacked_fits(model) and streamed_ops() is not None
+    return _prepacked_fits(model) and streamed.streamed_ops() is not None
 
 
 def _install_streamed(model: nn.Module) -> None:
