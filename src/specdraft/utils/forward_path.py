@@ -7,9 +7,10 @@ not (``benchmarks/forward_path.py``), and it needs no compilation (``torch.compi
 weights prepacks the same way, after 1-2.5 min of compiling per shape on that CPU). And HF's SDPA
 attention copies every layer's K/V once per query head of a group on each masked forward of more than
 one token (every verify forward), unless told to let SDPA group the heads itself (part ``gqa``).
-And oneDNN's kernels for one to three rows read the weights at about half the machine's bandwidth, so part
+And oneDNN's kernels for a few rows read the weights well below the machine's bandwidth, so part
 ``streamed`` sends forwards of up to the row count measured to pay here through specdraft's own kernel
-(``utils/streamed.py``; a pass over the embedded target's linears at one row: 30.7 -> 20.2 ms on a 2-core VM).
+(``utils/streamed.py``; its probe, ``stream_rows``, logged for the embedded target's linears at one row: oneDNN
+28.0 ms, streamed 20.8 ms a pass on a 2-core VM).
 Paths combine such parts (``prepacked+gqa``). Which path is
 faster depends on the machine and the model, so ``auto`` times decode-shaped work on each
 applicable path once per machine and model (``utils/measured.py``), logs the figures and keeps the
@@ -96,6 +97,10 @@ class PrepackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.serves(x):
             return nn.functional.linear(x, self.weight, self.bias)
+        return self.inference(x)
+
+    def inference(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` for an input ``serves`` accepted."""
         if self._packed_version != self.weight._version:
             self.pack()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -107,12 +112,12 @@ class StreamedLinear(PrepackedLinear):
 
     _stream_rows: int
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def inference(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if x.shape[-1:] == (self.in_features,) else -1
-        if 0 < rows <= self._stream_rows and self.weight.is_contiguous() and self.serves(x):
+        if 0 < rows <= self._stream_rows and self.weight.is_contiguous():
             out = streamed.streamed_linear(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
-        return super().forward(x)
+        return super().inference(x)
 
 
 def _install_prepacked(model: nn.Module) -> None:

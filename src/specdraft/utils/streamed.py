@@ -1,10 +1,10 @@
 """specdraft's streamed linear: a few rows times a weight, at a GEMV's memory traffic (``native/streamed_linear.cpp``).
 
 Why: a decode step multiplies 1-9 rows by every weight matrix, so it is bound by reading the weights. On a
-2-core AVX-512 VM, a pass over the embedded target's linears at one row took 30.7 ms through oneDNN with
-prepacked weights (17 GB/s; a plain sum reads 30 GB/s there) and 20.2 ms through this kernel (27 GB/s); at 2
-rows 34.3 vs 20.1 ms, from 4 rows on oneDNN is faster. The forward path part ``streamed``
-(``utils/forward_path.py``) uses it below the row count measured to pay on the machine at hand.
+2-core AVX-512 VM, the part's probe (``forward_path.stream_rows``, which logs and caches its figures) timed a
+pass over the embedded target's linears at 28.0 ms through oneDNN with prepacked weights and 20.8 ms through
+this kernel at one row, 30.8 vs 19.2 ms at two; from 5 rows on oneDNN was faster. The forward path part
+``streamed`` (``utils/forward_path.py``) uses it below the row count measured to pay on the machine at hand.
 
 Built once per machine by the machine's own C++ compiler through torch's extension loader (its cache,
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, keyed by the source, torch and this module's

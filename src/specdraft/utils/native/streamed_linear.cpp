@@ -1,6 +1,6 @@
 // out[M, N] = x[M, K] . w[N, K]^T (+ bias) for a few rows M: each thread streams a contiguous run of weight rows
 // once from memory and takes each row's dot product with every input row while the row sits in L1. That is a
-// GEMV's memory traffic, which oneDNN's small-M kernels do not reach on the CPUs measured (utils/streamed.py).
+// GEMV's memory traffic, which oneDNN's small-M kernels did not reach on the CPU measured (utils/streamed.py).
 //
 // Deterministic per row: a row's dot product is 16 lane sums over k (plain multiply and add: built with
 // -ffp-contract=off and without fast-math), then a fixed tree over the lanes, then the tail in order, whichever
