@@ -62,6 +62,13 @@ def read_bandwidth() -> float:
     return data.numel() * 4 / best
 
 
+def bandwidth_floor(model) -> dict[str, float]:
+    """The fastest a forward can read ``model``'s weights here: their bytes over ``read_bandwidth()``."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = read_bandwidth()
+    return {"weight_bytes": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9, "floor_ms": weight_bytes / bandwidth * 1e3}
+
+
 def draft_rounds(target, methods: list[str]) -> dict:
     """ms per draft round of each method: fp32 on each path that applies to it, and bf16 autocast (on eager: prepacking
     serves fp32 only)."""
@@ -100,19 +107,17 @@ def main() -> None:
     target = load_benchmark_target(args)
     table = forward_table(target.model, applicable_paths(target.model), context=args.context, repeats=args.repeats)
     use_path(target.model, "eager")
-    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
-    bandwidth = read_bandwidth()
-    floor_ms = weight_bytes / bandwidth * 1e3
+    floor = bandwidth_floor(target.model)
+    floor_ms = floor["floor_ms"]
     rounds = draft_rounds(target, [m for m in args.methods.split(",") if m])
     result = {"target": args.target, "threads": torch.get_num_threads(), "torch": torch.__version__, "context": args.context,
-              "forward_ms": table, "weight_bytes": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9, "floor_ms": floor_ms,
-              "draft_round_ms": rounds}
+              "forward_ms": table, **floor, "draft_round_ms": rounds}
     print(json.dumps(result, indent=1))
     print(f"\n| path | {' | '.join(f'k={k}' for k in range(1, 9))} | k=8 / k=1 | k=1 / floor |")
     print("|---|" + "---:|" * 10)
     for path, row in table.items():
         print(f"| {path} | " + " | ".join(f"{row[k]:.1f}" for k in range(1, 9)) + f" | {row[8] / row[1]:.2f}x | {row[1] / floor_ms:.1f}x |")
-    print(f"\nfloor: {weight_bytes / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s read = {floor_ms:.1f} ms")
+    print(f"\nfloor: {floor['weight_bytes'] / 1e6:.0f} MB of weights / {floor['read_bandwidth_gb_s']:.1f} GB/s read = {floor_ms:.1f} ms")
     print("\n| method | " + " | ".join(next(iter(rounds.values()))) + " | best / target 1-token step |")
     print("|---|" + "---:|" * (len(next(iter(rounds.values()))) + 1))
     step = min(row[1] for row in table.values())

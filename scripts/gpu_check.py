@@ -7,7 +7,8 @@ random Llama (tiny for exactness, SmolLM2-135M-shaped for timings) and checks:
      path that applies there. The drafts are the plain continuation with half the tokens corrupted, so rows
      accept different lengths.
   2. The CPU-only path parts (prepacked, streamed) do not apply on CUDA, and ``auto`` picks among those that do.
-  3. The target forward of k = 1..8 new tokens after 256 cached, per applicable path (ms, CUDA-synchronised).
+  3. The target forward of k = 1..8 new tokens after 256 cached, per applicable path (ms, CUDA-synchronised, by
+     the runtime's SPS profiler).
 
 Writes ``gpu_check.json``; exits non-zero if a check fails.
 """
@@ -16,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 
@@ -87,45 +86,24 @@ def exactness(device) -> dict:
 
 
 def forward_table(device, repeats: int) -> dict:
+    """ms of k = 1..8 new tokens after 256 cached per applicable path, and ``auto``'s pick, both timed by the runtime's
+    own SPS profiler (``decode/sps.measure_sps``: CUDA-synchronised, the fastest of ``repeats``, non-decreasing in k)."""
     import torch
 
-    from specdraft.decode.kv_cache import GrowingCache
+    from specdraft.decode.sps import measure_sps
     from specdraft.utils.forward_path import applicable_paths, resolve_path, use_path
 
     model = random_llama(device, vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, seed=0)
-    gen = torch.Generator().manual_seed(0)
     table = {}
     with torch.no_grad():
         for path in applicable_paths(model):
             use_path(model, path)
-            cache = GrowingCache()
-            model(input_ids=torch.randint(0, 49152, (1, 256), generator=gen).to(device), cache=cache, use_cache=True, logits_to_keep=1)
-            row = {}
-            for k in range(1, 9):
-                block = torch.randint(0, 49152, (1, k), generator=gen).to(device)
-                times = []
-                for i in range(repeats + 2):
-                    torch.cuda.synchronize(device)
-                    start = time.perf_counter()
-                    model(input_ids=block, cache=cache, use_cache=True)
-                    torch.cuda.synchronize(device)
-                    if i >= 2:
-                        times.append(time.perf_counter() - start)
-                    cache.crop(-k)
-                row[k] = statistics.median(times) * 1e3
-            table[path] = row
+            sps = measure_sps(model, token_counts=list(range(1, 9)), context_tokens=256, repeats=repeats)
+            table[path] = {k: 1e3 / sps(k) for k in range(1, 9)}
 
-        def work() -> float:
-            cache = GrowingCache()
-            model(input_ids=torch.randint(0, 49152, (1, 128), generator=gen).to(device), cache=cache, use_cache=True, logits_to_keep=1)
-            block = torch.randint(0, 49152, (1, 9), generator=gen).to(device)
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            for _ in range(5):
-                model(input_ids=block, cache=cache, use_cache=True)
-                cache.crop(-9)
-            torch.cuda.synchronize(device)
-            return (time.perf_counter() - start) / 5
+        def work() -> float:  # what the runtime's own probe times: a plain step and a 9-token verify step
+            sps = measure_sps(model, token_counts=[1, 9], context_tokens=128, repeats=2)
+            return 1.0 / sps(1) + 1.0 / sps(9)
 
         choice = resolve_path(model, "auto", "gpu-check", {"shape": "smollm2-135m random"}, work)
     return {"forward_ms": table, "auto": choice.to_json()}

@@ -142,6 +142,34 @@ def test_stream_rows_measures_once_per_machine_and_shapes(monkeypatch, tmp_path)
     assert fp.stream_rows(model) == 2 and len(calls) == 2 * fp.STREAM_PROBE_ROWS  # cached
 
 
+def test_timings_of_an_earlier_kernel_are_measured_again(monkeypatch, tmp_path):
+    """A changed streamed kernel (its source or flags: ``kernel_version``) invalidates what was timed with the old one:
+    the row cap, the path probes and the SPS profiles all key on it (``path_version``)."""
+    from specdraft.decode.sps import sps_cache_path
+    from specdraft.utils import measured, streamed
+
+    _streamed_ops()
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(measured, "fastest_time", lambda fn, **kw: (calls.append(1), 1.0)[1])
+    model = nn.Sequential(nn.Linear(48, 96))
+    fp.use_path(model, "prepacked")
+    fp.stream_rows(model)
+    fp.stream_rows(model)
+    assert len(calls) == 2 * fp.STREAM_PROBE_ROWS  # cached for this kernel
+    old = fp.path_version("prepacked+streamed")
+    sps_old = sps_cache_path(tmp_path, fingerprint="t", device=torch.device("cpu"), dtype=torch.float32, context_tokens=8,
+                             max_tokens=4, forward_path="prepacked+streamed")
+    monkeypatch.setattr(streamed, "kernel_version", lambda: "0123456789ab")
+    fp.stream_rows(model)
+    assert len(calls) == 4 * fp.STREAM_PROBE_ROWS  # another kernel: timed again
+    assert fp.path_version("prepacked+streamed") == "prepacked+streamed@0123456789ab" != old
+    assert fp.path_version("prepacked+gqa") == "prepacked+gqa"  # parts without code of their own add nothing
+    sps_new = sps_cache_path(tmp_path, fingerprint="t", device=torch.device("cpu"), dtype=torch.float32, context_tokens=8,
+                             max_tokens=4, forward_path="prepacked+streamed")
+    assert sps_new != sps_old and "prepacked+streamed@0123456789ab" in sps_new.name
+
+
 def test_a_path_that_cannot_apply_is_refused_naming_what_can():
     model = nn.Linear(8, 8).double()
     with pytest.raises(SpecdraftError, match=r"--forward-path prepacked does not apply to a float64 model on cpu here \(it needs CPU fp32 with oneDNN\); use one of auto, eager$"):

@@ -90,7 +90,7 @@ def fake_vllm(tmp_path, monkeypatch):
 def _request(**settings):
     target = SimpleNamespace(fingerprint="f" * 16, model=torch.nn.Linear(1, 1))
     return EngineRequest(target, 0, frozenset({2}), GenerationSettings(**{"max_new_tokens": 128, "temperature": 0.0, "batch_size": 16,
-                                                                          "seed": 0, **settings}))
+                                                                          "seed": 0, **settings}), forward_path="eager")
 
 
 PROMPTS = [[5] * (10 + i) for i in range(512)]
@@ -164,3 +164,52 @@ def test_prepare_auto_regenerates_on_the_probes_server_and_stops_it(tmp_path, ti
                            engine="auto", threads=1)
     assert summary["engine"] == "vllm" and summary["engine_source"] == "measured" and summary["regenerated"] == 40
     assert used == fake_vllm.started and len(fake_vllm.started) == 1 and fake_vllm.started[0].stopped == 1
+
+
+def test_hf_generates_on_the_path_measured_fastest_and_prepare_puts_the_target_back(tmp_path, tiny_llama_dir, fake_vllm, monkeypatch):
+    """``--forward-path auto`` for HF regeneration: a short generate of the probe prompts timed on each path that
+    applies (rates injected: prepacked twice eager's), the fastest kept for the batches and cached; prepare leaves the
+    target on the path it found, for the stages after it to choose their own."""
+    from test_data_prepare import _conversations, _prepare
+
+    from specdraft.targets import load_target
+    from specdraft.utils import forward_path as fp
+    from specdraft.utils import streamed
+
+    monkeypatch.setattr(streamed, "streamed_ops", lambda: None)  # candidates: eager, prepacked (no grouped heads: no gqa)
+    rates = {"eager": 8.0, "prepacked": 16.0}
+    timed = []
+
+    def hf_rate(request, prompts, tokens):  # the probe times decoding steps of the probe prompts' tails, not their prefill
+        assert max(map(len, prompts)) <= regen.STEP_PROBE_PROMPT_TOKENS and tokens == regen.STEP_PROBE_TOKENS
+        timed.append(fp.current_path(request.target.model))
+        fake_vllm.now += len(prompts) * tokens / rates[timed[-1]]
+        return rates[timed[-1]]
+
+    monkeypatch.setattr(regen, "_hf_tokens_per_s", hf_rate)
+    torch.set_num_threads(1)  # what --threads 1 leaves it at: the machine identity that keys the cache counts threads
+    target = load_target(str(tiny_llama_dir))
+    request = dataclasses.replace(_request(), target=SimpleNamespace(fingerprint="f" * 16, model=target.model), forward_path="auto")
+    choice = resolve_engine(request, PROMPTS, requested="hf", threads=1, deadline=None)
+    assert (choice.facts["forward_path"], choice.facts["forward_path_source"]) == ("prepacked", "measured")
+    assert timed == ["eager", "eager", "prepacked"] and fp.current_path(target.model) == "prepacked"  # one untimed warm-up
+    fp.use_path(target.model, "eager")
+    again = resolve_engine(request, PROMPTS, requested="hf", threads=1, deadline=None)
+    assert (again.facts["forward_path"], again.facts["forward_path_source"], len(timed)) == ("prepacked", "cached", 3)
+    fp.use_path(target.model, "prepacked")
+    flagged = resolve_engine(dataclasses.replace(request, forward_path="eager"), PROMPTS, requested="hf", threads=1, deadline=None)
+    assert flagged.facts["forward_path_source"] == "flag" and fp.current_path(target.model) == "eager"
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_hf(request, batches):
+        seen.append(fp.current_path(request.target.model))
+        yield ((index, [[7, 2] for _ in prompts]) for index, prompts in batches)
+
+    monkeypatch.setitem(regen.REGENERATION_ENGINES._items, "hf", fake_hf)
+    monkeypatch.setattr("specdraft.targets.load_target", lambda *args, **kwargs: target)
+    fp.use_path(target.model, "eager")
+    summary, _ = _prepare(tmp_path, tiny_llama_dir, _conversations(8), regenerate=True, max_new_tokens=20, batch_size=4, threads=1)
+    assert seen == ["prepacked"] and summary["forward_path"] == "prepacked" and summary["regenerated"] == 8
+    assert fp.current_path(target.model) == "eager"

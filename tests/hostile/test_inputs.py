@@ -181,6 +181,40 @@ def test_sampling_non_finite_logits_is_a_clean_error(temperature):
     assert int(token) == 1
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_chain_with_a_non_finite_step_is_refused(temperature):
+    """A chain drafter's NaN step is refused whatever the temperature: at T=0 once the chain is drawn (the check runs
+    once per chain there), at T > 0 at that step, before ``multinomial`` could crash on it."""
+    from specdraft.models.common.sampling import Chain
+
+    chain = Chain(temperature=temperature, generator=torch.Generator().manual_seed(0))
+    chain.draw(torch.tensor([0.5, 3.0, -INF]))
+    with pytest.raises(SpecdraftError, match="non-finite logits"):
+        chain.draw(torch.tensor([0.5, NAN, 1.0]))
+        chain.draw(torch.tensor([2.0, 0.5, 1.0]))
+        chain.result()
+
+
+def test_a_chain_draws_what_per_step_sampling_draws():
+    """``Chain`` is the per-step draw with a deferred check: the same tokens and distributions, at T=0 argmaxes with
+    no tables, at T > 0 the same generator stream (``probs_of`` maps each distribution back to the vocabulary)."""
+    from specdraft.models.common.sampling import Chain, sample_token
+
+    steps = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    greedy = Chain(temperature=0.0)
+    for row in steps:
+        greedy.draw(row)
+    tokens, probs = greedy.result()
+    assert tokens.tolist() == steps.argmax(-1).tolist() and probs is None
+    chain, gen = Chain(temperature=0.7, generator=torch.Generator().manual_seed(2)), torch.Generator().manual_seed(2)
+    for row in steps:
+        chain.draw(row, probs_of=lambda p: 2 * p)
+    tokens, probs = chain.result()
+    expected = [sample_token(row, temperature=0.7, generator=gen) for row in steps]
+    assert tokens.tolist() == [int(t) for t, _ in expected]
+    assert torch.equal(probs, 2 * torch.stack([p for _, p in expected]))
+
+
 # ----- 6. strict drafter configs ------------------------------------------------------------------
 
 

@@ -40,7 +40,7 @@ from specdraft.data.sources import USER, RawRow, conversation, first_reply_index
 from specdraft.errors import SpecdraftError
 from specdraft.targets.base import Target
 from specdraft.targets.embedded import DEFAULT_TARGET
-from specdraft.utils.config import config_field, require_finite
+from specdraft.utils.config import FORWARD_PATH_CHOICES, check_forward_path, config_field, require_finite
 from specdraft.utils.lock import claims_output
 from specdraft.utils.lengths import length_bucket
 from specdraft.utils.vllm_options import VllmServerOptions
@@ -81,6 +81,11 @@ class PrepareConfig(VllmServerOptions):
         metadata={"choices": lambda: [*REGENERATION_ENGINES.names(), "auto"]},
     )
     device: str = config_field("cpu", help="torch device for the target")
+    forward_path: str = config_field(
+        "auto", help="with --regenerate and hf: how the target's forwards execute while it generates (see `specdraft generate "
+        "--help`); auto times a short generate of these prompts on each path here once, cached, and keeps the fastest",
+        metadata={"choices": list(FORWARD_PATH_CHOICES)},
+    )
     threads: int = config_field(
         0, help="torch CPU threads of HF regeneration (0 = auto: the count that ran a short generate of these prompts fastest "
         "here, measured once per machine and cached; 1 was ~4x faster than 2 on a busy shared 2-core CPU)"
@@ -101,6 +106,7 @@ class PrepareConfig(VllmServerOptions):
         for name, ok, rule in checks:
             if not ok:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
+        check_forward_path(self.forward_path, "--forward-path")
         if self.engine != "auto":
             REGENERATION_ENGINES.get(self.engine)  # an unknown name raises with the list of engines
         if not self.regenerate and (self.engine == "vllm" or self.vllm_args or self.vllm_python):
@@ -308,22 +314,26 @@ def _regenerate(config, target, samples, prompts, eot_ids, skipped, progress):
     import dataclasses
 
     from specdraft.data.regenerate import EngineRequest, GenerationSettings, regenerate, resolve_engine, work_key
+    from specdraft.utils.forward_path import current_path, use_path
 
     deadline = time.monotonic() + config.regen_budget * 60 if config.regen_budget else None  # the engine probe counts too
     settings = GenerationSettings(config.max_new_tokens, config.temperature, config.batch_size, config.seed,
                                   "hf" if config.engine == "auto" else config.engine)
     pad_id = target.tokenizer.pad_token_id
     pad_id = min(eot_ids) if pad_id is None else pad_id
-    request = EngineRequest(target, pad_id, frozenset(eot_ids), settings, vllm_python=config.vllm_python, vllm_args=config.vllm_args)
-    choice = resolve_engine(request, [ids for _, ids in prompts], requested=config.engine, threads=config.threads, deadline=deadline)
+    request = EngineRequest(target, pad_id, frozenset(eot_ids), settings, vllm_python=config.vllm_python, vllm_args=config.vllm_args,
+                            forward_path=config.forward_path)
+    previous_path, choice = current_path(target.model), None
     try:
+        choice = resolve_engine(request, [ids for _, ids in prompts], requested=config.engine, threads=config.threads, deadline=deadline)
         settings = dataclasses.replace(settings, engine=choice.engine)
         request = dataclasses.replace(request, settings=settings, server=choice.server)
         keyed = [(samples[i].sample_id, ids) for i, ids in prompts]
         work_dir = Path(config.out) / WORK_DIR / f"regenerate-{work_key(target.fingerprint, keyed, settings)}"
         completions, generation = regenerate(request, keyed, work_dir=work_dir, progress=progress, deadline=deadline)
     finally:
-        if choice.server is not None:
+        use_path(target.model, previous_path)  # the stages after this one pick their own
+        if choice is not None and choice.server is not None:
             choice.server.stop()
     kept = []
     waiting = {i for i, _ in prompts}

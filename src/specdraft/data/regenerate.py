@@ -14,7 +14,10 @@ Engines (:data:`REGENERATION_ENGINES`, ``--engine``) run the pending batches: ``
 left-padded ``generate`` per batch in this process; ``vllm`` keeps ``batch_size`` requests in
 flight on a private vLLM server (continuous batching, ``integrations/vllm/generate.py``, which
 registers it here with its :class:`ServerEngine` when the integrations load) and is started only
-when some batch is pending.
+when some batch is pending. HF generates on ``--forward-path`` (``auto``: the path on which a short generate of the
+probe prompts ran fastest here, measured once per machine and cached, ``utils/forward_path.py``; 86 -> 118 tokens/s
+on a 2-core VM, README). Paths are exact up to float reassociation, so the work directory's key leaves the path out
+and a rerun on another path reuses the finished batches.
 
 ``--engine auto`` (:func:`resolve_engine`) picks the engine that regenerates more of the data
 within the budget on this machine: it times one batch of real prompts (``PROBE_TOKENS`` new tokens
@@ -67,6 +70,7 @@ class EngineRequest:
     vllm_python: str | None = None
     vllm_args: str = ""
     server: Any = None  # a vLLM server the engine probe started and left running for the vllm engine (the caller stops it)
+    forward_path: str = "auto"  # how hf runs the target's forwards (``utils/forward_path.py``; auto: timed on a generate here)
 
 
 @dataclass
@@ -157,8 +161,12 @@ def _hf_engine(request: EngineRequest, batches: list[Batch]) -> Iterator[Iterato
 
 #: New tokens per reply in the engine probe: enough decoding steps to weigh beside the prefill, few enough to stay cheap.
 PROBE_TOKENS = 16
-#: New tokens per reply in the thread-count probe of HF generation (it runs twice per candidate count).
-THREAD_PROBE_TOKENS = 4
+#: The generate that the forward-path and thread-count probes of HF regeneration time: each probe prompt cut to its
+#: last ``STEP_PROBE_PROMPT_TOKENS`` tokens, then ``STEP_PROBE_TOKENS`` new ones. Decoding steps, what regeneration
+#: spends its time on, weigh most; six paths cost ~12 s on a 2-core CPU where whole prompts (a prefill-bound probe)
+#: cost ~60 s of a quickstart's data budget.
+STEP_PROBE_PROMPT_TOKENS = 64
+STEP_PROBE_TOKENS = 8
 
 
 @dataclass
@@ -203,23 +211,46 @@ def _hf_tokens_per_s(request: EngineRequest, prompts: list[list[int]], tokens: i
     return sum(map(len, out)) / (time.perf_counter() - started)
 
 
+def _place_hf(request: EngineRequest, probe: list[list[int]], *, threads: int, cache_dir: Path | None) -> tuple[dict[str, Any], str]:
+    """Put HF generation on its forward path (``request.forward_path``; ``auto``: the fastest decoding steps of the probe
+    prompts here, cached) and then its thread count (``threads``; 0: measured the same way, on that path). Returns the
+    facts for the summary and the path's version (the engine probe's HF figures are taken on it)."""
+    from specdraft.utils.forward_path import path_version, resolve_path
+    from specdraft.utils.threads import resolve_threads, threads_facts
+
+    short = [p[-STEP_PROBE_PROMPT_TOKENS:] for p in probe]
+    context = {"work": "hf-generate", "target": request.target.fingerprint, "rows": len(short), "prompt_tokens": max(map(len, short)),
+               "tokens": STEP_PROBE_TOKENS}
+
+    def steps() -> float:
+        return _hf_tokens_per_s(request, short, STEP_PROBE_TOKENS)
+
+    warm: list[float] = []
+
+    def path_seconds() -> float:
+        if not warm:  # the process's first generate pays one-off set-up: not on the first path's account
+            warm.append(steps())
+        return 1.0 / steps()
+
+    path = resolve_path(request.target.model, request.forward_path, "regenerate", context, path_seconds)
+    log.info("regeneration forward path: %s (%s%s)", path.name, path.source,
+             f"; ms per token of a {STEP_PROBE_TOKENS}-token generate of {len(short)} prompts: "
+             + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in path.seconds.items()) if path.seconds else "")
+    version = context["forward_path"] = path_version(path.name)
+    measured = resolve_threads(threads, "regenerate-threads", context, steps, device=next(request.target.model.parameters()).device,
+                               cache_dir=cache_dir)
+    return {**path.to_json(), **threads_facts(threads, measured)}, version
+
+
 def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requested: str, threads: int,
                    deadline: float | None, cache_dir: Path | None = None) -> EngineChoice:
     """The engine of ``--engine`` (``auto``: measured, see the module docstring) and, where HF generates in this
-    process, its CPU thread count (``threads``, or for 0 the count that ran a short generate fastest here)."""
+    process, its forward path and CPU thread count (``_place_hf``; the model is left on that path)."""
     from specdraft.utils.measured import measured_figures
-    from specdraft.utils.threads import power_of_two_at_least, resolve_threads, threads_facts
 
     settings = request.settings
     probe = probe_prompts(prompts, settings.batch_size)
-    facts: dict[str, Any] = {}
-    if requested in ("hf", "auto"):
-        lengths = sorted(map(len, probe))
-        context = {"work": "hf-generate", "target": request.target.fingerprint, "rows": len(probe),
-                   "prompt_tokens": power_of_two_at_least(lengths[len(lengths) // 2]), "tokens": THREAD_PROBE_TOKENS}
-        measured = resolve_threads(threads, "regenerate-threads", context, lambda: _hf_tokens_per_s(request, probe, THREAD_PROBE_TOKENS),
-                                   device=next(request.target.model.parameters()).device, cache_dir=cache_dir)
-        facts.update(threads_facts(threads, measured))
+    facts, hf_path = _place_hf(request, probe, threads=threads, cache_dir=cache_dir) if requested in ("hf", "auto") else ({}, "")
     if requested != "auto":
         return EngineChoice(requested, facts={**facts, "engine_source": "flag"})
     if "vllm" not in SERVER_ENGINES:
@@ -249,7 +280,7 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
         return {"hf_tokens_per_s": hf, "vllm_tokens_per_s": sum(map(len, out)) / (time.perf_counter() - t0), "vllm_start_s": start_s}
 
     context = {"target": request.target.fingerprint, "rows": len(probe), "tokens": PROBE_TOKENS, "temperature": settings.temperature,
-               "vllm": vllm.version(python), "vllm_args": request.vllm_args}
+               "vllm": vllm.version(python), "vllm_args": request.vllm_args, "hf_forward_path": hf_path}
     try:
         figures, cached, path = measured_figures("regen-engine", context, measure, device=next(request.target.model.parameters()).device,
                                                  cache_dir=cache_dir)

@@ -42,7 +42,7 @@ from specdraft.hidden_states.layers import LayerSlot
 from specdraft.targets.attention import SLIDING, WindowTrim
 from specdraft.targets.base import Target
 from specdraft.targets.families import family_of
-from specdraft.utils.forward_path import PathChoice, current_path, resolve_path
+from specdraft.utils.forward_path import PathChoice, current_path, path_version, resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def resolve_decode_threads(target: Target, requested: int, *, rows: int = 1, tok
     decoder = SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig())
     prompt = [int(t) % int(target.vocab_size) for t in range(100, 132)]
     context = {"work": "plain-decode", "target": target.fingerprint, "dtype": str(param.dtype), "rows": rows, "tokens": tokens,
-               "forward_path": current_path(target.model)}
+               "forward_path": path_version(current_path(target.model))}
     return resolve_threads(requested, "decode-threads", context, lambda: decoder.generate([prompt] * rows), device=param.device)
 
 

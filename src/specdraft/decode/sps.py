@@ -86,8 +86,11 @@ def default_token_counts(max_tokens: int) -> list[int]:
 
 def sps_cache_path(cache_dir: Path, *, fingerprint: str, device: torch.device, dtype: torch.dtype, context_tokens: int, max_tokens: int,
                    forward_path: str) -> Path:
+    """Keyed by the path's version (``forward_path.path_version``): a profile of an earlier kernel is not reused."""
+    from specdraft.utils.forward_path import path_version
+
     dtype_name = str(dtype).removeprefix("torch.")
-    return cache_dir / "sps" / f"{fingerprint}-{device.type}-{dtype_name}-{forward_path}-ctx{context_tokens}-b{max_tokens}.json"
+    return cache_dir / "sps" / f"{fingerprint}-{device.type}-{dtype_name}-{path_version(forward_path)}-ctx{context_tokens}-b{max_tokens}.json"
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -372,7 +372,7 @@ def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_:
     ``num_threads``, or for ``auto`` / 0 what ran this step fastest here -- first the path (in fp32), then
     the dtype on it, then the thread count --, timed on rank 0 (before the module is wrapped) and sent to
     every rank so they all compute alike. A dry run computes nothing."""
-    from specdraft.utils.forward_path import EAGER, FORWARD_PATHS, PathChoice, resolve_path, use_path
+    from specdraft.utils.forward_path import EAGER, FORWARD_PATHS, PathChoice, path_version, resolve_path, use_path
     from specdraft.utils.threads import resolve_threads, threads_facts
 
     if dry_run:
@@ -389,7 +389,7 @@ def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_:
         try:
             path = resolve_path(module, forward_path, "train", context,
                                 lambda: fastest_time(lambda: train_step(module, batch, dtype="fp32", device=device)))
-            context["forward_path"] = path.name
+            context["forward_path"] = path_version(path.name)
             if dtype == "auto":
                 probe = measure_train_dtype(module, batch, device=device, context=context)  # logs its figures
                 chosen_dtype = probe.choice

@@ -46,7 +46,8 @@ LOGIT_TOLERANCE = 2e-3
 class PathPart:
     """One change to how a model computes that paths combine: whether it can apply to a model (``fits``; ``needs``
     says what it needs, for errors), how to switch it on (``install``) and off (``uninstall``), both idempotent and
-    in place, and whether a model holds it now (``installed``). An ``optional`` part that does not fit a model would
+    in place, whether a model holds it now (``installed``) and, for a part that brings code of its own, that code's
+    ``version``. An ``optional`` part that does not fit a model would
     change nothing there (no grouped attention to group): a path naming it runs without it instead of being refused."""
 
     name: str
@@ -56,6 +57,7 @@ class PathPart:
     uninstall: Callable[[nn.Module], None]
     installed: Callable[[nn.Module], bool]
     optional: bool = False
+    version: Callable[[], str] | None = None  # the part's own code (a kernel's source): cached timings of other code are stale
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,13 @@ class ForwardPath:
 
 PATH_PARTS: Registry[PathPart] = Registry("forward path part")
 FORWARD_PATHS: Registry[ForwardPath] = Registry("forward path")
+
+
+def path_version(name: str) -> str:
+    """``name`` plus the versions of its parts that carry code of their own (``prepacked+streamed@1a2b...``): what
+    caches of timings on a path (the path probes, SPS profiles) are keyed by, so a changed kernel is measured again."""
+    versions = [PATH_PARTS.get(part).version() for part in FORWARD_PATHS.get(name).parts if PATH_PARTS.get(part).version]
+    return f"{name}@{'.'.join(versions)}" if versions else name
 
 
 class PrepackedLinear(nn.Linear):
@@ -192,7 +201,8 @@ def stream_rows(model: nn.Module) -> int:
             by[kernel][int(rows)] = seconds
         return by["streamed"], by["prepacked"]
 
-    figures, cached, path = measured_figures("stream-rows", {"linears": shapes, "rows": STREAM_PROBE_ROWS}, measure,
+    figures, cached, path = measured_figures("stream-rows", {"linears": shapes, "rows": STREAM_PROBE_ROWS,
+                                                                "kernel": streamed.kernel_version()}, measure,
                                              decide=lambda f: stream_cap(*split(f)))
     by_streamed, by_prepacked = split(figures)
     cap = stream_cap(by_streamed, by_prepacked)
@@ -279,7 +289,7 @@ PATH_PARTS.register("prepacked")(PathPart("prepacked", "CPU fp32 with oneDNN", _
                                           lambda model: any(isinstance(m, PrepackedLinear) for m in model.modules())))
 PATH_PARTS.register("streamed")(PathPart("streamed", "CPU fp32 with oneDNN and a C++ compiler that builds specdraft's streamed linear "
                                          "(the log says why it did not)", _streamed_fits, _install_streamed, _uninstall_streamed,
-                                         _streamed_installed))
+                                         _streamed_installed, version=lambda: streamed.kernel_version()))
 PATH_PARTS.register("gqa")(PathPart("gqa", "a Hugging Face model on sdpa attention with grouped K/V heads", _gqa_fits, _install_gqa,
                                     _uninstall_gqa, _gqa_installed, optional=True))
 for _path in (ForwardPath(EAGER, ()), ForwardPath("prepacked", ("prepacked",)), ForwardPath("gqa", ("gqa",)),
@@ -348,6 +358,7 @@ def resolve_path(model: nn.Module, requested: str, what: str, context: dict[str,
 
         return run
 
+    context = {**context, "paths": [path_version(n) for n in names]}
     measurement: Measurement = measured_choice(f"forward-path-{what}", context, {n: timer(n) for n in names}, preferred=EAGER,
                                                device=param.device)
     use_path(model, measurement.choice)

@@ -38,6 +38,12 @@ def _compiler() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
+def kernel_version() -> str:
+    """The kernel's source and build flags, hashed: measurements taken with another kernel are not reused."""
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=None)
 def streamed_ops() -> Any | None:
     """The built extension (``streamed_linear(x, weight, bias)``), or None where it cannot be built here."""
     from specdraft.utils.measured import machine_identity

@@ -27,7 +27,7 @@ from specdraft.models import METHODS, DrafterModel
 from specdraft.registry import Registry
 from specdraft.targets.base import Target
 from specdraft.utils.compute import autocast, candidates
-from specdraft.utils.forward_path import PathChoice, current_path, resolve_path
+from specdraft.utils.forward_path import PathChoice, current_path, path_version, resolve_path
 from specdraft.utils.measured import Measurement, fastest_time, measured_choice
 
 _PROBE_ROW = -1  # request id of the synthetic rounds that time the drafter
@@ -125,7 +125,7 @@ class DrafterProposer(Proposer):
             self.dtype_facts = {"draft_dtype": requested, "draft_dtype_source": "flag"}
             return None
         device = next(self.drafter.parameters()).device
-        context = {**self._probe_context(), "forward_path": current_path(self.drafter)}
+        context = {**self._probe_context(), "forward_path": path_version(current_path(self.drafter))}
         timers = {name: (lambda name=name: self.round_seconds(name)) for name in candidates(device)}
         measurement = measured_choice("draft-dtype", context, timers, preferred="fp32", device=device)
         self.compute_dtype = measurement.choice

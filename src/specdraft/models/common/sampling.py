@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,33 @@ def sample_tokens(logits: torch.Tensor, *, temperature: float, generator: torch.
     return torch.stack([t for t, _ in drawn]), torch.stack([p for _, p in drawn])
 
 
-def stacked(probs: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """Per-token distributions [K, V] of a chain drawn with ``sample_token``, or None where they were argmaxes."""
-    return None if not probs or probs[0] is None else torch.stack(probs)
+class Chain:
+    """The draws of a chain drafter (each token conditions the next: DSpark's Markov steps, EAGLE-3's, DFlash2's
+    selector). At T=0 each draw is an argmax and the finiteness check runs once over the whole chain in ``result``
+    (a per-step check costs ~50 us a token here, 7 of them a DSpark block): a NaN step yields some id, never a crash,
+    and the chain is refused before anything reads it. At T > 0 every draw is checked before ``multinomial``."""
+
+    def __init__(self, *, temperature: float, generator: torch.Generator | None = None):
+        self.temperature = temperature
+        self.generator = generator
+        self.tokens: list[torch.Tensor] = []
+        self._seen: list[torch.Tensor] = []  # T=0: each step's logits, checked in ``result``
+        self._probs: list[torch.Tensor] = []  # T>0: the distributions drawn from
+
+    def draw(self, logits: torch.Tensor, *, probs_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Draw one token from ``logits`` [V] and keep it; ``probs_of`` maps the drawn distribution to what the
+        chain reports (e.g. from a candidate set back to the vocabulary)."""
+        if self.temperature <= 0:
+            self._seen.append(logits)
+            token = logits.argmax(-1)
+        else:
+            token, probs = sample_token(logits, temperature=self.temperature, generator=self.generator)
+            self._probs.append(probs if probs_of is None else probs_of(probs))
+        self.tokens.append(token)
+        return token
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(tokens [K], probs [K, V] | None: None at T=0, where every draw was a point mass)."""
+        if self._seen:
+            _check_finite(torch.stack(self._seen))
+        return torch.stack(self.tokens), torch.stack(self._probs) if self._probs else None

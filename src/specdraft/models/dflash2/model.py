@@ -31,7 +31,7 @@ from specdraft.models.base import DrafterBatch, TrainOutput
 from specdraft.models.common.anchors import block_labels
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.metrics import position_metrics
-from specdraft.models.common.sampling import DraftProposal, sample_token, stacked
+from specdraft.models.common.sampling import Chain, DraftProposal
 from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.models.dflash.loss import ce_rows, weighted_mean
 from specdraft.models.dflash.model import DFlashDrafter, build_block_drafter
@@ -114,14 +114,13 @@ class DFlash2Drafter(DFlashDrafter):
         unary = self.lm_logits(h)
         candidates = unary.topk(self.config.selector_top_k, dim=-1).indices
         prev = torch.tensor(anchor_token, device=h.device)
-        tokens, probs = [], []
+        chain, tokens = Chain(temperature=temperature, generator=generator), []
         for k in range(h.shape[0]):
             scores = self.candidate_selector.scores(unary[k], h[k], prev, candidates[k])
-            choice, p = sample_token(scores, temperature=temperature, generator=generator)
+            choice = chain.draw(scores, probs_of=lambda p, k=k: p.new_zeros(self.config.vocab_size).index_copy_(0, candidates[k], p))
             prev = candidates[k, choice]
             tokens.append(prev)
-            probs.append(None if p is None else p.new_zeros(self.config.vocab_size).index_copy_(0, candidates[k], p))
-        return DraftProposal(tokens=torch.stack(tokens), probs=stacked(probs))
+        return DraftProposal(tokens=torch.stack(tokens), probs=chain.result()[1])
 
 
 def build_dflash2(config: DFlash2Config, target: Target, *, counts: torch.Tensor | None = None, **_: Any) -> DFlash2Drafter:

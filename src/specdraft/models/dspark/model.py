@@ -25,7 +25,7 @@ from specdraft.models.base import DrafterBatch, TrainOutput
 from specdraft.models.common.anchors import block_labels, sample_anchors
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.metrics import position_metrics
-from specdraft.models.common.sampling import DraftProposal, sample_token, stacked
+from specdraft.models.common.sampling import Chain, DraftProposal
 from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.models.dflash.loss import weighted_mean
 from specdraft.models.dflash.model import DFlashDrafter, build_block_drafter
@@ -218,13 +218,11 @@ class DSparkDrafter(DFlashDrafter):
         ids = self.draft_target_ids()
         prev = torch.tensor([anchor_token], device=hidden.device)
         state = self.markov_head.init_state(1, hidden[:1])
-        tokens, probs, prev_embs = [], [], []
+        chain, prev_embs = Chain(temperature=temperature, generator=generator), []
         for k in range(block):
             prev_emb = self.markov_head.prev_embeddings(prev)
             bias, state = self.markov_head.step(state, prev_emb, hidden[k : k + 1])
-            token, p = sample_token(base[k] + bias[0], temperature=temperature, generator=generator)
-            tokens.append(token)
-            probs.append(p)
+            token = chain.draw(base[k] + bias[0])
             prev_embs.append(prev_emb)
             prev = (token if ids is None else ids[token]).view(1)
         conf = self.confidence_logits(hidden[:block], torch.cat(prev_embs))
@@ -232,7 +230,7 @@ class DSparkDrafter(DFlashDrafter):
             if self.config.confidence_temperatures:
                 conf = conf / conf.new_tensor(self.config.confidence_temperatures[:block])
             conf = torch.sigmoid(conf)
-        drafted, full = self.to_target_vocab(torch.stack(tokens), stacked(probs))
+        drafted, full = self.to_target_vocab(*chain.result())
         return DraftProposal(tokens=drafted, probs=full, confidences=conf)
 
 

@@ -34,7 +34,7 @@ from specdraft.models.common.drafter import SpeculatorsDrafter, speculative_toke
 from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from specdraft.models.common.masks import eagle3_ttt_mask
 from specdraft.models.common.metrics import position_metrics
-from specdraft.models.common.sampling import DraftProposal, sample_token, stacked
+from specdraft.models.common.sampling import Chain, DraftProposal
 from specdraft.models.common.vocab import check_vocab_tables, coverage_vocab_size, draft_ids, install_draft_vocab
 from specdraft.models.eagle3.config import Eagle3Config
 from specdraft.models.eagle3.loss import soft_ce_rows, step_weights
@@ -310,14 +310,12 @@ class Eagle3Drafter(SpeculatorsDrafter):
         hidden = self.extend(cache, features=features, next_tokens=next_tokens, positions=positions)[-1]
         base = int(positions[-1])
         draft_kv = Eagle3Cache()
-        tokens, probs = [], []
+        chain = Chain(temperature=temperature, generator=generator)
         for i in range(k):
             if i:
-                hidden = self.speculate(cache, draft_kv, hidden=hidden, token=tokens[-1], step=i, base_position=base)
-            token, p = sample_token(self.draft_logits(hidden), temperature=temperature, generator=generator)
-            tokens.append(token)
-            probs.append(p)
-        return DraftProposal(tokens=torch.stack(tokens), probs=stacked(probs))
+                hidden = self.speculate(cache, draft_kv, hidden=hidden, token=chain.tokens[-1], step=i, base_position=base)
+            chain.draw(self.draft_logits(hidden))
+        return DraftProposal(*chain.result())
 
 
 def build_eagle3(config: Eagle3Config, target: Target, *, counts: torch.Tensor | None = None, **_: Any) -> Eagle3Drafter:
