@@ -111,7 +111,7 @@ def test_final_table_states_dtype_speed_steps_epochs_and_data():
     }
     table = training_table(stages)
     assert "| CPU threads | 1 (measured: 1 400 ms, 2 900 ms) |" in table
-    assert "| regeneration | vllm (measured: hf 8.0, vllm 48.0 tokens/s + 97 s start); 9,000 tokens at 47.5 tokens/s |" in table
+    assert "| regeneration | vllm (measured: hf 8.0, vllm 48.0 tokens/s predicted + 97 s start); 9,000 tokens at 47.5 tokens/s |" in table
     assert "| compute dtype | fp32 (step probe: fp32 0.412 s, bf16 5.310 s) |" in table
     assert "| anchors/s | 61.2 |" in table and "| steps | 120 done of 120 planned" in table
     assert "| epochs | 2.40 (50 steps each) |" in table and "| data | 400 samples, 123,456 tokens (51,000 response tokens) |" in table

@@ -57,15 +57,16 @@ class FakeServer:
 
 @pytest.fixture
 def fake_vllm(tmp_path, monkeypatch):
-    """A clock that only the fakes advance: HF generates ``hf`` tokens/s, the server starts in ``start`` s and
-    generates ``vllm`` tokens/s; records the servers started."""
-    clock = SimpleNamespace(now=1000.0, started=[], hf=8.0, vllm=48.0, start=97.0, fail=None, fail_probe=None)
+    """A clock that only the fakes advance: HF generates ``hf`` tokens/s after a prefill of ``hf_prefill`` s, the
+    server starts in ``start`` s and generates ``vllm`` tokens/s after ``vllm_prefill`` s; records the servers started."""
+    clock = SimpleNamespace(now=1000.0, started=[], hf=8.0, vllm=48.0, start=97.0, hf_prefill=0.0, vllm_prefill=0.0, fail=None,
+                            fail_probe=None, vllm_cached=set())
     monkeypatch.setattr(regen, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=lambda: clock.now))
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
 
-    def hf_rate(request, prompts, tokens):
-        clock.now += len(prompts) * tokens / clock.hf
-        return clock.hf
+    def hf_generate(request, prompts, tokens):
+        clock.now += clock.hf_prefill + len(prompts) * tokens / clock.hf
+        return [[1] * tokens for _ in prompts]
 
     def start_server(request, batches, *, startup_timeout):
         if clock.fail:
@@ -77,10 +78,12 @@ def fake_vllm(tmp_path, monkeypatch):
     def probe_batch(server, request, prompts):
         if clock.fail_probe:
             raise SpecdraftError(clock.fail_probe)
-        clock.now += len(prompts) * request.settings.max_new_tokens / clock.vllm
+        cached = tuple(map(tuple, prompts)) in clock.vllm_cached  # vLLM's prefix cache: a repeated prompt skips its prefill
+        clock.vllm_cached.add(tuple(map(tuple, prompts)))
+        clock.now += (0.0 if cached else clock.vllm_prefill) + len(prompts) * request.settings.max_new_tokens / clock.vllm
         return [[1] * request.settings.max_new_tokens for _ in prompts]
 
-    monkeypatch.setattr(regen, "_hf_tokens_per_s", hf_rate)
+    monkeypatch.setattr(regen, "_hf_generate", hf_generate)
     fake = regen.ServerEngine(locate=lambda explicit=None: tmp_path / ".venv-vllm/bin/python", version=vllm_engine.vllm_version,
                               start=start_server, probe=probe_batch)
     monkeypatch.setitem(regen.SERVER_ENGINES._items, "vllm", fake)
@@ -100,10 +103,12 @@ def test_auto_measures_once_keeps_the_started_server_and_decides_per_budget(fake
     choice = resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=fake_vllm.now + 300)
     assert choice.engine == "vllm" and choice.server is fake_vllm.started[0] and not choice.server.stopped  # reused, not restarted
     assert choice.facts["engine_source"] == "measured" and choice.facts["threads_source"] == "flag"
-    assert choice.facts["engine_figures"] == pytest.approx(SLOW_CPU)
+    assert {k: choice.facts["engine_figures"][k] for k in SLOW_CPU} == pytest.approx(SLOW_CPU)
     assert choice.facts["engine_plan"]["vllm"]["start_s"] == 0.0  # already paid
     stored = json.loads(next(_cached()).read_text())
-    assert stored["seconds"] == pytest.approx(SLOW_CPU) and stored["context"]["rows"] == 16
+    assert stored["seconds"] == pytest.approx({"hf_first_s": 2.0, "hf_step_s": 2.0, "vllm_first_s": 16 / 48, "vllm_step_s": 16 / 48,
+                                               "vllm_start_s": 97.0})
+    assert stored["context"]["rows"] == 16
 
     # Cached: nothing is timed or started again; with one minute left the start cannot pay off, so HF.
     short = resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=fake_vllm.now + 60)
@@ -115,6 +120,21 @@ def _cached():
     from specdraft.targets.identity import cache_root
 
     return (cache_root() / "measured").glob("regen-engine-*.json")
+
+
+def test_rates_are_predicted_at_the_answer_length_not_read_off_a_prefill_bound_probe(fake_vllm):
+    """Each engine generates 1 and PROBE_TOKENS tokens per prompt: the prefill and the step are told apart and the rate
+    is the one of ``--max-new-tokens``-token replies. Here HF's prefill is slow, so a 16-token probe alone (16 * 16 tokens
+    in 6 + 32 s: 6.7 tokens/s) would understate it; and the vLLM server caches prefixes, so its second generate of the
+    probe prompts skips their prefill, which must not be read as fast steps."""
+    fake_vllm.hf_prefill, fake_vllm.vllm_prefill = 6.0, 1.0
+    for max_new_tokens in (128, 512):
+        figures = resolve_engine(_request(max_new_tokens=max_new_tokens), PROMPTS, requested="auto", threads=1, deadline=None).facts["engine_figures"]
+        steps = max_new_tokens - 1
+        assert figures["hf_first_s"] == pytest.approx(6.0 + 16 / 8) and figures["hf_step_s"] == pytest.approx(16 / 8)
+        assert figures["hf_tokens_per_s"] == pytest.approx(16 * max_new_tokens / (8.0 + 2.0 * steps))  # the fake's own rate
+        assert figures["vllm_tokens_per_s"] == pytest.approx(16 * max_new_tokens / (1.0 + 16 / 48 * max_new_tokens))
+    assert regen.generation_rate(6.0, 0.0, rows=4, tokens=3) == pytest.approx(2.0)  # all of it prefill
 
 
 def test_hf_wins_where_vllm_is_slow_here_and_its_server_is_stopped(fake_vllm):
@@ -180,13 +200,13 @@ def test_hf_generates_on_the_path_measured_fastest_and_prepare_puts_the_target_b
     rates = {"eager": 8.0, "prepacked": 16.0}
     timed = []
 
-    def hf_rate(request, prompts, tokens):  # the probe times decoding steps of the probe prompts' tails, not their prefill
+    def hf_generate(request, prompts, tokens):  # the probe times decoding steps of the probe prompts' tails, not their prefill
         assert max(map(len, prompts)) <= regen.STEP_PROBE_PROMPT_TOKENS and tokens == regen.STEP_PROBE_TOKENS
         timed.append(fp.current_path(request.target.model))
         fake_vllm.now += len(prompts) * tokens / rates[timed[-1]]
-        return rates[timed[-1]]
+        return [[1] * tokens for _ in prompts]
 
-    monkeypatch.setattr(regen, "_hf_tokens_per_s", hf_rate)
+    monkeypatch.setattr(regen, "_hf_generate", hf_generate)
     torch.set_num_threads(1)  # what --threads 1 leaves it at: the machine identity that keys the cache counts threads
     target = load_target(str(tiny_llama_dir))
     request = dataclasses.replace(_request(), target=SimpleNamespace(fingerprint="f" * 16, model=target.model), forward_path="auto")
@@ -213,3 +233,27 @@ def test_hf_generates_on_the_path_measured_fastest_and_prepare_puts_the_target_b
     summary, _ = _prepare(tmp_path, tiny_llama_dir, _conversations(8), regenerate=True, max_new_tokens=20, batch_size=4, threads=1)
     assert seen == ["prepacked"] and summary["forward_path"] == "prepacked" and summary["regenerated"] == 8
     assert fp.current_path(target.model) == "eager"
+
+
+def test_auto_threads_time_the_paths_at_the_default_count_so_a_later_prepare_reuses_them(tiny_llama_dir, fake_vllm, monkeypatch):
+    """With ``--threads auto`` the path probe runs at the default count, not at the count an earlier stage of the same
+    process left behind (e.g. the previous prepare's thread probe): a cache keyed by that count made every later
+    prepare in a process time all paths again."""
+    from specdraft.targets import load_target
+    from specdraft.utils import streamed
+    from specdraft.utils.measured import available_cores
+
+    monkeypatch.setattr(streamed, "streamed_ops", lambda: None)
+
+    def hf_generate(request, prompts, tokens):
+        fake_vllm.now += 1.0
+        return [[1] * tokens for _ in prompts]
+
+    monkeypatch.setattr(regen, "_hf_generate", hf_generate)
+    target = load_target(str(tiny_llama_dir))
+    request = dataclasses.replace(_request(), target=SimpleNamespace(fingerprint="f" * 16, model=target.model), forward_path="auto")
+    sources = []
+    for left_behind in (available_cores(), available_cores() + 1):
+        torch.set_num_threads(left_behind)
+        sources.append(resolve_engine(request, PROMPTS, requested="hf", threads=0, deadline=None).facts["forward_path_source"])
+    assert sources == ["measured", "cached"]

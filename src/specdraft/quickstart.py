@@ -335,7 +335,7 @@ def _regeneration(data: dict) -> str:
     figures = data.get("engine_figures") or {}
     why = data.get("engine_source", "?")
     if figures:
-        why += (f": hf {figures['hf_tokens_per_s']:.1f}, vllm {figures['vllm_tokens_per_s']:.1f} tokens/s + "
+        why += (f": hf {figures['hf_tokens_per_s']:.1f}, vllm {figures['vllm_tokens_per_s']:.1f} tokens/s predicted + "
                 f"{figures['vllm_start_s']:.0f} s start")
     threads = f", {data['threads']} CPU threads ({data.get('threads_source', '?')})" if data["engine"] == "hf" and "threads" in data else ""
     return (f"{data['engine']} ({why}); {data.get('generated_tokens', 0):,} tokens at {data.get('generated_tokens_per_second', 0):.1f} "

@@ -20,11 +20,14 @@ on a 2-core VM, README). Paths are exact up to float reassociation, so the work 
 and a rerun on another path reuses the finished batches.
 
 ``--engine auto`` (:func:`resolve_engine`) picks the engine that regenerates more of the data
-within the budget on this machine: it times one batch of real prompts (``PROBE_TOKENS`` new tokens
-each) with HF and, where a vLLM environment exists, with a vLLM server, whose start-up is timed too
-(~100 s on a 2-core CPU, so with a small budget HF can win although vLLM generates faster). The
-figures are cached per machine and settings (``utils/measured.py``); the decision is remade from
-them for each budget. A server the probe started is kept for the regeneration when vLLM wins.
+within the budget on this machine: it times one batch of real prompts with HF and, where a vLLM
+environment exists, with a vLLM server, whose start-up is timed too (~100 s on a 2-core CPU, so with
+a small budget HF can win although vLLM generates faster). Each engine generates 1 and then
+``PROBE_TOKENS`` new tokens per prompt, which separates its first token (the prefill) from its later
+ones, so its rate is predicted at ``--max-new-tokens`` (:func:`generation_rate`) rather than read off
+a probe that the prefill dominates. The figures are cached per machine and settings
+(``utils/measured.py``); the decision is remade from them for each budget and answer length. A server
+the probe started is kept for the regeneration when vLLM wins.
 """
 
 from __future__ import annotations
@@ -159,7 +162,9 @@ def _hf_engine(request: EngineRequest, batches: list[Batch]) -> Iterator[Iterato
     )
 
 
-#: New tokens per reply in the engine probe: enough decoding steps to weigh beside the prefill, few enough to stay cheap.
+#: New tokens per reply in the engine probe's longer generate (its shorter one makes 1): enough steps to time the
+#: step beside the prefill, few enough to stay cheap. A 16-token probe read as one rate is prefill-bound: 30 (HF) and 118
+#: (vLLM) tokens/s on a 2-core CPU where the two regenerated at ~118 and ~290 (README).
 PROBE_TOKENS = 16
 #: The generate that the forward-path and thread-count probes of HF regeneration time: each probe prompt cut to its
 #: last ``STEP_PROBE_PROMPT_TOKENS`` tokens, then ``STEP_PROBE_TOKENS`` new ones. Decoding steps, what regeneration
@@ -204,11 +209,32 @@ def choose_engine(figures: dict[str, float], *, work_tokens: int, budget_s: floa
     return ("vllm" if more or sooner else "hf"), plan
 
 
-def _hf_tokens_per_s(request: EngineRequest, prompts: list[list[int]], tokens: int) -> float:
-    settings = dataclasses.replace(request.settings, max_new_tokens=tokens)
+def generation_rate(first_s: float, step_s: float, *, rows: int, tokens: int) -> float:
+    """Tokens/s of ``rows`` replies of ``tokens`` tokens generated together, where the first token of all costs
+    ``first_s`` (with the prefill) and each later one ``step_s``: the probe's two generates fitted."""
+    return rows * tokens / max(first_s + step_s * (tokens - 1), 1e-9)
+
+
+def _first_and_step(seconds: Callable[[int], float], *, caches_prefixes: bool = False) -> tuple[float, float]:
+    """(seconds of a 1-token generate, seconds per further token) from ``seconds(1)`` and ``seconds(PROBE_TOKENS)``.
+    An engine that ``caches_prefixes`` (a vLLM server) serves the second generate of the same prompts without their
+    prefill, so the step is taken between two generates that both found them cached (a third, 1-token one): the
+    difference to the first read 7 ms a step where vLLM regenerated at ~30 here."""
+    first = seconds(1)
+    longer = seconds(PROBE_TOKENS)
+    shorter = seconds(1) if caches_prefixes else first
+    return first, max(0.0, (longer - shorter) / (PROBE_TOKENS - 1))
+
+
+def _timed(fn: Callable[[], Any]) -> float:
     started = time.perf_counter()
-    out = generate_batch(request.target.model, prompts, pad_id=request.pad_id, eos_ids=set(request.eos_ids), settings=settings, seed=settings.seed)
-    return sum(map(len, out)) / (time.perf_counter() - started)
+    fn()
+    return time.perf_counter() - started
+
+
+def _hf_generate(request: EngineRequest, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    settings = dataclasses.replace(request.settings, max_new_tokens=tokens)
+    return generate_batch(request.target.model, prompts, pad_id=request.pad_id, eos_ids=set(request.eos_ids), settings=settings, seed=settings.seed)
 
 
 def _place_hf(request: EngineRequest, probe: list[list[int]], *, threads: int, cache_dir: Path | None) -> tuple[dict[str, Any], str]:
@@ -216,21 +242,26 @@ def _place_hf(request: EngineRequest, probe: list[list[int]], *, threads: int, c
     prompts here, cached) and then its thread count (``threads``; 0: measured the same way, on that path). Returns the
     facts for the summary and the path's version (the engine probe's HF figures are taken on it)."""
     from specdraft.utils.forward_path import path_version, resolve_path
-    from specdraft.utils.threads import resolve_threads, threads_facts
+    from specdraft.utils.measured import available_cores
+    from specdraft.utils.threads import resolve_threads, set_threads, threads_facts
 
+    if not threads:  # auto: paths are timed (and their cache keyed) at the default count, not at whatever count an
+        set_threads(available_cores())  # earlier stage of this process left, which would measure them again
     short = [p[-STEP_PROBE_PROMPT_TOKENS:] for p in probe]
     context = {"work": "hf-generate", "target": request.target.fingerprint, "rows": len(short), "prompt_tokens": max(map(len, short)),
                "tokens": STEP_PROBE_TOKENS}
 
-    def steps() -> float:
-        return _hf_tokens_per_s(request, short, STEP_PROBE_TOKENS)
+    def steps() -> float:  # seconds per generated token
+        started = time.perf_counter()
+        out = _hf_generate(request, short, STEP_PROBE_TOKENS)
+        return (time.perf_counter() - started) / max(1, sum(map(len, out)))
 
     warm: list[float] = []
 
     def path_seconds() -> float:
         if not warm:  # the process's first generate pays one-off set-up: not on the first path's account
             warm.append(steps())
-        return 1.0 / steps()
+        return steps()
 
     path = resolve_path(request.target.model, request.forward_path, "regenerate", context, path_seconds)
     log.info("regeneration forward path: %s (%s%s)", path.name, path.source,
@@ -264,8 +295,11 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
         return EngineChoice("hf", facts={**facts, "engine_source": "no .venv-vllm: hf, the only engine here"})
     started: list[Any] = []
 
+    def on_vllm(tokens: int) -> float:
+        return _timed(lambda: vllm.probe(started[0], dataclasses.replace(request, settings=dataclasses.replace(settings, max_new_tokens=tokens)), probe))
+
     def measure() -> dict[str, float]:
-        hf = _hf_tokens_per_s(request, probe, PROBE_TOKENS)
+        hf_first, hf_step = _first_and_step(lambda tokens: _timed(lambda: _hf_generate(request, probe, tokens)))
         t0 = time.perf_counter()
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
@@ -273,13 +307,12 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
         try:
             started.append(vllm.start(request, [(0, prompts)], startup_timeout=left or 600.0))
             start_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            out = vllm.probe(started[0], dataclasses.replace(request, settings=dataclasses.replace(settings, max_new_tokens=PROBE_TOKENS)), probe)
+            vllm_first, vllm_step = _first_and_step(on_vllm, caches_prefixes=True)
         except SpecdraftError as exc:  # vLLM is broken here: HF regenerates
             raise _NoVllm(str(exc).splitlines()[0]) from None
-        return {"hf_tokens_per_s": hf, "vllm_tokens_per_s": sum(map(len, out)) / (time.perf_counter() - t0), "vllm_start_s": start_s}
+        return {"hf_first_s": hf_first, "hf_step_s": hf_step, "vllm_first_s": vllm_first, "vllm_step_s": vllm_step, "vllm_start_s": start_s}
 
-    context = {"target": request.target.fingerprint, "rows": len(probe), "tokens": PROBE_TOKENS, "temperature": settings.temperature,
+    context = {"target": request.target.fingerprint, "rows": len(probe), "tokens": [1, PROBE_TOKENS], "temperature": settings.temperature,
                "vllm": vllm.version(python), "vllm_args": request.vllm_args, "hf_forward_path": hf_path}
     try:
         figures, cached, path = measured_figures("regen-engine", context, measure, device=next(request.target.model.parameters()).device,
@@ -292,16 +325,19 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
         # not cached: a later run with more budget (or a fixed environment) measures again
         log.warning("--engine auto: regenerating with hf, vLLM could not be measured: %s", exc)
         return EngineChoice("hf", facts={**facts, "engine_source": f"hf: vLLM not measured ({exc})"})
+    rates = {f"{name}_tokens_per_s": generation_rate(figures[f"{name}_first_s"], figures[f"{name}_step_s"], rows=len(probe),
+                                                     tokens=settings.max_new_tokens) for name in ("hf", "vllm")}
+    rates["vllm_start_s"] = figures["vllm_start_s"]
     work = len(prompts) * settings.max_new_tokens
     budget = None if deadline is None else max(0.0, deadline - time.monotonic())
-    engine, plan = choose_engine(figures, work_tokens=work, budget_s=budget, server_running=bool(started))
+    engine, plan = choose_engine(rates, work_tokens=work, budget_s=budget, server_running=bool(started))
     server = started[0] if started and engine == "vllm" else None
     if started and server is None:
         started[0].stop()
-    log.info("--engine auto: %s (%s; generated tokens/s hf %.1f, vllm %.1f, vLLM start %.0f s; for %d tokens%s: %s; figures %s)",
-             engine, "cached" if cached else "measured", figures["hf_tokens_per_s"], figures["vllm_tokens_per_s"], figures["vllm_start_s"],
-             work, "" if budget is None else f" in {budget:.0f} s", plan, path)
-    return EngineChoice(engine, server, {**facts, "engine_source": "cached" if cached else "measured", "engine_figures": figures,
+    log.info("--engine auto: %s (%s; tokens/s at %d new tokens a reply: hf %.1f, vllm %.1f, vLLM start %.0f s; for %d tokens%s: %s; "
+             "figures %s)", engine, "cached" if cached else "measured", settings.max_new_tokens, rates["hf_tokens_per_s"],
+             rates["vllm_tokens_per_s"], rates["vllm_start_s"], work, "" if budget is None else f" in {budget:.0f} s", plan, path)
+    return EngineChoice(engine, server, {**facts, "engine_source": "cached" if cached else "measured", "engine_figures": {**figures, **rates},
                                          "engine_plan": plan})
 
 
