@@ -131,8 +131,6 @@ class _Journal:
 @claims_output(None)
 def run_quickstart(config: QuickstartConfig) -> dict:
     """Run (or resume) every stage; returns the eval report."""
-    import torch
-
     from specdraft.data.prepare import PrepareConfig, prepare
     from specdraft.decode.config import SamplingConfig
     from specdraft.eval.config import EvalConfig
