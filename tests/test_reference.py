@@ -45,8 +45,10 @@ def test_reference_drafter_decodes_exactly_and_accepts_drafts(smollm2_dir):
 @pytest.mark.slow
 def test_reference_drafter_config_is_what_specdraft_writes_now(smollm2_dir):
     """The shipped config.json (e.g. ``sliding_window_non_causal``, the flag vLLM turns into DFlash causality) is
-    exactly what ``save_pretrained`` writes for these weights today, and the strict reader verifies its checksum. The
-    layer config's ``transformers_version`` stamp is the one field that follows the installed transformers, not us."""
+    exactly what ``save_pretrained`` writes for these weights today, and the strict reader verifies its checksum. Two
+    kinds of field follow the machine, not us: the layer config's ``transformers_version`` stamp, and the target's
+    local path (where the embedded GGUF was converted: under ``$SPECDRAFT_CACHE`` or the user's home), which made this
+    test fail for anyone whose cache is not the shipping machine's ``/root/.cache/specdraft``."""
     from specdraft.models.common import checkpoint as ckpt
     from specdraft.models.common.drafter import load_drafter
     from specdraft.targets import load_target
@@ -58,5 +60,7 @@ def test_reference_drafter_config_is_what_specdraft_writes_now(smollm2_dir):
     written["specdraft"]["checksums"] = {ckpt.WEIGHTS_FILE: ckpt.sha256_file(path / ckpt.WEIGHTS_FILE)}
     for config in (shipped, written):
         assert config["transformer_layer_config"].pop("transformers_version")
+        assert config["specdraft"]["target"].pop("path").endswith("/targets/smollm2-135m")
+        assert config["speculators_config"]["verifier"].pop("name_or_path").endswith("/targets/smollm2-135m")
     assert shipped == written
     assert shipped["sliding_window_non_causal"] is True
