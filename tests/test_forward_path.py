@@ -368,3 +368,25 @@ def test_training_runs_on_the_path_its_probe_chose_and_still_learns(tmp_path, mo
     # the same data and seed on either path: trained weights agree to float reassociation (gradients flowed alike)
     for (name, a), b in zip(result.drafter.state_dict().items(), first.drafter.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-5), name
+
+
+def test_auto_threads_training_probes_its_path_at_the_default_count_so_a_later_run_reuses_it(tmp_path, monkeypatch):
+    """With ``num_threads`` auto the path probe runs at the default count, not at what an earlier stage of the process
+    left (the quickstart's sizing probe, then its training, in one process): keyed by that count, each run re-timed
+    every path."""
+    from specdraft.train.trainer import train
+    from specdraft.utils.measured import available_cores
+    from test_train_toy import ToyStore, ToyTarget, toy_config
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(fp, "stream_rows", lambda model: 4)
+    before = torch.get_num_threads()
+    sources = []
+    try:
+        for run, left_behind in (("a", available_cores()), ("b", available_cores() + 1)):
+            torch.set_num_threads(left_behind)
+            result = train(toy_config(tmp_path / run, max_steps=1, eval_interval=0, num_threads=0), target=ToyTarget(), dataset=ToyStore())
+            sources.append(result.forward_path["forward_path_source"])
+    finally:
+        torch.set_num_threads(before)
+    assert sources == ["measured", "cached"]

@@ -218,8 +218,8 @@ def generation_rate(first_s: float, step_s: float, *, rows: int, tokens: int) ->
 def _first_and_step(seconds: Callable[[int], float], *, caches_prefixes: bool = False) -> tuple[float, float]:
     """(seconds of a 1-token generate, seconds per further token) from ``seconds(1)`` and ``seconds(PROBE_TOKENS)``.
     An engine that ``caches_prefixes`` (a vLLM server) serves the second generate of the same prompts without their
-    prefill, so the step is taken between two generates that both found them cached (a third, 1-token one): the
-    difference to the first read 7 ms a step where vLLM regenerated at ~30 here."""
+    prefill, so the step is taken between two generates that both found them cached (a third, 1-token one): taken
+    against the first, uncached one it read 7 ms a step where the two cached ones read 41 ms here."""
     first = seconds(1)
     longer = seconds(PROBE_TOKENS)
     shorter = seconds(1) if caches_prefixes else first
@@ -242,11 +242,9 @@ def _place_hf(request: EngineRequest, probe: list[list[int]], *, threads: int, c
     prompts here, cached) and then its thread count (``threads``; 0: measured the same way, on that path). Returns the
     facts for the summary and the path's version (the engine probe's HF figures are taken on it)."""
     from specdraft.utils.forward_path import path_version, resolve_path
-    from specdraft.utils.measured import available_cores
-    from specdraft.utils.threads import resolve_threads, set_threads, threads_facts
+    from specdraft.utils.threads import default_threads_for_probes, resolve_threads, threads_facts
 
-    if not threads:  # auto: paths are timed (and their cache keyed) at the default count, not at whatever count an
-        set_threads(available_cores())  # earlier stage of this process left, which would measure them again
+    default_threads_for_probes(threads)
     short = [p[-STEP_PROBE_PROMPT_TOKENS:] for p in probe]
     context = {"work": "hf-generate", "target": request.target.fingerprint, "rows": len(short), "prompt_tokens": max(map(len, short)),
                "tokens": STEP_PROBE_TOKENS}

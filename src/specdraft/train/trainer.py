@@ -373,7 +373,7 @@ def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_:
     the dtype on it, then the thread count --, timed on rank 0 (before the module is wrapped) and sent to
     every rank so they all compute alike. A dry run computes nothing."""
     from specdraft.utils.forward_path import EAGER, FORWARD_PATHS, PathChoice, path_version, resolve_path, use_path
-    from specdraft.utils.threads import resolve_threads, threads_facts
+    from specdraft.utils.threads import default_threads_for_probes, resolve_threads, threads_facts
 
     if dry_run:
         return Compute(device, "fp32" if dtype == "auto" else dtype, None, threads_facts(num_threads, None), PathChoice(EAGER, "dry run", {}).to_json())
@@ -386,6 +386,7 @@ def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_:
         context = {k: identity[k] for k in ("method", "model_config", "slots")} | {"pack_tokens": pack_tokens, "batch_rows": batch_rows}
         was_training = module.training
         module.train()
+        default_threads_for_probes(num_threads)
         try:
             path = resolve_path(module, forward_path, "train", context,
                                 lambda: fastest_time(lambda: train_step(module, batch, dtype="fp32", device=device)))

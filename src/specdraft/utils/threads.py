@@ -44,6 +44,15 @@ def set_threads(count: int) -> None:
     torch.set_num_threads(count)
 
 
+def default_threads_for_probes(requested: int) -> None:
+    """With ``requested`` 0 (auto), set the default count (every core this process may use, what
+    :func:`resolve_threads` prefers) for the probes that run before the thread-count probe (a forward path, a dtype).
+    They are timed, and their caches keyed, at the count they run at; otherwise that is whatever an earlier stage of
+    the same process left, and every later stage measured them again."""
+    if not requested:
+        set_threads(available_cores())
+
+
 def resolve_threads(requested: int, name: str, context: dict[str, Any], work: Callable[[], Any], *, device: Any = "cpu",
                     repeats: int = 1, cache_dir: Path | None = None) -> Measurement | None:
     """Set torch's thread count: ``requested`` when > 0, else the candidate whose ``work()`` was fastest
