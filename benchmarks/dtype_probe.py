@@ -1,7 +1,7 @@
 """What ``--dtype auto`` (training) and ``--draft-dtype auto`` (decoding) measure and choose on this machine.
 
 Runs the same probes as the trainer and the decoder on the quickstart's drafter for the embedded
-target: forward + backward of the step at ``--pack-tokens`` (``train/compute_dtype.py``) and a
+target: forward + backward of the step at ``--pack-tokens`` (``tuning/dtype.py``) and a
 draft round (``DrafterProposer.round_seconds``), in fp32 and bf16 autocast, into a fresh scratch
 cache (so it always measures), and prints the seconds and choices as JSON.
 
@@ -25,9 +25,9 @@ def main() -> None:
     import torch
 
     from specdraft.decode.proposers.drafters import BlockDrafterProposer
-    from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch
+    from specdraft.train.step import measure_train_dtype, synthetic_batch
     from specdraft.train.step import StepModule
-    from specdraft.utils.measured import machine_identity, measured_choice
+    from specdraft.tuning.measured import machine_identity, measured_choice
 
     target = load_benchmark_target(args)
     drafter = quickstart_drafter(target)

@@ -1,6 +1,6 @@
 """Target forward of k = 1..8 tokens and each method's draft round, per forward path, beside the bandwidth floor.
 
-The table ``--forward-path auto`` decides from (``utils/forward_path.py``), at the shape decoding
+The table ``--forward-path auto`` decides from (``tuning/forward_path.py``), at the shape decoding
 pays: k new tokens through the runtime's KV cache (``decode/kv_cache.py``) after a ``--context``-token
 prompt, median of ``--repeats`` after a warm-up, on every path that applies here (taking turns). The floor is the
 target's weight bytes over the read bandwidth measured here (the fastest sum over a 1 GiB fp32
@@ -28,7 +28,7 @@ def forward_table(model, paths: list[str], *, context: int, repeats: int) -> dic
     import torch
 
     from specdraft.decode.kv_cache import GrowingCache
-    from specdraft.utils.forward_path import use_path
+    from specdraft.tuning.forward_path import use_path
 
     vocab = int(model.config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -76,7 +76,7 @@ def draft_rounds(target, methods: list[str]) -> dict:
     from specdraft.decode.proposers.drafters import decodable_methods, drafter_proposer
     from specdraft.quickstart import fresh_drafter
     from specdraft.train.config import resolve_config
-    from specdraft.utils.forward_path import applicable_paths, use_path
+    from specdraft.tuning.forward_path import applicable_paths, use_path
 
     rounds = {}
     for method in methods or decodable_methods():
@@ -102,7 +102,7 @@ def main() -> None:
 
     import torch
 
-    from specdraft.utils.forward_path import applicable_paths, use_path
+    from specdraft.tuning.forward_path import applicable_paths, use_path
 
     target = load_benchmark_target(args)
     table = forward_table(target.model, applicable_paths(target.model), context=args.context, repeats=args.repeats)

@@ -39,7 +39,7 @@ def main() -> None:
 
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.models.common.drafter import load_drafter
-    from specdraft.train.data import collate, pack_rows, select_slots
+    from specdraft.train.batches import collate, pack_rows, select_slots
     from specdraft.train.split import resolve_split
     from specdraft.train.metrics import MetricSums
 

@@ -38,7 +38,7 @@ def main() -> None:
                         "reference or checkpoint directories as in `specdraft eval --drafters`, each optionally LABEL=SPEC")
     parser.add_argument("--lookup-corpus", default="", help="prepared dataset of the suffix drafters' corpus")
     parser.add_argument("--peak-rss", action="store_true", help="measure the peak RSS of one batched prefill instead")
-    parser.add_argument("--forward-path", default="auto", help="the target's forward path (utils/forward_path.py); several, comma-"
+    parser.add_argument("--forward-path", default="auto", help="the target's forward path (tuning/forward_path.py); several, comma-"
                         "separated, take turns with every decoder on each, e.g. prepacked,prepacked+gqa for the cost of copying the "
                         "cache per grouped head")
     parser.add_argument("--out", default="", help="directory for long_context.json, .md and .png")
@@ -49,7 +49,7 @@ def main() -> None:
     from specdraft.eval.runner import resolve_drafter
     from specdraft.eval.suites import bucket_label, long_context
     from specdraft.utils.lengths import length_bucket
-    from specdraft.utils.forward_path import use_path
+    from specdraft.tuning.forward_path import use_path
 
     target = load_benchmark_target(args)
     lengths = tuple(int(x) for x in args.lengths.split(","))

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def teacher_forced(run_dir: Path) -> dict:
     """The last validation record of our run's metrics.jsonl: teacher-forced figures (labelled so), not decoded."""
-    from specdraft.train.acceptance import last_validation
+    from specdraft.train.model_card import last_validation
 
     record = last_validation(run_dir / "metrics.jsonl") or {}
     return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -75,7 +75,7 @@ def bench_in_process(target, prepared, slots) -> dict:
 
 
 def bench_stream(options) -> dict:
-    from specdraft.hidden_states.online import DATA_MODES
+    from specdraft.hidden_states.data_modes import DATA_MODES
 
     with DATA_MODES.get("online")(options) as source:
         start = time.perf_counter()
@@ -125,7 +125,7 @@ def main() -> None:
 
     from specdraft.data.dataset import write_prepared
     from specdraft.hidden_states.layers import spread_output_slots
-    from specdraft.hidden_states.online import SourceOptions
+    from specdraft.hidden_states.data_modes import SourceOptions
     from specdraft.integrations.mooncake.master import MooncakeMaster
     from specdraft.targets import load_target
 

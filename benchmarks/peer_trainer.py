@@ -35,13 +35,12 @@ from pathlib import Path
 def decode_validation(store: str, target_dir: str, checkpoint: Path, *, val_fraction: float, split_seed: int, prompts: int,
                       tokens: int) -> dict:
     """Greedy decoded tau of ``checkpoint`` (ours or the peer's) on our first validation prompts, in our
-    runtime, as ``specdraft train`` logs its own ``tau_decoded`` (``train/acceptance.py``)."""
+    runtime, as ``specdraft train`` logs its own ``tau_decoded`` (``train/decoded_tau.py``)."""
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.models import load_drafter
     from specdraft.targets import load_target
-    from specdraft.decode import validation as _validation  # noqa: F401  (registers the runtime DecodeProbe decodes with)
-    from specdraft.train.acceptance import DecodeProbe
-    from specdraft.train.data import token_rows
+    from specdraft.train.batches import token_rows
+    from specdraft.train.decoded_tau import DecodeProbe
     from specdraft.train.split import dataset_split
 
     dataset = HiddenStateDataset(store)

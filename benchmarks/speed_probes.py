@@ -35,10 +35,10 @@ def main() -> None:
     from specdraft.decode.runtime import resolve_decode_threads
     from specdraft.quickstart import QuickstartConfig
     from specdraft.targets import load_target
-    from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch
+    from specdraft.train.step import measure_train_dtype, synthetic_batch
     from specdraft.train.step import StepModule, train_step
-    from specdraft.utils.threads import resolve_forward_threads, resolve_threads
-    from specdraft.utils.measured import machine_identity
+    from specdraft.tuning.threads import resolve_forward_threads, resolve_threads
+    from specdraft.tuning.measured import machine_identity
 
     target = load_target(args.target)
     cpu = torch.device("cpu")

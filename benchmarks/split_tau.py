@@ -13,7 +13,7 @@ hidden states at the drafter's layers and scores the drafter on
 For both: the teacher-forced estimate through the trainer's own validation pass (``train.trainer.
 teacher_forced``: eval mode, uniform anchors, the card's bf16 compute and pack size; over the first
 ``val_max_batches`` packed rows as training logged it, and over all of them), and the decoded tau
-(``train.acceptance.DecodeProbe``: the built-in runtime, greedy, full verification, as training
+(``train.decoded_tau.DecodeProbe``: the built-in runtime, greedy, full verification, as training
 logs it). Stages under ``--work`` are reused when rerun. Prints one JSON object, then a table.
 
   .venv/bin/python benchmarks/split_tau.py --work runs/split-tau --threads 2
@@ -77,9 +77,8 @@ def build_store(work: Path, samples, old_val: list[int], drafter_slots, threads:
 
 
 def score(dataset, indices: list[int], drafter, target, slot_index, *, decode_prompts: int, decode_tokens: int) -> dict:
-    from specdraft.decode import validation as _validation  # noqa: F401  (registers the runtime DecodeProbe decodes with)
-    from specdraft.train.acceptance import DecodeProbe
-    from specdraft.train.data import DataPlan, step_seed, token_rows
+    from specdraft.train.batches import DataPlan, step_seed, token_rows
+    from specdraft.train.decoded_tau import DecodeProbe
     from specdraft.train.trainer import EVAL_SEED_KIND, teacher_forced
 
     s = TRAIN_SETTINGS
@@ -124,7 +123,7 @@ def main() -> None:
     from specdraft.models.common.drafter import load_drafter
     from specdraft.reference import reference_drafter
     from specdraft.targets import load_target
-    from specdraft.train.data import select_slots
+    from specdraft.train.batches import select_slots
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -87,7 +87,7 @@ def drafter_round(target, path: str, *, rounds: int) -> dict:
     """Median ms per round and per phase of the quickstart's drafter (fp32 on ``path``)."""
     from specdraft.decode.config import DecodeConfig
     from specdraft.decode.proposers.drafters import drafter_proposer
-    from specdraft.utils.forward_path import use_path
+    from specdraft.tuning.forward_path import use_path
 
     drafter = quickstart_drafter(target)
     proposer = drafter_proposer(drafter, DecodeConfig(drafter=drafter.method))

@@ -64,7 +64,7 @@ def exactness(device) -> dict:
 
     from specdraft.decode.config import DecodeConfig, SamplingConfig
     from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
-    from specdraft.utils.forward_path import applicable_paths, use_path
+    from specdraft.tuning.forward_path import applicable_paths, use_path
 
     model = random_llama(device, vocab=64, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, seed=2)
     with torch.no_grad():
@@ -91,7 +91,7 @@ def forward_table(device, repeats: int) -> dict:
     import torch
 
     from specdraft.decode.sps import measure_sps
-    from specdraft.utils.forward_path import applicable_paths, resolve_path, use_path
+    from specdraft.tuning.forward_path import applicable_paths, resolve_path, use_path
 
     model = random_llama(device, vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, seed=0)
     table = {}

@@ -407,7 +407,7 @@ class Cluster:
 def _plan(args: argparse.Namespace, rank: int):
     """Rank ``rank``'s ``DataPlan``, exactly as the trainer computes it."""
     from specdraft.data.dataset import PreparedDataset
-    from specdraft.train.data import DataPlan
+    from specdraft.train.batches import DataPlan
     from specdraft.train.split import SplitKey, compute_split
 
     prepared = PreparedDataset(args.dataset)
@@ -434,14 +434,14 @@ def read_log(path: Path) -> list[dict]:
 
 
 def delivered(run: Path) -> list[list[dict]]:
-    from specdraft.train.data import delivery_log_name
+    from specdraft.train.batches import delivery_log_name
 
     return [read_log(run / delivery_log_name(rank, 2)) for rank in range(2)]
 
 
 def set_aside_logs(run: Path, attempt: int) -> list[list[dict]]:
     """Move the delivery logs of a failed attempt out of the run directory (the rerun starts new ones)."""
-    from specdraft.train.data import delivery_log_name
+    from specdraft.train.batches import delivery_log_name
 
     logs = delivered(run)
     for rank in range(2):
@@ -452,7 +452,7 @@ def set_aside_logs(run: Path, attempt: int) -> list[list[dict]]:
 
 
 def latest_step(run: Path) -> int:
-    from specdraft.train.checkpoint import list_checkpoints
+    from specdraft.train.checkpoint_files import list_checkpoints
 
     found = list_checkpoints(run)
     return found[-1][0] if found else 0
@@ -662,7 +662,7 @@ def consume(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     from specdraft.cli.main import load_plugins
     from specdraft.hidden_states.layers import spread_output_slots
-    from specdraft.hidden_states.online import DATA_MODES, SourceOptions
+    from specdraft.hidden_states.data_modes import DATA_MODES, SourceOptions
 
     load_plugins()  # the mooncake backend registers from above
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.dspark.calibration import expected_calibration_error, sequential_temperature_scaling
+from specdraft.models.dspark.temperature_scaling import expected_calibration_error, sequential_temperature_scaling
 from specdraft.models.dspark.config import DSparkConfig
 from test_train_methods import config as train_config, stores  # noqa: F401  (module fixture)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -341,7 +342,8 @@ def test_engine_is_part_of_the_work_key_and_a_finished_run_starts_no_engine(tmp_
     # Every batch is on disk (length-sorted: "b" first), so the vLLM server -- whose python does not exist -- is never started.
     for index, (sample_id, reply) in enumerate([("b", [9, 2]), ("a", [7])]):
         (tmp_path / f"batch-{index:06d}.json").write_text(json.dumps({"sample_ids": [sample_id], "completions": [reply]}))
-    request = EngineRequest(target=None, pad_id=0, eos_ids=frozenset({2}), settings=vllm, vllm_python=str(tmp_path / "no-python"))
+    target = types.SimpleNamespace(vocab_size=10)  # all a finished run reads of it: the range its stored ids must be in
+    request = EngineRequest(target=target, pad_id=0, eos_ids=frozenset({2}), settings=vllm, vllm_python=str(tmp_path / "no-python"))
     completions, stats = regenerate(request, prompts, work_dir=tmp_path, progress=False)
     assert completions == {"a": [7], "b": [9, 2]} and (stats.reused_batches, stats.generated_batches) == (2, 0)
 

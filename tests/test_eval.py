@@ -271,7 +271,7 @@ def test_eval_report_records_the_resolved_draft_dtype(tmp_path, tiny_target, mon
     assert report["threads"] == 1 and report["threads_source"] == "flag"
     # the forward paths: the drafter's fp32 round tied on both (injected), so the preferred eager; the target's measured
     assert (entry["draft_forward_path"], entry["draft_forward_path_source"]) == ("eager", "measured")
-    from specdraft.utils.forward_path import applicable_paths
+    from specdraft.tuning.forward_path import applicable_paths
 
     assert entry["draft_forward_path_seconds"] == {path: 1.0 for path in applicable_paths(drafter)}
     assert report["target_forward_path"]["forward_path_source"] == "measured"

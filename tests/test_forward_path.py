@@ -1,4 +1,4 @@
-"""Forward paths (``utils/forward_path.py``) and the runtime's growing KV cache: exact, measured, reversible."""
+"""Forward paths (``tuning/forward_path.py``) and the runtime's growing KV cache: exact, measured, reversible."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from torch import nn
 from specdraft.decode.config import DecodeConfig, SamplingConfig
 from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
 from specdraft.errors import SpecdraftError
-from specdraft.utils import forward_path as fp
-from specdraft.utils.config import FORWARD_PATH_CHOICES
+from specdraft.tuning import forward_path as fp
 from test_decode import PROMPTS, SLIDING, OracleProposer, assert_target_distribution, tiny_model
 
-pytestmark = pytest.mark.skipif(not fp.FORWARD_PATHS.get("prepacked").applies(nn.Linear(2, 2)),
+pytestmark = pytest.mark.skipif(not fp.path_applies(fp.FORWARD_PATHS.get("prepacked"), nn.Linear(2, 2)),
                                 reason="oneDNN is not available in this torch build")
 
 
@@ -23,8 +22,14 @@ def fp32_model(**kwargs):
     return tiny_model(**kwargs).float()
 
 
-def test_config_names_every_registered_path():
-    assert list(FORWARD_PATH_CHOICES) == fp.path_choices()
+def test_configs_accept_exactly_the_registered_paths():
+    """The configs' choices are the registry's (``tuning/paths.py``), not a second list kept equal by hand."""
+    import dataclasses
+
+    from specdraft.tuning.paths import path_choices
+
+    assert path_choices() == ["auto", *fp.FORWARD_PATHS.names()]
+    assert {f.name: f.metadata.get("choices") for f in dataclasses.fields(DecodeConfig)}["forward_path"] == path_choices()
     with pytest.raises(SpecdraftError, match=r"forward_path must be one of auto, eager, gqa, prepacked, prepacked\+gqa, prepacked\+streamed, "
                                              r"prepacked\+streamed\+gqa, got 'fast'"):
         DecodeConfig(forward_path="fast")
@@ -66,7 +71,7 @@ def test_prepacked_linear_matches_eager_and_falls_back_where_it_cannot_serve():
 
 
 def _streamed_ops():
-    from specdraft.utils.streamed import build_failure, streamed_ops
+    from specdraft.tuning.streamed import build_failure, streamed_ops
 
     if streamed_ops() is None:
         pytest.skip(f"specdraft's streamed linear cannot be built here: {build_failure()}")
@@ -92,7 +97,7 @@ def test_streamed_kernel_matches_linear_and_a_row_does_not_depend_on_its_neighbo
 def test_streamed_linear_serves_small_row_counts_and_leaves_the_rest(monkeypatch, tmp_path):
     """Up to the cap the module calls the kernel, above it oneDNN's prepacked op, and autograd or autocast plain
     F.linear; every answer matches eager; uninstalling restores nn.Linear with no leftovers."""
-    from specdraft.utils import streamed
+    from specdraft.tuning import streamed
 
     _streamed_ops()
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
@@ -129,7 +134,7 @@ def test_stream_cap_takes_the_rows_where_the_streamed_pass_was_clearly_faster():
 
 def test_stream_rows_measures_once_per_machine_and_shapes(monkeypatch, tmp_path):
     """The cap comes from timed passes (injected here), is cached per set of linear shapes and read back after."""
-    from specdraft.utils import measured
+    from specdraft.tuning import measured
 
     _streamed_ops()
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
@@ -146,7 +151,7 @@ def test_timings_of_an_earlier_kernel_are_measured_again(monkeypatch, tmp_path):
     """A changed streamed kernel (its source or flags: ``kernel_version``) invalidates what was timed with the old one:
     the row cap, the path probes and the SPS profiles all key on it (``path_version``)."""
     from specdraft.decode.sps import sps_cache_path
-    from specdraft.utils import measured, streamed
+    from specdraft.tuning import measured, streamed
 
     _streamed_ops()
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
@@ -179,7 +184,7 @@ def test_a_path_that_cannot_apply_is_refused_naming_what_can():
 def test_the_streamed_path_without_its_kernel_is_refused_naming_what_it_needs(monkeypatch):
     """Where the kernel cannot be built (no compiler), ``--forward-path prepacked+streamed`` is a clear error and the
     model is left as it was, while ``auto``'s candidates simply lack the streamed paths."""
-    from specdraft.utils import streamed
+    from specdraft.tuning import streamed
 
     monkeypatch.setattr(streamed, "streamed_ops", lambda: None)
     model = nn.Sequential(nn.Linear(8, 8))
@@ -192,7 +197,7 @@ def test_the_streamed_path_without_its_kernel_is_refused_naming_what_it_needs(mo
 
 def test_auto_picks_the_measured_faster_path_and_caches_it(monkeypatch, tmp_path):
     """The decision from injected timings: prepacked only when clearly faster; measured once per context."""
-    from specdraft.utils import streamed
+    from specdraft.tuning import streamed
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(streamed, "streamed_ops", lambda: None)  # two candidates here: eager and prepacked
@@ -286,15 +291,16 @@ def test_speculative_greedy_equals_autoregressive_on_the_same_path(family, path,
 
 def test_gqa_path_lets_sdpa_group_heads_instead_of_copying_the_cache(monkeypatch):
     """On ``gqa`` a masked multi-token forward (a verify forward) never calls HF's ``repeat_kv`` (which copies every
-    layer's K/V per grouped head), gives eager's logits, and leaves HF's process-wide switch as it found it; a model
-    without grouped attention (a drafter) takes the rest of a path naming ``gqa``; uninstalling restores the forward."""
+    layer's K/V per grouped head) and gives eager's logits, without touching the process environment: another model,
+    off the path, still runs HF's default in the same process. A model without grouped attention (a drafter) takes the
+    rest of a path naming ``gqa``; uninstalling restores the forward."""
     from transformers.integrations import sdpa_attention
 
     copies = []
     real = sdpa_attention.repeat_kv
     monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: (copies.append(n), real(x, n))[1])
-    monkeypatch.delenv(fp.GQA_SWITCH, raising=False)
-    model = fp32_model(seed=4)
+    environment = dict(os.environ)
+    model, other = fp32_model(seed=4), fp32_model(seed=4)
     ids = torch.tensor([PROMPTS[0] + PROMPTS[1]])
     mask = torch.ones_like(ids)
     mask[0, 2] = 0  # a hole, as the runtime masks rejected drafts: HF builds a 4-D mask, SDPA gets it
@@ -304,12 +310,9 @@ def test_gqa_path_lets_sdpa_group_heads_instead_of_copying_the_cache(monkeypatch
         copies.clear()
         assert fp.use_path(model, "gqa") == "gqa"
         grouped = model(input_ids=ids, attention_mask=mask).logits
-    assert copies == [] and (grouped - eager).abs().max() < fp.LOGIT_TOLERANCE
-    assert fp.GQA_SWITCH not in os.environ
-    monkeypatch.setenv(fp.GQA_SWITCH, "0")
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)
-    assert copies == [] and os.environ[fp.GQA_SWITCH] == "0"
+        assert copies == [] and (grouped - eager).abs().max() < fp.LOGIT_TOLERANCE
+        other(input_ids=ids, attention_mask=mask)
+    assert copies and dict(os.environ) == environment
     assert fp.use_path(model, "eager") == "eager" and "forward" not in model.__dict__
     drafter = nn.Sequential(nn.Linear(8, 8))
     assert fp.applicable_paths(drafter) == ["eager", "prepacked", "prepacked+streamed"]
@@ -375,7 +378,7 @@ def test_auto_threads_training_probes_its_path_at_the_default_count_so_a_later_r
     left (the quickstart's sizing probe, then its training, in one process): keyed by that count, each run re-timed
     every path."""
     from specdraft.train.trainer import train
-    from specdraft.utils.measured import available_cores
+    from specdraft.tuning.measured import available_cores
     from test_train_toy import ToyStore, ToyTarget, toy_config
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))

@@ -1,25 +1,47 @@
-"""The package's dependency direction, read from its source: every import, at module level or inside a function.
+"""The package's dependency direction, read from its source: every import, at module level or inside a function, and
+every registration into a registry.
 
 Two rules: no import points up a layer, and no import circle between modules (a function-level import that closes
-a circle only hides it). Imports under ``if TYPE_CHECKING:`` are for annotations and never run, so they do not count.
+a circle only hides it). Imports under ``if TYPE_CHECKING:`` count too: they never run, but an annotation that names
+a higher layer's type, or a module that imports this one, is the same dependency written where only a type checker
+reads it.
 
-Layers, lowest first: ``targets -> data -> hidden_states -> models -> train -> decode -> eval -> integrations ->
-quickstart -> cli``, with ``errors``, ``registry``, ``utils`` and ``reference`` (shipped files) below them all. A module
+Layers, lowest first: ``targets -> data -> hidden_states -> models -> decode -> train -> eval -> integrations ->
+quickstart -> cli``, with ``errors``, ``registry``, ``utils``, ``tuning`` (measured machine choices) and ``reference`` (shipped files) below them all. A module
 may import its own layer and any lower one; an import that points up hides an import circle or a lower layer knowing
-an integration, so it fails here with the file, line and imported module. Integrations plug in from above by
-registering into the registries the lower layers define (``specdraft/integrations/__init__.py``).
+an integration, so it fails here with the file, line and imported module. ``decode`` sits below ``train``: the
+decoding runtime needs only the drafters and the target, and training measures its drafter's decoded tau with it
+(``train/decoded_tau.py``).
+
+A registration is a dependency too: a lower layer's registry that holds an upper layer's code runs it. That is
+allowed only where the registry is a designed seam, listed in :data:`SEAMS` with its reason, and the same holds for
+what the ``specdraft.plugins`` entry points in ``pyproject.toml`` load (``specdraft.registry.load_plugins``).
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "specdraft"
+PYPROJECT = PACKAGE.parents[1] / "pyproject.toml"
 
-BASE = ("errors", "registry", "utils", "reference")
-LAYERS = ("targets", "data", "hidden_states", "models", "train", "decode", "eval", "integrations", "quickstart", "cli")
+BASE = ("errors", "registry", "utils", "tuning", "reference")
+LAYERS = ("targets", "data", "hidden_states", "models", "decode", "train", "eval", "integrations", "quickstart", "cli")
+
+#: The registries a higher layer fills, by design: registry name -> (the layer that fills it, why it is a seam).
+#: Every other registry is filled by its own layer only.
+SEAMS = {
+    "LAYER_PRESETS": ("models", "each method owns its layer slots; `extract --method NAME` asks for them by name, so "
+                      "extraction, below the models, runs for any method without knowing one"),
+    "REGENERATION_ENGINES": ("integrations", "vLLM regenerates replies; it is optional, so `prepare` runs on HF without it"),
+    "SERVER_ENGINES": ("integrations", "a vLLM server for regeneration, optional like the engine"),
+    "EXTRACT_ENGINES": ("integrations", "vLLM extracts hidden states; optional, `extract` runs on HF without it"),
+    "PRODUCER_ENGINES": ("integrations", "vLLM produces hidden states for online training; optional, HF runs without it"),
+    "BACKENDS": ("integrations", "Mooncake stores hidden states across hosts; optional, the file store runs without it"),
+}
 
 
 def layer_of(module: str) -> int | None:
@@ -48,7 +70,7 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
-    for node in _executed(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             found.extend((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -61,18 +83,6 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
             # ``from package import submodule`` imports the submodule
             found.extend((node.lineno, f"{target}.{alias.name}") for alias in node.names if _is_module(f"{target}.{alias.name}"))
     return found
-
-
-def _executed(tree: ast.AST):
-    """Every node except the bodies of ``if TYPE_CHECKING:`` (imports for annotations only, never run)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            stack.extend(node.orelse)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
 
 
 def _is_module(module: str) -> bool:
@@ -151,6 +161,62 @@ def upward_imports() -> list[str]:
     return violations
 
 
+def _module_trees() -> dict[str, ast.Module]:
+    return {module_name(path): ast.parse(path.read_text(), filename=str(path)) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def registries(trees: dict[str, ast.Module]) -> dict[str, str]:
+    """Registry name -> the module defining it (a module-level ``NAME = Registry(...)``, annotated or not)."""
+    found: dict[str, str] = {}
+    for module, tree in trees.items():
+        for node in tree.body:
+            if isinstance(node, ast.AnnAssign):
+                target, value = node.target, node.value
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target, value = node.targets[0], node.value
+            else:
+                continue
+            if isinstance(target, ast.Name) and isinstance(value, ast.Call) and getattr(value.func, "id", None) == "Registry":
+                assert target.id not in found, f"two registries named {target.id}: {found[target.id]} and {module}"
+                found[target.id] = module
+    return found
+
+
+def registrations(trees: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
+    """(registering module, line, registry name) for every ``REGISTRY.register(...)``, import aliases resolved."""
+    names = registries(trees)
+    found = []
+    for module, tree in trees.items():
+        alias = {a.asname or a.name: a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register"
+                    and isinstance(node.func.value, ast.Name)):
+                name = alias.get(node.func.value.id, node.func.value.id)
+                if name in names:
+                    found.append((module, node.lineno, name))
+    return found
+
+
+def upward_registrations(within: str = "specdraft") -> list[str]:
+    """Registrations by modules under ``within`` into a lower layer's registry that :data:`SEAMS` does not list."""
+    trees = _module_trees()
+    home = registries(trees)
+    violations = []
+    for module, line, name in registrations(trees):
+        if module != within and not module.startswith(within + "."):
+            continue
+        own, theirs = layer_of(module), layer_of(home[name])
+        if own is not None and theirs is not None and own > theirs and SEAMS.get(name, ("",))[0] != LAYERS[own]:
+            violations.append(f"{module}:{line} registers into {home[name]}.{name}")
+    return violations
+
+
+def plugin_entry_points() -> dict[str, str]:
+    """The ``specdraft.plugins`` entry points of ``pyproject.toml``: name -> the module each loads."""
+    points = tomllib.loads(PYPROJECT.read_text())["project"]["entry-points"]["specdraft.plugins"]
+    return {name: value.partition(":")[0] for name, value in points.items()}
+
+
 def test_every_module_has_a_layer():
     for path in PACKAGE.rglob("*.py"):
         layer_of(module_name(path))
@@ -166,6 +232,30 @@ def test_no_import_circle():
     assert not circles, "import circles:\n" + "\n".join(" <-> ".join(circle) for circle in circles)
 
 
+def test_no_registration_points_up_outside_the_seams():
+    violations = upward_registrations()
+    assert not violations, ("a lower layer's registry holding an upper layer's code (list a designed seam in SEAMS):\n"
+                            + "\n".join(violations))
+
+
+def test_every_seam_is_a_registry_filled_from_its_layer():
+    trees = _module_trees()
+    home = registries(trees)
+    filled = {(name, LAYERS[layer_of(module)]) for module, _, name in registrations(trees) if layer_of(module) not in (None, -1)}
+    stale = [name for name, (layer, _) in SEAMS.items() if name not in home or (name, layer) not in filled]
+    assert not stale, f"SEAMS lists registries that no longer exist or are not filled from the layer named: {stale}"
+
+
+def test_plugin_entry_points_register_only_through_seams():
+    """What ``load_plugins`` loads from the entry points: an existing module, whose registrations into lower layers
+    are the designed seams."""
+    points = plugin_entry_points()
+    missing = [f"{name} = {module}" for name, module in points.items() if not _is_module(module)]
+    assert not missing, f"specdraft.plugins entry points in {PYPROJECT} naming no module: {missing}"
+    violations = [v for module in points.values() for v in upward_registrations(module)]
+    assert not violations, "entry points registering an upper layer's code outside the seams:\n" + "\n".join(violations)
+
+
 def test_tests_neither_import_nor_run_benchmarks():
     """Benchmarks measure and may change freely; what a test checks lives in the package (or beside the tests)."""
     tests = Path(__file__).resolve().parent
@@ -174,6 +264,9 @@ def test_tests_neither_import_nor_run_benchmarks():
     assert not offenders, f"tests that reach into benchmarks/: {offenders}"
 
 
-if __name__ == "__main__":  # list the violations: python tests/test_layering.py
-    found = upward_imports() + [" <-> ".join(circle) for circle in import_circles()]
-    print("\n".join(found) or "clean")
+if __name__ == "__main__":  # list the violations and count them (TYPE_CHECKING imports included): python tests/test_layering.py
+    upward, circles, registered = upward_imports(), import_circles(), upward_registrations()
+    print("\n".join(upward + [" <-> ".join(circle) for circle in circles] + registered) or "clean")
+    print(f"upward {len(upward)}, circles {len(circles)} (type-only imports included), "
+          f"registrations outside the seams {len(registered)}")
+    print("seams:\n" + "\n".join(f"  {name} (filled by {layer}): {why}" for name, (layer, why) in SEAMS.items()))

@@ -1,4 +1,4 @@
-"""Measured speed defaults (utils/measured.py, train/compute_dtype.py): the decision logic with injected
+"""Measured speed defaults (tuning/measured.py, tuning/dtype.py): the decision logic with injected
 timings, the per-machine cache, and `--dtype auto` deciding what training runs in."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from specdraft.utils import measured
-from specdraft.utils.measured import choose, machine_identity, measured_choice
+from specdraft.tuning import measured
+from specdraft.tuning.measured import choose, machine_identity, measured_choice
 
 
 @pytest.mark.parametrize("seconds, expected", [
@@ -43,7 +43,7 @@ def test_measurements_are_cached_per_machine_and_context(tmp_path, monkeypatch):
 @pytest.mark.parametrize("bf16_seconds, expected", [(0.01, "bf16"), (13.0, "fp32")])
 def test_dtype_auto_trains_in_the_measured_dtype(tmp_path, monkeypatch, bf16_seconds, expected):
     """The trainer's probe times its real step in each dtype; with injected timings the choice flips."""
-    from specdraft.train import compute_dtype, step
+    from specdraft.train import step
     from specdraft.train.trainer import train
     from test_train_toy import ToyStore, ToyTarget, toy_config
 
@@ -55,7 +55,7 @@ def test_dtype_auto_trains_in_the_measured_dtype(tmp_path, monkeypatch, bf16_sec
         timed.append(fn)
         return 1.0 if len(timed) == 1 else bf16_seconds
 
-    monkeypatch.setattr(compute_dtype, "fastest_time", fake_fastest_time)
+    monkeypatch.setattr(step, "fastest_time", fake_fastest_time)
     real_autocast = step.autocast
     monkeypatch.setattr(step, "autocast", lambda name, device: autocast_dtypes.append(name) or real_autocast(name, device))
     # the path pinned: its own probe (tests/test_forward_path.py) would time fp32 steps before these
@@ -67,3 +67,21 @@ def test_dtype_auto_trains_in_the_measured_dtype(tmp_path, monkeypatch, bf16_sec
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {r["dtype"] for r in records if r["split"] == "train"} == {expected}
     assert list((tmp_path / "cache" / "measured").glob("train-dtype-*.json"))
+
+
+def test_machine_settings_log_one_block_naming_each_choice_and_its_source(caplog):
+    """A stage's settings log as one record: every choice it uses, whether measured now, cached or given, and the
+    figures; a choice the stage does not use is left out."""
+    import logging
+
+    from specdraft.tuning.settings import Choice, MachineSettings
+
+    settings = MachineSettings("generate", forward_path=Choice.from_facts(
+        {"forward_path": "prepacked", "forward_path_source": "cached", "forward_path_seconds": {"eager": 0.02, "prepacked": 0.01}},
+        "forward_path"), threads=Choice(2, "flag"))
+    with caplog.at_level(logging.INFO, logger="specdraft.tuning.settings"):
+        settings.log()
+    assert len(caplog.records) == 1
+    assert caplog.records[0].getMessage() == ("generate machine settings:\n"
+                                              "  forward path: prepacked (from cache: eager 20.0 ms, prepacked 10.0 ms)\n"
+                                              "  threads: 2 (given)")

@@ -1,4 +1,4 @@
-"""Online/hybrid training data (``hidden_states/online.py``) against in-process producers, file transport."""
+"""Online/hybrid data (``hidden_states/data_modes.py``, ``streaming.py``, ``client.py``) from in-process producers, file transport."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from specdraft.hidden_states.dataset import HiddenStateDataset
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.data.dataset import PreparedDataset
 from specdraft.hidden_states.backends.file import FileBackend
-from specdraft.hidden_states.online import DATA_MODES, ProducerClient, SourceOptions, StreamingSource
+from specdraft.hidden_states.client import ProducerClient
+from specdraft.hidden_states.data_modes import DATA_MODES, SourceOptions
+from specdraft.hidden_states.streaming import StreamingSource
 from specdraft.hidden_states.service import HiddenStateService, ServiceConfig
 
 SLOTS = [LayerSlot(1, "output"), LayerSlot(4, "output")]

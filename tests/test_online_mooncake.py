@@ -25,7 +25,7 @@ from specdraft.hidden_states.capture import HiddenStateCapture
 from specdraft.hidden_states.layers import spread_output_slots
 from specdraft.integrations.mooncake.master import MooncakeMaster
 from specdraft.train.config import TrainConfig
-from specdraft.train.data import DELIVERY_LOG, open_sample_source
+from specdraft.train.batches import DELIVERY_LOG, open_sample_source
 from specdraft.train.trainer import train
 from test_online import make_prepared
 
@@ -198,7 +198,7 @@ def consume_across_restart(options_json: str) -> None:
     """
     from specdraft.errors import SpecdraftError
     from specdraft.hidden_states.layers import LayerSlot
-    from specdraft.hidden_states.online import DATA_MODES, SourceOptions
+    from specdraft.hidden_states.data_modes import DATA_MODES, SourceOptions
 
     values = json.loads(options_json)
     source = DATA_MODES.get("online")(SourceOptions(**values, slots=lambda n: [LayerSlot(1, "output")]))

@@ -64,9 +64,9 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
 
 
 def test_quickstart_config_errors():
-    with pytest.raises(SpecdraftError, match="must exceed --data-budget \\+ --eval-reserve"):
+    with pytest.raises(SpecdraftError, match="--budget 5 min is too small for a run: it must hold --data-budget 5 min, --eval-reserve 6 min"):
         QuickstartConfig(budget=5, eval_reserve=6)
-    with pytest.raises(SpecdraftError, match=r"--budget \(12 min\) must exceed --data-budget \+ --eval-reserve \(5.0 \+ 9.5 min\)"):
+    with pytest.raises(SpecdraftError, match=r"--eval-reserve 9.5 min and at least 0.25 min of training; pass --budget 14.75 or more"):
         QuickstartConfig(budget=12, eval_reserve=9.5)
     QuickstartConfig(budget=12)  # the default reserve is measured when the run gets there
     with pytest.raises(SpecdraftError, match="--data-budget must be > 0 minutes .*, got -1"):

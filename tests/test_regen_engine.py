@@ -193,8 +193,8 @@ def test_hf_generates_on_the_path_measured_fastest_and_prepare_puts_the_target_b
     from test_data_prepare import _conversations, _prepare
 
     from specdraft.targets import load_target
-    from specdraft.utils import forward_path as fp
-    from specdraft.utils import streamed
+    from specdraft.tuning import forward_path as fp
+    from specdraft.tuning import streamed
 
     monkeypatch.setattr(streamed, "streamed_ops", lambda: None)  # candidates: eager, prepacked (no grouped heads: no gqa)
     rates = {"eager": 8.0, "prepacked": 16.0}
@@ -240,8 +240,8 @@ def test_auto_threads_time_the_paths_at_the_default_count_so_a_later_prepare_reu
     process left behind (e.g. the previous prepare's thread probe): a cache keyed by that count made every later
     prepare in a process time all paths again."""
     from specdraft.targets import load_target
-    from specdraft.utils import streamed
-    from specdraft.utils.measured import available_cores
+    from specdraft.tuning import streamed
+    from specdraft.tuning.measured import available_cores
 
     monkeypatch.setattr(streamed, "streamed_ops", lambda: None)
 

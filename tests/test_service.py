@@ -15,7 +15,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.backends.file import FileBackend
 from specdraft.hidden_states.capture import HiddenStateCapture
 from specdraft.hidden_states.layers import LayerSlot
-from specdraft.hidden_states.online import ProducerClient
+from specdraft.hidden_states.client import ProducerClient
 from specdraft.hidden_states.service import HiddenStateService, ServiceConfig
 
 SLOTS = [LayerSlot(1, "output"), LayerSlot(3, "input")]

@@ -1,4 +1,4 @@
-"""The CPU thread count (utils/threads.py): measured where it matters, with injected timings so the decision
+"""The CPU thread count (tuning/threads.py): measured where it matters, with injected timings so the decision
 is tested on any machine; an explicit count always wins."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from specdraft.utils import threads
-from specdraft.utils.threads import resolve_threads, thread_candidates
+from specdraft.tuning import threads
+from specdraft.tuning.threads import resolve_threads, thread_candidates
 
 
 @pytest.fixture(autouse=True)

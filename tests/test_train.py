@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
-from specdraft.train import checkpoint as ckpt
+from specdraft.train import checkpoint_files as ckpt
 from specdraft.train.config import TrainConfig, resolve_config
 from specdraft.train.metrics import expected_accept_length, lr_factor
 from specdraft.train.trainer import train
@@ -219,7 +219,7 @@ def test_plan_is_worked_out_without_side_effects(reference, tmp_path):
 
 def test_train_step_without_optimizer_leaves_the_parameters(tmp_path):
     """The probes' unit of work (``train_step`` without an optimizer) changes nothing; with one it updates."""
-    from specdraft.train.compute_dtype import synthetic_batch
+    from specdraft.train.step import synthetic_batch
     from specdraft.train.step import StepModule, build_optimizer, train_step
     from test_train_toy import ToyConfig, ToyDrafter
 

@@ -28,7 +28,8 @@ from specdraft.hidden_states.backends.file import MANIFEST_FILE, FileBackend
 from specdraft.hidden_states.config import ExtractConfig
 from specdraft.hidden_states.extract import extract_hidden_states
 from specdraft.hidden_states.layers import LayerSlot
-from specdraft.hidden_states.online import DATA_MODES, ProducerClient, SourceOptions
+from specdraft.hidden_states.client import ProducerClient
+from specdraft.hidden_states.data_modes import DATA_MODES, SourceOptions
 from specdraft.hidden_states.service import HiddenStateService, ServiceConfig
 from specdraft.integrations.vllm.extract import attach
 from specdraft.integrations.mooncake.master import free_port

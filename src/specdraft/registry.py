@@ -1,8 +1,10 @@
 """Name -> object registries: the one place where methods, backends and heads are dispatched.
 
-A lower layer defines a registry and higher layers (``models``, ``decode``, ``integrations``) register into it when loaded,
-so no lower package imports a higher one. The CLI loads them explicitly; for library use the first ``get`` or
-``in`` that misses loads the installed ``specdraft.plugins`` entry points (:func:`load_plugins`) and looks again.
+Most registries are filled by their own layer. A few are seams that a higher layer fills by design, so that no
+lower package imports a higher one: each method's ``extract --method`` layer preset (``models``), and the optional
+vLLM and Mooncake engines and backends (``integrations``); ``tests/test_layering.py`` lists them (``SEAMS``) and
+fails on any other registration from above. The CLI loads those layers explicitly; for library use the first ``get``
+or ``in`` that misses loads the installed ``specdraft.plugins`` entry points (:func:`load_plugins`) and looks again.
 """
 
 from __future__ import annotations

@@ -80,8 +80,12 @@ def test_configs_reject_values_of_the_wrong_type(where, values, message):
         getattr(importlib.import_module(module), name)(**values)
 
 
+POISON_TOKEN = 10_000  # no toy sample holds it: the test's patched forward gives a batch holding it a NaN loss
+
+
 class _PoisonedStore:
-    """A toy store whose sample ``bad`` carries NaN hidden states: the loss turns NaN when a step reads it."""
+    """A toy store whose sample ``bad`` is marked (its token ids are ``POISON_TOKEN``), so the step that reads it diverges
+    (NaN hidden states no longer reach a step: they are refused when collated, tests/hostile/test_degenerate_inputs.py)."""
 
     def __init__(self, inner, bad: int):
         self.inner, self.bad = inner, bad
@@ -95,19 +99,28 @@ class _PoisonedStore:
     def __getitem__(self, i: int) -> dict:
         item = dict(self.inner[i])
         if i == self.bad:
-            item["hidden_states"] = torch.full_like(item["hidden_states"], NAN)
+            item["token_ids"] = torch.full_like(item["token_ids"], POISON_TOKEN)
         return item
 
 
-def test_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from specdraft.train import checkpoint as ckpt
-    from specdraft.train.data import DataPlan
+    from specdraft.train import checkpoint_files as ckpt
+    from specdraft.train.batches import DataPlan
     from specdraft.train.split import dataset_split
     from specdraft.train.trainer import train
-    from test_train_toy import ToyStore, ToyTarget, toy_config
+    from test_train_toy import ToyDrafter, ToyStore, ToyTarget, toy_config
 
+    forward = ToyDrafter.training_forward
+
+    def diverging(self, batch):
+        out = forward(self, batch)
+        if bool((batch.token_ids == POISON_TOKEN).any()):
+            out.loss = out.loss * NAN
+        return out
+
+    monkeypatch.setattr(ToyDrafter, "training_forward", diverging)
     cfg = toy_config(tmp_path / "run", checkpoint_interval=2, eval_interval=0)
     store = ToyStore()
     split = dataset_split(store, val_fraction=cfg.val_fraction, seed=cfg.split_seed)
@@ -320,7 +333,7 @@ def store(tmp_path):
 
 
 def _offline(data, dataset=None):
-    from specdraft.hidden_states.online import SourceOptions, open_offline
+    from specdraft.hidden_states.data_modes import SourceOptions, open_offline
 
     return open_offline(SourceOptions(data=str(data), dataset=dataset, producers=[], store=None, slots=None))
 

@@ -18,7 +18,7 @@ from specdraft.cli.main import main
 from specdraft.errors import SpecdraftError
 from specdraft.models.common import checkpoint as drafter_ckpt
 from specdraft.models.common.drafter import load_drafter
-from specdraft.train import checkpoint as ckpt
+from specdraft.train import checkpoint_files as ckpt
 from specdraft.train.trainer import train
 from test_data_prepare import SHAREGPT_ROW
 from test_train_methods import config as train_config, stores  # noqa: F401  (module fixture)
@@ -109,7 +109,8 @@ def test_calibrate_refuses_foreign_directories_and_training_checkpoints(run, tmp
     # a drafter checkpoint is rewritten in place, again and again
     for _ in range(2):
         calibrate(CalibrateConfig(drafter=str(final), data=str(store), val_fraction=0.5), target=target, progress=False)
-    assert sorted(p.name for p in final.iterdir()) == ["calibration.json", "config.json", "model.safetensors"]
+    # the training run's card is carried over
+    assert sorted(p.name for p in final.iterdir()) == ["MODEL_CARD.md", "calibration.json", "config.json", "model.safetensors"]
     assert load_drafter(final, target=target).config.confidence_temperatures
 
 

@@ -142,7 +142,7 @@ def test_two_train_processes_on_one_run(store, tiny_llama_dir, tmp_path):
     def start(seed: int) -> subprocess.Popen:
         argv = [sys.executable, "-m", "specdraft.cli.main", "train", "--method", "dspark", "--data", str(store), "--out", str(out),
                 "--target", str(tiny_llama_dir), "--model", TINY_MODEL, "--max-steps", "3", "--pack-tokens", "64", "--batch-rows", "1",
-                "--val-fraction", "0.25", "--eval-interval", "0", "--decode-prompts", "0", "--dtype", "fp32", "--num-threads", "1",
+                "--val-fraction", "0", "--eval-interval", "0", "--decode-prompts", "0", "--dtype", "fp32", "--num-threads", "1",
                 "--seed", str(seed)]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -184,7 +184,7 @@ def test_eval_refuses_a_directory_that_is_not_an_eval_run(tmp_path, capsys, no_t
     assert f"{out} already exists and is not a specdraft eval run (it has no report.json)" in capsys.readouterr().err
     (out / "thesis.tex").write_text("years of work")
     assert main(["eval", "--drafters", "ngram", "--out", str(out)]) == 2
-    assert "holds entries a specdraft eval run does not (thesis.tex); it would be written into" in capsys.readouterr().err
+    assert "holds entries a specdraft eval run does not (thesis.tex); it would be replaced whole" in capsys.readouterr().err
     assert (out / "report.md").read_text() == "my own report"
 
 

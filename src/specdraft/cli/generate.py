@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfig
 from specdraft.utils.config import add_dataclass_arguments, config_field, dataclass_from_args
+from specdraft.utils.io import FileKind
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,25 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Generate; ``--metrics-out`` is claimed first, as every command's output (``utils/lock.claim_output``: only a
+    metrics file is replaced, it must be writable, and no other writer may hold it or a directory above it), so a
+    wrong path costs nothing and no decoding is wasted."""
+    from specdraft.utils.lock import claim_output
+
+    metrics_out = dataclass_from_args(GenerateConfig, args).metrics_out
+    if not metrics_out:
+        return _generate(args)
+    with claim_output(metrics_out, METRICS_FILE, what="--metrics-out", command="specdraft generate"):
+        return _generate(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specdraft.decode.runtime import decoder_for_target, resolve_decode_threads
+    from specdraft.decode.runtime import decoder_for_target, decoding_settings, resolve_decode_threads, resolve_target_path
     from specdraft.errors import SpecdraftError
     from specdraft.targets import load_target
+    from specdraft.tuning.threads import threads_facts
     from specdraft.utils.io import atomic_write_json
 
     job = dataclass_from_args(GenerateConfig, args)
@@ -55,18 +70,11 @@ def run(args: argparse.Namespace) -> int:
             raise SpecdraftError(f"cannot read --prompts-file {job.prompts_file}: {exc}") from None
     if not messages:
         raise SpecdraftError("nothing to generate: pass --prompt TEXT or --prompts-file FILE")
-    if job.metrics_out:  # checked before the decoding, which a read-only path would otherwise cost
-        from specdraft.utils.lock import probe_writable
-
-        if Path(job.metrics_out).is_dir():
-            raise SpecdraftError(f"--metrics-out {job.metrics_out} is a directory; give a file path, e.g. {Path(job.metrics_out) / 'metrics.json'}")
-        if Path(job.metrics_out).exists() and not _is_metrics_file(Path(job.metrics_out)):
-            raise SpecdraftError(f"--metrics-out {job.metrics_out} exists and is not a metrics file `specdraft generate` wrote; "
-                                 "it would be replaced, so nothing was done. Choose another path or move that file away")
-        probe_writable(Path(job.metrics_out).expanduser().parent, "--metrics-out", output=job.metrics_out)
     target = load_target(job.target, dtype=job.dtype, device=job.device)
-    resolve_decode_threads(target, job.threads, rows=job.batch_size)  # before the decoder: its probes run at the count used
-    decoder = decoder_for_target(target, config=config, sampling=sampling, scheduler=scheduler)
+    threads = resolve_decode_threads(target, job.threads, rows=job.batch_size)  # first: the later probes run at the count used
+    path = resolve_target_path(target, config.forward_path)
+    decoder = decoder_for_target(target, config=config, sampling=sampling, scheduler=scheduler, forward_path=path)
+    decoding_settings("generate", decoder, threads_facts(job.threads, threads)).log()
     tok = target.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages]
     texts, metrics = [], None
@@ -97,3 +105,6 @@ def _is_metrics_file(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(obj, dict) and {"metrics", "outputs", "decode"} <= obj.keys()
+
+
+METRICS_FILE = FileKind("metrics file `specdraft generate` wrote", _is_metrics_file, "metrics.json")

@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Any, Iterator
 
-from specdraft.errors import SpecdraftError, os_error_message
+from specdraft.errors import CommandSettings, SpecdraftError, command_settings, os_error_message
 from specdraft.utils.allocator import tune_malloc
 
 COMMAND_MODULES = [
@@ -37,7 +37,6 @@ def load_plugins() -> None:
     """Let the higher layers register into the lower ones' registries (the ``specdraft.plugins`` entry points,
     loaded here by name so that a stale installation's metadata cannot leave them out)."""
     from specdraft import integrations, models  # noqa: F401  (models: every family's extract --method preset)
-    from specdraft.decode import validation  # noqa: F401  (training's decoded tau)
 
     integrations.load()
 
@@ -50,6 +49,38 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)
     return parser
+
+
+def commands(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, argparse.ArgumentParser]:
+    """Every runnable command (``prepare``, ``store start``, ...) and its parser."""
+    nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not nested:
+        return {prefix: parser}
+    return {name: leaf for sub, child in nested[0].choices.items() for name, leaf in commands(child, f"{prefix} {sub}".strip()).items()}
+
+
+def command_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Config field -> how a command's ``parser`` takes it (``--val-fraction``, or the metavar of a positional), plus the
+    settings of other stages its own flags set under another name (its ``renamed_settings`` default: field -> own field)."""
+    flags = {a.dest: next((o for o in a.option_strings if o.startswith("--")), None) or (a.metavar or a.dest.upper())
+             for a in parser._actions if a.dest not in (argparse.SUPPRESS, "help") and not isinstance(a, argparse._SubParsersAction)}
+    flags.update({field: flags[own] for field, own in (parser.get_default("renamed_settings") or {}).items()})
+    return flags
+
+
+def settings_for(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CommandSettings:
+    """How the command ``args`` runs spells settings in its errors (``errors.setting``), and which commands take the
+    settings it does not."""
+    every = {name: command_flags(leaf) for name, leaf in commands(parser).items()}
+    owners: dict[str, tuple[str, ...]] = {}
+    for name, flags in every.items():
+        for field in flags:
+            owners[field] = owners.get(field, ()) + (name,)
+    running, leaf = "", parser
+    while nested := [a for a in leaf._actions if isinstance(a, argparse._SubParsersAction)]:
+        sub = getattr(args, nested[0].dest)
+        running, leaf = f"{running} {sub}".strip(), nested[0].choices[sub]
+    return CommandSettings(running, every[running], owners)
 
 
 class Terminated(KeyboardInterrupt):
@@ -78,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     tune_malloc()
     try:
-        with sigterm_unwinds():
+        with sigterm_unwinds(), command_settings(settings_for(parser, args)):
             result = args.func(args)
     except SpecdraftError as exc:
         print(f"specdraft {args.command}: error: {exc}", file=sys.stderr)

@@ -8,12 +8,12 @@ from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
 def add_parser(subparsers) -> None:
-    from specdraft.quickstart import QuickstartConfig
+    from specdraft.quickstart import RENAMED_SETTINGS, QuickstartConfig
 
     parser = subparsers.add_parser("quickstart", help="the whole pipeline on one target within a time budget (rerun to resume)",
                                    description=__doc__.splitlines()[0])
     add_dataclass_arguments(parser, QuickstartConfig)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, renamed_settings=RENAMED_SETTINGS)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,10 @@ Layout (``FORMAT_VERSION`` 1)::
     <dir>/token_counts.safetensors counts: int64[V], how often each token id occurs among loss-masked
                                    (response) tokens -- drives draft-vocabulary selection
     <dir>/manifest.json            format/version, target identity (``Target.describe()``), the prepare
-                                   config, counts (read/kept/skipped by reason), creation time
+                                   config, counts (read/kept/skipped by reason), creation time, and the
+                                   sha256 of token_counts.safetensors (``checksums``), checked when the
+                                   counts are read, as are their values (non-negative integers, one per
+                                   vocabulary id): damaged counts would choose a wrong draft vocabulary
 
 The directory is written whole into a temporary sibling and renamed into place, so a reader sees
 either the previous dataset or the complete new one, never a mixture. An existing directory is
@@ -27,7 +30,7 @@ import torch
 
 from specdraft.errors import SpecdraftError, os_error_message
 from specdraft.targets.base import Target
-from specdraft.utils.io import DirKind, atomic_dir, json_field_is, naming_path, save_safetensors
+from specdraft.utils.io import DirKind, atomic_dir, json_field_is, naming_path, save_safetensors, sha256_file
 
 FORMAT_NAME = "specdraft.prepared"
 FORMAT_VERSION = 1
@@ -117,6 +120,7 @@ def write_prepared(
         with naming_path(tmp / DATA_FILE):
             pq.write_table(table, tmp / DATA_FILE)
         save_safetensors({"counts": torch.from_numpy(counts)}, tmp / COUNTS_FILE)
+        manifest["checksums"] = {COUNTS_FILE: sha256_file(tmp / COUNTS_FILE)}
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         for name in (DATA_FILE, COUNTS_FILE, MANIFEST_FILE):
             with open(tmp / name, "rb") as f:
@@ -208,32 +212,49 @@ class PreparedDataset:
         return h.hexdigest()
 
     def token_counts(self) -> torch.Tensor:
-        """Response-token frequencies, LongTensor[V]."""
+        """Response-token frequencies, LongTensor[V], checked against the manifest's sha256 (datasets written before
+        it recorded one: unchecked) and refused unless every count is a non-negative integer."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         path = self.directory / COUNTS_FILE
         if not path.is_file():
             raise SpecdraftError(f"{path} is missing; rerun `specdraft prepare`")
+        recorded = (self.manifest.get("checksums") or {}).get(COUNTS_FILE)
+        if recorded is not None and sha256_file(path) != recorded:
+            raise SpecdraftError(f"{path} is corrupt: its sha256 is not the {str(recorded)[:16]}... {MANIFEST_FILE} records; "
+                                 "rerun `specdraft prepare`")
         try:
             counts = load_file(str(path))["counts"]
         except (SafetensorError, KeyError, OSError) as exc:
             raise SpecdraftError(f"{path} is corrupt ({exc}); rerun `specdraft prepare`") from None
+        vocab = self.manifest.get("vocab_size")
+        if counts.dim() != 1 or (vocab is not None and counts.numel() != vocab):
+            raise SpecdraftError(f"{path} holds counts of shape {list(counts.shape)}, not one per id of the vocabulary of "
+                                 f"{vocab} ({MANIFEST_FILE}); rerun `specdraft prepare`")
+        bad = counts < 0
+        if counts.is_floating_point():
+            bad |= ~torch.isfinite(counts) | (counts != counts.round())
+        if bad.any():
+            first = int(bad.nonzero()[0, 0])
+            raise SpecdraftError(f"{path} holds {int(bad.sum())} count(s) that are not non-negative integers (token id {first}: "
+                                 f"{counts[first].item()}); rerun `specdraft prepare`")
         return counts.to(torch.int64)
 
     def check_target(self, target: Target) -> None:
         """Refuse a target other than the one this data was prepared for (tokens would mean other words)."""
         recorded = self.target_info
-        problems = []
-        for key in ("tokenizer_hash", "fingerprint"):
-            if recorded.get(key) != getattr(target, key):
-                problems.append(f"{key} {recorded.get(key)!r} != {getattr(target, key)!r}")
-        if problems:
-            raise SpecdraftError(
-                f"{self.directory} was prepared for target {recorded.get('name')!r} ({recorded.get('path')}), "
-                f"not {target.name!r} ({target.path}): {'; '.join(problems)}. "
-                f"Rerun `specdraft prepare --target {target.name}` or use the original target."
-            )
+        problems = [f"{key} {recorded.get(key)} then, {getattr(target, key)} now" for key in ("fingerprint", "tokenizer_hash")
+                    if recorded.get(key) != getattr(target, key)]
+        if not problems:
+            return
+        if (recorded.get("name"), str(recorded.get("path"))) == (target.name, str(target.path)):
+            what = f"target {target.name!r} ({target.path}) has changed since {self.directory} was prepared for it"
+        else:
+            what = (f"{self.directory} was prepared for target {recorded.get('name')!r} ({recorded.get('path')}), "
+                    f"not {target.name!r} ({target.path})")
+        raise SpecdraftError(f"{what}: {'; '.join(problems)}. Rerun `specdraft prepare --target {target.name}`, or use the original "
+                             "target.")
 
 
 def _flatten(column, dtype) -> tuple[np.ndarray, np.ndarray]:

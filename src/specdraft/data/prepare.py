@@ -37,10 +37,11 @@ from specdraft.data.dataset import PREPARED_DIR, WORK_DIR, PreparedDataset, writ
 from specdraft.data.regenerate import REGENERATION_ENGINES
 from specdraft.data.render import render_with_mask
 from specdraft.data.sources import USER, RawRow, conversation, first_reply_index, iter_rows, prepared_sources, split_sources
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.targets.base import Target
 from specdraft.targets.embedded import DEFAULT_TARGET
-from specdraft.utils.config import FORWARD_PATH_CHOICES, check_forward_path, config_field, require_finite
+from specdraft.tuning.paths import path_choices
+from specdraft.utils.config import check_forward_path, config_field, require_finite
 from specdraft.utils.lock import claims_output
 from specdraft.utils.lengths import length_bucket
 from specdraft.utils.vllm_options import VllmServerOptions
@@ -84,11 +85,11 @@ class PrepareConfig(VllmServerOptions):
     forward_path: str = config_field(
         "auto", help="with --regenerate and hf: how the target's forwards execute while it generates (see `specdraft generate "
         "--help`); auto times a short generate of these prompts on each path here once, cached, and keeps the fastest",
-        metadata={"choices": list(FORWARD_PATH_CHOICES)},
+        metadata={"choices": path_choices()},
     )
     threads: int = config_field(
         0, help="torch CPU threads of HF regeneration (0 = auto: the count that ran a short generate of these prompts fastest "
-        "here, measured once per machine and cached; 1 was ~4x faster than 2 on a busy shared 2-core CPU)"
+        "here, measured once per machine and cached; on a busy shared CPU fewer threads than cores can be faster)"
     )
 
     def __post_init__(self) -> None:
@@ -105,14 +106,15 @@ class PrepareConfig(VllmServerOptions):
         ]
         for name, ok, rule in checks:
             if not ok:
-                raise SpecdraftError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
-        check_forward_path(self.forward_path, "--forward-path")
+                raise SpecdraftError(f"{setting(name)} must be {rule}, got {getattr(self, name)!r}")
+        check_forward_path(self.forward_path, setting("forward_path"))
         if self.engine != "auto":
             REGENERATION_ENGINES.get(self.engine)  # an unknown name raises with the list of engines
         if not self.regenerate and (self.engine == "vllm" or self.vllm_args or self.vllm_python):
-            raise SpecdraftError(f"--engine {self.engine}, --vllm-args and --vllm-python only apply with --regenerate")
+            raise SpecdraftError(f"{setting('engine')} {self.engine}, {setting('vllm_args')} and {setting('vllm_python')} only apply with "
+                                 f"{setting('regenerate')}")
         if self.engine == "hf" and (self.vllm_args or self.vllm_python):
-            raise SpecdraftError("--vllm-args and --vllm-python need --engine vllm or auto (got --engine hf)")
+            raise SpecdraftError(f"{setting('vllm_args')} and {setting('vllm_python')} need {setting('engine')} vllm or auto (got hf)")
 
 
 @dataclass
@@ -224,7 +226,7 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     started = time.perf_counter()
     inputs = _local_inputs(config)
     if config.threads:
-        from specdraft.utils.threads import set_threads
+        from specdraft.tuning.threads import set_threads
 
         set_threads(config.threads)
     target = load_target(config.target, device=config.device)
@@ -241,7 +243,7 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     if not samples:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "none"
         raise SpecdraftError(
-            f"no samples left from --data {config.data!r}: read {stats['read']} rows, skipped {reasons}; "
+            f"no samples left from {setting('data')} {config.data!r}: read {stats['read']} rows, skipped {reasons}; "
             + ("; ".join(hints) if hints else "check the data")
         )
     for hint in hints:
@@ -294,27 +296,27 @@ def _template_rejected(row: RawRow, exc: Exception, skipped: Counter) -> None:
     skipped["template_rejected"] += 1
     if skipped["template_rejected"] <= 5:
         log.warning("%s: skipped, the target's chat template rejects it: %s", row.where, exc)
-#: What to change when rows are skipped for each reason.
+#: What to change when rows are skipped for each reason (worded when it is given: its settings are the running command's flags).
 _SKIP_HINTS = {
-    "no_assistant": "rows without an assistant turn are prompts: pass --regenerate to have the target answer them",
-    "too_long": "raise --max-length to keep longer conversations",
-    "too_long_after_generation": "raise --max-length or lower --max-new-tokens",
-    "not_regenerated": "raise --regen-budget (or rerun: finished batches are reused)",
-    "no_user": "prompts need at least one user message",
-    "template_rejected": "the target's chat template refused these rows (the log names them): fix their roles or drop them",
+    "no_assistant": lambda: f"rows without an assistant turn are prompts: pass {setting('regenerate')} to have the target answer them",
+    "too_long": lambda: f"raise {setting('max_length')} to keep longer conversations",
+    "too_long_after_generation": lambda: f"raise {setting('max_length')} or lower {setting('max_new_tokens')}",
+    "not_regenerated": lambda: f"raise {setting('regen_budget')} (or rerun: finished batches are reused)",
+    "no_user": lambda: "prompts need at least one user message",
+    "template_rejected": lambda: "the target's chat template refused these rows (the log names them): fix their roles or drop them",
 }
 
 
 def skip_hints(skipped: Counter) -> list[str]:
     """One actionable hint per skip reason that occurred."""
-    return [_SKIP_HINTS[reason] for reason in sorted(skipped) if skipped[reason] and reason in _SKIP_HINTS]
+    return [_SKIP_HINTS[reason]() for reason in sorted(skipped) if skipped[reason] and reason in _SKIP_HINTS]
 
 
 def _regenerate(config, target, samples, prompts, eot_ids, skipped, progress):
     import dataclasses
 
     from specdraft.data.regenerate import EngineRequest, GenerationSettings, regenerate, resolve_engine, work_key
-    from specdraft.utils.forward_path import current_path, use_path
+    from specdraft.tuning.forward_path import current_path, use_path
 
     deadline = time.monotonic() + config.regen_budget * 60 if config.regen_budget else None  # the engine probe counts too
     settings = GenerationSettings(config.max_new_tokens, config.temperature, config.batch_size, config.seed,

@@ -15,18 +15,18 @@ left-padded ``generate`` per batch in this process; ``vllm`` keeps ``batch_size`
 flight on a private vLLM server (continuous batching, ``integrations/vllm/generate.py``, which
 registers it here with its :class:`ServerEngine` when the integrations load) and is started only
 when some batch is pending. HF generates on ``--forward-path`` (``auto``: the path on which a short generate of the
-probe prompts ran fastest here, measured once per machine and cached, ``utils/forward_path.py``; 86 -> 118 tokens/s
-on a 2-core VM, README). Paths are exact up to float reassociation, so the work directory's key leaves the path out
+probe prompts ran fastest here, measured once per machine and cached, ``tuning/forward_path.py``; figures in
+``docs/results/machine_tuning.md``). Paths are exact up to float reassociation, so the work directory's key leaves the path out
 and a rerun on another path reuses the finished batches.
 
 ``--engine auto`` (:func:`resolve_engine`) picks the engine that regenerates more of the data
 within the budget on this machine: it times one batch of real prompts with HF and, where a vLLM
-environment exists, with a vLLM server, whose start-up is timed too (~100 s on a 2-core CPU, so with
+environment exists, with a vLLM server, whose start-up is timed too (it can take minutes, so with
 a small budget HF can win although vLLM generates faster). Each engine generates 1 and then
 ``PROBE_TOKENS`` new tokens per prompt, which separates its first token (the prefill) from its later
 ones, so its rate is predicted at ``--max-new-tokens`` (:func:`generation_rate`) rather than read off
 a probe that the prefill dominates. The figures are cached per machine and settings
-(``utils/measured.py``); the decision is remade from them for each budget and answer length. A server
+(``tuning/measured.py``); the decision is remade from them for each budget and answer length. A server
 the probe started is kept for the regeneration when vLLM wins.
 """
 
@@ -73,7 +73,7 @@ class EngineRequest:
     vllm_python: str | None = None
     vllm_args: str = ""
     server: Any = None  # a vLLM server the engine probe started and left running for the vllm engine (the caller stops it)
-    forward_path: str = "auto"  # how hf runs the target's forwards (``utils/forward_path.py``; auto: timed on a generate here)
+    forward_path: str = "auto"  # how hf runs the target's forwards (``tuning/forward_path.py``; auto: timed on a generate here)
 
 
 @dataclass
@@ -163,13 +163,13 @@ def _hf_engine(request: EngineRequest, batches: list[Batch]) -> Iterator[Iterato
 
 
 #: New tokens per reply in the engine probe's longer generate (its shorter one makes 1): enough steps to time the
-#: step beside the prefill, few enough to stay cheap. A 16-token probe read as one rate is prefill-bound: 30 (HF) and 118
-#: (vLLM) tokens/s on a 2-core CPU where the two regenerated at ~118 and ~290 (README).
+#: step beside the prefill, few enough to stay cheap. A 16-token probe read as one rate is prefill-bound, well below
+#: the rate a whole regeneration reaches (``docs/results/machine_tuning.md``).
 PROBE_TOKENS = 16
 #: The generate that the forward-path and thread-count probes of HF regeneration time: each probe prompt cut to its
 #: last ``STEP_PROBE_PROMPT_TOKENS`` tokens, then ``STEP_PROBE_TOKENS`` new ones. Decoding steps, what regeneration
-#: spends its time on, weigh most; six paths cost ~12 s on a 2-core CPU where whole prompts (a prefill-bound probe)
-#: cost ~60 s of a quickstart's data budget.
+#: spends its time on, weigh most, and short prompts keep the probe of every path a small share of a quickstart's
+#: data budget, where whole prompts (a prefill-bound probe) cost several times more (``docs/results/machine_tuning.md``).
 STEP_PROBE_PROMPT_TOKENS = 64
 STEP_PROBE_TOKENS = 8
 
@@ -219,7 +219,7 @@ def _first_and_step(seconds: Callable[[int], float], *, caches_prefixes: bool = 
     """(seconds of a 1-token generate, seconds per further token) from ``seconds(1)`` and ``seconds(PROBE_TOKENS)``.
     An engine that ``caches_prefixes`` (a vLLM server) serves the second generate of the same prompts without their
     prefill, so the step is taken between two generates that both found them cached (a third, 1-token one): taken
-    against the first, uncached one it read 7 ms a step where the two cached ones read 41 ms here."""
+    against the first, uncached one it reads several times too fast (``docs/results/machine_tuning.md``)."""
     first = seconds(1)
     longer = seconds(PROBE_TOKENS)
     shorter = seconds(1) if caches_prefixes else first
@@ -241,8 +241,8 @@ def _place_hf(request: EngineRequest, probe: list[list[int]], *, threads: int, c
     """Put HF generation on its forward path (``request.forward_path``; ``auto``: the fastest decoding steps of the probe
     prompts here, cached) and then its thread count (``threads``; 0: measured the same way, on that path). Returns the
     facts for the summary and the path's version (the engine probe's HF figures are taken on it)."""
-    from specdraft.utils.forward_path import path_version, resolve_path
-    from specdraft.utils.threads import default_threads_for_probes, resolve_threads, threads_facts
+    from specdraft.tuning.forward_path import path_version, resolve_path
+    from specdraft.tuning.threads import default_threads_for_probes, resolve_threads, threads_facts
 
     default_threads_for_probes(threads)
     short = [p[-STEP_PROBE_PROMPT_TOKENS:] for p in probe]
@@ -275,7 +275,7 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
                    deadline: float | None, cache_dir: Path | None = None) -> EngineChoice:
     """The engine of ``--engine`` (``auto``: measured, see the module docstring) and, where HF generates in this
     process, its forward path and CPU thread count (``_place_hf``; the model is left on that path)."""
-    from specdraft.utils.measured import measured_figures
+    from specdraft.tuning.measured import measured_figures
 
     settings = request.settings
     probe = probe_prompts(prompts, settings.batch_size)
@@ -367,7 +367,7 @@ def regenerate(
     results: dict[str, list[int]] = {}
     pending: list[Batch] = []
     for index, batch in enumerate(batches):
-        completions = _load_batch(_batch_path(work_dir, index), [sample_id for sample_id, _ in batch])
+        completions = _load_batch(_batch_path(work_dir, index), [sample_id for sample_id, _ in batch], int(request.target.vocab_size))
         if completions is None:
             pending.append((index, [ids for _, ids in batch]))
         else:
@@ -400,12 +400,33 @@ def _batch_path(work_dir: Path, index: int) -> Path:
     return work_dir / f"batch-{index:06d}.json"
 
 
-def _load_batch(path: Path, sample_ids: list[str]) -> list[list[int]] | None:
-    """A finished batch, or None when absent or not for these samples (it is then regenerated)."""
+def _load_batch(path: Path, sample_ids: list[str], vocab_size: int) -> list[list[int]] | None:
+    """A finished batch, or None when it is absent, for other samples or damaged, and is to be generated again.
+
+    A batch is reused only when it is what ``regenerate`` writes: a JSON object with these sample ids and one list of
+    token ids of this vocabulary per sample. A truncated, edited or foreign file would otherwise fail the rerun with a
+    traceback, or with ids out of range on every rerun, since the same file would be read again; it costs a batch
+    instead, with a WARNING naming the file.
+    """
     try:
         saved = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return None
-    if saved.get("sample_ids") != sample_ids or len(saved.get("completions", [])) != len(sample_ids):
-        return None
-    return saved["completions"]
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or bytes that are not UTF-8
+        return _damaged(path, f"it cannot be read ({exc})")
+    if not isinstance(saved, dict):
+        return _damaged(path, f"it holds a JSON {type(saved).__name__}, not an object")
+    if saved.get("sample_ids") != sample_ids:
+        return None  # another batching of the prompts (a changed --batch-size): not this batch's work
+    completions = saved.get("completions")
+    if not isinstance(completions, list) or len(completions) != len(sample_ids):
+        return _damaged(path, f"it does not hold one completion per sample ({len(sample_ids)})")
+    for reply in completions:
+        if not isinstance(reply, list) or not all(type(t) is int and 0 <= t < vocab_size for t in reply):
+            return _damaged(path, f"a completion is not a list of token ids below the vocabulary size {vocab_size}")
+    return completions
+
+
+def _damaged(path: Path, why: str) -> None:
+    log.warning("regeneration work %s is damaged: %s; generating that batch again", path, why)
+    return None

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.registry import Registry
 
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
@@ -267,11 +267,33 @@ def conversation_group(sample_id: str, source: str) -> str:
 
 
 def split_sources(data: str) -> list[str]:
-    """The comma-separated sources of ``data`` (an empty one is an error: ``Path("")`` would name the cwd)."""
+    """The comma-separated sources of ``data``. An empty one is an error (``Path("")`` would name the cwd), and so is
+    one source named twice, however spelled (``D,./D``, a symlink to ``D``): it would hold every sample twice."""
     parts = [part.strip() for part in data.split(",")]
     if not all(parts):
-        raise SpecdraftError(f"--data {data!r} has an empty source; join sources with single commas, e.g. --data OLD_DIR,NEW_DIR")
+        raise SpecdraftError(f"{setting('data')} {data!r} has an empty source; join sources with single commas, e.g. "
+                             f"{setting('data')} OLD_DIR,NEW_DIR")
+    seen: dict[Any, str] = {}
+    for part in parts:
+        identity = _source_identity(part)
+        if identity in seen:
+            same = "" if seen[identity] == part else f" (as {seen[identity]!r})"
+            raise SpecdraftError(f"{setting('data')} {data!r} names the source {part!r} twice{same}: every sample would be held twice; "
+                                 "name each source once")
+        seen[identity] = part
     return parts
+
+
+def _source_identity(source: str) -> Any:
+    """What a source reads: a named (embedded or generated) dataset by its name, a file or directory by its device
+    and inode (one file under two paths is one source), anything else by its spelling (``_source_rows`` refuses it)."""
+    if source in GENERATED_SOURCES or source in EMBEDDED_DATASETS:
+        return source
+    try:
+        stat = Path(source).expanduser().stat()
+    except OSError:
+        return source
+    return stat.st_dev, stat.st_ino
 
 
 def prepared_sources(data: str) -> list[str]:
@@ -294,7 +316,8 @@ def _source_rows(source: str) -> Iterator[RawRow]:
             return
         if not path.is_file():
             raise SpecdraftError(
-                f"--data {source!r} is neither an embedded dataset ({', '.join([*EMBEDDED_DATASETS.names(), *GENERATED_SOURCES.names()])}), a .jsonl/.json "
+                f"{setting('data')} {source!r} is neither an embedded dataset "
+                f"({', '.join([*EMBEDDED_DATASETS.names(), *GENERATED_SOURCES.names()])}), a .jsonl/.json "
                 "file nor a prepared dataset directory"
             )
         values = iter_json_values(path)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdraft.errors import SpecdraftError
-from specdraft.utils.config import FORWARD_PATH_CHOICES, check_forward_path, config_field, require_finite
+from specdraft.tuning.paths import path_choices
+from specdraft.utils.config import check_forward_path, config_field, require_finite
 
 DRAFT_DTYPES = ("auto", "fp32", "bf16")
 
@@ -39,7 +40,7 @@ class DecodeConfig:
         "auto", help="how the target's and the drafter's forwards execute: eager PyTorch, prepacked (linear weights reordered "
         "once for oneDNN; CPU, fp32), gqa (SDPA groups query heads over shared K/V heads instead of HF copying the cache per "
         "head; targets with grouped attention), prepacked+gqa (both; a drafter takes the parts that apply to it), or auto (times decode-shaped forwards on each path once per machine and model, "
-        "cached, and picks the fastest)", metadata={"choices": list(FORWARD_PATH_CHOICES)},
+        "cached, and picks the fastest)", metadata={"choices": path_choices()},
     )
 
     def __post_init__(self) -> None:
@@ -102,6 +103,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         require_finite(self)
+        # imported here, not at the top: the scheduler imports torch, and these configs stay torch-free for --help
         from specdraft.decode.scheduler import VERIFY_POLICIES
 
         VERIFY_POLICIES.get(self.verify_policy)  # raises naming the known policies

@@ -27,22 +27,26 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from specdraft.decode.config import DecodeConfig, SchedulerConfig
 from specdraft.decode.proposers import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.sampling import SamplingConfig, sample_from_logits, sampling_probs
-from specdraft.decode.scheduler import VERIFY_POLICIES, DraftGate, StepRate, choose_verify_lengths, with_draft_cost
+from specdraft.decode.scheduler import VERIFY_POLICIES, DraftGate, StepRate, VerifyPolicy, choose_verify_lengths, with_draft_cost
 from specdraft.decode.verification import VerifyOutput, verify_greedy, verify_rejection
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.capture import record_slots
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.targets.attention import SLIDING, WindowTrim
 from specdraft.targets.base import Target
 from specdraft.targets.families import family_of
-from specdraft.utils.forward_path import PathChoice, current_path, path_version, resolve_path
+from specdraft.tuning.forward_path import PathChoice, current_path, path_version, resolve_path
+from specdraft.tuning.settings import Choice, MachineSettings
+
+if TYPE_CHECKING:  # generate() imports it when decoding starts: it loads transformers
+    from specdraft.decode.kv_cache import GrowingCache
 
 log = logging.getLogger(__name__)
 
@@ -178,16 +182,36 @@ def build_proposer(config: DecodeConfig, target: Target | None = None) -> Propos
     return PROPOSERS.get(config.drafter)(config, target)
 
 
+def check_policy_fits(scheduler: SchedulerConfig, proposer: Proposer, config: DecodeConfig) -> VerifyPolicy:
+    """The verify policy, refused when the drafter cannot feed it: checked before the SPS profile is measured, so a
+    policy that cannot run costs no profiling."""
+    policy = VERIFY_POLICIES.get(scheduler.verify_policy)
+    if policy.needs_confidences and not proposer.provides_confidences:
+        raise SpecdraftError(
+            f"verify policy {scheduler.verify_policy!r} needs draft confidences, which the {config.drafter!r} drafter "
+            f"does not produce; use {setting('verify_policy')} full (or a DSpark drafter)"
+        )
+    if policy.needs_calibration and not proposer.confidences_calibrated:
+        raise SpecdraftError(
+            f"verify policy {scheduler.verify_policy!r} reads the drafter's confidences as acceptance probabilities, "
+            f"but this {config.drafter} checkpoint is not calibrated; run `specdraft calibrate --drafter "
+            f"{config.drafter_path or 'DIR'} --data HIDDEN_STATES` first"
+        )
+    return policy
+
+
 def decoder_for_target(
-    target: Target, *, config: DecodeConfig, sampling: SamplingConfig, scheduler: SchedulerConfig = SchedulerConfig()
+    target: Target, *, config: DecodeConfig, sampling: SamplingConfig, scheduler: SchedulerConfig = SchedulerConfig(),
+    forward_path: PathChoice | None = None,
 ) -> "SpeculativeDecoder":
-    """A decoder for a loaded ``Target``: puts the target on its forward path (``config.forward_path``), builds
-    the proposer and, when the verify policy needs it, the target's SPS profile on that path (measured once
-    per target, device and path, then cached)."""
-    forward_path = resolve_target_path(target, config.forward_path)  # first: proposers that price verify widths read SPS on it
+    """A decoder for a loaded ``Target``: on ``forward_path`` where the stage resolved it already (else on
+    ``config.forward_path``, resolved here), with the proposer and, when the verify policy needs it, the target's SPS
+    profile on that path (measured once per target, device and path, then cached)."""
+    if forward_path is None:  # first: proposers that price verify widths read SPS on it
+        forward_path = resolve_target_path(target, config.forward_path)
     proposer = build_proposer(config, target)
     sps = None
-    if VERIFY_POLICIES.get(scheduler.verify_policy).needs_sps:
+    if check_policy_fits(scheduler, proposer, config).needs_sps:
         from specdraft.decode.sps import load_or_measure_sps
 
         sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint, forward_path=forward_path.name)
@@ -207,7 +231,7 @@ def resolve_target_path(target: Target, requested: str) -> PathChoice:
     """Put the target on ``requested`` (``--forward-path``), or for ``auto`` on the path whose plain step plus
     verify step (1 and ``PROBE_VERIFY_TOKENS`` tokens, the two forwards decoding pays) after each of
     ``PROBE_CONTEXTS`` cached tokens (capped at the target's context) ran fastest here, measured once per machine
-    and target, then cached (``utils/forward_path.py``)."""
+    and target, then cached (``tuning/forward_path.py``)."""
     from specdraft.decode.sps import measure_sps
 
     param = next(target.model.parameters())
@@ -223,17 +247,14 @@ def resolve_target_path(target: Target, requested: str) -> PathChoice:
 
     context = {"work": "plain+verify-step", "target": target.fingerprint, "dtype": str(param.dtype), "verify_tokens": PROBE_VERIFY_TOKENS,
                "contexts": contexts}
-    choice = resolve_path(target.model, requested, "target", context, work_seconds)
-    log.info("target forward path: %s (%s%s)", choice.name, choice.source,
-             "".join(f", {k} {v * 1e3:.1f} ms" for k, v in choice.seconds.items()))
-    return choice
+    return resolve_path(target.model, requested, "target", context, work_seconds)  # a measurement logs its figures
 
 
 def resolve_decode_threads(target: Target, requested: int, *, rows: int = 1, tokens: int = 8) -> Any:
     """Set the CPU thread count of decoding: ``requested`` when > 0, else the count at which plain
     decoding of ``rows`` x ``tokens`` (the target step every speculative round also pays) ran fastest
-    here, measured once per machine and target (``utils/threads.py``). Returns the measurement or None."""
-    from specdraft.utils.threads import resolve_threads
+    here, measured once per machine and target (``tuning/threads.py``). Returns the measurement or None."""
+    from specdraft.tuning.threads import resolve_threads
 
     param = next(target.model.parameters())
     config = DecodeConfig(drafter="none", max_new_tokens=tokens)
@@ -242,6 +263,16 @@ def resolve_decode_threads(target: Target, requested: int, *, rows: int = 1, tok
     context = {"work": "plain-decode", "target": target.fingerprint, "dtype": str(param.dtype), "rows": rows, "tokens": tokens,
                "forward_path": path_version(current_path(target.model))}
     return resolve_threads(requested, "decode-threads", context, lambda: decoder.generate([prompt] * rows), device=param.device)
+
+
+def decoding_settings(stage: str, decoder: "SpeculativeDecoder", threads: dict[str, Any]) -> MachineSettings:
+    """What a decoding stage runs with (``tuning/settings.py``): the target's path, the thread count (``threads_facts``)
+    and the drafter's own path and dtype where it has them; the stage logs it in one block."""
+    drafter = decoder.proposer
+    return MachineSettings(stage, forward_path=Choice(decoder.forward_path.name, decoder.forward_path.source, decoder.forward_path.seconds),
+                           threads=Choice.from_facts(threads, "threads"),
+                           draft_forward_path=Choice.from_facts(getattr(drafter, "path_facts", None), "forward_path"),
+                           draft_dtype=Choice.from_facts(getattr(drafter, "dtype_facts", None), "draft_dtype"))
 
 
 class SpeculativeDecoder:
@@ -272,18 +303,7 @@ class SpeculativeDecoder:
         self.scheduler = scheduler
         self.sps = sps
         self.draft_gates: dict[int, DraftGate] = {}
-        policy = VERIFY_POLICIES.get(scheduler.verify_policy)
-        if policy.needs_confidences and not proposer.provides_confidences:
-            raise SpecdraftError(
-                f"verify policy {scheduler.verify_policy!r} needs draft confidences, which the {config.drafter!r} drafter "
-                "does not produce; use --verify-policy full (or a DSpark drafter)"
-            )
-        if policy.needs_calibration and not proposer.confidences_calibrated:
-            raise SpecdraftError(
-                f"verify policy {scheduler.verify_policy!r} reads the drafter's confidences as acceptance probabilities, "
-                f"but this {config.drafter} checkpoint is not calibrated; run `specdraft calibrate --drafter "
-                f"{config.drafter_path or 'DIR'} --data HIDDEN_STATES` first"
-            )
+        policy = check_policy_fits(scheduler, proposer, config)
         if policy.needs_sps and sps is None:
             raise SpecdraftError(f"verify policy {scheduler.verify_policy!r} needs the target's steps/s profile (sps)")
         self.text_config = text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -339,7 +359,7 @@ class SpeculativeDecoder:
         metrics.ttft_s = self.clock() - start
 
         limits = [min(self.config.max_new_tokens, self.context_length - len(p)) if self.context_length else self.config.max_new_tokens for p in prompts]
-        state = _Rows(
+        active = _Rows(
             row_ids=list(range(rows)),
             tokens=[list(p) for p in prompts],
             generated=[0] * rows,
@@ -347,18 +367,17 @@ class SpeculativeDecoder:
             new_hidden=[[captured[i, width - len(p) :]] for i, p in enumerate(prompts)] if captured is not None else None,
             new_start=[0] * rows,
         )
-        outputs: list[RequestOutput | None] = [None] * rows
-        finished = self._commit(state, [[int(t)] for t in first.tolist()], limits, outputs)
-        valid = self._drop(state, finished, valid, cache, trim)
+        batch = _Batch(active=active, valid=valid, cache=cache, trim=trim, limits=limits, outputs=[None] * rows,
+                       generator=generator, metrics=metrics)
+        self._drop(batch, self._commit(batch, [[int(t)] for t in first.tolist()]))
 
-        gate = self._gate(len(state.row_ids))
-        while state.row_ids:
-            self._trim(trim, valid, state.next_pos, cache)
-            valid, finished = self._round(state, valid, cache, trim, limits, outputs, generator, metrics, gate)
-            valid = self._drop(state, finished, valid, cache, trim)
+        batch.gate = self._gate(len(active.row_ids))
+        while active.row_ids:
+            self._trim(trim, batch.valid, active.next_pos, cache)
+            self._drop(batch, self._round(batch))
 
         metrics.wall_s = self.clock() - start
-        final = [o for o in outputs if o is not None]
+        final = [o for o in batch.outputs if o is not None]
         metrics.output_tokens = sum(len(o.tokens) for o in final)
         return DecodeResult(outputs=final, metrics=metrics)
 
@@ -373,69 +392,85 @@ class SpeculativeDecoder:
             self.draft_gates[rows] = DraftGate(plain_rate=rows * self.sps(rows))
         return self.draft_gates[rows]
 
-    def _round(self, state: "_Rows", valid, cache, trim, limits, outputs, generator, metrics: DecodeMetrics, gate: DraftGate | None) -> tuple[torch.Tensor, list[int]]:
-        """One draft + verify round for every active row; returns the new validity mask and the finished rows."""
-        device = self.device
-        rows = len(state.row_ids)
-        remaining = torch.tensor([limits[rid] - state.generated[i] for i, rid in enumerate(state.row_ids)], device=device)
-        max_draft = (remaining - 1).clamp(min=0, max=self.proposer.block_length or self.config.num_draft_tokens)
+    def _round(self, batch: _Batch) -> list[int]:
+        """One round for every active row: draft, one target forward, verify, keep what was accepted, commit.
+        Returns the rows that finished."""
+        rows, metrics, gate = len(batch.active.row_ids), batch.metrics, batch.gate
         drafting = gate is None or gate.should_draft()
 
         t0 = self.clock()
-        if drafting:
-            draft = self.proposer.propose(ProposalInput(
-                row_ids=list(state.row_ids),
-                tokens=[torch.tensor(t, dtype=torch.long, device=device) for t in state.tokens],
-                new_hidden=[torch.cat(chunks) if len(chunks) > 1 else chunks[0] for chunks in state.new_hidden] if state.new_hidden is not None else None,
-                new_start=list(state.new_start),
-                max_draft=max_draft,
-                sampling=self.sampling,
-                generator=generator,
-            ))
-            lengths = self._draft_lengths(draft, max_draft)
-            sps = with_draft_cost(self.sps, self.clock() - t0) if self.sps is not None else None
-            lengths = choose_verify_lengths(confidences=draft.confidences, lengths=lengths, config=self.scheduler, sps=sps)
-            width = int(lengths.max()) if lengths.numel() else 0
-            drafts, draft_probs = draft.tokens[:, :width], draft.probs
-        else:
-            width, lengths, draft_probs = 0, torch.zeros(rows, dtype=torch.long, device=device), None
-            drafts = torch.zeros((rows, 0), dtype=torch.long, device=device)
+        draft = self._draft(batch, started=t0) if drafting else Draft.empty(rows, self.device)
         t1 = self.clock()
-
-        anchors = torch.tensor([t[-1] for t in state.tokens], dtype=torch.long, device=device)
-        block = torch.cat([anchors[:, None], drafts.clamp(min=0)], dim=1)
-        cols = torch.arange(width + 1, device=device)
-        block_valid = cols[None] <= lengths[:, None]
-        positions = state.next_pos[:, None] + cols[None]
-        cache.record(width + 1)
-        logits, captured = self._forward(block, torch.cat([valid, block_valid], dim=1), positions, cache, trim)
-        metrics.target_forwards += 1
-        result = self._verify(drafts, lengths, draft_probs, logits, generator)
+        logits, captured = self._target_forward(batch, draft)
+        result = self._verify(draft, logits, batch.generator)
         metrics.draft_s += t1 - t0
         metrics.verify_s += self.clock() - t1
 
         accepted = result.num_accepted
-        kept = int(accepted.max()) + 1
-        cache.rollback(accepted + 1, width + 1)
-        valid = torch.cat([valid, (cols[None] <= accepted[:, None])[:, :kept]], dim=1)
-        if captured is not None:
-            fresh = [captured[i, : int(n) + 1] for i, n in enumerate(accepted.tolist())]
-            if drafting:
-                state.new_hidden, state.new_start = [[f] for f in fresh], state.next_pos.tolist()
-            else:  # the proposer has not seen the earlier chunks yet: keep them, joined only when it drafts
-                for chunks, f in zip(state.new_hidden, fresh):
-                    chunks.append(f)
-        elif drafting:
-            state.new_start = state.next_pos.tolist()
-        state.next_pos = state.next_pos + accepted + 1
+        self._keep_accepted(batch, draft, accepted, captured, drafted=drafting)
         if drafting:
-            metrics.record_round(lengths.tolist(), accepted.tolist(), state.row_ids)
+            metrics.record_round(draft.lengths.tolist(), accepted.tolist(), batch.active.row_ids)
         else:
             metrics.plain_steps += rows
-        finished = self._commit(state, [result.committed(i) for i in range(rows)], limits, outputs)
+        finished = self._commit(batch, [result.committed(i) for i in range(rows)])
         if gate is not None and metrics.target_forwards > 2:  # the first round also absorbs the prompt's features
             gate.record(drafted=drafting, tokens=int(accepted.sum()) + rows, seconds=self.clock() - t0, rows=rows)
-        return valid, finished
+        return finished
+
+    def _draft(self, batch: _Batch, *, started: float) -> Draft:
+        """The proposer's drafts, cut to the verify lengths the policy chooses. ``started`` is when the round began:
+        the scheduled policy prices the drafting time already spent into the round."""
+        active, device = batch.active, self.device
+        remaining = torch.tensor([batch.limits[rid] - active.generated[i] for i, rid in enumerate(active.row_ids)], device=device)
+        max_draft = (remaining - 1).clamp(min=0, max=self.proposer.block_length or self.config.num_draft_tokens)
+        unseen = active.new_hidden  # per row, the feature chunks the proposer has not seen yet
+        draft = self.proposer.propose(ProposalInput(
+            row_ids=list(active.row_ids),
+            tokens=[torch.tensor(t, dtype=torch.long, device=device) for t in active.tokens],
+            new_hidden=None if unseen is None else [torch.cat(chunks) if len(chunks) > 1 else chunks[0] for chunks in unseen],
+            new_start=list(active.new_start),
+            max_draft=max_draft,
+            sampling=self.sampling,
+            generator=batch.generator,
+        ))
+        lengths = self._draft_lengths(draft, max_draft)
+        sps = with_draft_cost(self.sps, self.clock() - started) if self.sps is not None else None
+        lengths = choose_verify_lengths(confidences=draft.confidences, lengths=lengths, config=self.scheduler, sps=sps)
+        width = int(lengths.max()) if lengths.numel() else 0
+        return Draft(tokens=draft.tokens[:, :width], lengths=lengths, probs=draft.probs)
+
+    def _target_forward(self, batch: _Batch, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward over [anchor, x_1..x_K] per row (past a row's verify length, masked padding): the logits
+        that verify the drafts and, if the proposer reads features, the captured slots."""
+        active, device, width = batch.active, self.device, draft.tokens.shape[1]
+        anchors = torch.tensor([t[-1] for t in active.tokens], dtype=torch.long, device=device)
+        block = torch.cat([anchors[:, None], draft.tokens.clamp(min=0)], dim=1)
+        cols = torch.arange(width + 1, device=device)
+        block_valid = cols[None] <= draft.lengths[:, None]
+        positions = active.next_pos[:, None] + cols[None]
+        batch.cache.record(width + 1)
+        logits, captured = self._forward(block, torch.cat([batch.valid, block_valid], dim=1), positions, batch.cache, batch.trim)
+        batch.metrics.target_forwards += 1
+        return logits, captured
+
+    def _keep_accepted(self, batch: _Batch, draft: Draft, accepted: torch.Tensor, captured: torch.Tensor | None, *, drafted: bool) -> None:
+        """Each row keeps its anchor and ``accepted`` drafts: in the cache (rejected columns become holes, trailing ones
+        no row kept are cropped), in the features the proposer has yet to see, and in its next position."""
+        active, width = batch.active, draft.tokens.shape[1]
+        cols = torch.arange(width + 1, device=self.device)
+        kept = int(accepted.max()) + 1
+        batch.cache.rollback(accepted + 1, width + 1)
+        batch.valid = torch.cat([batch.valid, (cols[None] <= accepted[:, None])[:, :kept]], dim=1)
+        if captured is not None:
+            fresh = [captured[i, : int(n) + 1] for i, n in enumerate(accepted.tolist())]
+            if drafted:
+                active.new_hidden, active.new_start = [[f] for f in fresh], active.next_pos.tolist()
+            else:  # the proposer has not seen the earlier chunks yet: keep them, joined only when it drafts
+                for chunks, f in zip(active.new_hidden, fresh):
+                    chunks.append(f)
+        elif drafted:
+            active.new_start = active.next_pos.tolist()
+        active.next_pos = active.next_pos + accepted + 1
 
     def _draft_lengths(self, draft: Draft, max_draft: torch.Tensor) -> torch.Tensor:
         """The drafter's lengths, checked and capped at what the runtime can verify this round."""
@@ -446,7 +481,8 @@ class SpeculativeDecoder:
             )
         return draft.lengths.to(max_draft.device).clamp(min=0, max=draft.tokens.shape[1]).minimum(max_draft)
 
-    def _verify(self, drafts, lengths, draft_probs, logits, generator) -> VerifyOutput:
+    def _verify(self, draft: Draft, logits: torch.Tensor, generator: torch.Generator) -> VerifyOutput:
+        drafts, lengths, draft_probs = draft.tokens, draft.lengths, draft.probs
         if self.sampling.greedy:
             return verify_greedy(draft_tokens=drafts, draft_lengths=lengths, target_logits=logits)
         target_probs = sampling_probs(logits, self.sampling)
@@ -456,40 +492,42 @@ class SpeculativeDecoder:
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
-    def _commit(self, state: "_Rows", committed: list[list[int]], limits: list[int], outputs: list) -> list[int]:
+    def _commit(self, batch: _Batch, committed: list[list[int]]) -> list[int]:
         """Append each row's committed tokens, stopping at EOS or its limit; returns finished rows."""
+        active, limits, outputs = batch.active, batch.limits, batch.outputs
         finished = []
         for i, tokens in enumerate(committed):
-            rid = state.row_ids[i]
+            rid = active.row_ids[i]
             for token in tokens:
-                state.tokens[i].append(token)
-                state.generated[i] += 1
+                active.tokens[i].append(token)
+                active.generated[i] += 1
                 reason = None
                 if token in self.eos_token_ids:
                     reason = "eos"
-                elif state.generated[i] >= limits[rid]:
-                    reason = "length" if state.generated[i] >= self.config.max_new_tokens else "context"
+                elif active.generated[i] >= limits[rid]:
+                    reason = "length" if active.generated[i] >= self.config.max_new_tokens else "context"
                 if reason:
-                    outputs[rid] = RequestOutput(tokens=state.tokens[i][len(state.tokens[i]) - state.generated[i] :], finish_reason=reason)
+                    generated = active.tokens[i][len(active.tokens[i]) - active.generated[i] :]
+                    outputs[rid] = RequestOutput(tokens=generated, finish_reason=reason)
                     finished.append(i)
                     break
         return finished
 
-    def _drop(self, state: "_Rows", finished: list[int], valid: torch.Tensor, cache: Any, trim: WindowTrim | None) -> torch.Tensor:
-        """Remove finished rows from the batch (state, target cache, validity mask, window trim, proposer state)."""
+    def _drop(self, batch: _Batch, finished: list[int]) -> None:
+        """Remove finished rows from the batch (row state, target cache, validity mask, window trim, proposer state)."""
         if not finished:
-            return valid
-        self.proposer.release([state.row_ids[i] for i in finished])
+            return
+        active = batch.active
+        self.proposer.release([active.row_ids[i] for i in finished])
         done = set(finished)
-        keep = [i for i in range(len(state.row_ids)) if i not in done]
-        state.select(keep)
+        keep = [i for i in range(len(active.row_ids)) if i not in done]
+        active.select(keep)
         if keep:
-            index = torch.tensor(keep, device=valid.device)
-            cache.batch_select_indices(index)
-            valid = valid[index]
-            if trim is not None:
-                trim.select(index)
-        return valid
+            index = torch.tensor(keep, device=batch.valid.device)
+            batch.cache.batch_select_indices(index)
+            batch.valid = batch.valid[index]
+            if batch.trim is not None:
+                batch.trim.select(index)
 
     def _trim(self, trim: WindowTrim | None, valid: torch.Tensor, next_positions: torch.Tensor, cache: Any) -> None:
         """Sliding-window layers forget the leading columns that no query from ``next_positions`` on can attend: their
@@ -556,3 +594,20 @@ class _Rows:
         if self.new_hidden is not None:
             self.new_hidden = [self.new_hidden[i] for i in keep]
         self.new_start = [self.new_start[i] for i in keep]
+
+
+@dataclass
+class _Batch:
+    """What the rounds of one ``generate`` call share and update: the active rows, the target's cache and the mask
+    over its columns, and where finished requests land. It exists so that each phase of a round (draft, target
+    forward, verify, keep, commit, drop) takes one typed state instead of the same loose arguments each."""
+
+    active: _Rows
+    valid: torch.Tensor  # [R, C] bool: the cache columns each row attends to (rejected drafts and padding are holes)
+    cache: GrowingCache
+    trim: WindowTrim | None  # the columns sliding-window layers have forgotten; None without sliding-window layers
+    limits: list[int]  # per request: tokens it may generate (max_new_tokens, or fewer where the target's context ends)
+    outputs: list[RequestOutput | None]  # per request, set when it finishes
+    generator: torch.Generator  # every sample of the call (drafts and verification) draws from it, in round order
+    metrics: DecodeMetrics
+    gate: DraftGate | None = None  # set once the first token is committed, for the batch size the rounds start with

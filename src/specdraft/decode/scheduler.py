@@ -50,21 +50,35 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.registry import Registry
 
-if TYPE_CHECKING:  # decode/config.py checks a policy name against VERIFY_POLICIES: this module must not import it
-    from specdraft.decode.config import SchedulerConfig
-
-__all__ = ["VERIFY_POLICIES", "DraftGate", "StepRate", "VerifyPolicy", "choose_verify_lengths", "prefix_survival", "schedule_prefix", "with_draft_cost"]
+__all__ = [
+    "VERIFY_POLICIES", "DraftGate", "PolicySettings", "StepRate", "VerifyPolicy", "choose_verify_lengths", "prefix_survival",
+    "schedule_prefix", "with_draft_cost",
+]
 
 
 class StepRate(Protocol):
     def __call__(self, num_tokens: int) -> float: ...
+
+
+class PolicySettings(Protocol):
+    """What a verify policy reads from its settings: ``decode.config.SchedulerConfig`` is one.
+
+    Named by its fields, not its class, so that dependencies point one way: ``config.py`` checks a policy
+    name against ``VERIFY_POLICIES`` here, and this module never imports ``config.py``.
+    """
+
+    @property
+    def verify_policy(self) -> str: ...
+
+    @property
+    def confidence_threshold(self) -> float: ...
 
 
 def with_draft_cost(sps: StepRate, draft_s: float) -> StepRate:
@@ -136,7 +150,7 @@ class VerifyPolicy:
     survival is None only for policies that do not need confidences (and drafters without them).
     """
 
-    choose: Callable[[torch.Tensor | None, torch.Tensor, SchedulerConfig, StepRate | None], torch.Tensor]
+    choose: Callable[[torch.Tensor | None, torch.Tensor, PolicySettings, StepRate | None], torch.Tensor]
     needs_confidences: bool
     needs_sps: bool
     needs_calibration: bool = False  # treats confidences as probabilities, so they must be calibrated
@@ -177,16 +191,16 @@ def schedule_prefix(survival: torch.Tensor, lengths: torch.Tensor, sps: StepRate
     return torch.tensor(chosen, dtype=torch.long, device=lengths.device)
 
 
-def _verify_all(survival: torch.Tensor | None, lengths: torch.Tensor, config: SchedulerConfig, sps: StepRate | None) -> torch.Tensor:
+def _verify_all(survival: torch.Tensor | None, lengths: torch.Tensor, config: PolicySettings, sps: StepRate | None) -> torch.Tensor:
     return lengths
 
 
-def _verify_above_threshold(survival: torch.Tensor, lengths: torch.Tensor, config: SchedulerConfig, sps: StepRate | None) -> torch.Tensor:
+def _verify_above_threshold(survival: torch.Tensor, lengths: torch.Tensor, config: PolicySettings, sps: StepRate | None) -> torch.Tensor:
     # survival is non-increasing along a row, so the positions above the threshold form a prefix
     return (survival >= config.confidence_threshold).sum(dim=1).minimum(lengths)
 
 
-def _verify_scheduled(survival: torch.Tensor, lengths: torch.Tensor, config: SchedulerConfig, sps: StepRate | None) -> torch.Tensor:
+def _verify_scheduled(survival: torch.Tensor, lengths: torch.Tensor, config: PolicySettings, sps: StepRate | None) -> torch.Tensor:
     assert sps is not None
     return schedule_prefix(survival, lengths, sps)
 
@@ -197,12 +211,13 @@ VERIFY_POLICIES.register("scheduled")(VerifyPolicy(_verify_scheduled, needs_conf
 
 
 def choose_verify_lengths(
-    *, confidences: torch.Tensor | None, lengths: torch.Tensor, config: SchedulerConfig, sps: StepRate | None = None
+    *, confidences: torch.Tensor | None, lengths: torch.Tensor, config: PolicySettings, sps: StepRate | None = None
 ) -> torch.Tensor:
     """Verify lengths [R] for drafts of ``lengths`` [R] with ``confidences`` [R, K] (None if the drafter has none)."""
     policy = VERIFY_POLICIES.get(config.verify_policy)
     if policy.needs_confidences and confidences is None:
-        raise SpecdraftError(f"verify policy {config.verify_policy!r} needs a drafter with a confidence head (DSpark); use --verify-policy full")
+        raise SpecdraftError(f"verify policy {config.verify_policy!r} needs a drafter with a confidence head (DSpark); "
+                             f"use {setting('verify_policy')} full")
     if policy.needs_sps and sps is None:
         raise SpecdraftError(f"verify policy {config.verify_policy!r} needs a target steps/s profile (SPS table)")
     survival = prefix_survival(confidences, lengths) if confidences is not None else None

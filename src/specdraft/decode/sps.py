@@ -4,7 +4,9 @@ The DSpark scheduler trades expected committed tokens against the cost of a wide
 forward, so it needs the target's real speed curve on this device. It is measured once (a few
 seconds) and cached as JSON per target fingerprint + device + dtype under
 ``<cache>/sps/`` (``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``), and per forward path
-(``utils/forward_path.py``): the scheduler must price verify widths on the path that runs them.
+(``tuning/forward_path.py``): the scheduler must price verify widths on the path that runs them.
+The cache goes through ``utils/cache.py``: a damaged profile is measured again, and one that cannot be
+written (a read-only cache) is used from memory, both with a WARNING.
 
 A profile taken while other jobs share the CPU can be wildly wrong, and a cached wrong profile
 misleads every later run, so each point keeps the *fastest* of its repeats (interference only
@@ -15,7 +17,6 @@ mask), and step time is made non-decreasing in B: a wider forward is never repor
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -25,11 +26,10 @@ from typing import Any
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.utils.io import atomic_write_json
 
 log = logging.getLogger(__name__)
 
-SPS_FORMAT = "specdraft-sps-v2"  # v1 used medians without monotonicity: re-measure
+SPS_FORMAT = "specdraft-sps-v3"  # v1 used medians without monotonicity, v2 had no checksum: re-measure
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def default_token_counts(max_tokens: int) -> list[int]:
 def sps_cache_path(cache_dir: Path, *, fingerprint: str, device: torch.device, dtype: torch.dtype, context_tokens: int, max_tokens: int,
                    forward_path: str) -> Path:
     """Keyed by the path's version (``forward_path.path_version``): a profile of an earlier kernel is not reused."""
-    from specdraft.utils.forward_path import path_version
+    from specdraft.tuning.forward_path import path_version
 
     dtype_name = str(dtype).removeprefix("torch.")
     return cache_dir / "sps" / f"{fingerprint}-{device.type}-{dtype_name}-{path_version(forward_path)}-ctx{context_tokens}-b{max_tokens}.json"
@@ -140,8 +140,9 @@ def load_or_measure_sps(
 ) -> SpsTable:
     """The cached SPS table for this target + device + dtype + forward path (default: the one the model is
     on now), measuring and caching it on first use."""
-    from specdraft.targets.identity import cache_root
-    from specdraft.utils.forward_path import current_path
+    from specdraft.utils.cache import cached
+    from specdraft.tuning.forward_path import current_path, path_version
+    from specdraft.utils.io import cache_root
 
     param = next(model.parameters())
     forward_path = forward_path or current_path(model)
@@ -149,25 +150,15 @@ def load_or_measure_sps(
         cache_dir or cache_root(), fingerprint=fingerprint, device=param.device, dtype=param.dtype,
         context_tokens=context_tokens, max_tokens=max_tokens, forward_path=forward_path,
     )
-    if path.is_file():
-        try:
-            obj = json.loads(path.read_text())
-            if obj.get("format") == SPS_FORMAT:
-                return SpsTable.from_json(obj)
-        except (OSError, ValueError, KeyError, SpecdraftError) as exc:
-            log.warning("ignoring unreadable SPS cache %s (%s); measuring again", path, exc)
-    log.info("profiling target steps/s for forwards of 1..%d tokens (once per target and device)", max_tokens)
-    table = measure_sps(model, token_counts=default_token_counts(max_tokens), context_tokens=context_tokens, repeats=repeats)
-    atomic_write_json(path, {
-        "format": SPS_FORMAT,
-        "fingerprint": fingerprint,
-        "device": str(param.device),
-        "dtype": str(param.dtype).removeprefix("torch."),
-        "forward_path": forward_path,
-        "context_tokens": context_tokens,
-        "repeats": repeats,
-        **table.to_json(),
-    })
+    key = {"fingerprint": fingerprint, "device": param.device.type, "dtype": str(param.dtype).removeprefix("torch."),
+           "forward_path": path_version(forward_path), "context_tokens": context_tokens, "max_tokens": max_tokens}
+
+    def measure() -> dict[str, Any]:
+        log.info("profiling target steps/s for forwards of 1..%d tokens (once per target and device)", max_tokens)
+        table = measure_sps(model, token_counts=default_token_counts(max_tokens), context_tokens=context_tokens, repeats=repeats)
+        return {"repeats": repeats, **table.to_json()}
+
+    table, _ = cached(path, measure, format=SPS_FORMAT, key=key, what="SPS profile", parse=SpsTable.from_json)
     return table
 
 

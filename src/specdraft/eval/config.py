@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdraft.decode.config import DRAFT_DTYPES
-from specdraft.errors import SpecdraftError
-from specdraft.utils.config import FORWARD_PATH_CHOICES, check_forward_path, config_field, require_finite
+from specdraft.errors import SpecdraftError, setting
+from specdraft.tuning.paths import path_choices
+from specdraft.utils.config import check_forward_path, config_field, require_finite
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,9 @@ class EvalConfig:
         "'reference' (the drafter shipped for the embedded target) and/or checkpoint directories (method read from "
         "their config.json); append '+ngram' or '+suffix' to a checkpoint or 'reference' for its hybrid with that lookup "
         "(per request and round, whichever is expected to commit more tokens per second); "
-        "append '@POLICY' to set one drafter's verify policy, e.g. DIR@scheduled or reference+suffix@scheduled"
+        "append '@POLICY' to set one drafter's verify policy, e.g. DIR@scheduled or reference+suffix@scheduled; "
+        "prefix 'LABEL=' to name one in the report (e.g. a=runs/a/final,b=runs/b/final; checkpoints left unlabelled whose "
+        "directories share a name are told apart by their parents: dspark:a/final, dspark:b/final)"
     )
     lookup_corpus: str = config_field(
         "", help="for 'suffix' drafters: a `specdraft prepare` output for this target whose answers (the target's own, when "
@@ -42,7 +45,7 @@ class EvalConfig:
     forward_path: str = config_field(
         "auto", help="how the target's and the drafters' forwards execute: eager, prepacked (oneDNN-prepacked linear weights; "
         "CPU, fp32), gqa (SDPA groups query heads over shared K/V heads; targets with grouped attention), prepacked+gqa or auto (the fastest here, measured once per machine and model); the report records the path and why",
-        metadata={"choices": list(FORWARD_PATH_CHOICES)},
+        metadata={"choices": path_choices()},
     )
     device: str = config_field("cpu", help="torch device, e.g. cpu or cuda")
     threads: int = config_field(
@@ -72,15 +75,15 @@ class EvalConfig:
     def __post_init__(self) -> None:
         require_finite(self)
         if not self.drafters:
-            raise SpecdraftError("--drafters needs at least one drafter (e.g. ngram or a checkpoint directory)")
+            raise SpecdraftError(f"{setting('drafters')} needs at least one drafter (e.g. ngram or a checkpoint directory)")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
-            raise SpecdraftError(f"--concurrency values must be >= 1, got {self.concurrency}")
+            raise SpecdraftError(f"{setting('concurrency')} values must be >= 1, got {self.concurrency}")
         if self.max_new_tokens < 1:
-            raise SpecdraftError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+            raise SpecdraftError(f"{setting('max_new_tokens', of='eval')} must be >= 1, got {self.max_new_tokens}")
         if self.limit_per_domain < 0:
-            raise SpecdraftError(f"--limit-per-domain must be >= 0, got {self.limit_per_domain}")
+            raise SpecdraftError(f"{setting('limit_per_domain')} must be >= 0, got {self.limit_per_domain}")
         if self.draft_dtype not in DRAFT_DTYPES:
-            raise SpecdraftError(f"--draft-dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
-        check_forward_path(self.forward_path, "--forward-path")
+            raise SpecdraftError(f"{setting('draft_dtype')} must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
+        check_forward_path(self.forward_path, setting("forward_path"))
         if self.max_time < 0:
-            raise SpecdraftError(f"--max-time must be >= 0 seconds, got {self.max_time}")
+            raise SpecdraftError(f"{setting('max_time')} must be >= 0 seconds, got {self.max_time}")

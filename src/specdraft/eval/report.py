@@ -7,14 +7,16 @@ from typing import Any
 
 from specdraft.eval.suites import bucket_label
 from specdraft.utils.lengths import length_bucket
-from specdraft.utils.io import DirKind, atomic_path, atomic_write_bytes, atomic_write_json, json_field_is
+from specdraft.utils.io import DirKind, atomic_dir, atomic_path, atomic_write_bytes, atomic_write_json, json_field_is
 
-#: What `specdraft eval` writes into: its reports and plots (a rerun overwrites them, nothing else).
+# Both are replaced whole (``atomic_dir``): a rerun with fewer drafters or without plots leaves no stale file of the last
+# one. ``.*.tmp`` are the partial files an older release, which wrote into the directory, left when it was killed.
+#: What `specdraft eval` writes: its reports and plots.
 EVAL_DIR = DirKind("specdraft eval run", "report.json", json_field_is("format", "specdraft.eval_report"),
-                   frozenset({"report.json", "report.md"}), patterns=("*.png", ".*.tmp"), replaced=False)
-#: What `specdraft eval --parity` writes into: its comparison and one eval run per side and drafter.
+                   frozenset({"report.json", "report.md"}), patterns=("*.png", ".*.tmp"))
+#: What `specdraft eval --parity` writes: its comparison and one eval run per side and drafter.
 PARITY_DIR = DirKind("specdraft eval --parity run", "parity.json", json_field_is("format", "specdraft.parity_report"),
-                     frozenset({"parity.json", "parity.md"}), patterns=("builtin-*", "served-*", ".*.tmp"), replaced=False)
+                     frozenset({"parity.json", "parity.md"}), patterns=("builtin-*", "served-*", ".*.tmp"))
 
 
 def verify_length_histogram(metrics: dict[str, Any]) -> list[int]:
@@ -191,16 +193,15 @@ def compute_line(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], out: Path, *, plots: bool = True) -> list[Path]:
-    """Write report.json, report.md and (optionally) plots; print the tables. Returns the paths written."""
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "report.json", report)
+    """Write report.json, report.md and (optionally) plots into a fresh directory that then replaces ``out`` whole
+    (``EVAL_DIR``), and print the tables. Returns the paths written."""
     tables = render_tables(report)
-    atomic_write_bytes(out / "report.md", tables.encode())
+    with atomic_dir(out, EVAL_DIR) as tmp:
+        atomic_write_json(tmp / "report.json", report)
+        atomic_write_bytes(tmp / "report.md", tables.encode())
+        written = [tmp / "report.json", tmp / "report.md", *(write_plots(report, tmp) if plots else [])]
     print(tables)
-    written = [out / "report.json", out / "report.md"]
-    if plots:
-        written += write_plots(report, out)
-    return written
+    return [out / path.name for path in written]
 
 
 def write_plots(report: dict[str, Any], out: Path) -> list[Path]:

@@ -21,20 +21,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfig
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.eval.config import EvalConfig
 from specdraft.eval.report import EVAL_DIR
-from specdraft.eval.suites import bucket_label, load_prompts
+from specdraft.eval.suites import EvalPrompt, bucket_label, load_prompts
 from specdraft.targets.base import Target
 from specdraft.utils.lengths import length_bucket
 from specdraft.utils.lock import claims_output
+
+if TYPE_CHECKING:
+    from specdraft.decode.runtime import SpeculativeDecoder
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,21 @@ class DrafterSpec:
     label: str  # how the drafter is named in tables and plots
     decode: DecodeConfig
     verify_policy: str | None = None  # None: the run's --verify-policy (trained drafters) or 'full'
+
+    @property
+    def identity(self) -> tuple[str, str, str | None]:
+        """What makes two items the same drafter: proposer (hybrid included), resolved checkpoint and verify policy."""
+        return self.decode.drafter, str(Path(self.decode.drafter_path).resolve()) if self.decode.drafter_path else "", self.verify_policy
+
+
+def drafter_label(decode: DecodeConfig, policy: str | None, depth: int = 1) -> str:
+    """'METHOD[+HYBRID]:DIR[@POLICY]' for a checkpoint, DIR its last ``depth`` path components; lookup drafters by name."""
+    if decode.drafter_path:
+        parts = Path(os.path.abspath(decode.drafter_path)).parts
+        name = f"{decode.drafter}:{Path(*parts[-depth:]).as_posix()}"
+    else:
+        name = AUTOREGRESSIVE if decode.drafter == "none" else decode.drafter
+    return name + (f"@{policy}" if policy else "")
 
 
 def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, seed: int, target: str = "",
@@ -64,7 +83,6 @@ def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, se
     name, _, policy = text.partition("@")
     if policy:
         VERIFY_POLICIES.get(policy)
-    suffix = f"@{policy}" if policy else ""
     hybrid = next((kind for kind in HYBRID_KINDS if name.endswith(kind) and name != kind), "")
     name = name.removesuffix(hybrid)
     path = reference_drafter(target) if name == "reference" else Path(name)
@@ -76,12 +94,62 @@ def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, se
             raise SpecdraftError(f"drafter {name}: cannot read 'speculators_model_type' from {config_path} ({exc})") from None
         PROPOSERS.get(method + hybrid)
         decode = DecodeConfig(drafter=method + hybrid, drafter_path=str(path), **common)
-        return DrafterSpec(f"{method}{hybrid}:{path.name}{suffix}", decode, policy or None)
-    if hybrid:
+    elif hybrid:
         raise SpecdraftError(f"drafter {text!r}: '{hybrid}' follows a checkpoint directory or 'reference', and {name!r} is neither")
-    if name in ("ngram", "suffix", "none"):
-        return DrafterSpec((AUTOREGRESSIVE if name == "none" else name) + suffix, DecodeConfig(drafter=name, **common), policy or None)
-    raise SpecdraftError(f"drafter {name!r} is neither 'ngram', 'suffix', 'reference' nor a checkpoint directory")
+    elif name in ("ngram", "suffix", "none"):
+        decode = DecodeConfig(drafter=name, **common)
+    else:
+        raise SpecdraftError(f"drafter {name!r} is neither 'ngram', 'suffix', 'reference' nor a checkpoint directory")
+    return DrafterSpec(drafter_label(decode, policy or None), decode, policy or None)
+
+
+def split_label(item: str) -> tuple[str, str]:
+    """'LABEL=DRAFTER' -> (LABEL, DRAFTER); ('', item) without a label. A label holds no '/', so a path with '=' in a
+    directory name (runs/lr=3e-4/final) is no label; write ./lr=3e-4/final where the first name holds one."""
+    label, sep, text = item.partition("=")
+    if not sep or "/" in label:
+        return "", item
+    if not label or not text:
+        raise SpecdraftError(f"{setting('drafters')} item {item!r}: a labelled drafter is LABEL=DRAFTER, both non-empty "
+                             "(e.g. a=runs/a/final)")
+    return label, text
+
+
+def resolve_drafters(items: list[str], **options: Any) -> list[DrafterSpec]:
+    """``--drafters`` items (``resolve_drafter``, each optionally ``LABEL=DRAFTER``) with distinct labels.
+
+    Two items that are the same drafter (``DrafterSpec.identity``) are refused: a label does not make another.
+    Unlabelled checkpoints whose labels would be equal (runs/a/final, runs/b/final) are named by the shortest
+    path suffix that tells them apart (dspark:a/final, dspark:b/final). A given label must be unique and
+    not 'autoregressive', the baseline every drafter is compared with.
+    """
+    labelled = [split_label(item) for item in items]
+    given = [label for label, _ in labelled]
+    specs = [resolve_drafter(text, **options) for _, text in labelled]
+    first: dict[tuple, str] = {}
+    for item, spec in zip(items, specs):
+        if spec.identity in first:
+            raise SpecdraftError(f"{setting('drafters')} names the same drafter twice ({first[spec.identity]!r} and {item!r}); drop one")
+        first[spec.identity] = item
+
+    def deeper(i: int) -> bool:  # a checkpoint's label can name one more directory
+        path = specs[i].decode.drafter_path
+        return bool(path) and depth[i] < len(Path(os.path.abspath(path)).parts)
+
+    depth = [1] * len(specs)
+    while True:
+        labels = [label or drafter_label(spec.decode, spec.verify_policy, d) for label, spec, d in zip(given, specs, depth)]
+        alike = [i for i, label in enumerate(labels) if not given[i] and labels.count(label) > 1 and deeper(i)]
+        if not alike:
+            break
+        for i in alike:
+            depth[i] += 1
+    for i, label in enumerate(labels):
+        if label == AUTOREGRESSIVE or labels.index(label) != i:
+            other = "the baseline (autoregressive decoding)" if label == AUTOREGRESSIVE else repr(items[labels.index(label)])
+            raise SpecdraftError(f"{setting('drafters')}: {items[i]!r} is labelled {label!r}, as is {other}; "
+                                 "give it another label (LABEL=DRAFTER)")
+    return [dataclasses.replace(spec, label=label) for spec, label in zip(specs, labels)]
 
 
 @dataclass
@@ -136,15 +204,39 @@ def run_eval(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the comparison and write ``report.json`` (+ ``report.md`` and plots) under ``config.out``."""
-    import torch
-    from tqdm import tqdm
-
-    from specdraft.decode.runtime import decoder_for_target, resolve_decode_threads
-    from specdraft.eval.report import macro_tau, paired_ratios, tau_distribution, write_report
-    from specdraft.targets import load_target
-    from specdraft.utils.threads import threads_facts
+    from specdraft.eval.report import write_report
 
     setup_started = time.perf_counter()  # the thread probe, decoder builds and warm-ups count against --max-time too
+    setup = _set_up(config, sampling, scheduler, target)
+    budget = _Budget.after_setup(config.max_time, setup_started)
+    sweep = _decode(config, setup, budget, greedy=sampling.greedy, progress=progress)
+    per_prompt = _per_prompt(setup, sweep, config.concurrency)
+    if budget.cut:
+        log.warning("--max-time %.0f s: evaluated %d of %d prompts", config.max_time, len(per_prompt), len(setup.prompts))
+    report = _report(config, sampling, scheduler, setup, sweep, budget, per_prompt)
+    write_report(report, Path(config.out), plots=config.plots)
+    return report
+
+
+@dataclass
+class _Setup:
+    """What every decoder shares: the prompts (and their token ids, domain and length bucket), the target, the
+    thread count and the decoders, autoregressive decoding first."""
+
+    prompts: list[EvalPrompt]
+    target: Target
+    threads: Any  # the thread measurement (``resolve_decode_threads``)
+    specs: list[DrafterSpec]
+    decoders: dict[str, SpeculativeDecoder]
+    token_ids: list[list[int]]
+    groups: list[tuple[str, int]]  # (domain, length bucket) per prompt
+
+
+def _set_up(config: EvalConfig, sampling: SamplingConfig, scheduler: SchedulerConfig, target: Target | None) -> _Setup:
+    """Load the prompts and the target, resolve the threads, then build and warm up every decoder."""
+    from specdraft.decode.runtime import decoder_for_target, resolve_decode_threads
+    from specdraft.targets import load_target
+
     prompts = load_prompts(
         None if config.prompts else config.suite, config.prompts or None, config.limit_per_domain or None
     )
@@ -154,11 +246,9 @@ def run_eval(
     threads = resolve_decode_threads(target, config.threads)
     specs = [resolve_drafter("none", num_draft_tokens=0, max_new_tokens=config.max_new_tokens, seed=config.seed,
                              forward_path=config.forward_path)]  # one target: every decoder runs it on the same path
-    specs += [resolve_drafter(d, num_draft_tokens=config.num_draft_tokens, max_new_tokens=config.max_new_tokens, seed=config.seed,
-                              target=config.target, draft_dtype=config.draft_dtype, forward_path=config.forward_path,
-                              lookup_corpus=config.lookup_corpus) for d in config.drafters]
-    if len({s.label for s in specs}) != len(specs):
-        raise SpecdraftError(f"--drafters names the same drafter twice: {config.drafters}")
+    specs += resolve_drafters(config.drafters, num_draft_tokens=config.num_draft_tokens, max_new_tokens=config.max_new_tokens,
+                              seed=config.seed, target=config.target, draft_dtype=config.draft_dtype, forward_path=config.forward_path,
+                              lookup_corpus=config.lookup_corpus)
     decoders = {s.label: decoder_for_target(target, config=s.decode, sampling=sampling, scheduler=_scheduler_for(s, scheduler))
                 for s in specs}
     token_ids = [p.token_ids(target.tokenizer) for p in prompts]
@@ -166,94 +256,163 @@ def run_eval(
     warmup = token_ids[0][-16:]
     for decoder in decoders.values():  # first calls pay one-off costs (allocator, lazy init)
         decoder.generate([warmup])
+    return _Setup(prompts, target, threads, specs, decoders, token_ids, groups)
 
-    outputs: dict[int, dict[str, dict[str, Any]]] = {c: {label: {} for label in decoders} for c in config.concurrency}
-    records: list[RunRecord] = []
-    total = sum(len(_batches(groups, c)) for c in config.concurrency) * len(decoders)
+
+@dataclass
+class _Budget:
+    """``--max-time`` over the decoding (what setup took is already spent): a batch starts only while one more
+    batch of the average time so far fits."""
+
+    started: float
+    max_time: float  # 0: no limit
+    done: int = 0  # batches started
+    cut: bool = False  # a batch was left out for time
+
+    @classmethod
+    def after_setup(cls, max_time: float, setup_started: float) -> "_Budget":
+        started = time.perf_counter()
+        return cls(started, max(max_time - (started - setup_started), 1e-9) if max_time else 0.0)
+
+    def next_batch_fits(self) -> bool:
+        elapsed = time.perf_counter() - self.started
+        if self.max_time and self.done and elapsed + elapsed / self.done > self.max_time:
+            self.cut = True
+            return False
+        self.done += 1
+        return True
+
+
+@dataclass
+class _Level:
+    """One concurrency level's metrics per decoder label, merged over its batches, and each batch's TPOT."""
+
+    merged: dict[str, Any]
+    by_domain: dict[str, dict[str, Any]]
+    by_bucket: dict[str, dict[int, Any]]
+    tpots: dict[str, list[float]]
+
+    @classmethod
+    def empty(cls, labels: list[str]) -> "_Level":
+        return cls({label: None for label in labels}, {label: {} for label in labels}, {label: {} for label in labels},
+                   {label: [] for label in labels})
+
+    def add(self, label: str, domain: str, bucket: int, metrics: Any) -> None:
+        self.tpots[label].append(metrics.time_per_output_token_s)
+        self.merged[label] = metrics if self.merged[label] is None else self.merged[label].merge(metrics)
+        for grouped, key in ((self.by_domain, domain), (self.by_bucket, bucket)):
+            previous = grouped[label].get(key)
+            grouped[label][key] = metrics if previous is None else previous.merge(metrics)
+
+
+@dataclass
+class _Sweep:
+    """What decoding produced: ``outputs[concurrency][label][prompt index]`` and one record per (drafter, concurrency)."""
+
+    outputs: dict[int, dict[str, dict[int, dict[str, Any]]]]
+    records: list[RunRecord] = field(default_factory=list)
+
+
+def _decode(config: EvalConfig, setup: _Setup, budget: _Budget, *, greedy: bool, progress: bool) -> _Sweep:
+    """Every concurrency level in turn, until the time budget cuts one short before its autoregressive baseline ran."""
+    from tqdm import tqdm
+
+    sweep = _Sweep({c: {label: {} for label in setup.decoders} for c in config.concurrency})
+    total = sum(len(_batches(setup.groups, c)) for c in config.concurrency) * len(setup.decoders)
     bar = tqdm(total=total, desc="eval", unit="batch", disable=not progress)
-    started = time.perf_counter()
-    max_time = max(config.max_time - (started - setup_started), 1e-9) if config.max_time else 0.0
-    batches_done, cut_by_time = 0, False
     for concurrency in config.concurrency:
-        merged: dict[str, Any] = {label: None for label in decoders}
-        domain_metrics: dict[str, dict[str, Any]] = {label: {} for label in decoders}
-        bucket_metrics: dict[str, dict[str, Any]] = {label: {} for label in decoders}
-        tpots: dict[str, list[float]] = {label: [] for label in decoders}
-        order = list(decoders)
-        for batch in _batches(groups, concurrency):
-            elapsed = time.perf_counter() - started
-            if max_time and batches_done and elapsed + elapsed / batches_done > max_time:
-                cut_by_time = True
-                break
-            batches_done += 1
-            domain, bucket = groups[batch[0]]
-            shift = batches_done % len(order)
-            for label in order[shift:] + order[:shift]:
-                result = decoders[label].generate([token_ids[i] for i in batch])
-                tpots[label].append(result.metrics.time_per_output_token_s)
-                merged[label] = result.metrics if merged[label] is None else merged[label].merge(result.metrics)
-                for grouped, key in ((domain_metrics, domain), (bucket_metrics, bucket)):
-                    previous = grouped[label].get(key)
-                    grouped[label][key] = result.metrics if previous is None else previous.merge(result.metrics)
-                for i, out, tau in zip(batch, result.outputs, result.metrics.request_tau):
-                    outputs[concurrency][label][i] = {"tokens": out.tokens, "finish_reason": out.finish_reason, "tau": tau}
-                bar.update(1)
-                bar.set_postfix(drafter=label, c=concurrency)
-        baseline = merged[AUTOREGRESSIVE]
-        if baseline is None:  # the time limit came before this concurrency level started
+        level = _decode_level(setup, concurrency, budget, sweep.outputs[concurrency], bar)
+        if level.merged[AUTOREGRESSIVE] is None:  # the time limit came before this concurrency level started
             break
-        for label in decoders:
-            metrics = merged[label]
-            ratios = paired_ratios(tpots[label], tpots[AUTOREGRESSIVE])
-            same = None
-            if sampling.greedy:
-                same = sum(out["tokens"] == outputs[concurrency][AUTOREGRESSIVE][i]["tokens"] for i, out in outputs[concurrency][label].items())
-            per_domain = {d: m.to_json() for d, m in sorted(domain_metrics[label].items())}
-            records.append(RunRecord(
-                drafter=label,
-                concurrency=concurrency,
-                overall=metrics.to_json(),
-                per_domain=per_domain,
-                per_bucket={bucket_label(b): m.to_json() for b, m in sorted(bucket_metrics[label].items())},
-                tau_distribution=tau_distribution([out["tau"] for out in outputs[concurrency][label].values()]),
-                macro_tau=macro_tau(per_domain),
-                speedup=metrics.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else None,
-                median_tpot_s=statistics.median(tpots[label]),
-                tpot_vs_autoregressive=statistics.median(ratios) if ratios else None,
-                batch_tpot_s=tpots[label],
-                identical_to_autoregressive=same,
-            ))
+        sweep.records += _level_records(level, concurrency, sweep.outputs[concurrency], greedy=greedy)
     bar.close()
+    return sweep
 
+
+def _decode_level(setup: _Setup, concurrency: int, budget: _Budget, outputs: dict[str, dict[int, dict[str, Any]]],
+                  bar: Any) -> _Level:
+    """Each batch of ``concurrency`` prompts by every decoder, in an order rotated per batch; fills ``outputs``."""
+    order = list(setup.decoders)
+    level = _Level.empty(order)
+    for batch in _batches(setup.groups, concurrency):
+        if not budget.next_batch_fits():
+            break
+        domain, bucket = setup.groups[batch[0]]
+        shift = budget.done % len(order)
+        for label in order[shift:] + order[:shift]:
+            result = setup.decoders[label].generate([setup.token_ids[i] for i in batch])
+            level.add(label, domain, bucket, result.metrics)
+            for i, out, tau in zip(batch, result.outputs, result.metrics.request_tau):
+                outputs[label][i] = {"tokens": out.tokens, "finish_reason": out.finish_reason, "tau": tau}
+            bar.update(1)
+            bar.set_postfix(drafter=label, c=concurrency)
+    return level
+
+
+def _level_records(level: _Level, concurrency: int, outputs: dict[str, dict[int, dict[str, Any]]], *, greedy: bool) -> list[RunRecord]:
+    """One record per decoder of a level, each against the autoregressive baseline on the same batches."""
+    from specdraft.eval.report import macro_tau, paired_ratios, tau_distribution
+
+    baseline = level.merged[AUTOREGRESSIVE]
+    records = []
+    for label, metrics in level.merged.items():
+        ratios = paired_ratios(level.tpots[label], level.tpots[AUTOREGRESSIVE])
+        same = None
+        if greedy:
+            same = sum(out["tokens"] == outputs[AUTOREGRESSIVE][i]["tokens"] for i, out in outputs[label].items())
+        per_domain = {d: m.to_json() for d, m in sorted(level.by_domain[label].items())}
+        records.append(RunRecord(
+            drafter=label,
+            concurrency=concurrency,
+            overall=metrics.to_json(),
+            per_domain=per_domain,
+            per_bucket={bucket_label(b): m.to_json() for b, m in sorted(level.by_bucket[label].items())},
+            tau_distribution=tau_distribution([out["tau"] for out in outputs[label].values()]),
+            macro_tau=macro_tau(per_domain),
+            speedup=metrics.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else None,
+            median_tpot_s=statistics.median(level.tpots[label]),
+            tpot_vs_autoregressive=statistics.median(ratios) if ratios else None,
+            batch_tpot_s=level.tpots[label],
+            identical_to_autoregressive=same,
+        ))
+    return records
+
+
+def _per_prompt(setup: _Setup, sweep: _Sweep, concurrencies: list[int]) -> list[dict[str, Any]]:
+    """Each decoded prompt with every decoder's output at every concurrency (prompts the time limit left out are dropped)."""
     per_prompt = []
-    for i, prompt in enumerate(prompts):
-        entry = {**prompt.to_json(), "prompt_tokens": len(token_ids[i]), "outputs": {}}
-        for concurrency in config.concurrency:
-            for label in decoders:
-                out = outputs[concurrency][label].get(i)
+    for i, prompt in enumerate(setup.prompts):
+        entry = {**prompt.to_json(), "prompt_tokens": len(setup.token_ids[i]), "outputs": {}}
+        for concurrency in concurrencies:
+            for label in setup.decoders:
+                out = sweep.outputs[concurrency][label].get(i)
                 if out is not None:
-                    text = target.tokenizer.decode(out["tokens"], skip_special_tokens=True)
+                    text = setup.target.tokenizer.decode(out["tokens"], skip_special_tokens=True)
                     entry["outputs"].setdefault(label, {})[str(concurrency)] = {**out, "text": text}
         if entry["outputs"]:
             per_prompt.append(entry)
-    if cut_by_time:
-        log.warning("--max-time %.0f s: evaluated %d of %d prompts", config.max_time, len(per_prompt), len(prompts))
-    report = {
+    return per_prompt
+
+
+def _report(config: EvalConfig, sampling: SamplingConfig, scheduler: SchedulerConfig, setup: _Setup, sweep: _Sweep,
+            budget: _Budget, per_prompt: list[dict[str, Any]]) -> dict[str, Any]:
+    """``report.json``: the settings, each decoder's resolved facts, the records and the per-prompt outputs."""
+    from specdraft.tuning.threads import threads_facts
+
+    return {
         "format": "specdraft.eval_report",
         "format_version": 1,
-        "target": target.describe(),
+        "target": setup.target.describe(),
         "config": asdict(config),
         "sampling": asdict(sampling),
         "scheduler": asdict(scheduler),
-        "drafters": {s.label: {**asdict(s.decode), **_dtype_facts(s, decoders[s.label].proposer)} for s in specs},
-        **threads_facts(config.threads, threads),
-        "target_forward_path": decoders[AUTOREGRESSIVE].forward_path.to_json(),
+        "drafters": {s.label: {**asdict(s.decode), **_dtype_facts(s, setup.decoders[s.label].proposer)} for s in setup.specs},
+        **threads_facts(config.threads, setup.threads),
+        "target_forward_path": setup.decoders[AUTOREGRESSIVE].forward_path.to_json(),
         "num_prompts": len(per_prompt),
-        "prompts_planned": len(prompts),
-        "cut_by_time": cut_by_time,
-        "wall_s": time.perf_counter() - started,
-        "runs": [asdict(r) for r in records],
+        "prompts_planned": len(setup.prompts),
+        "cut_by_time": budget.cut,
+        "wall_s": time.perf_counter() - budget.started,
+        "runs": [asdict(r) for r in sweep.records],
         "prompts": per_prompt,
     }
-    write_report(report, Path(config.out), plots=config.plots)
-    return report

@@ -48,7 +48,7 @@ from typing import Callable
 
 from specdraft.data.long_documents import DOCUMENT_TASKS, documents, user as _user
 from specdraft.data.sources import EmbeddedDataset, conversation, conversation_group, first_reply_index, iter_json_values, iter_rows, parse_row
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.registry import Registry
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, SplitKey, held_out, prompt_digest
@@ -319,7 +319,7 @@ def load_prompt_file(path: str | Path) -> list[EvalPrompt]:
 def load_prompts(suite: str | None = None, prompts_file: str | None = None, limit_per_domain: int | None = None) -> list[EvalPrompt]:
     """The prompts for one eval run: a named suite or a JSONL file, optionally capped per domain."""
     if (suite is None) == (prompts_file is None):
-        raise SpecdraftError("give exactly one of --suite or --prompts")
+        raise SpecdraftError(f"give exactly one of {setting('suite')} or {setting('prompts')}")
     prompts = load_prompt_file(prompts_file) if prompts_file else SUITES.get(suite)()
     if limit_per_domain is not None:
         counts: dict[str, int] = {}

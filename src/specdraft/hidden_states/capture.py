@@ -15,7 +15,7 @@ rounding of different matmul shapes).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -80,7 +80,9 @@ class HiddenStateCapture:
 
 
 @contextlib.contextmanager
-def record_slots(layers: Sequence[Any], slots: Sequence[LayerSlot], captured: dict, *, final_norm: Any = None) -> Iterator[None]:
+def record_slots(
+    layers: Sequence[Any] | torch.nn.ModuleList, slots: Sequence[LayerSlot], captured: dict, *, final_norm: Any = None
+) -> Iterator[None]:
     """Hook decoder ``layers`` so that one forward pass stores each slot's tensor in ``captured``
     (pre-hook = the layer's input, hook = its output) and, with ``final_norm``, the norm's input under
     ``"last"``. The hooks are always removed afterwards."""
@@ -92,7 +94,7 @@ def record_slots(layers: Sequence[Any], slots: Sequence[LayerSlot], captured: di
             raise SpecdraftError(f"{key} was reached twice in one forward pass; this decoder is not supported")
         captured[key] = tensor.detach()
 
-    def save_input(key: Any):
+    def save_input(key: Any) -> Callable[[Any, tuple, dict], None]:
         return lambda module, args, kwargs: save(key, args[0] if args else kwargs["hidden_states"])
 
     for slot in dict.fromkeys(slots):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.layers import LAYER_PRESETS, LayerSlot, parse_slots
 from specdraft.targets.loading import DTYPES as TARGET_DTYPES
 from specdraft.utils.config import config_field, require_finite
@@ -60,18 +60,18 @@ class ExtractConfig(VllmAttachOptions):
     def __post_init__(self) -> None:
         require_finite(self)
         if self.method is not None and self.layers is not None:
-            raise SpecdraftError("give either --method or --layers, not both")
+            raise SpecdraftError(f"give either {setting('method')} or {setting('layers')}, not both")
         if self.method is not None:
             LAYER_PRESETS.get(self.method)  # an unknown name raises with the list of presets
         if self.dtype not in STORAGE_DTYPE_NAMES:
-            raise SpecdraftError(f"--dtype {self.dtype!r} is not one of {', '.join(STORAGE_DTYPE_NAMES)}")
+            raise SpecdraftError(f"{setting('dtype')} {self.dtype!r} is not one of {', '.join(STORAGE_DTYPE_NAMES)}")
         for name in ("batch_size", "queue_size", "writer_threads"):
             if getattr(self, name) < 1:
-                raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise SpecdraftError(f"{setting(name)} must be >= 1, got {getattr(self, name)}")
         if self.threads < 0:
-            raise SpecdraftError(f"--threads must be >= 0, got {self.threads}")
+            raise SpecdraftError(f"{setting('threads')} must be >= 0, got {self.threads}")
         if self.max_samples is not None and self.max_samples < 1:
-            raise SpecdraftError(f"--max-samples must be >= 1, got {self.max_samples}")
+            raise SpecdraftError(f"{setting('max_samples', of='extract')} must be >= 1, got {self.max_samples}")
         self.check_vllm_options(self.engine)
 
     def resolve_slots(self, num_layers: int) -> list[LayerSlot]:

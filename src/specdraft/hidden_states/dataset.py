@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.backends.base import STORE_FORMAT_NAME, HiddenStateBackend
 from specdraft.hidden_states.config import VERIFY_LEVELS
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.source import SampleSource
+
+if TYPE_CHECKING:
+    from specdraft.data.dataset import PreparedDataset
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,8 @@ class HiddenStateDataset(torch.utils.data.Dataset, SampleSource):
     ``PreparedDataset`` or its directory, by default the one recorded in the store manifest.
     Samples are the stored ones, in dataset order.
     """
+
+    prepared: PreparedDataset
 
     def __init__(self, store: str | os.PathLike | HiddenStateBackend, prepared_dataset: Any = None, *, verify: str = "quick"):
         from specdraft.data.dataset import PreparedDataset
@@ -51,11 +56,11 @@ class HiddenStateDataset(torch.utils.data.Dataset, SampleSource):
         if prepared_dataset is None:
             prepared_dataset = (manifest.get("dataset") or {}).get("path")
             if not prepared_dataset:
-                raise SpecdraftError(f"{where}: manifest records no dataset; pass the prepared dataset explicitly (--dataset)")
+                raise SpecdraftError(f"{where}: manifest records no dataset; pass the prepared dataset explicitly ({setting('dataset')})")
             if not os.path.isdir(prepared_dataset):
                 raise SpecdraftError(
                     f"{where} was extracted from the prepared dataset {prepared_dataset}, which no longer exists (was it moved?); "
-                    "pass its new location with --dataset DIR"
+                    f"pass its new location with {setting('dataset')} DIR"
                 )
         self.prepared = prepared_dataset if isinstance(prepared_dataset, PreparedDataset) else PreparedDataset(prepared_dataset)
 
@@ -130,6 +135,12 @@ class HiddenStateDataset(torch.utils.data.Dataset, SampleSource):
     @property
     def dtype(self) -> str:
         return self.manifest["dtype"]
+
+    @property
+    def made_with(self) -> dict:
+        """The storage dtype and, where ``specdraft extract`` recorded it, the dtype the target ran in (``SampleSource.made_with``)."""
+        ran_in = (self.manifest.get("config") or {}).get("target_dtype")
+        return {"dtype": self.dtype, **({"target_dtype": ran_in} if ran_in else {})}
 
     def __len__(self) -> int:
         return len(self.sample_ids)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.backends.base import (
     STORE_FORMAT_NAME,
     STORE_FORMAT_VERSION,
@@ -93,7 +93,7 @@ def extract_hidden_states(config: ExtractConfig, *, target: Target | None = None
 
         name = config.target or dataset.target_info.get("name")
         if not name:
-            raise SpecdraftError(f"{dataset.directory}/manifest.json records no target name; pass --target")
+            raise SpecdraftError(f"{dataset.directory}/manifest.json records no target name; pass {setting('target')}")
         target = load_target(name, dtype=config.target_dtype, device=config.device)
     dataset.check_target(target)
     slots = config.resolve_slots(target.num_layers)
@@ -159,7 +159,7 @@ def _extract(job: ExtractJob) -> tuple[int, int]:
     """Capture ``pending`` rows (longest first, so padding is small and OOM shows up at once)."""
     from tqdm import tqdm
 
-    from specdraft.utils.threads import resolve_forward_threads
+    from specdraft.tuning.threads import resolve_forward_threads
 
     config, dataset, target = job.config, job.dataset, job.target
 
@@ -193,23 +193,28 @@ def _extract(job: ExtractJob) -> tuple[int, int]:
     return tokens, writer.bytes_written
 
 
-def _open_store_manifest(backend: HiddenStateBackend, config: ExtractConfig, dataset, target_info: dict, slots: list[LayerSlot]) -> dict:
+def _open_store_manifest(
+    backend: HiddenStateBackend, config: ExtractConfig, dataset: PreparedDataset, target_info: dict, slots: list[LayerSlot]
+) -> dict:
     """Check an existing store against this run, or start a new one; returns the manifest to update."""
     slots_json = [s.to_json() for s in slots]
     existing = backend.read_manifest()
     if existing is None and backend.keys():
-        raise SpecdraftError(f"{backend.location} holds hidden-state files but no manifest; choose an empty --out directory")
+        raise SpecdraftError(f"{backend.location} holds hidden-state files but no manifest; choose an empty {setting('out')} directory")
     if existing is not None and config.restart:
         if existing.get("format") != STORE_FORMAT_NAME:  # only a store's own samples are deleted
-            raise SpecdraftError(f"{backend.location}: manifest format {existing.get('format')!r} is not {STORE_FORMAT_NAME!r}; choose another --out")
+            raise SpecdraftError(f"{backend.location}: manifest format {existing.get('format')!r} is not "
+                                 f"{STORE_FORMAT_NAME!r}; choose another {setting('out')}")
         stale = backend.keys()
         for key in stale:
             backend.delete(key)
         log.warning("%s: --restart deleted the %d sample(s) stored there", backend.location, len(stale))
-    elif existing is not None:
-        check_store_manifest(existing, location=backend.location, target_info=target_info, slots=slots_json, dtype=config.dtype)
-        check_store_dataset(existing, dataset, set(backend.keys()), location=backend.location,
-                            choices="Extract into a new --out, or add --restart to delete the stored samples and start over")
+    elif existing is not None:  # a resume: every setting that determines the stored values must be the store's
+        choices = (f"Rerun with the store's settings, extract into a new {setting('out')}, or add {setting('restart')} to delete "
+                   "the stored samples and start over")
+        check_store_manifest(existing, location=backend.location, target_info=target_info, slots=slots_json, dtype=config.dtype,
+                             target_dtype=config.target_dtype, choices=choices)
+        check_store_dataset(existing, dataset, set(backend.keys()), location=backend.location, choices=choices)
     manifest = {
         "format": STORE_FORMAT_NAME,
         "format_version": STORE_FORMAT_VERSION,

@@ -62,7 +62,7 @@ def parse_slots(text: str, num_layers: int | None = None) -> list[LayerSlot]:
         side, _, index = part.rpartition(":")
         side = {"": "output", "in": "input", "out": "output"}.get(side, side)
         try:
-            slot = LayerSlot(int(index), side)  # type: ignore[arg-type]
+            slot = LayerSlot(int(index), side)  # type: ignore[arg-type]  # user text: LayerSlot refuses a wrong side
         except ValueError:
             raise SpecdraftError(f"cannot parse layer slot {part!r}: expected e.g. 'output:8' or 'input:2'") from None
         if num_layers is not None:

@@ -131,7 +131,7 @@ class HiddenStatePayload:
         """Storage dtype name of ``hidden_states``/``last_hidden``."""
         return self.manifest["tensors"]["hidden_states"]["dtype"]
 
-    def mismatches(self, *, fingerprint: str, slots: list[LayerSlot], dtype: str, token_ids: torch.Tensor) -> list[str]:
+    def mismatches(self, *, fingerprint: str | None, slots: list[LayerSlot], dtype: str, token_ids: torch.Tensor) -> list[str]:
         """What differs from the expected capture (empty when the payload is the one wanted)."""
         problems = []
         if self.target_info.get("fingerprint") != fingerprint:

@@ -47,9 +47,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, cast
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.config import ENGINE_NAMES, STORAGE_DTYPE_NAMES
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.registry import Registry
@@ -105,16 +105,17 @@ class ServiceConfig(VllmAttachOptions):
     def __post_init__(self) -> None:
         require_finite(self)
         if not 0 <= self.port < 65536:
-            raise SpecdraftError(f"--port {self.port} is not a TCP port (0-65535)")
+            raise SpecdraftError(f"{setting('port')} {self.port} is not a TCP port (0-65535)")
         for name in ("max_batch", "max_tokens"):
             if getattr(self, name) < 1:
-                raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise SpecdraftError(f"{setting(name)} must be >= 1, got {getattr(self, name)}")
         if self.batch_wait_ms < 0 or self.num_threads < 0:
-            raise SpecdraftError("--batch-wait-ms and --num-threads must be >= 0")
+            raise SpecdraftError(f"{setting('batch_wait_ms')} and {setting('num_threads')} must be >= 0")
         require_token_beyond_loopback(self.host, self.token)
         self.check_vllm_options(self.engine)
         if self.layers is not None and self.engine != "vllm":
-            raise SpecdraftError("--layers chooses what a vLLM server captures: it needs --engine vllm (the hf engine serves any slots)")
+            raise SpecdraftError(f"{setting('layers')} chooses what a vLLM server captures: it needs "
+                                 f"{setting('engine')} vllm (the hf engine serves any slots)")
 
 
 #: The shape of a ``POST /extract`` body (``check_schema``); ranges and meanings are checked in ``_parse``.
@@ -169,7 +170,7 @@ class HFProducer:
     """The HF model in this process; ``target`` may be passed pre-loaded (tests)."""
 
     def __init__(self, config: ServiceConfig, backend: Any, target: Target | None = None):
-        from specdraft.utils.threads import resolve_forward_threads
+        from specdraft.tuning.threads import resolve_forward_threads
 
         if target is None:
             from specdraft.targets import load_target
@@ -232,13 +233,14 @@ class HiddenStateService:
         if config.backend == "file":  # shared with the trainer and other producers, so checked writable but not locked
             from specdraft.utils.lock import probe_writable
 
-            probe_writable(config.store, "--store")
+            probe_writable(config.store, setting("store"))
         # Bind first: a busy port must not be found only after a vLLM engine took minutes to start.
         # Connections wait in the listen backlog until ``start`` serves them.
         try:
             self._server = ThreadingHTTPServer((config.host, config.port), _handler_class(self))
         except OSError as exc:
-            raise SpecdraftError(f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}); choose another --port (0 = any free port)") from None
+            raise SpecdraftError(f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}); choose another "
+                                 f"{setting('port')} (0 = any free port)") from None
         self._server.daemon_threads = True
         with contextlib.ExitStack() as undo:  # released only if a later step fails
             undo.callback(self._server.server_close)
@@ -251,7 +253,8 @@ class HiddenStateService:
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
+        # typeshed's server_address covers every socket family; this TCP server's is (host, port[, ...]).
+        host, port = cast("tuple[str, int]", self._server.server_address[:2])
         return f"http://{host}:{port}"
 
     def health(self) -> dict:
@@ -296,7 +299,8 @@ class HiddenStateService:
             return
         scheme, _, given = (header or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.config.token.encode()):
-            raise RequestError(401, "missing or wrong bearer token: send 'Authorization: Bearer TOKEN' with the producer's --token")
+            raise RequestError(401, "missing or wrong bearer token: send 'Authorization: Bearer TOKEN' with the producer's token "
+                               "(`specdraft serve-hidden-states --token`)")
 
     def submit(self, body: Any) -> dict:
         """Validate one request, queue it and wait until its payload is stored."""
@@ -307,7 +311,7 @@ class HiddenStateService:
         job.done.wait()
         if job.error is not None:
             raise job.error
-        return job.result  # type: ignore[return-value]
+        return job.result  # type: ignore[return-value]  # finish() gives a result whenever it gives no error
 
     def _parse(self, body: Any) -> _Job:
         import torch
@@ -328,7 +332,8 @@ class HiddenStateService:
         if not ids:
             raise RequestError(400, "'token_ids' must be a non-empty list of integers")
         if len(ids) > self.max_tokens:
-            raise RequestError(400, f"{len(ids)} tokens exceed this producer's limit of {self.max_tokens} (--max-tokens, and a vLLM "
+            raise RequestError(400, f"{len(ids)} tokens exceed this producer's limit of {self.max_tokens} "
+                               "(`specdraft serve-hidden-states --max-tokens`, and a vLLM "
                                "server's max model length - 1)")
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -411,7 +416,7 @@ def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
             self.close_connection = True
             self._send(code, {"error": message or explain or "bad request"})
 
-        def _guard(self, fn) -> None:
+        def _guard(self, fn: Callable[[], dict]) -> None:
             try:
                 service.check_auth(self.headers.get("Authorization"))
                 self._send(200, fn())
@@ -429,7 +434,7 @@ def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802 - stdlib name
             self._route("/extract", self._extract)
 
-        def _route(self, path: str, fn) -> None:
+        def _route(self, path: str, fn: Callable[[], dict]) -> None:
             """Answer with ``fn`` when the request is for ``path`` (this method's one endpoint), else 404."""
             if self.path != path:
                 self.close_connection = True

@@ -1,5 +1,5 @@
 """What the trainer reads: ``SampleSource``, the interface every source of training samples implements
-(``HiddenStateDataset`` and ``online.StreamingSource`` inherit it; the tests' in-memory store spells it out).
+(``HiddenStateDataset`` and ``streaming.StreamingSource`` inherit it; the tests' in-memory store spells it out).
 
 It is declared here, beside the sources, so they can inherit it (the trainer sits a layer above). What
 the trainer needs besides the items -- lengths, token rows, split labels, token frequencies -- are
@@ -24,15 +24,29 @@ class SampleSource:
     last_hidden [T, D]}`` in ``sample_ids`` order; a subclass sets the three attributes and ``__getitem__``."""
 
     sample_ids: list[str]
-    slots: list[LayerSlot]  # what ``hidden_states`` holds, in order
-    target_info: dict  # the target the hidden states came from (name, fingerprint, num_layers, ...)
     prepared: PreparedDataset | None = None  # the store's prepared dataset, when it has one
+
+    if TYPE_CHECKING:  # read-only to readers: a subclass sets them as attributes or derives them as properties
+
+        @property
+        def slots(self) -> list[LayerSlot]:
+            """What ``hidden_states`` holds, in order."""
+
+        @property
+        def target_info(self) -> dict:
+            """The target the hidden states came from (name, fingerprint, num_layers, ...)."""
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
     def __getitem__(self, index: int) -> dict:
         raise NotImplementedError
+
+    @property
+    def made_with(self) -> dict:
+        """The settings, beyond the target and slots, that made the hidden states' values (a store's dtypes): a
+        training run resumes only on samples made alike (``train.checkpoint_files.IDENTITY_KEYS``). {} where unrecorded."""
+        return {}
 
     def lengths(self) -> list[int]:
         """Tokens per sample, in item order (packing needs every length up front)."""
@@ -60,6 +74,9 @@ class SampleSource:
 
 class PreparedRows(SampleSource):
     """A prepared dataset's rows without hidden states: what its split and lengths need (no items)."""
+
+    slots: list[LayerSlot]
+    target_info: dict
 
     def __init__(self, prepared: PreparedDataset):
         self.prepared, self.sample_ids, self.slots, self.target_info = prepared, list(prepared.sample_ids), [], prepared.target_info

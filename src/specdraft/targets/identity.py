@@ -2,8 +2,11 @@
 
 Stored datasets, hidden states and drafters record both so later stages can refuse data made for
 another target. The weight part hashes the full safetensors contents (a header-only hash would not
-tell two same-shaped random inits apart); to keep loads cheap the per-file digest is cached under
-``<cache>/fingerprints/`` keyed by absolute path, size and mtime.
+tell two same-shaped random inits apart). Hashing half a gigabyte of weights on every load would add
+a pass over the whole file to each command, so the digest of a large file is cached under
+``<cache>/fingerprints/`` (``utils/cache.py``) keyed by its absolute path, size, inode, mtime and
+ctime: a write into the file, or a file put in its place, changes the key and the file is hashed
+again (a user can set an mtime back, not a ctime).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import json
 import os
 from pathlib import Path
 
-from specdraft.utils.io import atomic_write_json, cache_root, sha256_file
+from specdraft.utils.cache import cached
+from specdraft.utils.io import cache_root, sha256_file
 
 # Files that define how text becomes token ids (and how chats are rendered), when present.
 TOKENIZER_FILES = (
@@ -31,6 +35,7 @@ TOKENIZER_FILES = (
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype")
 # Smaller weight files are hashed on every load (cheaper than a sidecar per temporary test model).
 _CACHE_MIN_BYTES = 64 << 20
+DIGEST_FORMAT = "specdraft-file-digest-v2"  # v1 was keyed by path, size and mtime only, with no checksum
 
 
 def tokenizer_hash(directory: str | os.PathLike) -> str:
@@ -54,25 +59,26 @@ def fingerprint(directory: str | os.PathLike) -> str:
     h.update(json.dumps(config, sort_keys=True).encode())
     h.update(tokenizer_hash(directory).encode())
     for path in sorted(directory.glob("*.safetensors")):
-        h.update(path.name.encode() + b"\0" + _cached_file_digest(path).encode())
+        h.update(path.name.encode() + b"\0" + file_digest(path).encode())
     return h.hexdigest()[:16]
 
 
-def _cached_file_digest(path: Path) -> str:
+def file_digest(path: str | os.PathLike) -> str:
+    """sha256 of a file's content, cached for large files (see the module docstring)."""
+    path = Path(path)
     stat = path.stat()
     if stat.st_size < _CACHE_MIN_BYTES:
         return sha256_file(path)
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    sidecar = cache_root() / "fingerprints" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
-    try:
-        cached = json.loads(sidecar.read_text())
-        if cached.get("key") == key:
-            return cached["sha256"]
-    except (OSError, ValueError, KeyError):
-        pass
-    digest = sha256_file(path)
-    try:
-        atomic_write_json(sidecar, {"key": key, "sha256": digest})
-    except OSError:  # a read-only cache only costs speed
-        pass
+    key = {"path": str(path.resolve()), "size": stat.st_size, "inode": stat.st_ino, "mtime_ns": stat.st_mtime_ns,
+           "ctime_ns": stat.st_ctime_ns}
+    sidecar = cache_root() / "fingerprints" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32] + ".json")
+    digest, _ = cached(sidecar, lambda: {"sha256": sha256_file(path)}, format=DIGEST_FORMAT, key=key, what=f"digest of {path}",
+                       parse=_sha256_hex)
+    return digest
+
+
+def _sha256_hex(value: dict) -> str:
+    digest = value["sha256"]
+    if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+        raise ValueError(f"{digest!r} is not a sha256")
     return digest

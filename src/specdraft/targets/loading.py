@@ -64,9 +64,11 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: str = "float32", d
         raise SpecdraftError(f"cannot load the tokenizer of target {path}: {exc}") from None
     if not getattr(tokenizer, "chat_template", None):
         raise SpecdraftError(f"the tokenizer in {path} has no chat template; specdraft renders conversations with it")
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a truncated or damaged weights file
         raise SpecdraftError(f"cannot load target model {path}: {exc}") from None
     model.to(device).eval()
     model.requires_grad_(False)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.targets.base import Target
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def seconds_per_step(metrics_path: Path) -> float:
 def epoch_steps(cfg: Any) -> int:
     """Steps of ``cfg.epochs`` passes over the training split of ``cfg.data`` (one process): what
     ``train`` runs when ``max_steps`` is 0."""
-    from specdraft.train.data import DataPlan, open_sample_source
+    from specdraft.train.batches import DataPlan, open_sample_source
     from specdraft.train.split import dataset_split
 
     dataset = open_sample_source(cfg)
@@ -72,7 +72,8 @@ def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Target | None =
     from specdraft.train.trainer import train
 
     if budget_seconds <= 0:
-        raise SpecdraftError(f"no time left for training (budget {budget_seconds:.0f} s); raise the budget")
+        raise SpecdraftError(f"no time left for training ({budget_seconds:.0f} s of the budget after the stages before it); "
+                             f"raise {setting('budget')} (a rerun keeps the finished stages)")
     scratch = Path(tempfile.mkdtemp(prefix="specdraft-probe-"))
     started = time.monotonic()
     try:

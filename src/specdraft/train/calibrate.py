@@ -7,6 +7,7 @@ drafter was trained on. The temperatures are stored in the
 checkpoint's config (``specdraft.config.confidence_temperatures``) and the fit statistics in
 ``calibration.json`` beside it; the checkpoint directory is replaced atomically, and only when it
 holds a drafter checkpoint and nothing else (a training checkpoint, with its trainer state, is refused).
+The drafter's ``MODEL_CARD.md`` is carried into the new directory with a section on the calibration.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.targets.base import Target
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.lock import claims_output
@@ -42,11 +43,11 @@ class CalibrateConfig:
     def __post_init__(self) -> None:
         require_finite(self)
         if self.mode not in ACCEPT_MODES:
-            raise SpecdraftError(f"--mode must be one of {sorted(ACCEPT_MODES)}, got {self.mode!r}")
+            raise SpecdraftError(f"{setting('mode')} must be one of {sorted(ACCEPT_MODES)}, got {self.mode!r}")
         if not 0 < self.val_fraction <= 1:
-            raise SpecdraftError(f"--val-fraction must be in (0, 1], got {self.val_fraction}")
+            raise SpecdraftError(f"{setting('val_fraction', of='calibrate')} must be in (0, 1], got {self.val_fraction}")
         if self.max_samples < 1 or self.pack_tokens < 2:
-            raise SpecdraftError("--max-samples must be >= 1 and --pack-tokens >= 2")
+            raise SpecdraftError(f"{setting('max_samples', of='calibrate')} must be >= 1 and {setting('pack_tokens', of='calibrate')} >= 2")
 
 
 def _drafter_dir():
@@ -57,7 +58,7 @@ def _drafter_dir():
 
 # --out defaults to --drafter itself: the documented in-place rewrite (the new checkpoint replaces the old whole, once complete)
 @claims_output(_drafter_dir, out=lambda config: config.out or config.drafter, inputs=lambda config: [config.drafter, config.data],
-               in_place_ok=True, what=lambda config: "--out" if config.out else "--drafter")
+               in_place_ok=True, what=lambda config: setting("out") if config.out else setting("drafter"))
 def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress: bool = True) -> dict:
     """Fit and store the temperatures; returns the statistics written to ``calibration.json``."""
     import dataclasses
@@ -66,13 +67,14 @@ def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress
     from tqdm import tqdm
 
     from specdraft.hidden_states.dataset import HiddenStateDataset
-    from specdraft.models.common.checkpoint import CALIBRATION_FILE
+    from specdraft.models.common.checkpoint import CALIBRATION_FILE, DRAFTER_DIR, MODEL_CARD_FILE
     from specdraft.models.common.drafter import load_drafter
-    from specdraft.models.dspark.calibration import sequential_temperature_scaling
+    from specdraft.models.dspark.temperature_scaling import sequential_temperature_scaling
     from specdraft.targets import load_target
-    from specdraft.train.data import collate, pack_rows, select_slots
+    from specdraft.train.batches import collate, pack_rows, select_slots
+    from specdraft.train.model_card import calibrated_card
     from specdraft.train.split import SPLIT_FILE, resolve_split
-    from specdraft.utils.io import atomic_write_json
+    from specdraft.utils.io import atomic_dir, atomic_write_bytes, atomic_write_json
 
     out = Path(config.out or config.drafter)
     dataset = HiddenStateDataset(config.data)
@@ -84,12 +86,20 @@ def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress
     slot_index = select_slots(dataset.slots, drafter.config.slots(), where=config.data)
     recorded = Path(config.split) if config.split else Path(config.drafter).resolve().parent / SPLIT_FILE
     if config.split and not recorded.is_file():
-        raise SpecdraftError(f"--split {config.split} does not exist")
-    held_out = resolve_split(dataset, val_fraction=config.val_fraction, seed=config.split_seed, recorded=recorded).val
+        raise SpecdraftError(f"{setting('split')} {config.split} does not exist")
+    split = resolve_split(dataset, val_fraction=config.val_fraction, seed=config.split_seed, recorded=recorded)
+    held_out = split.val
     if not held_out:
+        used = f"val_fraction {split.record['val_fraction']:g}, seed {split.record['seed']}"
+        if recorded.is_file():  # the run's split wins over --val-fraction: the drafter trained on everything else
+            raise SpecdraftError(
+                f"{config.data}: the recorded split ({recorded}: {used}) holds out none of the {len(dataset.sample_ids)} "
+                f"samples, and calibrating on samples it was trained on would fit the temperatures to its training data; train "
+                f"it again, into a new output directory, with a larger {setting('val_fraction', of='train')} or on more samples"
+            )
         raise SpecdraftError(
-            f"{config.data}: no sample falls in the held-out split (val_fraction {config.val_fraction} of "
-            f"{len(dataset.sample_ids)} samples); raise --val-fraction"
+            f"{config.data}: the split computed with {used} holds out none of the {len(dataset.sample_ids)} samples; raise "
+            f"{setting('val_fraction')} (to the drafter's training run's), or give that run's split.json as {setting('split')}"
         )
     held_out = held_out[: config.max_samples]
     lengths = dataset.lengths()  # indexed by sample index
@@ -97,7 +107,7 @@ def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress
     generator = torch.Generator().manual_seed(config.seed)
     parts: dict[str, list[torch.Tensor]] = {}
     for row in tqdm(rows, desc="calibrate", unit="row", disable=not progress):
-        batch = collate([[dataset[i] for i in row]], sample_tokens=config.pack_tokens, slot_index=slot_index)
+        batch = collate([[dataset[i] for i in row]], sample_tokens=config.pack_tokens, slot_index=slot_index, where=config.data)
         for key, value in drafter.confidence_records(batch, generator=generator).items():
             parts.setdefault(key, []).append(value.cpu())
     records = {k: torch.cat(v) for k, v in parts.items()}
@@ -107,7 +117,14 @@ def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress
         logits=records["logits"], accept=records[ACCEPT_MODES[config.mode]], valid=records["valid"].bool()
     )
     drafter.config = dataclasses.replace(drafter.config, confidence_temperatures=result.temperatures)
-    drafter.save_pretrained(out)
     stats = {"mode": config.mode, "samples": len(held_out), "blocks": int(records["valid"][:, 0].sum()), **result.to_json()}
-    atomic_write_json(out / CALIBRATION_FILE, stats)
+    card = Path(config.drafter) / MODEL_CARD_FILE  # read before the swap: in place, it is the directory being replaced
+    card_text = card.read_text() if card.is_file() else None
+    # one swap for the weights, the statistics and the card: the whole drafter directory is replaced, so what it held
+    # beside the weights (the training run's MODEL_CARD.md) is carried over, not dropped
+    with atomic_dir(out, DRAFTER_DIR, inputs=[config.drafter, config.data], in_place_ok=True) as tmp:
+        drafter.save_pretrained(tmp)
+        atomic_write_json(tmp / CALIBRATION_FILE, stats)
+        if card_text is not None:
+            atomic_write_bytes(tmp / MODEL_CARD_FILE, calibrated_card(card_text, stats, data=config.data).encode())
     return stats

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES, VERIFY_LEVELS
-from specdraft.hidden_states.online import DATA_MODES
+from specdraft.hidden_states.data_modes import DATA_MODES
 from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
 from specdraft.train.warm_start import FC_INITS, MARKOV_INITS
-from specdraft.utils.config import FORWARD_PATH_CHOICES, check_forward_path, config_field, require_finite
+from specdraft.tuning.paths import path_choices
+from specdraft.utils.config import check_fields, check_forward_path, config_field, require_finite
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
 PARALLEL_CHOICES = ("auto", "ddp", "fsdp")
@@ -107,7 +108,7 @@ class TrainConfig:
     forward_path: str = config_field(
         "auto", help="how the step's modules execute: eager, prepacked (frozen linears through oneDNN-prepacked weights; CPU, fp32; "
         "gqa applies to targets only, so prepacked+gqa trains as prepacked), or auto (times this run's fp32 step on each once per machine, cached, and picks the faster)",
-        metadata={"choices": list(FORWARD_PATH_CHOICES)},
+        metadata={"choices": path_choices()},
     )
     device: str = config_field("auto", help="torch device: auto (the local CUDA device if any, else cpu), cpu, cuda")
     parallel: str = config_field(
@@ -131,12 +132,10 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        require_finite(self)
-        check_forward_path(self.forward_path, "--forward-path")
         if isinstance(self.model, str):
             self.model = parse_overrides(self.model)
-        if not isinstance(self.model, dict):
-            raise SpecdraftError(f"model must be a mapping of method config overrides, got {self.model!r}")
+        require_finite(self)
+        check_forward_path(self.forward_path, setting("forward_path"))
         self.betas = [float(b) for b in self.betas]
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise SpecdraftError(f"betas must be two numbers in [0, 1), got {self.betas}")
@@ -174,12 +173,11 @@ class TrainConfig:
         """Fail with a message naming both ways to set each missing field."""
         for name in names:
             if getattr(self, name) in (None, ""):
-                flag = "--" + name.replace("_", "-")
-                raise SpecdraftError(f"{flag} is required (or set `{name}:` in the --config recipe)")
+                raise SpecdraftError(f"{setting(name)} is required (or set `{name}:` in the {setting('config')} recipe)")
 
     @property
     def round_row_widths(self) -> bool:
-        """Pad rows to a few widths (``train/data.py: padded_width``): with long samples, rows of 500 to 8k tokens
+        """Pad rows to a few widths (``train/batches.py: padded_width``): with long samples, rows of 500 to 8k tokens
         fragmented the heap (peak RSS 4.3 vs 2.5 GB, docs/results/long_train)."""
         return self.max_sample_tokens > self.pack_tokens
 
@@ -200,15 +198,16 @@ def parse_overrides(text: str) -> dict:
     if not text:
         return {}
     if text.startswith("{"):
-        value = _yaml_load(text, "--model")
+        value = _yaml_load(text, setting("model"))
         if not isinstance(value, dict):
-            raise SpecdraftError(f"--model {text!r} is not a YAML mapping")
+            raise SpecdraftError(f"{setting('model')} {text!r} is not a YAML mapping")
         return value
     out: dict[str, Any] = {}
     for part in text.split(","):
         key, sep, raw = part.partition("=")
         if not sep or not key.strip():
-            raise SpecdraftError(f"cannot parse model override {part!r}: expected key=value (e.g. --model num_layers=2,block_size=8)")
+            raise SpecdraftError(f"cannot parse model override {part!r}: expected key=value (e.g. {setting('model')} "
+                                 f"num_layers=2,block_size=8)")
         out[key.strip()] = yaml.safe_load(raw.strip()) if raw.strip() else None
     return out
 
@@ -223,18 +222,50 @@ def _yaml_load(text: str, where: str) -> Any:
 
 
 def load_recipe(path: str | Path) -> dict:
-    """Read a YAML recipe and check its keys are ``TrainConfig`` fields."""
+    """Read a YAML recipe and check it against ``TrainConfig``: every key a field, every value of its field's type
+    (``utils/config.check_fields``), so a wrong one is named with the file rather than failing deep in the run."""
     path = Path(path)
     if not path.is_file():
         raise SpecdraftError(f"config file {path} does not exist")
     values = _yaml_load(path.read_text(), f"config file {path}") or {}
     if not isinstance(values, dict):
         raise SpecdraftError(f"config file {path} must hold a YAML mapping of TrainConfig fields, got {type(values).__name__}")
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise SpecdraftError(f"config file {path}: unknown field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}")
+    if "model" in values and values["model"] is None:  # a `model:` section whose every line is commented out
+        values["model"] = {}
+    values = _yaml_numbers(TrainConfig, values)
+    check_fields(TrainConfig, values, f"config file {path}")
     return values
+
+
+def _yaml_numbers(cls: type, values: dict) -> dict:
+    """YAML 1.1 reads "6e-4" as a string: a string or an integer is fine for a float field of ``cls`` when it reads as
+    a number (anything else is left for the type check to name)."""
+    hints = typing.get_type_hints(cls)
+    out = dict(values)
+    for key, value in values.items():
+        if hints.get(key) in (float, float | None) and isinstance(value, (int, str)) and not isinstance(value, bool):
+            try:
+                out[key] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def check_model_overrides(method: str | None, model: Any, where: str) -> dict:
+    """``model`` (the recipe's or ``--model``'s) checked against ``method``'s config class with its key path
+    (``model.block_size``), its float strings read as numbers; unchecked when the method is unknown here (an
+    error of its own later) or its config is no dataclass."""
+    import specdraft.models  # noqa: F401  (registers the built-in methods)
+    from specdraft.models.base import METHODS
+
+    if not isinstance(model, dict):
+        raise SpecdraftError(f"{where}: model must be a mapping of method config overrides, got {model!r} ({type(model).__name__})")
+    config_cls = METHODS.get(method).config_cls if method and method in METHODS else None
+    if config_cls is None or not dataclasses.is_dataclass(config_cls):
+        return model
+    model = _yaml_numbers(config_cls, model)
+    check_fields(config_cls, model, where, "model.")
+    return model
 
 
 def recipe_path(name_or_path: str | Path) -> Path:
@@ -251,22 +282,16 @@ def recipe_path(name_or_path: str | Path) -> Path:
 
 def resolve_config(recipe: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
     """Defaults < recipe (packaged name or file) < ``overrides`` (e.g. the flags given on the command line)."""
-    values: dict[str, Any] = load_recipe(recipe_path(recipe)) if recipe else {}
+    path = recipe_path(recipe) if recipe else None
+    values: dict[str, Any] = load_recipe(path) if path else {}
     overrides = dict(overrides or {})
-    model = dict(values.get("model") or {})
-    if "model" in overrides:
-        cli_model = overrides.pop("model")
-        model.update(parse_overrides(cli_model) if isinstance(cli_model, str) else dict(cli_model or {}))
-    values.update(overrides)
+    cli_model = overrides.pop("model", None)
+    cli_model = parse_overrides(cli_model) if isinstance(cli_model, str) else cli_model
+    method = overrides.get("method", values.get("method"))
+    model = dict(check_model_overrides(method, values.get("model") or {}, f"config file {path}"))
+    model.update(check_model_overrides(method, cli_model or {}, setting("model")))
+    values.update(_yaml_numbers(TrainConfig, overrides))
     values["model"] = model
-    hints = typing.get_type_hints(TrainConfig)
-    for key, value in list(values.items()):
-        # YAML 1.1 reads "6e-4" as a string and "1" as an int; both are fine for a float field.
-        if hints[key] is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-            try:
-                values[key] = float(value)
-            except ValueError:
-                raise SpecdraftError(f"{key} must be a number, got {value!r}") from None
     try:
         return TrainConfig(**values)
     except TypeError as exc:

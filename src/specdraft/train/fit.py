@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from specdraft.train.checkpointer import TrainState
+from specdraft.train.strategies import TrainState
 from specdraft.train.metrics import MetricSums, MetricsLog
 from specdraft.train.step import StepOutput
 from specdraft.utils.memory import peak_rss_mb

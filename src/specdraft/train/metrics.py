@@ -93,6 +93,10 @@ class MetricSums:
         """
         n = max(1, self.batches)
         out: dict[str, Any] = {"loss": self.loss / n, **{k: v / n for k, v in sorted(self.terms.items())}}
+        if not math.isfinite(out["loss"]):
+            # a NaN loss makes every figure of these batches meaningless (NaN logits score as misses: tau 1.0),
+            # and NaN is no JSON number: the record says null rather than a tau
+            return {**{k: (v if math.isfinite(v) else None) for k, v in out.items()}, "loss": None, "non_finite_loss": True}
         if self.count is not None:
             denom = self.count.clamp_min(1.0)
             cond = (self.cond / denom).tolist()
@@ -102,6 +106,15 @@ class MetricSums:
             out["labels"] = int(self.count.sum())
             out["anchors"] = int(self.count[0])
         return out
+
+
+def trained_labels(path: str | os.PathLike) -> int | None:
+    """The supervised labels a run's training steps saw, summed over ``metrics.jsonl``'s train records (the whole
+    run's: a resume cuts the log back to its checkpoint); None when the method reports no labels."""
+    path = Path(path)
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    counts = [r["labels"] for r in records if r.get("split") == "train" and "labels" in r]
+    return sum(counts) if counts else None
 
 
 class MetricsLog:

@@ -16,14 +16,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.models.base import DrafterModel, MethodSpec, WarmStart
 from specdraft.targets.base import Target
-from specdraft.train import checkpoint as ckpt
-from specdraft.train.acceptance import DecodeProbe, unavailable_reason
+from specdraft.train import checkpoint_files as ckpt
+from specdraft.train.batches import DataPlan, SampleSource, select_slots, token_rows
 from specdraft.train.config import TrainConfig
-from specdraft.train.data import DataPlan, SampleSource, select_slots, token_rows
+from specdraft.train.decoded_tau import DecodeProbe, unavailable_reason
 from specdraft.train.split import SPLIT_FILE, Split, resolve_split
 
 log = logging.getLogger(__name__)
@@ -62,12 +62,14 @@ def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: Dra
              dataset: SampleSource, rank: int, world: int, warm_starts: Mapping[str, WarmStart] = MappingProxyType({})) -> RunPlan:
     """The plan of rank ``rank`` of ``world`` for training the built ``drafter``, to be warm-started with ``warm_starts``."""
     out, where = Path(cfg.out), str(cfg.data or "(in-memory dataset)")
+    check_block_fits(cfg.pack_tokens, drafter, spec.name)
     slots = spec.run_slots(cfg.model, target.num_layers)
     slot_index = select_slots(dataset.slots, slots, where=where)
     slot_index = None if slot_index == list(range(len(dataset.slots))) else slot_index
     split = resolve_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed, recorded=out / SPLIT_FILE)
     data = DataPlan.build(list(dataset.sample_ids), dataset.lengths(), split=split, pack_tokens=cfg.pack_tokens,
                           batch_rows=cfg.batch_rows, seed=cfg.seed, world_size=world, rank=rank, max_sample_tokens=cfg.max_sample_tokens)
+    require_labels(dataset, data.train_indices, sample_tokens=cfg.sample_tokens, where=where)
     probe, probe_skipped = None, None
     if cfg.decode_prompts and data.val_indices:
         probe_skipped = unavailable_reason(spec.name, target)
@@ -82,6 +84,7 @@ def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: Dra
         "model_config": ckpt._jsonable(config_dict(getattr(drafter, "config", model_cfg))),
         "target_fingerprint": target.fingerprint,
         "slots": [str(s) for s in slots],
+        "hidden_states": dataset.made_with,
     }
     return RunPlan(
         method=spec.name, out=out, where=where, slots=slots, slot_index=slot_index, split=split, data=data,
@@ -111,13 +114,43 @@ def check_resume(cfg: TrainConfig, identity: dict, *, data_fingerprint: str, wor
     return Resume(directory, saved)
 
 
+def check_block_fits(pack_tokens: int, drafter: DrafterModel, method: str) -> None:
+    """Refuse rows shorter than one draft block: the anchor and the K tokens it drafts (``speculative_tokens``;
+    K = 1 for a drafter without it: a token and the next). Draft position k is supervised only where k tokens of
+    the same sample follow the anchor, so rows of ``pack_tokens`` leave positions ``pack_tokens``..K unlearned:
+    at ``--pack-tokens 1`` every one, a run at loss 0.0 that learned nothing."""
+    drafts = drafter.speculative_tokens() if callable(getattr(drafter, "speculative_tokens", None)) else 1
+    if pack_tokens < drafts + 1:
+        positions = f"{pack_tokens}-{drafts}" if pack_tokens < drafts else str(drafts)
+        raise SpecdraftError(
+            f"{setting('pack_tokens')} {pack_tokens} is below the {drafts + 1} tokens one {method} block spans (its anchor and the "
+            f"{drafts} token(s) it drafts, each labelled by the sample's next token): rows that short never supervise draft "
+            f"position(s) {positions}; use {setting('pack_tokens')} {drafts + 1} or more"
+        )
+
+
+def require_labels(dataset: SampleSource, indices: list[int], *, sample_tokens: int, where: str) -> None:
+    """Refuse a training split with nothing to learn: no sample with a response token past its first within the
+    ``sample_tokens`` a row reads of it (prompts longer than that fill the rows; a label needs a token before it).
+    Stops at the first sample that has one, so real data pays one ``token_row``."""
+    for i in indices:
+        _, mask = dataset.token_row(i)
+        if mask[1:sample_tokens].any():
+            return
+    raise SpecdraftError(
+        f"{where}: none of the {len(indices)} training samples has a response token within the first {sample_tokens} tokens a "
+        f"row reads of it ({setting('pack_tokens')}, {setting('max_sample_tokens')}): their prompts fill the rows, so the run "
+        f"would learn nothing; raise {setting('pack_tokens')} past the prompts' length"
+    )
+
+
 def build_method_config(spec: MethodSpec, overrides: dict) -> Any:
     """The method's config from ``--model`` overrides, refused with the valid keys when one is unknown."""
     try:
         return spec.config_cls(**overrides)
     except TypeError as exc:
         fields = ", ".join(f.name for f in dataclasses.fields(spec.config_cls)) if dataclasses.is_dataclass(spec.config_cls) else "?"
-        raise SpecdraftError(f"invalid --model override for method {spec.name!r} ({exc}); valid keys: {fields}") from None
+        raise SpecdraftError(f"invalid {setting('model')} override for method {spec.name!r} ({exc}); valid keys: {fields}") from None
 
 
 def config_dict(model_cfg: Any) -> dict:

@@ -18,6 +18,11 @@ rows can move a component from validation to training (a new link), never the ot
 what lets the ``sharegpt`` eval suite (``eval/suites.py``), computed over the whole ShareGPT file,
 hold only prompts that are on the validation side of any run prepared from part of that file.
 
+On a small dataset a nonzero ``val_fraction`` may draw no component at all: asking for validation and getting none
+unsaid would leave the run unmeasured, so the component a slightly larger fraction would draw first is held out, with
+a warning counting it (``split.json``: ``held_out_closest``); when every sample is linked into one component that is
+refused instead.
+
 ``OUT/split.json`` records the split of a run (fraction, seed, the validation groups and ids, a
 hash of both sides); a resumed run reuses it (see ``resolve_split``).
 """
@@ -27,11 +32,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from specdraft.errors import SpecdraftError, os_error_message
+from specdraft.errors import SpecdraftError, os_error_message, setting
 
 if TYPE_CHECKING:
     from specdraft.hidden_states.source import SampleSource
@@ -64,8 +70,8 @@ def prompt_digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:24]
 
 
-def held_out(keys: Sequence[SplitKey], val_fraction: float, seed: int) -> list[bool]:
-    """Per sample: is it on the validation side? (the rule of the module docstring)."""
+def components(keys: Sequence[SplitKey]) -> list[int]:
+    """Per sample: the root of its linked component (samples sharing a group or a prompt, transitively)."""
     parent = list(range(len(keys)))
 
     def find(i: int) -> int:
@@ -80,12 +86,23 @@ def held_out(keys: Sequence[SplitKey], val_fraction: float, seed: int) -> list[b
             j = first.setdefault(link, i)
             if j != i:
                 parent[find(i)] = find(j)
-    drawn = {g: draw(g, seed) < val_fraction for g in {k.group for k in keys}}
-    component_val: dict[int, bool] = {}
-    for i, key in enumerate(keys):
-        root = find(i)
-        component_val[root] = component_val.get(root, True) and drawn[key.group]
-    return [component_val[find(i)] for i in range(len(keys))]
+    return [find(i) for i in range(len(keys))]
+
+
+def component_draws(keys: Sequence[SplitKey], seed: int) -> tuple[list[int], dict[int, float]]:
+    """Each sample's component and each component's draw: the largest draw of its groups, so a component is held
+    out exactly when its draw is below ``val_fraction`` (every group drawn)."""
+    roots = components(keys)
+    draws: dict[int, float] = {}
+    for root, key in zip(roots, keys):
+        draws[root] = max(draws.get(root, 0.0), draw(key.group, seed))
+    return roots, draws
+
+
+def held_out(keys: Sequence[SplitKey], val_fraction: float, seed: int) -> list[bool]:
+    """Per sample: is it on the validation side? (the rule of the module docstring)."""
+    roots, draws = component_draws(keys, seed)
+    return [draws[root] < val_fraction for root in roots]
 
 
 def prompt_length(mask: Any) -> int:
@@ -128,7 +145,7 @@ def _record(sample_ids: Sequence[str], keys: Sequence[SplitKey], val: list[int],
         h.update(f"{'V' if i in val_set else 'T'}:{sid}\n".encode())
     groups = {k.group for k in keys}
     val_groups = sorted({keys[i].group for i in val})
-    linked_out = sum(1 for g in groups if draw(g, seed) < val_fraction) - len(val_groups)
+    linked_out = len({g for g in groups if draw(g, seed) < val_fraction} - set(val_groups))
     return {
         "format": SPLIT_FORMAT, "version": 1, "rule": RULE, "val_fraction": val_fraction, "seed": seed,
         "samples": len(sample_ids), "train_samples": len(sample_ids) - len(val), "validation_samples": len(val),
@@ -140,10 +157,41 @@ def _record(sample_ids: Sequence[str], keys: Sequence[SplitKey], val: list[int],
 
 
 def compute_split(sample_ids: Sequence[str], keys: Sequence[SplitKey], *, val_fraction: float, seed: int) -> Split:
+    """The split of the module docstring; a nonzero ``val_fraction`` that draws nothing holds out one component
+    (``_closest_component``): asking for validation and silently getting none would leave the run unmeasured."""
     flags = held_out(keys, val_fraction, seed) if val_fraction > 0 else [False] * len(keys)
+    forced = val_fraction > 0 and not any(flags)
+    if forced:
+        flags = _closest_component(keys, val_fraction, seed)
     val = [i for i, f in enumerate(flags) if f]
     train = [i for i, f in enumerate(flags) if not f]
-    return Split(train, val, _record(sample_ids, keys, val, val_fraction, seed))
+    record = _record(sample_ids, keys, val, val_fraction, seed)
+    if forced:
+        record["held_out_closest"] = True  # none drawn: the component nearest the draw holds out (the card says so)
+    return Split(train, val, record)
+
+
+def _closest_component(keys: Sequence[SplitKey], val_fraction: float, seed: int) -> list[bool]:
+    """With ``val_fraction`` drawing no component (a small dataset): hold out the one a slightly larger fraction
+    would draw first (the smallest draw) among those no larger than what stays in training, with a warning
+    that counts it. Deterministic, so a resume recomputes it; it only adds validation samples, so a prompt the
+    hash rule holds out anywhere is never moved into training. Refused when no such component exists (all
+    samples linked into one), naming the numbers."""
+    roots, draws = component_draws(keys, seed)
+    sizes = Counter(roots)
+    candidates = [root for root in draws if sizes[root] <= len(keys) - sizes[root]]
+    groups = len({k.group for k in keys})
+    if not candidates:
+        raise SpecdraftError(
+            f"{setting('val_fraction')} {val_fraction} holds out none of the {len(keys)} samples ({groups} conversation(s) linked by "
+            f"shared prompts into {len(draws)} component(s), none of which leaves as many samples to train on): add samples, "
+            f"or set {setting('val_fraction')} 0 to train on all of them without validation"
+        )
+    chosen = min(candidates, key=lambda root: (draws[root], root))
+    log.warning("%s %s drew none of the %d conversation(s) (%d samples) for validation; holding out the %d sample(s) a larger "
+                "fraction would draw first (1 of %d linked components), so the run is measured; set it to 0 for no validation",
+                setting("val_fraction"), val_fraction, groups, len(keys), sizes[chosen], len(draws))
+    return [root == chosen for root in roots]
 
 
 def dataset_split(dataset: SampleSource, *, val_fraction: float, seed: int) -> Split:

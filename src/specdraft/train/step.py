@@ -2,7 +2,7 @@
 run the same work: forward in the compute dtype, backward, clip, optimizer update.
 
 ``StepModule`` wraps a drafter so DDP/FSDP hooks see the call (``forward`` is ``training_forward``);
-every RNG is reseeded per step by the caller (``reseed(data.step_seed(...))``), which is what makes a
+every RNG is reseeded per step by the caller (``reseed(batches.step_seed(...))``), which is what makes a
 resumed run draw exactly what an uninterrupted one draws.
 """
 
@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from specdraft.models.base import DrafterBatch, DrafterModel, TrainOutput
+from specdraft.tuning.dtype import measure_dtype
+from specdraft.tuning.measured import Measurement, fastest_time
 from specdraft.utils.compute import autocast
 
 
@@ -87,3 +90,28 @@ def reseed(value: int) -> None:
     torch.manual_seed(value)
     random.seed(value)
     np.random.seed(value % (2**32))
+
+
+def synthetic_batch(*, rows: int, tokens: int, slots: int, hidden: int, vocab: int, seed: int = 0) -> DrafterBatch:
+    """A full batch of one sample per row (a quarter prompt, the rest response) with random features, for the probes
+    that time a step: the work of a real step does not depend on the values."""
+    g = torch.Generator().manual_seed(seed)
+    loss_mask = torch.ones(rows, tokens, dtype=torch.bool)
+    loss_mask[:, : tokens // 4] = False
+    return DrafterBatch(
+        token_ids=torch.randint(0, vocab, (rows, tokens), generator=g),
+        loss_mask=loss_mask,
+        segment_ids=torch.zeros(rows, tokens, dtype=torch.int32),
+        position_ids=torch.arange(tokens).expand(rows, tokens).clone(),
+        aux_hidden=torch.randn(rows, tokens, slots, hidden, generator=g),
+        last_hidden=torch.randn(rows, tokens, hidden, generator=g),
+    )
+
+
+def measure_train_dtype(module: nn.Module, batch: DrafterBatch, *, device: torch.device, context: dict[str, Any],
+                        cache_dir: Path | None = None) -> Measurement:
+    """The compute dtype whose :func:`train_step` of ``module`` (the step module, in training mode, no optimizer) on
+    ``batch`` ran fastest here (``tuning/dtype.py``)."""
+    batch = batch.to(device)
+    return measure_dtype("train-dtype", context, lambda dtype: fastest_time(lambda: train_step(module, batch, dtype=dtype, device=device)),
+                         device=device, cache_dir=cache_dir)

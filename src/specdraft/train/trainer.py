@@ -5,19 +5,20 @@ Its parts, each in its own module:
 
 - ``plan.py``: what the run will do, worked out once and side-effect free: the layer slots, the
   validation split (``split.py``: whole conversations, no prompt on both sides, ``OUT/split.json``),
-  the data plan (batch = f(seed, step, rank), ``data.DataPlan``), the run identity and the resume
+  the data plan (batch = f(seed, step, rank), ``batches.DataPlan``), the run identity and the resume
   check (a resumed run must have the checkpoint's method, model config, target and layers).
 - ``step.py``: the public ``train_step`` (forward in the compute dtype, backward, clip, update); every
   RNG is reseeded from (seed, rank, step) first. ``--dtype auto`` / ``--num-threads 0`` time this step
-  once per machine (``compute_dtype.py``, ``utils/threads.py``).
-- ``checkpointer.py``: the resumable ``TrainState`` and one checkpointer per parallel strategy.
+  once per machine (``tuning/dtype.py``, ``tuning/threads.py``).
+- ``strategies.py``: the resumable ``TrainState``, and per parallel strategy its wrapping and checkpointer
+  (which writes ``checkpoint_files.py``'s format).
 - ``fit.py``: the loop, with logging, validation, stopping (SIGINT/SIGTERM, ``max_time``: a
   checkpoint after the current step) and checkpointing as hooks.
 
 A fresh run warm-starts the drafter (``warm_start``), a resumed one restores the checkpoint. At the
 end: validation, a last checkpoint and ``OUT/final`` (the drafter and its ``MODEL_CARD.md``).
 Validation logs the teacher-forced tau estimate and, with ``decode_prompts``, the tau the runtime
-gets decoding a few validation prompts (``train/acceptance.py``).
+gets decoding a few validation prompts (``decoded_tau.py``).
 
 Multi-process: run under ``torchrun``; the process group uses gloo on CPU and NCCL on GPU
 (``distributed.py``). DDP averages gradients. FSDP2 (``parallel: fsdp``) shards the whole drafter as
@@ -41,16 +42,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, TrainOutput
 from specdraft.models.common.checkpoint import DRAFTER_DIR
 from specdraft.targets.base import Target
-from specdraft.train import checkpoint as ckpt
-from specdraft.train.acceptance import TEACHER_FORCED_ANCHORS, last_validation, model_card
-from specdraft.train.checkpointer import STRATEGIES, Checkpointer, TrainState, strategy_name
-from specdraft.train.compute_dtype import measure_train_dtype, synthetic_batch
-from specdraft.train.config import TrainConfig
-from specdraft.train.data import (
+from specdraft.train import checkpoint_files as ckpt
+from specdraft.train.batches import (
     DELIVERY_LOG,
     PrefetchingSource,
     SampleSource,
@@ -60,22 +57,26 @@ from specdraft.train.data import (
     token_rows,
     training_order,
 )
+from specdraft.train.config import TrainConfig
 from specdraft.train.distributed import Dist, init_distributed, process_group_scope
 from specdraft.train.fit import FitHooks, StepDone, TrainLog, fit
-from specdraft.train.metrics import MetricSums, MetricsLog, lr_factor
+from specdraft.train.metrics import MetricSums, MetricsLog, lr_factor, trained_labels
+from specdraft.train.model_card import TEACHER_FORCED_ANCHORS, last_validation, model_card
 from specdraft.train.plan import RunPlan, build_method_config, plan_run
 from specdraft.train.split import SPLIT_FILE, write_split
-from specdraft.train.step import StepModule, build_optimizer, reseed, train_step
+from specdraft.train.step import StepModule, build_optimizer, measure_train_dtype, reseed, synthetic_batch, train_step
+from specdraft.train.strategies import STRATEGIES, Checkpointer, TrainState, strategy_name
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
+from specdraft.tuning.measured import fastest_time
+from specdraft.tuning.settings import Choice, MachineSettings
 from specdraft.utils.compute import COMPUTE_DTYPES, autocast
 from specdraft.utils.io import check_replaceable
 from specdraft.utils.lock import claims_output
-from specdraft.utils.measured import fastest_time
 
 log = logging.getLogger(__name__)
 
 EVAL_SEED_KIND = 1
-MODEL_CARD = "MODEL_CARD.md"  # in OUT/final: data, validation split and both acceptance figures (train/acceptance.py)
+MODEL_CARD = "MODEL_CARD.md"  # in OUT/final: data, validation split and both acceptance figures (train/model_card.py)
 
 
 @dataclass
@@ -104,13 +105,20 @@ class Compute:
     threads: dict  # ``threads_facts``: the count and where it came from
     forward_path: dict  # ``PathChoice.to_json()``: the path the step's modules run on and why
 
+    def settings(self, dtype_source: str) -> MachineSettings:
+        """The train stage's machine settings (``tuning/settings.py``), for its one log block."""
+        probe = self.dtype_probe or {}
+        dtype = Choice(self.dtype, ("cached" if probe.get("cached") else "measured") if probe else dtype_source, dict(probe.get("seconds") or {}))
+        return MachineSettings("train", forward_path=Choice.from_facts(self.forward_path, "forward_path"),
+                               threads=Choice.from_facts(self.threads, "threads"), compute_dtype=dtype)
+
 
 @claims_output(None)  # one writer per run (rank 0 holds the job's lock); _check_out_dir checks ownership
 def train(cfg: TrainConfig, *, target: Target | None = None, dataset: SampleSource | None = None) -> TrainResult:
     """Train (or resume training) a drafter as configured; see the module docstring.
 
     ``target`` and ``dataset`` default to loading ``cfg.target`` and opening the source ``cfg.data_mode``
-    names (``data.open_sample_source``); tests pass small in-memory ones.
+    names (``batches.open_sample_source``); tests pass small in-memory ones.
     """
     cfg.require("method", "out")
     dist_ = Dist.from_env()
@@ -157,7 +165,7 @@ def _plan(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_:
     warm_starts = check_warm_start(cfg, spec.name)
     _check_out_dir(Path(cfg.out))
     if cfg.num_threads:
-        from specdraft.utils.threads import set_threads
+        from specdraft.tuning.threads import set_threads
 
         set_threads(cfg.num_threads)
     target = _store_target(target, dataset, requested=cfg.target, where=str(cfg.data or "(in-memory dataset)"))
@@ -199,11 +207,25 @@ def _finish(state: TrainState, run: RunPlan, checkpointer: Checkpointer, validat
             checkpointer.save(state)  # rank 0 may already be writing while a slower rank would look at the disk
     final = None
     if stopped_by != "signal":
+        _require_learning(state, run, checkpointer)
         final = checkpointer.save_final(state, lambda directory: (directory / MODEL_CARD).write_text(model_card(
             method=run.method, step=state.step, data=run.where, split=run.split.record, validation=last_validation(run.out / ckpt.METRICS))))
     if stopped_by:
         log.warning("stopped by %s at step %d of %d; rerun the same command to resume", stopped_by, state.step, run.total_steps)
     return final
+
+
+def _require_learning(state: TrainState, run: RunPlan, checkpointer: Checkpointer) -> None:
+    """Refuse to write ``OUT/final`` for a run whose steps supervised no label: it learned nothing, and a final
+    drafter would read as a completed run (the plan refuses the known causes first, ``plan.check_block_fits`` and
+    ``plan.require_labels``; this catches what they cannot see, e.g. steps that read only the samples without one).
+    Decided on rank 0, which writes the log, and agreed by every rank."""
+    labels = trained_labels(run.out / ckpt.METRICS) if checkpointer.dist.main else None
+    if checkpointer.dist.any(labels == 0, checkpointer.device):
+        raise SpecdraftError(
+            f"{run.out}: the {state.step} training step(s) supervised 0 labels ({ckpt.METRICS}), so the drafter learned nothing and "
+            f"{ckpt.FINAL}/ is not written; give it samples with replies within {setting('pack_tokens')} tokens, or more steps"
+        )
 
 
 def _store_target(target: Target | None, dataset: SampleSource, *, requested: str | None, where: str) -> Target:
@@ -254,6 +276,8 @@ def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: 
     step_module.to(device)
     compute = _measured_settings(step_module, target, run.identity, dist_, device, dtype=cfg.dtype, num_threads=cfg.num_threads,
                                  batch_rows=cfg.batch_rows, pack_tokens=cfg.pack_tokens, dry_run=cfg.dry_run, forward_path=cfg.forward_path)
+    if dist_.main:
+        compute.settings("dry run" if cfg.dry_run else "flag").log()
     wrapped = strategy.wrap(step_module, device)
     optimizer = build_optimizer(wrapped, name=cfg.optimizer, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, device=device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -283,7 +307,8 @@ def _step(state: TrainState, items: list, *, sample_tokens: int, round_width: bo
           checkpointer: Checkpointer) -> StepDone:
     """The fit loop's step: collate, reseed from (seed, rank, step), ``train_step`` (refusing a non-finite
     loss or gradient on any rank before the update), advance the schedule."""
-    batch = collate(items, sample_tokens=sample_tokens, round_width=round_width, slot_index=run.slot_index).to(compute.device)
+    batch = collate(items, sample_tokens=sample_tokens, round_width=round_width, slot_index=run.slot_index,
+                    where=run.where).to(compute.device)
     reseed(step_seed(seed, checkpointer.dist.rank, state.step))
     lr = state.scheduler.get_last_lr()[0]
 
@@ -326,7 +351,7 @@ class _Validation:
         dist_ = self.checkpointer.dist
         state.module.eval()
         sums = teacher_forced(state.module, self.dataset, self.batches, sample_tokens=self.sample_tokens, round_width=self.round_width, slot_index=self.run.slot_index,
-                              device=self.compute.device, compute_dtype=self.compute.dtype,
+                              device=self.compute.device, compute_dtype=self.compute.dtype, where=self.run.where,
                               seed=step_seed(self.seed, dist_.rank, state.step, EVAL_SEED_KIND))
         sums.all_reduce()
         if not sums.batches:
@@ -350,7 +375,7 @@ class _Validation:
 
 def teacher_forced(forward: Callable[[DrafterBatch], TrainOutput], dataset: SampleSource, batches: list[list[list[int]]], *,
                    sample_tokens: int, slot_index: list[int] | None, device: torch.device | str, compute_dtype: str,
-                   seed: int, round_width: bool = False) -> MetricSums:
+                   seed: int, round_width: bool = False, where: str = "the hidden-state store") -> MetricSums:
     """The validation pass's teacher-forced sums (``accept_len`` = ``tau_teacher_forced``) over ``batches``
     (``DataPlan.val_batches``), every RNG seeded with ``seed`` first. ``forward`` is the step module or a
     drafter's ``training_forward``, already in eval mode (uniform anchors); the benchmarks score other
@@ -360,7 +385,7 @@ def teacher_forced(forward: Callable[[DrafterBatch], TrainOutput], dataset: Samp
     with torch.no_grad():
         for rows in batches:
             batch = collate([[dataset[i] for i in row] for row in rows], sample_tokens=sample_tokens, round_width=round_width,
-                            slot_index=slot_index).to(device)
+                            slot_index=slot_index, where=where).to(device)
             with autocast(compute_dtype, device):
                 sums.add(forward(batch), int((batch.segment_ids >= 0).sum()))
     return sums
@@ -372,8 +397,8 @@ def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_:
     ``num_threads``, or for ``auto`` / 0 what ran this step fastest here -- first the path (in fp32), then
     the dtype on it, then the thread count --, timed on rank 0 (before the module is wrapped) and sent to
     every rank so they all compute alike. A dry run computes nothing."""
-    from specdraft.utils.forward_path import EAGER, FORWARD_PATHS, PathChoice, path_version, resolve_path, use_path
-    from specdraft.utils.threads import default_threads_for_probes, resolve_threads, threads_facts
+    from specdraft.tuning.forward_path import EAGER, FORWARD_PATHS, PathChoice, path_version, resolve_path, use_path
+    from specdraft.tuning.threads import default_threads_for_probes, resolve_threads, threads_facts
 
     if dry_run:
         return Compute(device, "fp32" if dtype == "auto" else dtype, None, threads_facts(num_threads, None), PathChoice(EAGER, "dry run", {}).to_json())

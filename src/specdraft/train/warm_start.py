@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.models import METHODS
 from specdraft.models.base import DrafterModel, WarmStart, WarmStartData
 from specdraft.targets.base import Target
@@ -62,7 +62,10 @@ class Piece:
         return [m for m in METHODS.names() if self.name in METHODS.get(m).warm_starts]
 
     def off_flag(self) -> str:
-        flag = "--" + self.switch.replace("_", "-")
+        """How the running command switches it off, or "" where it has no flag for it (the recipe does)."""
+        flag = setting(self.switch)
+        if not flag.startswith("--"):
+            return ""
         return flag.replace("--", "--no-", 1) if self.off is False else f"{flag} {self.off}"
 
 
@@ -84,7 +87,7 @@ def check_warm_start(cfg: Any, method: str) -> dict[str, WarmStart]:
         if piece.name not in surgery:
             raise SpecdraftError(
                 f"{piece.name} does not apply to method {method!r} (it applies to: {', '.join(piece.methods())}); "
-                f"set `{piece.switch}: {str(piece.off).lower()}` in the recipe or pass {piece.off_flag()}"
+                f"set `{piece.switch}: {str(piece.off).lower()}` in the recipe" + (f" or pass {piece.off_flag()}" if piece.off_flag() else "")
             )
         chosen[piece.name] = surgery[piece.name]
     return chosen

@@ -1,5 +1,5 @@
 """Compute dtypes by name and the autocast context each runs in: shared by training and drafting,
-whose choice between them is measured (``utils/measured.py``), never fixed."""
+whose choice between them is measured (``tuning/dtype.py``), never fixed."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import torch
 COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 
-def parse_device(name: str, flag: str = "--device") -> torch.device:
+def parse_device(name: str) -> torch.device:
     """``torch.device(name)``, refused with a ``SpecdraftError`` when it is malformed or not on this machine
     (torch's own errors are bare RuntimeErrors/AssertionErrors, raised only when a model is first moved)."""
-    from specdraft.errors import SpecdraftError
+    from specdraft.errors import SpecdraftError, setting
 
+    flag = setting("device")
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as exc:
@@ -34,9 +35,3 @@ def autocast(name: str, device: torch.device | str) -> ContextManager:
     dtype = COMPUTE_DTYPES[name]
     return torch.autocast(torch.device(device).type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
-
-def candidates(device: torch.device) -> list[str]:
-    """The dtypes worth timing on ``device`` (bf16 on CPUs always runs; on GPUs only where supported)."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return ["fp32"]
-    return list(COMPUTE_DTYPES)

@@ -11,7 +11,9 @@ others with a bare ``TypeError``, or none at all (a string where a bool belongs)
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
+import enum
 import math
 import types
 import typing
@@ -20,15 +22,14 @@ from typing import Any, Callable, TypeVar
 C = TypeVar("C")
 
 
-#: ``auto`` and the paths of ``utils/forward_path.FORWARD_PATHS``, named here so configs stay torch-free (a test keeps them equal).
-FORWARD_PATH_CHOICES = ("auto", "eager", "gqa", "prepacked", "prepacked+gqa", "prepacked+streamed", "prepacked+streamed+gqa")
-
-
 def check_forward_path(value: str, flag: str = "forward_path") -> None:
-    if value not in FORWARD_PATH_CHOICES:
+    """Refuse a forward path no one registered (``tuning/paths.py`` is torch-free: configs check without loading torch)."""
+    from specdraft.tuning.paths import path_choices
+
+    if value not in path_choices():
         from specdraft.errors import SpecdraftError
 
-        raise SpecdraftError(f"{flag} must be one of {', '.join(FORWARD_PATH_CHOICES)}, got {value!r}")
+        raise SpecdraftError(f"{flag} must be one of {', '.join(path_choices())}, got {value!r}")
 
 
 def config_field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any) -> Any:
@@ -49,34 +50,97 @@ _SCALARS: dict[type, tuple[str, Callable[[Any], bool]]] = {
 
 
 def _type_problem(tp: Any, value: Any) -> str | None:
-    """What ``value`` should be for the scalar (or list of scalars) type ``tp``; None when it is, or when
-    ``tp`` is anything else (those fields check themselves)."""
+    """What ``value`` should be to be of type ``tp`` ("an integer", "a list of numbers", "a mapping", "one of 'a', 'b'"),
+    None when it is. ``None`` is one only for an ``Optional`` field; a class this does not know passes (such a
+    field checks itself)."""
+    tp, optional = _unwrap_optional(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return None
+    if tp is type(None):
+        return None if value is None else "null"
+    if origin in (typing.Union, types.UnionType):
+        problems = [_type_problem(arm, value) for arm in args]
+        return None if None in problems else " or ".join(dict.fromkeys(problems))
+    if value is None:
+        return None if optional else "set (not null)"
     if tp in _SCALARS:
         what, ok = _SCALARS[tp]
         return None if ok(value) else what
-    if typing.get_origin(tp) is list and typing.get_args(tp) and typing.get_args(tp)[0] in _SCALARS:
-        what, ok = _SCALARS[typing.get_args(tp)[0]]
-        return None if isinstance(value, (list, tuple)) and all(map(ok, value)) else f"a list of {what.removeprefix('an ').removeprefix('a ')}s"
+    if origin is typing.Literal:
+        return None if value in args else "one of " + ", ".join(map(repr, args))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        choices = [m.value for m in tp]
+        return None if isinstance(value, tp) or value in choices else "one of " + ", ".join(map(repr, choices))
+    if tp in (list, tuple) or origin in (list, tuple, collections.abc.Sequence):
+        if not isinstance(value, (list, tuple)):
+            return "a list"
+        problem = next((p for v in value if (p := _type_problem(args[0] if args else Any, v))), None)
+        return None if problem is None else f"a list of {_plural(problem)}"
+    if tp is dict or origin in (dict, collections.abc.Mapping):
+        if not isinstance(value, collections.abc.Mapping):
+            return "a mapping (key: value)"
+        key_type, value_type = args or (Any, Any)
+        for key, item in value.items():
+            if problem := _type_problem(key_type, key):
+                return f"a mapping whose keys are each {problem}"
+            if problem := _type_problem(value_type, item):
+                return f"a mapping whose values are each {problem}"
+        return None
+    if dataclasses.is_dataclass(tp):
+        return None if isinstance(value, tp) else f"a {tp.__name__}"
     return None
 
 
+def _plural(what: str) -> str:
+    return what.removeprefix("an ").removeprefix("a ") + "s"
+
+
 def require_finite(config: Any) -> None:
-    """Refuse a value of the wrong type in every scalar (or scalar-list) field of a dataclass config, and
-    NaN/inf in every float field (and float list), naming the field."""
-    from specdraft.errors import SpecdraftError
+    """Refuse a value of the wrong type in every field of a dataclass config (``_type_problem``), and NaN/inf in
+    every float field (and float list), naming the field (and its flag, where the running command has one)."""
+    from specdraft.errors import SpecdraftError, setting
 
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value = getattr(config, f.name, None)
-        tp, _ = _unwrap_optional(hints.get(f.name, Any))
-        problem = None if value is None else _type_problem(tp, value)
+        problem = None if value is None else _type_problem(hints.get(f.name, Any), value)
+        flag = setting(f.name)
+        flag = f" ({flag})" if flag.startswith("--") else ""
         if problem:
-            raise SpecdraftError(f"{type(config).__name__}: {f.name} must be {problem}, got {value!r} ({_flag(f.name)})")
+            raise SpecdraftError(f"{type(config).__name__}: {f.name} must be {problem}, got {value!r}{flag}")
         values = value if isinstance(value, (list, tuple)) else [value]
         bad = next((v for v in values if isinstance(v, float) and not math.isfinite(v)), None)
         if bad is not None:
             name = type(config).__name__
-            raise SpecdraftError(f"{name}: {f.name} must be a finite number, got {bad} ({_flag(f.name)})")
+            raise SpecdraftError(f"{name}: {f.name} must be a finite number, got {bad}{flag}")
+
+
+def check_fields(cls: type, values: Any, where: str, prefix: str = "") -> None:
+    """Check a mapping read from a file (a YAML recipe, a JSON record) against the dataclass ``cls`` before it is
+    built: the keys must be fields of ``cls`` and each value of its field's type, nested dataclasses recursively
+    (``prefix`` is the key path so far). Without this a wrong type surfaces as a bare ``TypeError``/``ValueError``
+    from whatever first touches it; here it is refused naming ``where``, the key path, the expected type and
+    the value. ``None`` passes only an ``Optional`` field."""
+    from specdraft.errors import SpecdraftError
+
+    if not isinstance(values, collections.abc.Mapping):
+        raise SpecdraftError(f"{where}: {prefix.removesuffix('.') or 'the file'} must be a mapping of {cls.__name__} fields, "
+                             f"got {values!r} ({type(values).__name__})")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(str(key) for key in values if key not in names)
+    if unknown:
+        raise SpecdraftError(f"{where}: unknown field(s) {', '.join(prefix + k for k in unknown)}; "
+                             f"valid fields{' of ' + prefix.removesuffix('.') if prefix else ''}: {', '.join(sorted(names))}")
+    for key, value in values.items():
+        tp, _ = _unwrap_optional(hints.get(key, Any))
+        if dataclasses.is_dataclass(tp) and isinstance(value, collections.abc.Mapping):
+            check_fields(tp, value, where, f"{prefix}{key}.")
+            continue
+        problem = _type_problem(hints.get(key, Any), value)
+        if problem:
+            raise SpecdraftError(f"{where}: {prefix}{key} must be {problem}, got {value!r} ({type(value).__name__})")
 
 
 def _flag(name: str) -> str:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+from email.message import Message
+from io import BufferedIOBase
 from typing import Any, BinaryIO, Mapping
 
 #: Deepest nesting of arrays/objects a body may have (the schemas here need 3).
@@ -36,7 +38,9 @@ class OptionalField:
         self.spec = spec
 
 
-def read_json_body(headers: Mapping[str, str], rfile: BinaryIO, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
+def read_json_body(
+    headers: Mapping[str, str] | Message, rfile: BinaryIO | BufferedIOBase, *, max_bytes: int, max_depth: int = MAX_DEPTH
+) -> Any:
     """Read and parse one JSON request body; ``RequestError`` 411/413/408/400 when it cannot be trusted."""
     length = headers.get("Content-Length")
     if length is None or not (length.isascii() and length.isdigit()):

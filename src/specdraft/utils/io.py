@@ -69,6 +69,16 @@ class DirKind:
 LOCK_GLOB = ".*.lock"
 
 
+@dataclass(frozen=True)
+class FileKind:
+    """What one command writes as a single file (``generate --metrics-out``): an existing file is replaced only when
+    ``recognise(path)`` says it is one; ``example`` is the name suggested inside a directory given instead of a file."""
+
+    name: str
+    recognise: Callable[[Path], bool]
+    example: str
+
+
 def json_field_is(key: str, value: Any) -> Callable[[Path], bool]:
     """A ``DirKind.recognise`` for a JSON marker whose ``key`` must exist (``value`` ``...``) or equal ``value``."""
 
@@ -82,9 +92,10 @@ def json_field_is(key: str, value: Any) -> Callable[[Path], bool]:
     return recognise
 
 
-def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str | os.PathLike] = (),
+def check_replaceable(path: str | os.PathLike, kind: DirKind | FileKind, *, inputs: Iterable[str | os.PathLike] = (),
                       in_place_ok: bool = False) -> None:
-    """Refuse (``SpecdraftError``) to replace ``path`` unless it is absent, empty or holds only a ``kind``.
+    """Refuse (``SpecdraftError``) to replace ``path`` unless it is absent, empty or holds only a ``kind`` (for a
+    ``FileKind``: unless it is absent or such a file).
 
     ``inputs`` are paths the command reads: none may lie inside ``path``, and none may be ``path``
     itself unless ``in_place_ok`` (a documented in-place rewrite that reads everything first and
@@ -95,6 +106,13 @@ def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterabl
 
     path = Path(path)
     if not path.exists() and not path.is_symlink():
+        return
+    if isinstance(kind, FileKind):
+        if path.is_dir():
+            raise SpecdraftError(f"{path} is a directory; give a file path, e.g. {path / kind.example}")
+        if not kind.recognise(path):
+            raise SpecdraftError(f"{path} exists and is not a {kind.name}; it would be replaced, so nothing was done. Choose "
+                                 "another path or move that file away")
         return
     if path.is_symlink() or not path.is_dir():
         what = "a symbolic link (the link, not its target, would be replaced)" if path.is_symlink() else "not a directory"
@@ -130,6 +148,36 @@ def check_replaceable(path: str | os.PathLike, kind: DirKind, *, inputs: Iterabl
             )
 
 
+def recover_swap(path: str | os.PathLike) -> None:
+    """Clear what a writer of ``path`` killed inside ``atomic_dir`` left beside it: its ``.NAME.XXXXXXXX.tmp`` (a new
+    content not yet swapped in) and ``.NAME.PID.old`` (the previous one, not yet removed) directories. Killed between
+    the swap's two renames it left no ``path`` at all: the previous content is put back (old or new, never neither).
+
+    Only for the writer of ``path``: its lock (``utils/lock.claim_output``, on ``path`` or a directory above it) is
+    what makes these leftovers of a dead writer rather than the work of a live one. The names are matched exactly, so
+    a sibling output's (``NAME.v2``) are never touched.
+    """
+    import logging
+
+    path = Path(path)
+    temporary = re.compile(rf"\.{re.escape(path.name)}\.(?:[a-z0-9_]{{8}}\.tmp|\d+\.old)")
+    try:
+        leftovers = sorted(p for p in path.parent.iterdir() if temporary.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+    except FileNotFoundError:
+        return
+    log = logging.getLogger(__name__)
+    previous = [p for p in leftovers if p.name.endswith(".old")]
+    if previous and not path.exists() and not path.is_symlink():
+        os.replace(previous[0], path)
+        log.warning("%s: put back its previous content from %s, left by a writer killed while swapping in a new one", path,
+                    previous[0].name)
+        leftovers.remove(previous[0])
+    for leftover in leftovers:
+        shutil.rmtree(leftover, ignore_errors=True)
+    if leftovers:
+        log.info("%s: removed %s, left by a writer killed before it finished", path, ", ".join(p.name for p in leftovers))
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str | os.PathLike] = (),
                in_place_ok: bool = False) -> Iterator[Path]:
@@ -138,9 +186,10 @@ def atomic_dir(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str |
     ``path`` is replaced only when ``check_replaceable`` allows it, checked before the caller writes
     and again just before the swap. Readers see either the old directory or the complete new one.
     A hard kill can leave a hidden ``.NAME.*.tmp`` or ``.NAME.PID.old`` sibling behind, never a
-    half-written ``path``.
+    half-written ``path``; the next writer clears them first (``recover_swap``).
     """
     path = Path(path)
+    recover_swap(path)
     check_replaceable(path, kind, inputs=inputs, in_place_ok=in_place_ok)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))

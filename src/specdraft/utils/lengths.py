@@ -3,7 +3,11 @@ and the eval's per-bucket tables."""
 
 from __future__ import annotations
 
-from specdraft.utils.threads import power_of_two_at_least
+
+
+def power_of_two_at_least(n: int) -> int:
+    """``n`` rounded up to a power of two: length buckets, and probe shapes (and cache keys) that many datasets share."""
+    return 1 << max(int(n) - 1, 1).bit_length()
 
 
 def length_bucket(tokens: int) -> int:

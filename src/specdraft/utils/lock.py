@@ -1,23 +1,32 @@
 """One writer per output: ``claim_output`` checks ownership and writability and holds an exclusive lock.
 
-Every command that writes a directory (prepare, extract, train, calibrate, eval, quickstart, the
-Mooncake master's ``store start``) enters ``claim_output(OUT, KIND)`` before any work, so none can
-forget one of the three checks:
+Every command that writes (prepare, extract, train, calibrate, eval, export-speculators, quickstart, the
+Mooncake master's ``store start``, and ``generate --metrics-out``, a file) enters ``claim_output(OUT, KIND)``
+before any work, so none can forget one of the three checks (``tests/hostile/test_ownership.py`` runs every
+output flag of the CLI against them):
 
 1. **ownership**: ``check_replaceable(OUT, KIND)`` (``utils/io.py``): an existing ``OUT`` is
-   replaced or extended only when it is that command's kind; an input inside ``OUT`` (or equal to it,
+   replaced or extended only when it is that command's kind (a ``DirKind``, or a ``FileKind`` for a
+   file output); an input inside ``OUT`` (or equal to it,
    unless the command rewrites in place) is refused. ``KIND`` is ``None`` where the command checks
    its directory itself (train's run) or only adds named entries beside others' (the quickstart, whose
    stages claim their own directories with their kinds; a master's ``--dir``).
 2. **writability**: a probe file is written in ``OUT``'s parent (and in ``OUT`` when it exists), so
    a read-only, forbidden or full file system is one clear error before the work, not a traceback
    after an hour of decoding.
-3. **one writer**: an exclusive lock, held until the command ends; a second writer is refused at once
-   with the holder's pid, host, command and start time.
+3. **one writer per tree**: an exclusive lock, held until the command ends; a second writer is refused at
+   once with the holder's pid, host, command and start time. A lock covers ``OUT``'s whole tree: a writer
+   is also refused while another holds a lock on an ancestor of its ``OUT`` (``calibrate --drafter R/final``
+   while ``train --out R`` runs would swap the run's final drafter under it) or on a descendant (the
+   reverse). Each writer takes its own lock *first* and then looks for the others' (``tree_conflict``), so of
+   two writers on nested paths the later to look always sees the earlier: at least one is refused, never both
+   let through. A process's own locks (its pid in the lock file) never block it: the quickstart holds its
+   run directory while its stages claim theirs inside.
 
-The lock file is ``PARENT/.NAME.lock``, a sibling of ``OUT`` rather than a file inside it: it survives
-``atomic_dir`` swapping ``OUT`` for a new directory, is no entry of ``OUT`` for the ownership check,
-and can be taken before ``OUT`` exists (so the parent must be writable, as an atomic swap needs anyway).
+The lock file is ``PARENT/.NAME.lock`` of ``OUT``'s resolved path, a sibling of ``OUT`` rather than a file
+inside it: it survives ``atomic_dir`` swapping ``OUT`` for a new directory, is no entry of ``OUT`` for the
+ownership check, and can be taken before ``OUT`` exists (so the parent must be writable, as an atomic swap
+needs anyway).
 It is locked with ``fcntl.flock`` on an open descriptor, which the kernel releases if the process dies,
 and holds JSON ``{pid, host, pidns, command, argv, started, heartbeat}``; a clean release deletes it.
 
@@ -39,12 +48,14 @@ being extracted, online training reading a store) never take it.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import json
 import logging
 import os
 import shlex
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -52,18 +63,29 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from specdraft.errors import OS_ERROR_FIXES, SpecdraftError
+from specdraft.errors import OS_ERROR_FIXES, SpecdraftError, setting
+from specdraft.utils.io import LOCK_GLOB
 from specdraft.utils.launch import torchrun_place
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # ten missed heartbeats
+# A lock file found locked but empty is a writer between its flock and its first write (or a probe's brief shared
+# lock): looked at again this many times, this long apart, before it counts as held by someone unknown.
+EMPTY_RETRIES = 25
+EMPTY_WAIT_S = 0.02
 
 def lock_path(out: str | os.PathLike) -> Path:
-    """Where the lock of output ``out`` lives: ``.NAME.lock`` beside it (see the module docstring)."""
-    out = Path(out)
+    """Where the lock of output ``out`` lives: ``.NAME.lock`` beside it (see the module docstring), found through its
+    resolved path so that two spellings of one directory (a symbolic link, ``..``) share one lock."""
+    out = Path(out).expanduser().resolve()
     return out.parent / f".{out.name}.lock"
+
+
+def _output_of(lock: Path) -> Path:
+    """The output a lock file ``PARENT/.NAME.lock`` guards: ``PARENT/NAME``."""
+    return lock.parent / lock.name[1 : -len(".lock")]
 
 
 def unwritable(path: Path, exc: OSError, what: str) -> SpecdraftError:
@@ -72,7 +94,7 @@ def unwritable(path: Path, exc: OSError, what: str) -> SpecdraftError:
     return SpecdraftError(f"cannot write {what} {path}: {fix}; nothing was done")
 
 
-def probe_writable(directory: str | os.PathLike, what: str = "--out", *, output: str | os.PathLike | None = None) -> None:
+def probe_writable(directory: str | os.PathLike, what: str = "", *, output: str | os.PathLike | None = None) -> None:
     """Create ``directory`` if needed and write, sync and delete a small file in it, or raise ``SpecdraftError``
     naming ``output`` (default: ``directory``), the path the user gave.
 
@@ -90,7 +112,7 @@ def probe_writable(directory: str | os.PathLike, what: str = "--out", *, output:
             os.close(fd)
             os.unlink(probe)
     except OSError as exc:
-        raise unwritable(Path(output) if output is not None else directory, exc, what) from None
+        raise unwritable(Path(output) if output is not None else directory, exc, what or setting("out")) from None
 
 
 def _now_text(t: float) -> str:
@@ -146,18 +168,83 @@ def describe_holder(holder: dict) -> str:
     return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} ({command}), since {since}"
 
 
+def _read_holder(fd: int) -> dict | None:
+    """A lock file's holder JSON, ``{}`` when the file is half-written or not ours, ``None`` when it never had content."""
+    data = os.pread(fd, 1 << 16, 0)
+    if not data:
+        return None
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def held_by_other(path: Path, *, host: str, now: float, stale_after: float = STALE_AFTER_S) -> dict | None:
+    """The holder recorded in lock file ``path`` while another live writer holds it; ``None`` when nobody does (no such
+    file, released, left by a dead holder, this process's own lock, or a locked file that never gets content: another
+    program's ``.lock``, not ours).
+
+    Probed with a shared non-blocking ``flock``, released at once: a holder's exclusive lock refuses it, two probes do
+    not refuse each other, and a writer taking the lock at that instant finds it locked and empty, and looks again.
+    """
+    import fcntl
+
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None  # gone, or unreadable to us: nothing known holds it
+    try:
+        for _ in range(EMPTY_RETRIES):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                locked = False
+            except BlockingIOError:
+                locked = True
+            holder = _read_holder(fd)
+            if holder and holder.get("pid") == os.getpid() and same_machine(holder, host):
+                return None  # this process's own: a nested claim
+            if not locked:  # only another host's fresh heartbeat still holds it (flock may not reach across hosts)
+                fresh = (holder and not same_machine(holder, host) and isinstance(holder.get("heartbeat"), (int, float))
+                         and stale_reason(holder, host=host, now=now, stale_after=stale_after) is None)
+                return holder if fresh else None
+            if holder:
+                return None if stale_reason(holder, host=host, now=now, stale_after=stale_after) else holder
+            time.sleep(EMPTY_WAIT_S)
+        return None
+    finally:
+        os.close(fd)
+
+
+def tree_conflict(out: str | os.PathLike, *, host: str, now: float, stale_after: float = STALE_AFTER_S) -> tuple[Path, dict] | None:
+    """The first lock another live writer holds on an ancestor or a descendant of ``out`` (its lock file and holder),
+    or ``None``: the tree rule of the module docstring. Descendants are found by walking ``out`` (links not followed)."""
+    root = Path(out).expanduser().resolve()
+    ancestors = (parent.parent / f".{parent.name}.lock" for parent in root.parents if parent.name)
+    descendants = (Path(directory) / name for directory, _, names in os.walk(root) for name in names
+                   if fnmatch.fnmatchcase(name, LOCK_GLOB))
+    for lock in (*ancestors, *descendants):
+        holder = held_by_other(lock, host=host, now=now, stale_after=stale_after)
+        if holder is not None:
+            return lock, holder
+    return None
+
+
 class OutputLock:
     """The exclusive lock on one output directory (``acquire``/``release``, or a context manager).
 
     ``host`` and ``clock`` default to this machine's name and ``time.time``; tests inject others.
     """
 
-    def __init__(self, out: str | os.PathLike, *, command: str = "", what: str = "--out", host: str | None = None,
+    def __init__(self, out: str | os.PathLike, *, command: str = "", what: str = "", host: str | None = None,
                  clock: Callable[[], float] = time.time, heartbeat_s: float = HEARTBEAT_S, stale_after: float = STALE_AFTER_S):
         self.out = Path(out)
         self.path = lock_path(self.out)
         self.command = command or "specdraft"
-        self.what = what
+        self.what = what or setting("out")
         self.host = host or socket.gethostname()
         self.clock = clock
         self.heartbeat_s = heartbeat_s
@@ -168,17 +255,6 @@ class OutputLock:
         self._info: dict = {}
 
     # -- the lock file ------------------------------------------------------------------------------
-
-    def _read(self, fd: int) -> dict | None:
-        """The holder's JSON, ``{}`` when the file is empty or half-written, ``None`` when it never had content."""
-        data = os.pread(fd, 1 << 16, 0)
-        if not data:
-            return None
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return {}
-        return obj if isinstance(obj, dict) else {}
 
     def _write(self) -> None:
         data = json.dumps(self._info, sort_keys=True).encode()
@@ -198,24 +274,50 @@ class OutputLock:
             f"{self.what}; nothing was done"
         )
 
+    def _refuse_nested(self, lock: Path, holder: dict) -> SpecdraftError:
+        other = _output_of(lock)
+        where = (f"{self.out} lies inside {other}" if other in self.out.expanduser().resolve().parents else f"{self.out} holds {other}")
+        return SpecdraftError(
+            f"{where}, which is being written by {describe_holder(holder)}; lock {lock}. A writer's lock covers its whole "
+            f"directory tree: wait for it to finish, stop it, or choose another {self.what}; nothing was done"
+        )
+
+    def _not_a_lock_file(self) -> SpecdraftError | None:
+        """The error for a lock path that is not a regular file (``mkdir .D.lock``): it names that path, not the output."""
+        try:
+            mode = os.stat(self.path).st_mode
+        except OSError:
+            return None
+        if stat.S_ISREG(mode):
+            return None
+        found = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        return SpecdraftError(
+            f"cannot lock {self.what} {self.out}: its lock file {self.path} is {found}, not a lock specdraft wrote; move it away, "
+            "or remove it if it is not yours, then rerun; nothing was done"
+        )
+
     def acquire(self) -> None:
         import fcntl
 
-        for _ in range(20):  # each retry follows a release or a removed stale lock: it makes progress
+        contended = waited = 0
+        while contended < 20:  # each retry follows a release or a removed stale lock: it makes progress
+            if (error := self._not_a_lock_file()) is not None:
+                raise error
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as exc:
-                raise unwritable(self.out, exc, self.what) from None
+                raise self._not_a_lock_file() or unwritable(self.out, exc, self.what) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 locked = True
             except BlockingIOError:
                 locked = False
-            holder = self._read(fd)
+            holder = _read_holder(fd)
             now = self.clock()
             if locked and not self._same_file(fd):
                 os.close(fd)  # its holder released (and deleted) it between our open and our flock
+                contended += 1
                 continue
             if locked:
                 if holder is not None:
@@ -233,8 +335,18 @@ class OutputLock:
                 except OSError as exc:
                     self.release()
                     raise unwritable(self.path, exc, self.what) from None
+                # ours first, then the others': of two writers on nested paths, the later to look sees the earlier
+                conflict = tree_conflict(self.out, host=self.host, now=self.clock(), stale_after=self.stale_after)
+                if conflict is not None:
+                    self.release()
+                    raise self._refuse_nested(*conflict)
                 self._start_heartbeat()
                 return
+            if not holder and waited < EMPTY_RETRIES:  # locked, nothing written yet: a writer about to write, or a probe
+                os.close(fd)
+                waited += 1
+                time.sleep(EMPTY_WAIT_S)
+                continue
             reason = stale_reason(holder, host=self.host, now=now, stale_after=self.stale_after) if holder else None
             if reason is None:
                 os.close(fd)
@@ -243,6 +355,7 @@ class OutputLock:
                 log.warning("%s: removing the stale lock of %s (%s)", self.out, describe_holder(holder), reason)
                 self.path.unlink(missing_ok=True)
             os.close(fd)
+            contended += 1
         raise SpecdraftError(f"could not take the lock {self.path} after 20 tries (writers keep contending for {self.out}); retry")
 
     def release(self) -> None:
@@ -294,7 +407,7 @@ _held_guard = threading.Lock()
 
 @contextlib.contextmanager
 def _process_lock(out: Path, command: str, what: str) -> Iterator[None]:
-    key = lock_path(out.resolve())
+    key = lock_path(out)
     with _held_guard:
         pid, depth = _held.get(key, (0, 0))
         nested = pid == os.getpid() and depth > 0  # a forked child inherits the dict, not the lock
@@ -327,15 +440,16 @@ def _is_extra_rank() -> bool:
 
 @contextlib.contextmanager
 def claim_output(out: str | os.PathLike, kind: Any, *, inputs: Iterable[str | os.PathLike] = (), in_place_ok: bool = False,
-                 command: str = "", what: str = "--out") -> Iterator[Path]:
+                 command: str = "", what: str = "") -> Iterator[Path]:
     """Ownership check, writability probe and exclusive lock on ``out`` for the block (module docstring).
 
-    ``kind`` is the ``DirKind`` the command writes (or a function returning it, for kinds defined
+    ``kind`` is the ``DirKind`` (a ``FileKind`` for a file) the command writes (or a function returning it, for kinds defined
     beside heavy imports), or ``None`` when the command checks its directory itself (the trainer's
-    run directory). ``what`` names the flag in messages.
+    run directory). ``what`` names the flag in messages (default: the running command's for ``out``).
     """
-    from specdraft.utils.io import check_replaceable
+    from specdraft.utils.io import check_replaceable, recover_swap
 
+    what = what or setting("out")
     if callable(kind):
         kind = kind()
     if not str(out):
@@ -352,6 +466,7 @@ def claim_output(out: str | os.PathLike, kind: Any, *, inputs: Iterable[str | os
         yield out
         return
     with _process_lock(out, command, what):
+        recover_swap(out)  # before anything reads OUT: a writer killed mid-swap may have left no OUT at all
         if kind is not None:
             check_replaceable(out, kind, inputs=inputs, in_place_ok=in_place_ok)  # again: it may have changed before we held it
         yield out
@@ -359,7 +474,7 @@ def claim_output(out: str | os.PathLike, kind: Any, *, inputs: Iterable[str | os
 
 def claims_output(kind: Any, *, out: Callable[[Any], str | None] = lambda config: config.out,
                   inputs: Callable[[Any], Iterable[str]] = lambda config: (), in_place_ok: bool = False,
-                  command: str = "", what: str | Callable[[Any], str] = "--out") -> Callable:
+                  command: str = "", what: str | Callable[[Any], str] = "") -> Callable:
     """Decorate a command's library entry ``fn(config, ...)`` to run inside ``claim_output(out(config), kind, ...)``:
     one line per command, and the claim cannot be skipped by a caller that bypasses the CLI (the quickstart)."""
 

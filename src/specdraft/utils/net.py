@@ -15,7 +15,7 @@ import os
 import socket
 import struct
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -66,7 +66,8 @@ def require_token_beyond_loopback(host: str, token: str | None) -> None:
     """A server bound beyond loopback (``--host``) is reachable from other machines: refuse it without ``--token``."""
     if not token and not is_loopback(host):
         raise SpecdraftError(
-            f"--host {host} is reachable from other machines: pass --token SECRET (clients send it as a bearer token) "
+            f"{setting('host')} {host} is reachable from other machines: pass {setting('token')} SECRET (clients send "
+            f"it as a bearer token) "
             "or bind 127.0.0.1"
         )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.utils.config import config_field
 
 
@@ -37,6 +37,7 @@ class VllmAttachOptions(VllmServerOptions):
     def check_vllm_options(self, engine: str) -> None:
         """``--vllm-url`` and ``--print-server-command`` only mean something to the vLLM engine."""
         if engine != "vllm" and (self.vllm_url or self.print_server_command):
-            raise SpecdraftError(f"--vllm-url and --print-server-command need --engine vllm (got --engine {engine})")
+            raise SpecdraftError(f"{setting('vllm_url')} and {setting('print_server_command')} need {setting('engine')} "
+                                 f"vllm (got {engine})")
         if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
-            raise SpecdraftError(f"--vllm-url {self.vllm_url!r} is not an http://HOST:PORT URL")
+            raise SpecdraftError(f"{setting('vllm_url')} {self.vllm_url!r} is not an http://HOST:PORT URL")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 
 if TYPE_CHECKING:
     from specdraft.data.dataset import PreparedDataset
@@ -101,11 +101,12 @@ class AnswerCorpus:
         dataset = PreparedDataset(directory)
         recorded = dataset.target_info.get("tokenizer_hash")
         if tokenizer_hash is not None and recorded != tokenizer_hash:
-            raise SpecdraftError(f"--lookup-corpus {directory}: prepared with tokenizer {recorded!r}, but the target's is {tokenizer_hash!r}; "
+            raise SpecdraftError(f"{setting('lookup_corpus')} {directory}: prepared with tokenizer {recorded!r}, but "
+                                 f"the target's is {tokenizer_hash!r}; "
                                  "prepare the corpus for this target")
         corpus = cls(prepared_answers(dataset, range(len(dataset))), source=str(Path(directory)))
         if not corpus.tokens:
-            raise SpecdraftError(f"--lookup-corpus {directory}: the dataset holds no answer tokens (loss_mask is all 0)")
+            raise SpecdraftError(f"{setting('lookup_corpus')} {directory}: the dataset holds no answer tokens (loss_mask is all 0)")
         return corpus
 
     def propose(self, context: list[int], max_tokens: int) -> CorpusMatch:

@@ -7,8 +7,8 @@ one after another (the drafter helpers work on one sequence); verification stays
 
 Rounds run in ``DecodeConfig.draft_dtype``; ``auto`` times a typical round (a few new positions
 after a cached context) in fp32 and bf16 autocast once per machine and drafter configuration
-(``utils/measured.py``) and keeps the faster, after the forward path (``DecodeConfig.forward_path``,
-``utils/forward_path.py``) was chosen the same way. Drafts stay lossless whatever the dtype or path:
+(``tuning/measured.py``) and keeps the faster, after the forward path (``DecodeConfig.forward_path``,
+``tuning/forward_path.py``) was chosen the same way. Drafts stay lossless whatever the dtype or path:
 the target verifies them against the distribution they were actually drawn from.
 """
 
@@ -22,13 +22,14 @@ import torch
 from specdraft.decode.config import DecodeConfig
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.sampling import SamplingConfig
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.models import METHODS, DrafterModel
 from specdraft.registry import Registry
 from specdraft.targets.base import Target
-from specdraft.utils.compute import autocast, candidates
-from specdraft.utils.forward_path import PathChoice, current_path, path_version, resolve_path
-from specdraft.utils.measured import Measurement, fastest_time, measured_choice
+from specdraft.tuning.dtype import candidates
+from specdraft.utils.compute import autocast
+from specdraft.tuning.forward_path import PathChoice, current_path, path_version, resolve_path
+from specdraft.tuning.measured import Measurement, fastest_time, measured_choice
 
 _PROBE_ROW = -1  # request id of the synthetic rounds that time the drafter
 
@@ -179,7 +180,8 @@ class Eagle3Proposer(DrafterProposer):
 def load_checkpoint(config: DecodeConfig, target: Target | None) -> DrafterModel:
     """The drafter at ``config.drafter_path``, checked to be of the ``config.drafter`` family."""
     if not config.drafter_path:
-        raise SpecdraftError(f"--drafter {config.drafter} needs --drafter-path: the directory of a trained {config.drafter} checkpoint")
+        raise SpecdraftError(f"{setting('drafter')} {config.drafter} needs {setting('drafter_path')}: the directory of "
+                             f"a trained {config.drafter} checkpoint")
     if target is None:
         raise SpecdraftError(f"the {config.drafter} drafter needs the loaded target (its embedding, LM head and layer count)")
     device = next(target.model.parameters()).device

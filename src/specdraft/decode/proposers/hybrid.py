@@ -44,9 +44,9 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from specdraft.decode.config import DecodeConfig
-from specdraft.decode.proposers.acceptance import AcceptanceStats, LookupScores, Proposed, score
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.proposers.drafters import decodable_methods
+from specdraft.decode.proposers.lookup_scores import AcceptanceStats, LookupScores, Proposed, score
 from specdraft.decode.proposers.ngram import Lookup, answer_corpus
 from specdraft.decode.scheduler import StepRate
 from specdraft.decode.verification import PAD

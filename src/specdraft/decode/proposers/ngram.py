@@ -19,10 +19,10 @@ from typing import Hashable, Sequence
 import torch
 
 from specdraft.decode.config import DecodeConfig
-from specdraft.decode.proposers.acceptance import LookupScores, Proposed
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.proposers.corpus import AnswerCorpus
-from specdraft.errors import SpecdraftError
+from specdraft.decode.proposers.lookup_scores import LookupScores, Proposed
+from specdraft.errors import SpecdraftError, setting
 from specdraft.decode.verification import PAD
 from specdraft.targets.base import Target
 
@@ -131,7 +131,8 @@ class NgramProposer(Proposer):
 def answer_corpus(config: DecodeConfig, target: Target | None) -> AnswerCorpus:
     """``config.lookup_corpus``'s answers, for the target's tokenizer; a clear error when none is named."""
     if not config.lookup_corpus:
-        raise SpecdraftError(f"--drafter {config.drafter} drafts from the target's own answers: pass --lookup-corpus DATASET "
+        raise SpecdraftError(f"{setting('drafter')} {config.drafter} drafts from the target's own answers: pass "
+                             f"{setting('lookup_corpus')} DATASET "
                              "(a `specdraft prepare` output for this target, e.g. the quickstart's runs/NAME/data)")
     return AnswerCorpus.from_prepared(config.lookup_corpus, tokenizer_hash=target.tokenizer_hash if target is not None else None)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.payload import HiddenStatePayload
 from specdraft.registry import Registry
 
@@ -160,10 +160,15 @@ def check_store_dataset(manifest: dict, dataset: Any, stored: set[str], *, locat
         )
 
 
-def check_store_manifest(manifest: dict, *, location: str, target_info: dict, slots: list[dict], dtype: str) -> None:
-    """Refuse to mix data: the store must have been made for this target, these slots and dtype."""
+def check_store_manifest(manifest: dict, *, location: str, target_info: dict, slots: list[dict], dtype: str,
+                         target_dtype: str | None = None, choices: str | None = None) -> None:
+    """Refuse to mix data: the store must have been made for this target, these slots and storage dtype, and (where
+    the writer records it: ``specdraft extract``'s ``config``) with the target run in ``target_dtype``, since its
+    hidden states differ by far more than storage rounding from the other dtype's. ``choices`` says what the user
+    can do instead (the caller's flags; default: a new ``out``)."""
     if manifest.get("format") != STORE_FORMAT_NAME:
-        raise SpecdraftError(f"{location}: manifest format {manifest.get('format')!r} is not {STORE_FORMAT_NAME!r}; choose another --out")
+        raise SpecdraftError(f"{location}: manifest format {manifest.get('format')!r} is not {STORE_FORMAT_NAME!r}; "
+                             f"choose another {setting('out')}")
     recorded = manifest.get("target") or {}
     problems = []
     for key in ("fingerprint", "tokenizer_hash"):
@@ -172,11 +177,15 @@ def check_store_manifest(manifest: dict, *, location: str, target_info: dict, sl
     if manifest.get("slots") != slots:
         problems.append(f"layers {_slots_text(manifest.get('slots'))} != {_slots_text(slots)}")
     if manifest.get("dtype") != dtype:
-        problems.append(f"dtype {manifest.get('dtype')!r} != {dtype!r}")
+        problems.append(f"storage dtype {manifest.get('dtype')!r} != {dtype!r}")
+    ran_in = (manifest.get("config") or {}).get("target_dtype")
+    if target_dtype is not None and ran_in is not None and ran_in != target_dtype:
+        problems.append(f"target dtype {ran_in!r} != {target_dtype!r}")
     if problems:
         raise SpecdraftError(
             f"{location} holds hidden states of target {recorded.get('name')!r} made with other settings "
-            f"({'; '.join(problems)}); use a new --out directory or the original settings"
+            f"({'; '.join(problems)}), the store's first: resuming would mix samples of both. "
+            + (choices or f"Use a new {setting('out')} directory or the original settings.")
         )
 
 

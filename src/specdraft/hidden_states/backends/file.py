@@ -30,6 +30,26 @@ STORE_DIR = DirKind(
 )
 
 
+#: The manifest fields readers index, and the JSON type each must have where present (older stores lack some).
+MANIFEST_TYPES = {"format": str, "format_version": int, "target": dict, "slots": list, "dtype": str, "dataset": dict, "samples": list,
+                  "count": int, "complete": bool, "config": dict}
+
+
+def manifest_problem(manifest: object) -> str | None:
+    """Why ``manifest`` is not what ``extract`` writes (a JSON object whose fields have ``MANIFEST_TYPES``), or None."""
+    if not isinstance(manifest, dict):
+        return f"it holds a JSON {type(manifest).__name__}, not an object"
+    for name, kind in MANIFEST_TYPES.items():
+        value = manifest.get(name)
+        if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            return f"its {name!r} is a {type(value).__name__}, not a {kind.__name__}"
+    if not all(isinstance(s, dict) for s in manifest.get("slots") or ()):
+        return "its 'slots' are not all objects"
+    if not all(isinstance(k, str) for k in manifest.get("samples") or ()):
+        return "its 'samples' are not all sample ids"
+    return None
+
+
 def key_to_filename(key: str) -> str:
     name = quote(key, safe="")
     if name.startswith("."):
@@ -72,6 +92,9 @@ class FileBackend(HiddenStateBackend):
             data = path.read_bytes()
         except FileNotFoundError:
             raise SpecdraftError(f"{path}: no hidden states stored for sample {key!r}; run `specdraft extract` to (re)create them") from None
+        except IsADirectoryError:
+            raise SpecdraftError(f"{path} is a directory, not the stored sample {key!r}; move it away and rerun `specdraft extract` "
+                                 "to redo the sample") from None
         payload = HiddenStatePayload.from_bytes(data, source=str(path))
         if payload.sample_id != key:
             raise SpecdraftError(f"{path}: holds sample {payload.sample_id!r}, expected {key!r}; re-extract it")
@@ -105,13 +128,22 @@ class FileBackend(HiddenStateBackend):
         return problems
 
     def read_manifest(self) -> dict | None:
+        """The manifest, or None where there is none; a damaged one is refused here, once for every reader (a field of
+        the wrong type would otherwise fail later, with a traceback, wherever it is first used)."""
         path = self.root / MANIFEST_FILE
+        problem: str | None
         try:
-            return json.loads(path.read_text())
+            manifest = json.loads(path.read_text())
         except FileNotFoundError:
             return None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SpecdraftError(f"{path} is corrupt ({exc}); delete it and rerun `specdraft extract` to rebuild the store") from None
+            problem = f"it is not JSON: {exc}"
+        else:
+            problem = manifest_problem(manifest)
+            if problem is None:
+                return manifest
+        raise SpecdraftError(f"{path} is damaged ({problem}), so the samples of {self.root} cannot be checked against it; "
+                             "extract into a new --out directory")
 
     def write_manifest(self, manifest: dict) -> None:
         _write(self.root / MANIFEST_FILE, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
@@ -144,5 +176,5 @@ def _write(path: Path, data: bytes) -> None:
     try:
         atomic_write_bytes(path, data)
     except OSError as exc:
-        fix = OS_ERROR_FIXES.get(exc.errno)
+        fix = OS_ERROR_FIXES.get(exc.errno) if exc.errno is not None else None
         raise SpecdraftError(f"cannot write {path}: {exc.strerror or exc}{f'; {fix}' if fix else ''}; no partial file was left") from exc

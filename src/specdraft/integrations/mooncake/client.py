@@ -126,7 +126,7 @@ def check_reachable(host: str, port: int, *, timeout: float = 2.0) -> None:
     except OSError as exc:
         raise SpecdraftError(
             f"Mooncake master at {host}:{port} is unreachable ({exc.strerror or exc}); "
-            f"start it with `specdraft store start --host {host} --port {port}` or pass the right --master address"
+            f"start it with `specdraft store start --host {host} --port {port}`, or give the master's HOST:PORT in the mooncake:// URL"
         ) from None
 
 
@@ -359,7 +359,7 @@ class MooncakeClient:
             if leased and time.monotonic() >= deadline:
                 raise SpecdraftError(
                     f"Mooncake remove of {_keys_text(leased)}: a read lease was still held after {self.config.lease_timeout_s:g} s; "
-                    "raise lease_timeout_s or start the master with a shorter --lease-ttl-ms"
+                    "raise lease_timeout_s or start the master with a shorter `specdraft store start --lease-ttl-ms`"
                 )
             pending = leased
             if pending:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.io import DirKind, atomic_write_bytes, atomic_write_json, json_field_is
 from specdraft.utils.lock import claims_output, pid_alive
@@ -61,20 +61,22 @@ class MasterConfig:
         require_finite(self)
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
-                raise SpecdraftError(f"--{name.replace('_', '-')} {getattr(self, name)} is not a TCP port (0-65535)")
+                raise SpecdraftError(f"{setting(name)} {getattr(self, name)} is not a TCP port (0-65535)")
         try:
             socket.getaddrinfo(self.host, None)  # a name that does not resolve fails here, not as a gaierror from bind
         except (socket.gaierror, UnicodeError) as exc:
-            raise SpecdraftError(f"--host {self.host!r} does not resolve ({exc}); use 127.0.0.1 or this node's cluster IP") from None
+            raise SpecdraftError(f"{setting('host')} {self.host!r} does not resolve ({exc}); use 127.0.0.1 or this "
+                                 f"node's cluster IP") from None
         if not self.dir.strip():
-            raise SpecdraftError("--dir is empty: name the directory for the master's pid, state and log files")
+            raise SpecdraftError(f"{setting('dir')} is empty: name the directory for the master's pid, state and log files")
         if os.path.exists(self.dir) and not os.path.isdir(self.dir):
-            raise SpecdraftError(f"--dir {self.dir} is a file; name a directory for the master's pid, state and log files")
+            raise SpecdraftError(f"{setting('dir')} {self.dir} is a file; name a directory for the master's pid, state and log files")
         if self.lease_ttl_ms < 1:
-            raise SpecdraftError(f"--lease-ttl-ms must be >= 1, got {self.lease_ttl_ms}")
+            raise SpecdraftError(f"{setting('lease_ttl_ms')} must be >= 1, got {self.lease_ttl_ms}")
         if not 1 <= self.put_discard_timeout_s <= self.put_release_timeout_s:
             raise SpecdraftError(
-                f"need 1 <= --put-discard-timeout-s ({self.put_discard_timeout_s}) <= --put-release-timeout-s ({self.put_release_timeout_s})"
+                f"need 1 <= {setting('put_discard_timeout_s')} ({self.put_discard_timeout_s}) <= {setting('put_release_timeout_s')} "
+                f"({self.put_release_timeout_s})"
             )
 
     @property
@@ -150,7 +152,7 @@ _CHILDREN: dict[int, subprocess.Popen] = {}
 
 
 # Two racing starts: the second is refused (a running master recorded in --dir is refused below too).
-@claims_output(MASTER_DIR, out=lambda config: config.dir, what="--dir")
+@claims_output(MASTER_DIR, out=lambda config: config.dir, what=lambda config: setting("dir"))
 def start_master(config: MasterConfig) -> dict:
     """Start the master in the background and wait until it accepts connections; returns its state."""
     run_dir = Path(config.dir)
@@ -167,7 +169,7 @@ def start_master(config: MasterConfig) -> dict:
         metrics_port=config.metrics_port or free_port(config.host),
     )
     if _accepts(config.host, config.port):
-        raise SpecdraftError(f"port {config.address} is already in use; choose another --port (0 = any free port)")
+        raise SpecdraftError(f"port {config.address} is already in use; choose another {setting('port')} (0 = any free port)")
     command = master_command() + [
         f"--rpc_address={config.host}",
         f"--rpc_port={config.port}",

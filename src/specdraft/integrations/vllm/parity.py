@@ -30,7 +30,7 @@ from specdraft.eval.report import PARITY_DIR
 from specdraft.integrations.vllm.endpoint_eval import run_endpoint_eval
 from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_drafter_info
 from specdraft.targets.base import Target
-from specdraft.utils.io import atomic_write_bytes, atomic_write_json
+from specdraft.utils.io import atomic_dir, atomic_write_bytes, atomic_write_json
 from specdraft.utils.lock import claims_output
 
 #: Relative tau gap (|served - built-in| / built-in) above which parity is flagged.
@@ -63,33 +63,37 @@ def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfi
                     progress: bool = True) -> dict[str, Any]:
     """Built-in vs served tau per checkpoint drafter; writes ``parity.json`` and ``parity.md`` under ``config.out``
     (each side's full report under ``builtin-<i>/`` and ``served-<i>/``)."""
-    from specdraft.eval.runner import run_eval
+    from specdraft.eval.runner import resolve_drafters, run_eval, split_label
     from specdraft.targets import load_target
 
-    paths = [_checkpoint(d, config.target) for d in config.drafters]
+    labelled = [split_label(d) for d in config.drafters]
+    paths = [_checkpoint(text, config.target) for _, text in labelled]
     if config.endpoint and len(paths) != 1:
         raise SpecdraftError(f"--parity with --endpoint compares the one drafter that server serves; got --drafters {config.drafters}")
+    labels = [spec.label for spec in resolve_drafters(  # as eval names them: distinct, the same drafter twice refused
+        [f"{label}={path}@full" if label else f"{path}@full" for (label, _), path in zip(labelled, paths)],
+        num_draft_tokens=config.num_draft_tokens, max_new_tokens=config.max_new_tokens, seed=config.seed, target=config.target)]
     if target is None:
         target = load_target(config.target, dtype=config.dtype, device=config.device)
-    out = Path(config.out)
     rows = []
-    for i, path in enumerate(paths):
-        tokens = read_drafter_info(path).num_speculative_tokens
-        common = dict(drafters=[f"{path}@full"], num_draft_tokens=tokens, plots=False, concurrency=[1])
-        builtin = run_eval(dataclasses.replace(config, out=str(out / f"builtin-{i}"), endpoint="", **common), sampling,
-                           SchedulerConfig(), target=target, progress=progress)
-        served_config = dataclasses.replace(config, out=str(out / f"served-{i}"), **common)
-        if config.endpoint:
-            served = run_endpoint_eval(served_config, sampling, tokenizer=target.tokenizer, progress=progress)
-        else:
-            with drafter_server(ServeConfig(drafter=str(path), vllm_args=config.vllm_args, vllm_python=config.vllm_python)) as server:
-                served = run_endpoint_eval(dataclasses.replace(served_config, endpoint=server.url), sampling,
-                                           tokenizer=target.tokenizer, progress=progress)
-        rows.append(compare_sides(builtin, served, str(path)))
-    report = {"format": "specdraft.parity_report", "format_version": 2, "gap_threshold": PARITY_GAP,
-              "config": dataclasses.asdict(config), "sampling": dataclasses.asdict(sampling), "drafters": rows}
-    atomic_write_json(out / "parity.json", report)
-    atomic_write_bytes(out / "parity.md", render_parity(report).encode())
+    with atomic_dir(config.out, PARITY_DIR) as out:  # replaced whole: a rerun with fewer drafters leaves no stale side
+        for i, path in enumerate(paths):
+            tokens = read_drafter_info(path).num_speculative_tokens
+            common = dict(drafters=[f"{path}@full"], num_draft_tokens=tokens, plots=False, concurrency=[1])
+            builtin = run_eval(dataclasses.replace(config, out=str(out / f"builtin-{i}"), endpoint="", **common), sampling,
+                               SchedulerConfig(), target=target, progress=progress)
+            served_config = dataclasses.replace(config, out=str(out / f"served-{i}"), **common)
+            if config.endpoint:
+                served = run_endpoint_eval(served_config, sampling, tokenizer=target.tokenizer, progress=progress)
+            else:
+                with drafter_server(ServeConfig(drafter=str(path), vllm_args=config.vllm_args, vllm_python=config.vllm_python)) as server:
+                    served = run_endpoint_eval(dataclasses.replace(served_config, endpoint=server.url), sampling,
+                                               tokenizer=target.tokenizer, progress=progress)
+            rows.append({**compare_sides(builtin, served, str(path)), "drafter": labels[i]})
+        report = {"format": "specdraft.parity_report", "format_version": 2, "gap_threshold": PARITY_GAP,
+                  "config": dataclasses.asdict(config), "sampling": dataclasses.asdict(sampling), "drafters": rows}
+        atomic_write_json(out / "parity.json", report)
+        atomic_write_bytes(out / "parity.md", render_parity(report).encode())
     return report
 
 

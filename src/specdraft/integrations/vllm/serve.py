@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.integrations.vllm.engine import VllmServer, find_vllm_python, is_cpu_build
 from specdraft.utils.config import config_field
 from specdraft.utils.net import require_token_beyond_loopback
@@ -104,7 +104,7 @@ def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmS
     family.require_vllm_aux(f"serve a {info.method} drafter")
     family.require_vllm_build(cpu=cpu, drafting=True)
     if config.adaptive_verification and not claims.adaptive_verification:
-        raise SpecdraftError(f"--adaptive-verification is a DSpark feature of vLLM; {config.drafter} is a {info.method} drafter")
+        raise SpecdraftError(f"{setting('adaptive_verification')} is a DSpark feature of vLLM; {config.drafter} is a {info.method} drafter")
     speculative = {
         "method": info.method,
         "model": str(Path(config.drafter).resolve()),

@@ -60,7 +60,7 @@ def sample_anchors(
             cand = torch.nonzero(ok[r] & (seg[r] == s)).flatten()
             if cand.numel() > max_per_segment and weights is None:
                 cand = cand[torch.randperm(cand.numel(), generator=generator)[:max_per_segment]]
-            elif cand.numel() > max_per_segment:
+            elif cand.numel() > max_per_segment and weights is not None:
                 cand = cand[torch.multinomial(weights[r, cand], max_per_segment, replacement=False, generator=generator)]
             chosen.append(cand)
         rows.append(torch.sort(torch.cat(chosen)).values if chosen else torch.zeros(0, dtype=torch.int64))

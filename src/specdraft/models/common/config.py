@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LAYER_PRESETS, LayerSlot, parse_slots
@@ -30,6 +30,21 @@ SHAPE_FIELDS = (
     "max_position_embeddings",
     "num_target_layers",
 )
+
+
+@dataclass(frozen=True)
+class DraftDims:
+    """A resolved config's shape fields (``DraftConfig`` keeps them optional until ``resolve``)."""
+
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
 
 
 @dataclass
@@ -79,10 +94,15 @@ class DraftConfig:
             missing = [f for f in SHAPE_FIELDS if getattr(self, f) is None and f != "num_target_layers"]
             raise SpecdraftError(f"{self.method} config is not resolved against a target (missing {missing}); use MethodSpec.build")
 
+    def dims(self) -> DraftDims:
+        """The resolved shape fields, typed as set: what the network is built from."""
+        self.require_resolved()
+        return DraftDims(**{f: getattr(self, f) for f in SHAPE_FIELDS if f != "num_target_layers"})
+
     def slots(self) -> list[LayerSlot]:
         return parse_slots(self.layers, self.num_target_layers)
 
-    def resolve(self, target: Target) -> "DraftConfig":
+    def resolve(self: ConfigT, target: Target) -> ConfigT:
         """A copy with every unset shape field taken from ``target`` (a ``Target``)."""
         tc = target.text_config
         rope = getattr(tc, "rope_parameters", None) or {}
@@ -108,7 +128,7 @@ class DraftConfig:
         if values.get("vocab_size", self.vocab_size) != int(tc.vocab_size):
             raise SpecdraftError(f"{self.method} config: vocab_size {self.vocab_size} differs from the target's {tc.vocab_size}")
         if not self.layers:
-            num = values.get("num_target_layers", self.num_target_layers)
+            num = derived["num_target_layers"] if self.num_target_layers is None else self.num_target_layers
             values["layers"] = ",".join(str(s) for s in LAYER_PRESETS.get(self.method)(num))
         values.update(self._resolve_method(target))
         return dataclasses.replace(self, **values)
@@ -117,16 +137,23 @@ class DraftConfig:
         """Method-specific values that depend on the target (overridden by subclasses)."""
         return {}
 
+    def compared_value(self, name: str) -> Any:
+        """Field ``name`` in the form the speculators fields and the ``specdraft`` block of a checkpoint are compared in."""
+        return getattr(self, name)
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, obj: dict, *, where: str) -> "DraftConfig":
+    def from_json(cls: type[ConfigT], obj: dict, *, where: str) -> ConfigT:
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(obj) - names)
         if unknown:
             raise SpecdraftError(f"{where}: unknown {cls.method} config fields {unknown}")
         return cls(**obj)
+
+
+ConfigT = TypeVar("ConfigT", bound=DraftConfig)
 
 
 def shape_from_layer_config(tlc: dict, *, where: str) -> dict[str, Any]:

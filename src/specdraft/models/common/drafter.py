@@ -28,7 +28,7 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import DrafterModel, METHODS
 from specdraft.models.common import checkpoint as ckpt
-from specdraft.models.common.config import DraftConfig
+from specdraft.models.common.config import DraftConfig, DraftDims
 from specdraft.targets.base import Target
 
 NOT_SAVED = ("verifier_norm.", "verifier_lm_head.")
@@ -45,7 +45,7 @@ def target_pieces(target: Target) -> tuple[torch.Tensor, nn.Module, torch.Tensor
     from specdraft.targets.families import family_of
 
     parts = family_of(target.model).decoder_parts(target.model)
-    return parts.embed.weight.detach(), parts.norm, parts.lm_head.weight.detach()
+    return parts.embed.get_parameter("weight").detach(), parts.norm, parts.lm_head.get_parameter("weight").detach()
 
 
 class SpeculatorsDrafter(DrafterModel):
@@ -61,19 +61,19 @@ class SpeculatorsDrafter(DrafterModel):
 
     def __init__(self, config: DraftConfig, verifier: dict | None = None):
         super().__init__()
-        config.require_resolved()
+        self.dims: DraftDims = config.dims()  # raises unless the config is resolved
         self.config = config
         self.verifier = dict(verifier or {})
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(self.dims.vocab_size, self.dims.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.verifier_lm_head = _frozen_linear(config.hidden_size, config.vocab_size)
+        self.verifier_lm_head = _frozen_linear(self.dims.hidden_size, self.dims.vocab_size)
         self.verifier_norm: nn.Module | None = None
 
     # ----- target pieces -------------------------------------------------------------------
     def attach_target(self, target: Target) -> None:
         """Copy the frozen target pieces in (shapes must match the config)."""
         embed, norm, head = target_pieces(target)
-        expected = (self.config.vocab_size, self.config.hidden_size)
+        expected = (self.dims.vocab_size, self.dims.hidden_size)
         if tuple(embed.shape) != expected or tuple(head.shape) != expected:
             raise SpecdraftError(
                 f"target {target.name}: embedding {tuple(embed.shape)} / LM head {tuple(head.shape)} do not match "
@@ -102,7 +102,7 @@ class SpeculatorsDrafter(DrafterModel):
 
     def check_batch(self, batch: Any) -> None:
         """The payload must carry this drafter's hidden-state slots: aux_hidden [N, T, S, D]."""
-        want = (len(self.config.slots()), self.config.hidden_size)
+        want = (len(self.config.slots()), self.dims.hidden_size)
         got = tuple(batch.aux_hidden.shape[2:])
         if batch.aux_hidden.dim() != 4 or got != want:
             raise SpecdraftError(
@@ -118,13 +118,13 @@ class SpeculatorsDrafter(DrafterModel):
     def transformer_layer_config(self) -> dict:
         import transformers
 
-        c = self.config
-        cls = transformers.AutoConfig.for_model(self.layer_model_type).__class__
-        hf = cls(
+        c = self.dims
+        hf = transformers.AutoConfig.for_model(
+            self.layer_model_type,
             vocab_size=c.vocab_size,
             hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_layers,
+            num_hidden_layers=self.config.num_layers,
             num_attention_heads=c.num_attention_heads,
             num_key_value_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
@@ -143,7 +143,7 @@ class SpeculatorsDrafter(DrafterModel):
         raise NotImplementedError
 
     def draft_vocab_size(self) -> int:
-        return self.config.vocab_size
+        return self.dims.vocab_size
 
     def config_json(self) -> dict:
         slots = self.config.slots()
@@ -189,11 +189,6 @@ class SpeculatorsDrafter(DrafterModel):
         """Build our config from a checkpoint that speculators (not specdraft) wrote."""
         return cls.config_cls(**cls.speculators_fields(cfg, where=where))
 
-    @staticmethod
-    def compared_value(config: DraftConfig, name: str) -> Any:
-        """``config.name`` in the form the speculators fields and the ``specdraft`` block are compared in."""
-        return getattr(config, name)
-
     @classmethod
     def read_config(cls, cfg: dict, *, where: str, target: Target | None = None) -> tuple[DraftConfig, dict]:
         """(config, verifier) from ``config.json``, strictly: missing or contradictory fields are errors.
@@ -210,9 +205,10 @@ class SpeculatorsDrafter(DrafterModel):
             config = cls.config_from_speculators(cfg, where=where)
             recorded = (cfg.get("speculators_config") or {}).get("verifier") or {}
             archs = list(recorded.get("architectures") or [])
-            have = list(target.describe().get("architectures") or []) if target is not None else []
-            if archs and have and archs != have:
-                raise SpecdraftError(f"{where}: drafter was trained for a {archs} verifier, but target {target.name} is {have}")
+            if target is not None and archs:
+                have = list(target.describe().get("architectures") or [])
+                if have and archs != have:
+                    raise SpecdraftError(f"{where}: drafter was trained for a {archs} verifier, but target {target.name} is {have}")
             return config, {"path": recorded.get("name_or_path")}
         if not isinstance(ours, dict) or ours.get("method") != cls.method or not isinstance(ours.get("config"), dict):
             raise SpecdraftError(f"{where}/config.json: specdraft.method must be {cls.method!r} (the speculators_model_type) "
@@ -225,7 +221,7 @@ class SpeculatorsDrafter(DrafterModel):
         config = cls.config_cls.from_json(ours["config"], where=where)
         theirs = cls.config_from_speculators(cfg, where=where)
         for name in cls.speculators_fields(cfg, where=where):
-            a, b = cls.compared_value(config, name), cls.compared_value(theirs, name)
+            a, b = config.compared_value(name), theirs.compared_value(name)
             if a != b and not (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-6)):
                 raise SpecdraftError(f"{where}/config.json: specdraft.config.{name} is {a!r} but the speculators fields "
                                      f"(what vLLM reads) say {b!r}; the checkpoint contradicts itself")

@@ -35,6 +35,8 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Default (unscaled) RoPE: ``cos/sin`` tables for arbitrary position ids."""
 
+    inv_freq: torch.Tensor  # buffer [E/2]
+
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))

@@ -40,9 +40,17 @@ def _check_finite(logits: torch.Tensor) -> None:
 
 def sample_token(logits: torch.Tensor, *, temperature: float, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [V] -> (token [] int64, probs [V]); at T <= 0 the argmax and None (a point mass)."""
-    _check_finite(logits)
     if temperature <= 0:
+        _check_finite(logits)
         return logits.argmax(-1), None
+    return _draw(logits, temperature=temperature, generator=generator)
+
+
+def _draw(
+    logits: torch.Tensor, *, temperature: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_token`` at T > 0, where there is always a distribution: (token [] int64, probs [V])."""
+    _check_finite(logits)
     probs = F.softmax(logits.float() / temperature, dim=-1)
     token = torch.multinomial(probs, 1, generator=generator)[0]
     return token, probs
@@ -54,7 +62,7 @@ def sample_tokens(logits: torch.Tensor, *, temperature: float, generator: torch.
     if temperature <= 0:
         _check_finite(logits)
         return logits.argmax(-1), None
-    drawn = [sample_token(row, temperature=temperature, generator=generator) for row in logits]
+    drawn = [_draw(row, temperature=temperature, generator=generator) for row in logits]
     return torch.stack([t for t, _ in drawn]), torch.stack([p for _, p in drawn])
 
 
@@ -78,7 +86,7 @@ class Chain:
             self._seen.append(logits)
             token = logits.argmax(-1)
         else:
-            token, probs = sample_token(logits, temperature=self.temperature, generator=self.generator)
+            token, probs = _draw(logits, temperature=self.temperature, generator=self.generator)
             self._probs.append(probs if probs_of is None else probs_of(probs))
         self.tokens.append(token)
         return token

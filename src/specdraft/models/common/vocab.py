@@ -90,14 +90,16 @@ def check_vocab_tables(d2t: torch.Tensor, t2d: torch.Tensor, *, where: str) -> N
         raise SpecdraftError(f"{where}: d2t and t2d describe different draft vocabularies; re-export the checkpoint")
 
 
-def install_draft_vocab(drafter: "torch.nn.Module", counts: torch.Tensor, size: int) -> None:
+def install_draft_vocab(
+    counts: torch.Tensor, size: int, *, d2t: torch.Tensor, t2d: torch.Tensor, head: torch.nn.Linear, target_head: torch.Tensor
+) -> None:
     """Select a drafter's ``size`` draft ids from response-token ``counts`` int64[V] into its
-    ``d2t``/``t2d`` buffers and start its draft head ``lm_head`` [N, D] from the target head's rows
-    for those ids (``verifier_lm_head``), the reference initialisation."""
-    d2t, t2d = build_draft_vocab(counts, size)
-    if t2d.numel() != drafter.t2d.numel():
-        raise SpecdraftError(f"token counts cover {t2d.numel()} ids but the target vocabulary has {drafter.t2d.numel()}")
+    ``d2t``/``t2d`` buffers and start its draft head ``head`` [N, D] from the target head's rows
+    for those ids (``target_head`` [V, D], the drafter's ``verifier_lm_head``), the reference initialisation."""
+    new_d2t, new_t2d = build_draft_vocab(counts, size)
+    if new_t2d.numel() != t2d.numel():
+        raise SpecdraftError(f"token counts cover {new_t2d.numel()} ids but the target vocabulary has {t2d.numel()}")
     with torch.no_grad():
-        drafter.d2t.copy_(d2t)
-        drafter.t2d.copy_(t2d)
-        drafter.lm_head.weight.copy_(drafter.verifier_lm_head.weight[draft_ids(drafter.d2t)])
+        d2t.copy_(new_d2t)
+        t2d.copy_(new_t2d)
+        head.weight.copy_(target_head[draft_ids(d2t)])

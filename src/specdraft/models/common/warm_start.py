@@ -20,12 +20,12 @@ takes in its ``MethodSpec.warm_starts`` and ``train/warm_start.py`` (which owns 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.models.base import WarmStartData
 from specdraft.targets.base import Target
@@ -46,7 +46,7 @@ def copied_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
     if num_draft_layers > num_target_layers:
         raise SpecdraftError(
             f"init_from_target: the drafter has {num_draft_layers} layers but the target only {num_target_layers}; "
-            "lower --model num_layers or set init_from_target: false"
+            f"lower {setting('model')} num_layers or set init_from_target: false"
         )
     return list(range(num_target_layers - num_draft_layers, num_target_layers))
 
@@ -87,7 +87,7 @@ def target_tensor(layer: nn.Module, name: str) -> torch.Tensor | None:
 
 
 def copy_layer(draft: nn.Module, source: nn.Module, *, prefix: str, source_name: str,
-               special: dict[str, Callable[[torch.Tensor, torch.Tensor], bool]] | None = None,
+               special: Mapping[str, Callable[[torch.Tensor, torch.Tensor], bool]] | None = None,
                skip: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """Copy ``source``'s tensors into ``draft`` where names and shapes match (``special`` copies a
     tensor whose shape differs: (ours, theirs) -> copied?; ``skip`` keeps ours). Returns (copied, kept) names."""

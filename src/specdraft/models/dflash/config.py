@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.models.common.anchors import ANCHOR_SAMPLING
 from specdraft.models.common.config import DraftConfig
 from specdraft.models.common.weights import POSITION_WEIGHTS
@@ -49,7 +49,7 @@ def default_mask_token(target: Target) -> int:
     if not spare:
         raise SpecdraftError(
             f"target {target.name}: no unused special token to serve as the DFlash/DSpark MASK token; "
-            "choose one with --mask-token-id"
+            f"choose one with {setting('model')} mask_token_id=ID"
         )
     return max(spare)
 
@@ -58,7 +58,7 @@ def _family_mask_token(target: Target) -> str | None:
     from specdraft.targets.families import FAMILIES, text_config
 
     model_type = getattr(text_config(target.model), "model_type", None) if getattr(target, "model", None) is not None else None
-    return FAMILIES.get(model_type).mask_token if model_type in FAMILIES else None
+    return FAMILIES.get(model_type).mask_token if isinstance(model_type, str) and model_type in FAMILIES else None
 
 
 @dataclass
@@ -129,12 +129,12 @@ class DFlashConfig(DraftConfig):
 
     @property
     def draft_vocab(self) -> int:
-        """N, the size of the drafter's output vocabulary (the target's when not reduced)."""
-        return self.draft_vocab_size or self.vocab_size
+        """N, the size of the drafter's output vocabulary (the target's when not reduced; needs a resolved config)."""
+        return self.draft_vocab_size or self.dims().vocab_size
 
     @property
     def uses_draft_vocab(self) -> bool:
-        return self.draft_vocab < self.vocab_size
+        return self.draft_vocab < self.dims().vocab_size
 
     @property
     def gamma(self) -> float:
@@ -144,6 +144,16 @@ class DFlashConfig(DraftConfig):
         if self.mask_token_id is not None:
             return {}
         return {"mask_token_id": default_mask_token(target)}
+
+    def compared_value(self, name: str) -> Any:
+        # None, 0 and the target vocabulary size all mean "full vocabulary"
+        return self.draft_vocab if name == "draft_vocab_size" else getattr(self, name)
+
+    def mask_token(self) -> int:
+        """``mask_token_id`` of a resolved config (``resolve`` sets it)."""
+        if self.mask_token_id is None:
+            raise SpecdraftError(f"{self.method} config has no mask_token_id; resolve it against a target (MethodSpec.build)")
+        return self.mask_token_id
 
     @property
     def resolved(self) -> bool:

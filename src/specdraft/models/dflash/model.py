@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 from torch import nn
@@ -57,22 +58,23 @@ class DFlashLayer(DecoderLayer):
     """Qwen3-style layer (q/k-norm) with KV injection from the context features."""
 
     def __init__(self, c: DFlashConfig):
+        d = c.dims()
         super().__init__(
-            in_dim=c.hidden_size,
-            hidden=c.hidden_size,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            intermediate=c.intermediate_size,
+            in_dim=d.hidden_size,
+            hidden=d.hidden_size,
+            num_heads=d.num_attention_heads,
+            num_kv_heads=d.num_key_value_heads,
+            head_dim=d.head_dim,
+            intermediate=d.intermediate_size,
             qk_norm=True,
-            eps=c.rms_norm_eps,
+            eps=d.rms_norm_eps,
         )
 
     def context_kv(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> KV:
         """Context features [N, M, D] -> injected (k, v) [N, G, M, E]."""
         return self.self_attn.project_kv(context, cos, sin)
 
-    def forward(self, x: torch.Tensor, context_kv: KV, cos, sin, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context_kv: KV, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [N, L, D] block tokens; mask [N|1, 1, L, M + L] over (context keys, block keys)."""
         h = self.input_layernorm(x)
         q = self.self_attn.project_q(h, cos, sin)
@@ -105,15 +107,19 @@ class DFlashDrafter(SpeculatorsDrafter):
     requires_target = True
     sample_from_anchor: ClassVar[bool] = False  # DSpark: the anchor slot is a prediction too
     layer_cls: ClassVar[type[DFlashLayer]] = DFlashLayer  # DFlash2: a layer with convolutions around attention and MLP
+    config: DFlashConfig
+    d2t: torch.Tensor | None  # buffers, set with a reduced draft vocabulary (see ``__init__``)
+    t2d: torch.Tensor | None
 
     def __init__(self, config: DFlashConfig, verifier: dict | None = None):
         super().__init__(config, verifier)
-        c = config
-        self.fc = nn.Linear(len(c.slots()) * c.hidden_size, c.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        c, d = config, self.dims
+        self.mask_token_id = c.mask_token()
+        self.fc = nn.Linear(len(c.slots()) * d.hidden_size, d.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.layers = nn.ModuleList([self.layer_cls(c) for _ in range(c.num_layers)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta)
+        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.rotary = RotaryEmbedding(d.head_dim, d.rope_theta)
         if c.draft_vocab_coverage is not None and not c.draft_vocab_size:
             raise SpecdraftError(
                 f"{self.method} config: draft_vocab_coverage {c.draft_vocab_coverage} is turned into draft_vocab_size from "
@@ -123,18 +129,26 @@ class DFlashDrafter(SpeculatorsDrafter):
         self.register_buffer("d2t", None)
         self.register_buffer("t2d", None)
         if c.uses_draft_vocab:
-            self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab, bias=False)
+            self.lm_head = nn.Linear(d.hidden_size, c.draft_vocab, bias=False)
             self.lm_head.weight.requires_grad_(c.train_draft_head)
-            t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+            t2d = torch.zeros(d.vocab_size, dtype=torch.bool)
             t2d[: c.draft_vocab] = True
             self.d2t = torch.zeros(c.draft_vocab, dtype=torch.int64)
             self.t2d = t2d
+
+    @property
+    def decoder_layers(self) -> Sequence[DFlashLayer]:
+        """``layers`` as what they are (``nn.ModuleList`` is not generic)."""
+        return cast("Sequence[DFlashLayer]", self.layers)
 
     # ----- draft vocabulary ----------------------------------------------------------------
     def set_draft_vocab(self, counts: torch.Tensor) -> None:
         """Select the draft vocabulary from response-token counts int64[V] and start the draft
         head from the target head's rows for those tokens."""
-        install_draft_vocab(self, counts, self.config.draft_vocab)
+        if self.lm_head is None or self.d2t is None or self.t2d is None:
+            raise SpecdraftError(f"this {self.method} drafter drafts over the full vocabulary; it has no draft vocabulary to set")
+        install_draft_vocab(counts, self.config.draft_vocab, d2t=self.d2t, t2d=self.t2d, head=self.lm_head,
+                            target_head=self.verifier_lm_head.weight)
 
     def draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Target-id labels -> (draft-id labels, bool in-vocabulary mask); identity when not reduced."""
@@ -157,13 +171,13 @@ class DFlashDrafter(SpeculatorsDrafter):
         ids = self.draft_target_ids()
         if ids is None or probs is None:
             return (tokens if ids is None else ids[tokens]), probs
-        full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
+        full = probs.new_zeros(*probs.shape[:-1], self.dims.vocab_size)
         full[..., ids] = probs
         return ids[tokens], full
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        if self.d2t is not None and "d2t" in state_dict:
+        if self.d2t is not None and self.t2d is not None and "d2t" in state_dict:
             check_vocab_tables(self.d2t, self.t2d, where=f"{self.method} draft vocabulary (d2t/t2d)")
         return result
 
@@ -206,11 +220,6 @@ class DFlashDrafter(SpeculatorsDrafter):
             "draft_vocab_size": draft_vocab if draft_vocab < shape["vocab_size"] else None,
         }
 
-    @staticmethod
-    def compared_value(config: DFlashConfig, name: str) -> Any:
-        # None, 0 and the target vocabulary size all mean "full vocabulary"
-        return config.draft_vocab if name == "draft_vocab_size" else getattr(config, name)
-
     # ----- shared forward ------------------------------------------------------------------
     def context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """aux [..., S, D] -> context features [..., D]."""
@@ -232,7 +241,7 @@ class DFlashDrafter(SpeculatorsDrafter):
 
     def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """anchor tokens [...] -> block token ids [..., B] = [anchor, MASK, ..., MASK]."""
-        block = anchor_tokens.new_full((*anchor_tokens.shape, self.config.block_size), self.config.mask_token_id)
+        block = anchor_tokens.new_full((*anchor_tokens.shape, self.config.block_size), self.mask_token_id)
         block[..., 0] = anchor_tokens
         return block
 
@@ -249,7 +258,7 @@ class DFlashDrafter(SpeculatorsDrafter):
         pos = (torch.gather(batch.position_ids, 1, safe)[..., None] + torch.arange(b, device=anchors.device)).flatten(1)
         cos_b, sin_b = self.rotary(pos, ctx.dtype)
         mask = anchor_block_mask(batch.segment_ids, anchors, b)
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             x = layer(x, layer.context_kv(ctx, cos_c, sin_c), cos_b, sin_b, mask)
         return self.norm(x).view(n, a, b, -1)
 
@@ -271,7 +280,7 @@ class DFlashDrafter(SpeculatorsDrafter):
         labels, in_vocab = self.draft_labels(batch.token_ids[rows, (positions + 1).clamp(max=batch.token_ids.shape[1] - 1)])
         norm, head = self.require_verifier(), self.draft_target_head()
 
-        def prob(h, y):
+        def prob(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
             return (torch.log_softmax(nn.functional.linear(norm(h), head).float(), -1).gather(-1, y[:, None])[:, 0].exp(),)
 
         p = chunked_rows(prob, batch.last_hidden[rows, positions], labels, chunk_rows=self.config.loss_chunk_rows)[0]
@@ -284,7 +293,7 @@ class DFlashDrafter(SpeculatorsDrafter):
         labels, in_vocab = self.draft_labels(labels)
         h = hidden[:, :, self.draft_slots()]
 
-        def rows(hr, lr):
+        def rows(hr: torch.Tensor, lr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             logits = self.lm_logits(hr)
             return ce_rows(logits=logits, labels=lr), logits.argmax(-1) == lr
 
@@ -309,7 +318,7 @@ class DFlashDrafter(SpeculatorsDrafter):
         """Append verified positions: features [n, S, D] (target aux states), positions [n]."""
         ctx = self.context(features)[None]
         cos, sin = self.rotary(positions[None], ctx.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             k, v = layer.context_kv(ctx, cos, sin)
             if len(cache.k) <= i:
                 cache.k.append(k)
@@ -326,7 +335,7 @@ class DFlashDrafter(SpeculatorsDrafter):
         x = self.embed_tokens(self.block_inputs(torch.tensor([anchor_token], device=device)))
         cos, sin = self.rotary((anchor_position + torch.arange(b, device=device))[None], x.dtype)
         mask = torch.ones(1, 1, b, cache.length + b, dtype=torch.bool, device=device)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             ctx_kv = (cache.k[i], cache.v[i]) if cache.k else (x.new_zeros(1, layer.self_attn.num_kv_heads, 0, layer.self_attn.head_dim),) * 2
             x = layer(x, ctx_kv, cos, sin, mask)
         return self.norm(x)[0]
@@ -346,6 +355,8 @@ class DFlashDrafter(SpeculatorsDrafter):
         """Append the new context (features of the positions just verified, all < anchor_position),
         then draft K tokens after ``anchor_token`` (the bonus/corrected token at anchor_position)."""
         if context_features is not None and context_features.shape[0]:
+            if context_positions is None:
+                raise SpecdraftError(f"{self.method} draft_block: context_features come with their context_positions")
             self.append_context(cache, features=context_features, positions=context_positions)
         hidden = self.block_hidden(cache, anchor_token=anchor_token, anchor_position=anchor_position)
         return self.propose(hidden, anchor_token=anchor_token, temperature=temperature, generator=generator)
@@ -356,12 +367,15 @@ class DFlashDrafter(SpeculatorsDrafter):
         return DraftProposal(*self.to_target_vocab(tokens, probs))
 
 
-def build_block_drafter(cls: type[DFlashDrafter], config: DFlashConfig, target: Target, counts: torch.Tensor | None) -> DFlashDrafter:
+BlockDrafter = TypeVar("BlockDrafter", bound=DFlashDrafter)
+
+
+def build_block_drafter(cls: type[BlockDrafter], config: DFlashConfig, target: Target, counts: torch.Tensor | None) -> BlockDrafter:
     """A fresh DFlash/DSpark drafter for ``target`` (frozen embedding, target head and final norm
     copied in). ``counts`` int64[V] (the prepared dataset's response-token counts) selects a reduced
     draft vocabulary: ``draft_vocab_size`` if set, else the smallest N reaching ``draft_vocab_coverage``."""
     config = config.resolve(target)
-    if config.draft_vocab_size and config.draft_vocab_size >= config.vocab_size:
+    if config.draft_vocab_size and config.draft_vocab_size >= config.dims().vocab_size:
         config = dataclasses.replace(config, draft_vocab_size=None)
     wants_counts = bool(config.draft_vocab_size) or config.draft_vocab_coverage is not None
     if wants_counts and counts is None:
@@ -369,12 +383,12 @@ def build_block_drafter(cls: type[DFlashDrafter], config: DFlashConfig, target: 
             f"{config.method} draft_vocab_size={config.draft_vocab_size} / draft_vocab_coverage={config.draft_vocab_coverage} "
             "needs token counts (the prepared dataset's token_counts.safetensors) to choose the draft vocabulary"
         )
-    if not config.draft_vocab_size and config.draft_vocab_coverage is not None:
+    if counts is not None and not config.draft_vocab_size and config.draft_vocab_coverage is not None:
         size = coverage_vocab_size(counts, config.draft_vocab_coverage)
-        config = dataclasses.replace(config, draft_vocab_size=size if size < config.vocab_size else None)
+        config = dataclasses.replace(config, draft_vocab_size=size if size < config.dims().vocab_size else None)
     model = cls(config, verifier=target.describe())
     model.attach_target(target)
-    if model.lm_head is not None:
+    if counts is not None and model.lm_head is not None:
         model.set_draft_vocab(counts)
     return model
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdraft.models.dflash.config import DFlashConfig
+from specdraft.models.dflash2.config import DFlash2Config
 from specdraft.models.dflash.model import KV, DFlashLayer
 
 
@@ -66,13 +66,13 @@ class DFlash2Layer(DFlashLayer):
     """A DFlash layer (KV injection unchanged: the context features bypass the convolutions) with a
     grouped convolution around its attention and around its MLP."""
 
-    def __init__(self, c: DFlashConfig):
+    def __init__(self, c: DFlash2Config):
         super().__init__(c)
-        kw = {"block_size": c.block_size, "taps": c.conv_kernel_size, "group_size": c.conv_group_size}
-        self.attention_conv = GroupedConv(c.hidden_size, **kw)
-        self.mlp_conv = GroupedConv(c.hidden_size, **kw)
+        width = c.dims().hidden_size
+        self.attention_conv = GroupedConv(width, block_size=c.block_size, taps=c.conv_kernel_size, group_size=c.conv_group_size)
+        self.mlp_conv = GroupedConv(width, block_size=c.block_size, taps=c.conv_kernel_size, group_size=c.conv_group_size)
 
-    def forward(self, x: torch.Tensor, context_kv: KV, cos, sin, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context_kv: KV, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h, delta = self.attention_conv.prepare(self.input_layernorm(x))
         q = self.self_attn.project_q(h, cos, sin)
         k, v = self.self_attn.project_kv(h, cos, sin)

@@ -49,11 +49,14 @@ class DFlash2Drafter(DFlashDrafter):
     config_cls = DFlash2Config
     architecture = "DFlash2DraftModel"
     layer_cls = DFlash2Layer
+    config: DFlash2Config
 
     def __init__(self, config: DFlash2Config, verifier: dict | None = None):
         super().__init__(config, verifier)
-        c = config
-        self.candidate_selector = CandidateSelector(vocab_size=c.vocab_size, hidden=c.hidden_size, rank=c.selector_rank, top_k=c.selector_top_k)
+        c, d = config, self.dims
+        self.candidate_selector = CandidateSelector(
+            vocab_size=d.vocab_size, hidden=d.hidden_size, rank=c.selector_rank, top_k=c.selector_top_k
+        )
 
     # ----- format --------------------------------------------------------------------------
     def method_fields(self, aux_ids: list[int]) -> dict:
@@ -82,13 +85,15 @@ class DFlash2Drafter(DFlashDrafter):
         kl = c.unary_loss == "kl"
         norm = self.require_verifier() if kl else None
 
-        def rows(hr, lr, pr, tr):
+        def rows(
+            hr: torch.Tensor, lr: torch.Tensor, pr: torch.Tensor, tr: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             unary = self.lm_logits(hr)
             candidates, index, found = training_candidates(unary, lr, c.selector_top_k)
             scores = self.candidate_selector.scores(unary, hr, pr, candidates)
             picked = candidates.gather(-1, scores.detach().argmax(-1, keepdim=True))[:, 0]
             ce = ce_rows(logits=unary, labels=lr)
-            div = kl_rows(unary, self.verifier_lm_head(norm(tr.to(hr.dtype)))) if kl else ce
+            div = kl_rows(unary, self.verifier_lm_head(norm(tr.to(hr.dtype)))) if norm is not None else ce  # norm: the KL term
             return ce, div, selector_ce(scores, index), (picked == lr) & found
 
         last = batch.last_hidden[torch.arange(src.shape[0], device=src.device)[:, None, None].expand_as(src)[valid], src[valid]] if kl else hidden.new_zeros(int(valid.sum()), 0)
@@ -117,7 +122,10 @@ class DFlash2Drafter(DFlashDrafter):
         chain, tokens = Chain(temperature=temperature, generator=generator), []
         for k in range(h.shape[0]):
             scores = self.candidate_selector.scores(unary[k], h[k], prev, candidates[k])
-            choice = chain.draw(scores, probs_of=lambda p, k=k: p.new_zeros(self.config.vocab_size).index_copy_(0, candidates[k], p))
+            def probs_of(p: torch.Tensor, k: int = k) -> torch.Tensor:
+                return p.new_zeros(self.dims.vocab_size).index_copy_(0, candidates[k], p)
+
+            choice = chain.draw(scores, probs_of=probs_of)
             prev = candidates[k, choice]
             tokens.append(prev)
         return DraftProposal(tokens=torch.stack(tokens), probs=chain.result()[1])

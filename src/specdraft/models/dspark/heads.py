@@ -28,6 +28,8 @@ MARKOV_HEADS: Registry[type["MarkovHead"]] = Registry("markov head")
 class MarkovHead(nn.Module):
     """Vanilla first-order head: B_k = W2(W1[x_{k-1}])."""
 
+    row_of: torch.Tensor | None  # buffer, see ``__init__``
+
     def __init__(self, *, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, w1_rows: int | None = None):
         super().__init__()
         self.rank = rank
@@ -47,7 +49,7 @@ class MarkovHead(nn.Module):
     def init_state(self, rows: int, like: torch.Tensor) -> torch.Tensor | None:
         return None
 
-    def step(self, state, prev_emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step(self, state: torch.Tensor | None, prev_emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """prev_emb [R, r], hidden [R, D] -> (bias [R, N], new state)."""
         return self.markov_w2(prev_emb), state
 
@@ -64,11 +66,11 @@ MARKOV_HEADS.register("vanilla")(MarkovHead)
 class GatedMarkovHead(MarkovHead):
     """B_k = W2(g_k * W1[x_{k-1}]), g_k = sigmoid(gate_proj([h_k; W1[x_{k-1}]]))."""
 
-    def __init__(self, *, hidden_size: int, rank: int, **sizes: int | None):
-        super().__init__(hidden_size=hidden_size, rank=rank, **sizes)
+    def __init__(self, *, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, w1_rows: int | None = None):
+        super().__init__(vocab_size=vocab_size, draft_vocab_size=draft_vocab_size, rank=rank, hidden_size=hidden_size, w1_rows=w1_rows)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
-    def step(self, state, prev_emb, hidden):
+    def step(self, state: torch.Tensor | None, prev_emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_emb], dim=-1)))
         return self.markov_w2(gate * prev_emb), state
 
@@ -78,14 +80,14 @@ class RnnMarkovHead(MarkovHead):
     """Gated recurrent state s over the block: [g; c; o] = joint_proj([s; W1[x_{k-1}]; h_k]),
     s <- g*s + (1-g)*tanh(c), B_k = W2(tanh(o))."""
 
-    def __init__(self, *, hidden_size: int, rank: int, **sizes: int | None):
-        super().__init__(hidden_size=hidden_size, rank=rank, **sizes)
+    def __init__(self, *, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, w1_rows: int | None = None):
+        super().__init__(vocab_size=vocab_size, draft_vocab_size=draft_vocab_size, rank=rank, hidden_size=hidden_size, w1_rows=w1_rows)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
-    def init_state(self, rows, like):
+    def init_state(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         return like.new_zeros(rows, self.rank)
 
-    def block_bias(self, prev_emb, hidden):
+    def block_bias(self, prev_emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         state = self.init_state(prev_emb.shape[0], prev_emb)
         out = []
         for k in range(prev_emb.shape[1]):
@@ -93,7 +95,10 @@ class RnnMarkovHead(MarkovHead):
             out.append(bias)
         return torch.stack(out, dim=1)
 
-    def step(self, state, prev_emb, hidden):
+    # The shared signature allows a None state (stateless heads); this head's state always comes from its init_state.
+    def step(  # type: ignore[override]
+        self, state: torch.Tensor, prev_emb: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         gate_raw, cand_raw, out_raw = self.joint_proj(torch.cat([state, prev_emb, hidden], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate_raw)
         state = gate * state + (1.0 - gate) * torch.tanh(cand_raw)

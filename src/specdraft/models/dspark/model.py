@@ -40,17 +40,18 @@ class DSparkDrafter(DFlashDrafter):
     config_cls = DSparkConfig
     architecture = "DSparkSpeculator"
     sample_from_anchor: ClassVar[bool] = True
+    config: DSparkConfig
 
     def __init__(self, config: DSparkConfig, verifier: dict | None = None):
         super().__init__(config, verifier)
-        c = config
-        compact = c.uses_draft_vocab and c.draft_vocab + 1 < c.vocab_size
+        c, d = config, self.dims
+        compact = c.uses_draft_vocab and c.draft_vocab + 1 < d.vocab_size
         self.markov_head = MARKOV_HEADS.get(c.markov_head)(
-            vocab_size=c.vocab_size, draft_vocab_size=c.draft_vocab, rank=c.markov_rank, hidden_size=c.hidden_size,
+            vocab_size=d.vocab_size, draft_vocab_size=c.draft_vocab, rank=c.markov_rank, hidden_size=d.hidden_size,
             w1_rows=c.draft_vocab + 1 if compact else None,
         )
         self.confidence_head = (
-            ConfidenceHead(c.hidden_size + (c.markov_rank if c.confidence_with_markov else 0)) if c.confidence_head else None
+            ConfidenceHead(d.hidden_size + (c.markov_rank if c.confidence_with_markov else 0)) if c.confidence_head else None
         )
         self._sync_markov_rows()
         # Hooks, not a load_state_dict override: they also run when a wrapper (the trainer's step
@@ -63,7 +64,7 @@ class DSparkDrafter(DFlashDrafter):
         """Point the compact W1's ``row_of`` at the current draft vocabulary: draft id i -> row i,
         any other target id -> the shared row N."""
         head = self.markov_head
-        if head.markov_w1.num_embeddings == self.config.vocab_size:
+        if head.markov_w1.num_embeddings == self.dims.vocab_size or self.t2d is None:  # a full W1 (no draft vocabulary)
             head.row_of = None
             return
         rank = torch.cumsum(self.t2d.to(torch.int64), 0) - 1
@@ -82,7 +83,7 @@ class DSparkDrafter(DFlashDrafter):
         the head switches to a full [V, r] table (a checkpoint trained elsewhere keeps every row)."""
         key = prefix + "markov_head.markov_w1.weight"
         w1, head = state.get(key), self.markov_head
-        if w1 is None or head.row_of is None or w1.shape[0] != self.config.vocab_size:
+        if w1 is None or head.row_of is None or self.t2d is None or w1.shape[0] != self.dims.vocab_size:
             return  # already in this layout, or a shape load_state_dict reports
         t2d = state.get(prefix + "t2d", self.t2d).to(device=w1.device, dtype=torch.bool)
         others = w1[~t2d]
@@ -155,7 +156,9 @@ class DSparkDrafter(DFlashDrafter):
         labels, in_vocab = self.draft_labels(tf["labels"])
         head = self.draft_target_head()
 
-        def rows(h, prev, th, lab):
+        def rows(
+            h: torch.Tensor, prev: torch.Tensor, th: torch.Tensor, lab: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             logits, conf = self.corrected_block(h, prev)
             ce, l1, bce = block_terms(draft_logits=logits, target_logits=F.linear(norm(th), head), labels=lab, confidence_logits=conf)
             return ce, l1, bce, logits.argmax(-1) == lab
@@ -193,7 +196,7 @@ class DSparkDrafter(DFlashDrafter):
 
         ids = self.draft_target_ids()
 
-        def rows(h, prev, th):
+        def rows(h: torch.Tensor, prev: torch.Tensor, th: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             logits, conf = self.corrected_block(h, prev)
             target_logits = self.verifier_lm_head(norm(th))
             p_t = torch.softmax(target_logits.float(), -1)
@@ -202,7 +205,8 @@ class DSparkDrafter(DFlashDrafter):
             if ids is not None:
                 p_t, drafted = p_t[..., ids], ids[drafted]
             overlap = torch.minimum(p_d, p_t).sum(-1)
-            return conf.float(), (drafted == target_logits.argmax(-1)).float(), overlap.clamp(0, 1)
+            # conf is set: corrected_block gives confidence logits whenever there is a confidence head (checked above).
+            return conf.float(), (drafted == target_logits.argmax(-1)).float(), overlap.clamp(0, 1)  # type: ignore[union-attr]
 
         conf, greedy, soft = chunked_rows(
             rows, tf["hidden"], tf["prev_ids"], tf["target_hidden"], chunk_rows=max(1, self.config.loss_chunk_rows // self.config.block_size)

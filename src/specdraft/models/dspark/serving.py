@@ -7,7 +7,7 @@ slots, anchor first, so that must equal the trained block size; only the vanilla
 
 from __future__ import annotations
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 
 
 def vllm_options(fields: dict, trained: int, requested: int | None, adaptive: bool, name: str) -> dict:
@@ -21,12 +21,12 @@ def vllm_options(fields: dict, trained: int, requested: int | None, adaptive: bo
         )
     if requested not in (None, trained):
         raise SpecdraftError(
-            f"{name}: --num-speculative-tokens {requested} differs from the trained block of "
+            f"{name}: {setting('num_speculative_tokens')} {requested} differs from the trained block of "
             f"{trained} drafts; vLLM's DSpark runs a block of num_speculative_tokens slots, which must be {trained}"
         )
     options = {"num_speculative_tokens": trained}
     if adaptive:
         if not fields.get("enable_confidence_head", True):
-            raise SpecdraftError(f"{name}: --adaptive-verification needs a confidence head; this drafter has none")
+            raise SpecdraftError(f"{name}: {setting('adaptive_verification')} needs a confidence head; this drafter has none")
         options["enable_adaptive_verification"] = True
     return options

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -47,20 +48,23 @@ class Eagle3Layer(DecoderLayer):
     """Llama layer whose attention reads concat(norm(embed), norm(feature)) (2D wide)."""
 
     def __init__(self, c: Eagle3Config):
+        d = c.dims()
         super().__init__(
-            in_dim=2 * c.hidden_size,
-            hidden=c.hidden_size,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            intermediate=c.intermediate_size,
+            in_dim=2 * d.hidden_size,
+            hidden=d.hidden_size,
+            num_heads=d.num_attention_heads,
+            num_kv_heads=d.num_key_value_heads,
+            head_dim=d.head_dim,
+            intermediate=d.intermediate_size,
             qk_norm=False,
-            eps=c.rms_norm_eps,
+            eps=d.rms_norm_eps,
         )
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.norm_before_residual = c.norm_before_residual
 
-    def forward(self, embeds, feature, cos, sin, past: KV | None, mask) -> tuple[torch.Tensor, KV]:
+    def forward(
+        self, embeds: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KV | None, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, KV]:
         """embeds/feature [N, L, D]; past K/V [N, G, M, E] or None; mask [N|1, 1, L, M+L].
         Returns (out [N, L, D], this call's (k, v) [N, G, L, E])."""
         normed = self.hidden_norm(feature)
@@ -76,21 +80,16 @@ class Eagle3Layer(DecoderLayer):
 
 @dataclass
 class Eagle3Cache:
-    """Draft K/V of committed positions, k/v [1, G, M, E] (None while empty)."""
+    """Draft K/V of committed positions, (k, v) each [1, G, M, E] (None while empty)."""
 
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
+    kv: KV | None = None
 
     @property
     def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def kv(self) -> KV | None:
-        return None if self.k is None else (self.k, self.v)
+        return 0 if self.kv is None else self.kv[0].shape[2]
 
     def append(self, kv: KV) -> None:
-        self.k = kv[0] if self.k is None else torch.cat([self.k, kv[0]], dim=2)
-        self.v = kv[1] if self.v is None else torch.cat([self.v, kv[1]], dim=2)
+        self.kv = kv if self.kv is None else (torch.cat([self.kv[0], kv[0]], dim=2), torch.cat([self.kv[1], kv[1]], dim=2))
 
 
 class Eagle3Drafter(SpeculatorsDrafter):
@@ -100,28 +99,32 @@ class Eagle3Drafter(SpeculatorsDrafter):
     layer_model_type = "llama"
     slot_side = "input"
     ignored_on_load = SpeculatorsDrafter.ignored_on_load + ("d2t", "t2d")
+    config: Eagle3Config
+    d2t: torch.Tensor  # buffers: the draft vocabulary (see ``common.vocab``)
+    t2d: torch.Tensor
 
     def __init__(self, config: Eagle3Config, verifier: dict | None = None):
         super().__init__(config, verifier)
-        c = config
+        c, d = config, self.dims
         if c.draft_vocab_size is None:
             raise SpecdraftError(
                 f"eagle3 config: draft_vocab_coverage {c.draft_vocab_coverage} is turned into draft_vocab_size from token counts "
                 "when the drafter is built; use MethodSpec.build(config, target, counts=...)"
             )
-        self.fc = nn.Linear(len(c.slots()) * c.hidden_size, c.hidden_size, bias=False)
+        self.draft_vocab: int = c.draft_vocab_size
+        self.fc = nn.Linear(len(c.slots()) * d.hidden_size, d.hidden_size, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(c)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta)
-        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-        t2d[: c.draft_vocab_size] = True
-        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
+        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.lm_head = nn.Linear(d.hidden_size, self.draft_vocab, bias=False)
+        self.rotary = RotaryEmbedding(d.head_dim, d.rope_theta)
+        t2d = torch.zeros(d.vocab_size, dtype=torch.bool)
+        t2d[: self.draft_vocab] = True
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.int64))
         self.register_buffer("t2d", t2d)
 
     @property
     def use_draft_vocab(self) -> bool:
-        return self.config.draft_vocab_size < self.config.vocab_size
+        return self.draft_vocab < self.dims.vocab_size
 
     # ----- format --------------------------------------------------------------------------
     def saved_state(self) -> dict[str, torch.Tensor]:
@@ -131,7 +134,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
         return state
 
     def draft_vocab_size(self) -> int:
-        return self.config.draft_vocab_size
+        return self.draft_vocab
 
     def speculative_tokens(self) -> int:
         return self.config.ttt_steps
@@ -168,7 +171,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
             "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
         }
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if self.use_draft_vocab and "d2t" in state_dict:
             check_vocab_tables(self.d2t, self.t2d, where="eagle3 draft vocabulary")
@@ -178,14 +181,18 @@ class Eagle3Drafter(SpeculatorsDrafter):
     def set_draft_vocab(self, counts: torch.Tensor) -> None:
         """Select the draft vocabulary from token counts and start the draft head from the
         target head's rows for those tokens (the reference's initialisation)."""
-        install_draft_vocab(self, counts, self.config.draft_vocab_size)
+        install_draft_vocab(
+            counts, self.draft_vocab, d2t=self.d2t, t2d=self.t2d, head=self.lm_head, target_head=self.verifier_lm_head.weight
+        )
 
     def draft_target_ids(self) -> torch.Tensor:
         """[Vd] target id of each draft id."""
         return draft_ids(self.d2t)
 
     # ----- training ------------------------------------------------------------------------
-    def _layer(self, embeds, feature, positions, past, mask) -> tuple[torch.Tensor, KV]:
+    def _layer(
+        self, embeds: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor, past: KV | None, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, KV]:
         cos, sin = self.rotary(positions, embeds.dtype)
         return self.layers[0](embeds, feature, cos, sin, past, mask)
 
@@ -197,7 +204,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
         idx = torch.arange(t, device=tokens.device)
         feature = self.fc(batch.aux_hidden.flatten(2).to(self.fc.weight.dtype))
         past: KV | None = None
-        outputs = []
+        outputs: list[torch.Tensor] = []
         for j in range(self.config.ttt_steps):
             src = (idx + 1 + j).clamp(max=t - 1)
             embeds = self.embed_tokens(tokens[:, src])
@@ -224,7 +231,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
         ids = self.draft_target_ids()
         head = self.verifier_lm_head.weight[ids]
 
-        def rows_loss(h, target_h, labels):
+        def rows_loss(h: torch.Tensor, target_h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             draft_logits = self.lm_head(self.norm(h))
             target_logits = nn.functional.linear(norm(target_h), head)
             return soft_ce_rows(draft_logits=draft_logits, target_logits=target_logits), ids[draft_logits.argmax(-1)] == labels
@@ -265,7 +272,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
         mask = torch.cat(
             [torch.ones(new, m, dtype=torch.bool), torch.ones(new, new, dtype=torch.bool).tril()], dim=1
         ).to(feature.device)
-        out, kv = self._layer(self.embed_tokens(next_tokens)[None], feature, positions[None] + 1, cache.kv(), mask[None, None])
+        out, kv = self._layer(self.embed_tokens(next_tokens)[None], feature, positions[None] + 1, cache.kv, mask[None, None])
         cache.append(kv)
         return out[0]
 
@@ -274,9 +281,9 @@ class Eagle3Drafter(SpeculatorsDrafter):
         """One chain step ``step`` >= 1 from the last committed position ``base_position``:
         feature = the previous step's output ``hidden`` [D], input ``token`` = the previous draft.
         Sees the committed cache plus this round's ``draft_kv`` (which it extends)."""
-        past = cache.kv()
-        if draft_kv.k is not None:
-            past = (torch.cat([past[0], draft_kv.k], 2), torch.cat([past[1], draft_kv.v], 2)) if past else draft_kv.kv()
+        past = cache.kv
+        if draft_kv.kv is not None:
+            past = (torch.cat([past[0], draft_kv.kv[0]], 2), torch.cat([past[1], draft_kv.kv[1]], 2)) if past else draft_kv.kv
         total = (0 if past is None else past[0].shape[2]) + 1
         mask = torch.ones(1, 1, 1, total, dtype=torch.bool, device=hidden.device)
         pos = torch.tensor([[base_position + 1 + step]], device=hidden.device)
@@ -287,7 +294,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] -> logits over the full target vocabulary (-inf outside the draft vocab)."""
         small = self.lm_head(self.norm(hidden))
-        full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+        full = small.new_full((*small.shape[:-1], self.dims.vocab_size), float("-inf"))
         full[..., self.draft_target_ids()] = small
         return full
 
@@ -323,7 +330,7 @@ def build_eagle3(config: Eagle3Config, target: Target, *, counts: torch.Tensor |
     the prepared dataset's token_counts) selects the reduced draft vocabulary: ``draft_vocab_size``
     if set, else the smallest N reaching ``draft_vocab_coverage`` (written into the config)."""
     config = config.resolve(target)
-    if config.draft_vocab_size is None:  # resolve() leaves it unset only when coverage chooses it
+    if config.draft_vocab_size is None and config.draft_vocab_coverage is not None:  # resolve() leaves it unset only then
         if counts is None:
             raise SpecdraftError(
                 f"eagle3 draft_vocab_coverage={config.draft_vocab_coverage} needs token counts (the prepared dataset's "
@@ -335,7 +342,7 @@ def build_eagle3(config: Eagle3Config, target: Target, *, counts: torch.Tensor |
     if model.use_draft_vocab:
         if counts is None:
             raise SpecdraftError(
-                f"eagle3 draft_vocab_size {config.draft_vocab_size} < target vocabulary {config.vocab_size} needs token "
+                f"eagle3 draft_vocab_size {config.draft_vocab_size} < target vocabulary {model.dims.vocab_size} needs token "
                 "counts (the prepared dataset's token_counts.safetensors)"
             )
         model.set_draft_vocab(counts)

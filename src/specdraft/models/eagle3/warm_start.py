@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from specdraft.errors import SpecdraftError
 from specdraft.models.base import WarmStartData
 from specdraft.models.common.warm_start import copied_layers, copy_layer, family_mismatch, report_kept, target_layers, target_tensor
 
@@ -34,6 +35,8 @@ def init_eagle3_layer(drafter: Any, inputs: WarmStartData) -> list[str]:
     copied, kept = copy_layer(layer, layers[t], prefix="layers.0", source_name=f"target.layers.{t}", special=special,
                               skip=("input_layernorm.weight", "hidden_norm.weight"))
     gain = target_tensor(layers[t], "input_layernorm.weight")
+    if gain is None:
+        raise SpecdraftError(f"target {inputs.target.name}: layer {t} has no input_layernorm to start the EAGLE-3 hidden_norm from")
     layer.hidden_norm.weight.copy_(gain.to(layer.hidden_norm.weight.dtype))
     copied.append(f"layers.0.hidden_norm.weight<-target.layers.{t}.input_layernorm.weight")
     kept.remove("layers.0.hidden_norm.weight")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, Sequence, r
 
 import torch
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.source import SampleSource
 from specdraft.models.base import DrafterBatch
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 @runtime_checkable
 class PrefetchingSource(Protocol):
-    """A source that reads ahead (``hidden_states.online.StreamingSource``): the trainer tells it the
+    """A source that reads ahead (``hidden_states.streaming.StreamingSource``): the trainer tells it the
     order of the indices it will read (``training_order``) and closes it at the end."""
 
     def start(self, order: Iterable[int]) -> None: ...
@@ -53,7 +53,7 @@ class PrefetchingSource(Protocol):
 
 
 def open_sample_source(cfg: TrainConfig, *, rank: int | None = None, world: int | None = None) -> SampleSource:
-    """The source ``cfg.data_mode`` names (``hidden_states.online.DATA_MODES``); online/hybrid modes request
+    """The source ``cfg.data_mode`` names (``hidden_states.data_modes.DATA_MODES``); online/hybrid modes request
     the layer slots of ``cfg.method`` (``MethodSpec.run_slots``, as the trainer's plan) and log delivered ids in ``OUT``
     (one log per rank under torchrun: ranks may run on different hosts, and appends from several hosts to
     one file on a network file system interleave or get lost). Each rank's source is owned by (OUT, rank),
@@ -62,7 +62,7 @@ def open_sample_source(cfg: TrainConfig, *, rank: int | None = None, world: int 
     from pathlib import Path
 
     import specdraft.models  # noqa: F401  (registers the built-in methods)
-    from specdraft.hidden_states.online import DATA_MODES, SourceOptions
+    from specdraft.hidden_states.data_modes import DATA_MODES, SourceOptions
     from specdraft.models.base import METHODS
 
     if rank is None or world is None:
@@ -170,7 +170,8 @@ class DataPlan:
         if plan.steps_in_epoch(0) == 0:
             raise SpecdraftError(
                 f"the training split ({len(train)} samples, {sum(plan.lengths[i] for i in train)} tokens) does not fill one step "
-                f"of {batch_rows} row(s) x {world_size} process(es); add data, lower --batch-rows, or lower --val-fraction"
+                f"of {batch_rows} row(s) x {world_size} process(es); add data, lower {setting('batch_rows')}, or lower "
+                f"{setting('val_fraction', of='train')}"
             )
         truncated = sum(1 for n in plan.lengths if n > plan.sample_tokens)
         if truncated:
@@ -247,7 +248,7 @@ def select_slots(store_slots: Sequence[LayerSlot], wanted: Sequence[LayerSlot], 
         need = ", ".join(map(str, wanted))
         raise SpecdraftError(
             f"hidden-state store {where} holds layers [{have}] but this method reads [{need}] (missing {', '.join(map(str, missing))}); "
-            f"re-run `specdraft extract` with this --method"
+            f"re-run `specdraft extract --method` with this method"
         )
     return [store_slots.index(s) for s in wanted]
 
@@ -261,13 +262,14 @@ def padded_width(tokens: int) -> int:
 
 
 def collate(rows: Sequence[Sequence[dict[str, Any]]], *, sample_tokens: int, round_width: bool = False,
-            slot_index: Sequence[int] | None = None) -> DrafterBatch:
+            slot_index: Sequence[int] | None = None, where: str = "the hidden-state store") -> DrafterBatch:
     """Pack per-sample dicts into one padded ``DrafterBatch`` (see the module docstring for the layout), each
     sample truncated to ``sample_tokens`` (the plan's ``sample_tokens``). ``round_width`` pads the batch to
     ``padded_width``: for runs with long samples (``TrainConfig.round_row_widths``), whose row lengths range widely;
     other runs keep exact widths, so they train (and resume, ``scripts/resume_across.py``) bit for bit as before.
 
-    Hidden states are cast to float32 (autocast lowers them again where it pays off).
+    Hidden states are cast to float32 (autocast lowers them again where it pays off). NaN or inf among them is
+    refused, naming ``where`` (the store), the sample and the tensor (``check_finite_hidden``).
     """
     first = rows[0][0]
     S = len(slot_index) if slot_index is not None else first["hidden_states"].shape[1]
@@ -293,4 +295,26 @@ def collate(rows: Sequence[Sequence[dict[str, Any]]], *, sample_tokens: int, rou
             aux_hidden[b, span] = (hs[:, list(slot_index)] if slot_index is not None else hs).float()
             last_hidden[b, span] = item["last_hidden"][:n].float()
             start += n
+    check_finite_hidden(rows, {"hidden_states": aux_hidden, "last_hidden": last_hidden}, segment_ids, where=where)
     return DrafterBatch(token_ids, loss_mask, segment_ids, position_ids, aux_hidden, last_hidden)
+
+
+def check_finite_hidden(rows: Sequence[Sequence[dict[str, Any]]], tensors: dict[str, torch.Tensor], segment_ids: torch.Tensor, *,
+                        where: str) -> None:
+    """Refuse a batch whose hidden states hold NaN or inf, naming the store, the sample, the tensor and the token.
+    A store's checksums prove only that it holds what was written: a target that overflowed while extracting
+    writes non-finite states that verify, and they would train a NaN loss or, in validation, report a tau that
+    means nothing. One pass over the collated batch, a fraction of a step's cost; the culprit is looked up only
+    when there is one."""
+    for name, tensor in tensors.items():
+        finite = torch.isfinite(tensor).flatten(2).all(-1)  # [B, T]
+        if bool(finite.all()):
+            continue
+        b, t = (int(x) for x in (~finite).nonzero()[0])
+        segment = int(segment_ids[b, t])
+        token = t - int((segment_ids[b] == segment).nonzero()[0])
+        sample = rows[b][segment].get("sample_id", f"row {b}, segment {segment}")
+        raise SpecdraftError(
+            f"{where}: sample {sample!r} holds non-finite values (NaN or inf) in its {name} at token {token}; the store "
+            "verifies, so they were written so: extract the store again (`specdraft extract` into a new --out) or leave that sample out"
+        )

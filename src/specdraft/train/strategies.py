@@ -1,7 +1,7 @@
-"""What a run resumes from, and how each parallel strategy saves it.
+"""The parallel strategies (single process, DDP, FSDP2): what a run resumes from, and how each strategy wraps and saves it.
 
 ``TrainState`` is the one resumable state of a run (the wrapped step module, optimizer, schedule,
-step); ``train/checkpoint.py`` is its file format. A ``Checkpointer`` writes it: full (unsharded)
+step); ``train/checkpoint_files.py`` is its file format. A ``Checkpointer`` writes it: full (unsharded)
 states, the weight check that keeps NaN/inf out of every checkpoint, pruning, the final drafter.
 ``Checkpointer`` serves replicated parameters (one process, DDP); ``ShardedCheckpointer`` serves FSDP2,
 whose sharded parameters cannot go through ``save_pretrained``: rank 0 keeps an unsharded CPU replica
@@ -19,11 +19,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.models.base import DrafterModel
 from specdraft.models.common.checkpoint import DRAFTER_DIR
 from specdraft.registry import Registry
-from specdraft.train import checkpoint as ckpt
+from specdraft.train import checkpoint_files as ckpt
 from specdraft.train.distributed import Dist
 
 
@@ -79,7 +79,7 @@ class Checkpointer:
                 if self.last_saved >= 0 else "no checkpoint had been written yet")
         return SpecdraftError(
             f"training stopped at step {at_step}: {what}; nothing from this step on was saved and {kept}. "
-            "Lower --lr, check --grad-clip and --weight-decay, or look for broken samples in the data"
+            f"Lower {setting('lr')}, check {setting('grad_clip')} and {setting('weight_decay')}, or look for broken samples in the data"
         )
 
     def check_weights(self, state: TrainState) -> None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdraft.errors import SpecdraftError
+
 DEFAULT_GRID = tuple(round(0.25 * 1.1**i, 4) for i in range(40))  # 0.25 .. ~10, geometric
 
 
@@ -47,8 +49,15 @@ def sequential_temperature_scaling(
     """logits, accept, valid: [N, B] -> per-position temperatures (see module docstring).
 
     ``accept`` is 0/1 (greedy verification) or an acceptance probability (sampling); ``valid`` marks
-    supervised positions (a prefix of each block). Positions with no data keep T = 1.
+    supervised positions (a prefix of each block). Positions with no data keep T = 1. NaN or inf at a supervised
+    position is refused: the ECE bins would index with it (a bare ``bincount`` error), and no temperature fits it.
     """
+    bad = valid.bool() & ~(torch.isfinite(logits) & torch.isfinite(accept))
+    if bad.any():
+        block, position = (int(x) for x in bad.nonzero()[0])
+        raise SpecdraftError(f"{int(bad.sum())} supervised confidence logit(s) or acceptance(s) are NaN or inf (the first at "
+                             f"block {block}, draft position {position + 1}): the drafter's confidence head gave them, so no "
+                             "temperature can be fitted")
     logits, accept = logits.double(), accept.double()
     temps: list[float] = []
     before: list[float] = []

@@ -1,10 +1,10 @@
 """The torch CPU thread count: the user's, or for ``0`` (auto) the count whose real work ran fastest here.
 
-torch's default (every core) is not always the fastest: on a busy shared 2-core CPU one thread
-regenerated ~4x faster than two, while an idle machine wants them all; small matmuls stop scaling
-long before large ones do. So each command that computes on the CPU times a short piece of its own
+torch's default (every core) is not always the fastest: on a busy shared CPU fewer threads than cores
+can run faster (``docs/results/machine_tuning.md``), while an idle machine wants them all; small matmuls stop
+scaling long before large ones do. So each command that computes on the CPU times a short piece of its own
 work (a training step, a few decoding steps, a short generate) at each candidate count once per
-machine and work (``utils/measured.py``: the cache is keyed by the cores available, not the
+machine and work (``tuning/measured.py``: the cache is keyed by the cores available, not the
 current count), logs the figures and sets the fastest. Candidates are 1, 2, 4, ... and the number of
 cores available; all cores is preferred unless another count is clearly faster. An explicit count
 always wins and is never measured; GPU work keeps torch's default (its CPU threads barely matter).
@@ -16,7 +16,8 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from specdraft.utils.measured import Measurement, available_cores, fastest_time, machine_identity, measured_choice
+from specdraft.tuning.measured import Measurement, available_cores, fastest_time, machine_identity, measured_choice
+from specdraft.utils.lengths import power_of_two_at_least
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +36,12 @@ def set_threads(count: int) -> None:
     negative or absurd (torch raises a bare RuntimeError below 1 and overflows on a huge one)."""
     import torch
 
-    from specdraft.errors import SpecdraftError
+    from specdraft.errors import SpecdraftError, setting
 
     most = 4 * max(available_cores(), 1)
     if not 1 <= count <= most:
-        raise SpecdraftError(f"thread count {count} (--threads/--num-threads) must be 0 (auto) or 1..{most} (4x the {available_cores()} "
+        raise SpecdraftError(f"thread count {count} ({setting('threads', 'num_threads')}) must be 0 (auto) or 1..{most} "
+                             f"(4x the {available_cores()} "
                              "cores available here)")
     torch.set_num_threads(count)
 
@@ -92,11 +94,6 @@ def threads_facts(requested: int, measurement: Measurement | None) -> dict[str, 
         return {"threads": torch.get_num_threads(), "threads_source": "flag" if requested else "default"}
     return {"threads": int(measurement.choice), "threads_source": "cached" if measurement.cached else "measured",
             "threads_seconds": measurement.seconds}
-
-
-def power_of_two_at_least(n: int) -> int:
-    """``n`` rounded up to a power of two: probe shapes (and cache keys) that many datasets share."""
-    return 1 << max(int(n) - 1, 1).bit_length()
 
 
 def resolve_forward_threads(requested: int, model: Any, *, fingerprint: str, rows: int, tokens: int) -> Measurement | None:

@@ -1,12 +1,13 @@
 """Speed-dependent defaults measured on the machine at hand, not fixed in code or recipes.
 
-Whether bf16 pays depends on the machine: on an AVX2-only EPYC a bf16 matmul at a drafter's
-shapes ran at 1.3 GFLOP/s against 83 for fp32 (training 13x slower), while AVX-512-BF16/AMX CPUs
-and GPUs run it faster than fp32. So ``auto`` settings time the real work in each candidate once
-and pick the fastest; the figures are cached as JSON under ``<cache>/measured/`` (``cache_root``),
-keyed by the machine and software (device, CPU model and flags, torch version, threads) and by
-what was timed (e.g. the drafter's config and pack size), and logged with the choice. An explicit
-setting always wins: callers measure only for ``auto``.
+Whether bf16 pays depends on the machine: CPUs without native bf16 arithmetic (AVX2-only) run a bf16 matmul
+at a drafter's shapes many times slower than fp32, while AVX-512-BF16/AMX CPUs and GPUs run it faster
+(``docs/results/machine_tuning.md``). So ``auto`` settings time the real work in each candidate once
+and pick the fastest; the figures are cached as JSON under ``<cache>/measured/`` (``cache_root``,
+through ``utils/cache.py``: verified on read, measured again where an entry is damaged, kept in memory
+where the cache cannot be written), keyed by the machine and software (device, CPU model and flags,
+torch version, threads) and by what was timed (e.g. the drafter's config and pack size), and logged
+with the choice. An explicit setting always wins: callers measure only for ``auto``.
 
 A candidate other than the preferred one (the exact one, fp32) must be faster by more than
 ``margin`` to be chosen, so timing noise on a shared machine does not flip a near tie. Each
@@ -20,6 +21,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -29,7 +31,7 @@ from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
-MEASURED_FORMAT = "specdraft-measured-v1"
+MEASURED_FORMAT = "specdraft-measured-v2"  # v1 had no checksum
 
 
 @dataclass(frozen=True)
@@ -121,24 +123,27 @@ def measured_figures(name: str, context: dict[str, Any], measure: Callable[[], d
     """``(figures, cached, cache file)``: ``measure()``'s figures, taken once per machine (``machine``,
     default :func:`machine_identity`) and ``context``, then read back from the cache (which also
     records ``decide(figures)``, the choice they gave, for whoever reads the file)."""
-    from specdraft.utils.io import atomic_write_json, cache_root
+    from specdraft.utils.cache import cached
+    from specdraft.utils.io import cache_root
 
     key = {"name": name, "machine": machine or machine_identity(device), "context": context}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = (cache_dir or cache_root()) / "measured" / f"{name}-{digest}.json"
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("format") == MEASURED_FORMAT:
-            return {k: float(v) for k, v in cached["seconds"].items()}, True, path
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    figures = {k: float(v) for k, v in measure().items()}
-    try:
-        choice = {"choice": decide(figures)} if decide else {}
-        atomic_write_json(path, {"format": MEASURED_FORMAT, **key, "seconds": figures, **choice})
-    except OSError:  # a read-only cache only costs a probe next time
-        pass
-    return figures, False, path
+
+    def build() -> dict[str, Any]:
+        figures = {k: float(v) for k, v in measure().items()}
+        return {"seconds": figures, **({"choice": decide(figures)} if decide else {})}
+
+    figures, was_cached = cached(path, build, format=MEASURED_FORMAT, key=key, what=f"measurement {name!r}", parse=_figures)
+    return figures, was_cached, path
+
+
+def _figures(value: dict[str, Any]) -> dict[str, float]:
+    """A cached entry's figures: seconds, each finite and >= 0 (``ValueError`` otherwise: measured again)."""
+    figures = {str(k): float(v) for k, v in value["seconds"].items()}
+    if not figures or not all(math.isfinite(v) and v >= 0 for v in figures.values()):
+        raise ValueError(f"seconds {figures} are not finite times")
+    return figures
 
 
 def measured_choice(name: str, context: dict[str, Any], timers: dict[str, Callable[[], float]], *, preferred: str,
@@ -152,9 +157,6 @@ def measured_choice(name: str, context: dict[str, Any], timers: dict[str, Callab
     decide = functools.partial(choose, preferred=preferred, margin=margin)
     seconds, cached, path = measured_figures(name, context, lambda: {c: timer() for c, timer in timers.items()}, device=device,
                                              machine=machine, cache_dir=cache_dir, decide=decide)
-    if set(seconds) != set(timers):  # a foreign or damaged file: measure again
-        seconds = {c: float(timer()) for c, timer in timers.items()}
-        cached = False
     result = Measurement(name, seconds, decide(seconds), cached=cached, path=str(path))
     log.info("%s", result.describe())
     return result

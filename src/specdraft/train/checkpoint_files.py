@@ -1,4 +1,7 @@
-"""Run directories and resumable checkpoints (safetensors + JSON, never pickle).
+"""A training run's files on disk: its directory layout and resumable checkpoints (safetensors + JSON, never pickle).
+
+This is the format only: writing, verifying, reading, listing and pruning checkpoints, one process at a time.
+Who writes them in a multi-process run, and from what state, is ``strategies.py``.
 
 Layout of ``OUT``::
 
@@ -19,7 +22,7 @@ marks a checkpoint complete. It records the sha256 of every other file of its ch
 all verified before a resume uses any of it; a state without them is refused. The trainer never
 passes the frozen target tensors (embedding, LM head, final norm) here, so a resume keeps the
 target's own. There is no RNG state to store: every random draw of a step is seeded from
-(seed, rank, step) (``data.step_seed``), so step N+1 after a resume draws exactly what it would
+(seed, rank, step) (``batches.step_seed``), so step N+1 after a resume draws exactly what it would
 have drawn in an uninterrupted run.
 """
 
@@ -52,8 +55,9 @@ CHECKPOINT_DIR = DirKind(
     frozenset({CONFIG_FILE, WEIGHTS_FILE, STATE_JSON, STATE_TENSORS}),
 )
 
-#: Fields of the run identity that must match to resume: changing them would train a different model.
-IDENTITY_KEYS = ("method", "model_config", "target_fingerprint", "slots")
+#: Fields of the run identity that must match to resume: changing them would train a different model, or go on
+#: training it on samples of another kind (``hidden_states``: the store's dtypes, ``SampleSource.made_with``).
+IDENTITY_KEYS = ("method", "model_config", "target_fingerprint", "slots", "hidden_states")
 
 
 def list_checkpoints(out: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -116,13 +120,23 @@ def read_state(directory: str | os.PathLike) -> dict:
 
 
 def check_identity(saved: dict, current: dict, *, where: Path) -> None:
-    """Refuse to resume a run whose method/model/target/layers differ from the checkpoint's."""
-    diffs = [k for k in IDENTITY_KEYS if _jsonable(saved.get(k)) != _jsonable(current.get(k))]
-    if diffs:
-        lines = "; ".join(f"{k}: checkpoint has {json.dumps(saved.get(k), sort_keys=True)}, now {json.dumps(_jsonable(current.get(k)), sort_keys=True)}" for k in diffs)
+    """Refuse to resume a run whose method/model/target/layers/hidden states differ from the checkpoint's, naming each
+    changed setting with both values (a mapping by its keys: ``model_config.block_size``). What one side does not
+    record is not compared: a field saved before it was recorded, a key of a mapping only one side has (a store's
+    dtypes where its writer recorded them: a hybrid run's cache resumed offline)."""
+    keys, lines = [], []
+    for key in (k for k in IDENTITY_KEYS if k in saved):
+        was, now = _jsonable(saved[key]), _jsonable(current.get(key))
+        pairs = ([(f"{key}.{k}", was[k], now[k]) for k in sorted(was.keys() & now.keys()) if was[k] != now[k]]
+                 if isinstance(was, dict) and isinstance(now, dict) else [(key, was, now)] if was != now else [])
+        if pairs:
+            keys.append(key)
+            lines += [f"{name}: checkpoint has {json.dumps(a, sort_keys=True)}, now {json.dumps(b, sort_keys=True)}"
+                      for name, a, b in pairs]
+    if keys:
         raise SpecdraftError(
-            f"cannot resume from {where}: the run's {', '.join(diffs)} changed ({lines}). "
-            f"Use a new --out directory, or restore the original settings to continue this run"
+            f"cannot resume from {where}: the run's {', '.join(keys)} changed ({'; '.join(lines)}). "
+            "Use a new --out directory, or restore the original settings to continue this run"
         )
 
 

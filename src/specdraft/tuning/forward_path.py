@@ -1,43 +1,39 @@
-"""How a frozen model's forward runs on this machine: a registry of exact execution paths and the measured choice.
+"""How a frozen model's forward runs on this machine: the exact execution paths' parts and the measured choice.
 
-Why: on CPUs eager ``F.linear`` with a few rows (a verify block of 2-9 tokens) pays about twice a
-GEMV's memory traffic, so a target forward of 8 tokens cost 1.7-1.9x one token on a 2-core EPYC;
-the same linear through oneDNN with its weight reordered once into oneDNN's blocked layout does
-not (``benchmarks/forward_path.py``), and it needs no compilation (``torch.compile`` with frozen
-weights prepacks the same way, after 1-2.5 min of compiling per shape on that CPU). And HF's SDPA
-attention copies every layer's K/V once per query head of a group on each masked forward of more than
-one token (every verify forward), unless told to let SDPA group the heads itself (part ``gqa``).
-And oneDNN's kernels for a few rows read the weights well below the machine's bandwidth, so part
-``streamed`` sends forwards of up to the row count measured to pay here through specdraft's own kernel
-(``utils/streamed.py``; its probe, ``stream_rows``, logged for the embedded target's linears at one row: oneDNN
-28.0 ms, streamed 20.8 ms a pass on a 2-core VM).
-Paths combine such parts (``prepacked+gqa``). Which path is
-faster depends on the machine and the model, so ``auto`` times decode-shaped work on each
-applicable path once per machine and model (``utils/measured.py``), logs the figures and keeps the
-fastest; eager is preferred unless another is clearly faster. A path changes how modules compute,
-never their parameters or state_dict, and every path is exact up to float reassociation (logits
-within ``LOGIT_TOLERANCE`` of eager, tested).
+Why: on CPUs eager ``F.linear`` with a few rows (a verify block of 2-9 tokens) pays about twice a GEMV's memory
+traffic; the same linear through oneDNN with its weight reordered once into oneDNN's blocked layout does not (part
+``prepacked``), and it needs no compilation (``torch.compile`` with frozen weights prepacks the same way, after minutes
+of compiling per shape). HF's SDPA attention copies every layer's K/V once per query head of a group on each masked
+forward of more than one token (every verify forward), unless told to let SDPA group the heads itself (part ``gqa``).
+And oneDNN's kernels for a few rows read the weights well below the machine's bandwidth, so part ``streamed`` sends
+forwards of up to the row count measured to pay here through specdraft's own kernel (``tuning/streamed.py``; its
+probe is :func:`stream_rows`). The figures behind these reasons, with their commands, are in
+``docs/results/machine_tuning.md``.
+
+Paths combine such parts (``prepacked+gqa``; the names live in ``tuning/paths.py``). Which path is faster depends on
+the machine and the model, so ``auto`` times decode-shaped work on each applicable path once per machine and model
+(``tuning/measured.py``), logs the figures and keeps the fastest; eager is preferred unless another is clearly faster.
+A path changes how modules compute, never their parameters or state_dict, and every path is exact up to float
+reassociation (logits within ``LOGIT_TOLERANCE`` of eager, tested).
 """
-
 from __future__ import annotations
 
+import contextvars
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.registry import Registry
-from specdraft.utils import streamed
-from specdraft.utils.measured import Measurement, measured_choice
+from specdraft.tuning import streamed
+from specdraft.tuning.measured import Measurement, measured_choice
+from specdraft.tuning.paths import AUTO, EAGER, FORWARD_PATHS, ForwardPath
 
 log = logging.getLogger(__name__)
 
-AUTO = "auto"
-EAGER = "eager"
 #: Largest |logit - eager logit| a path may produce (fp32 reassociation; tests/test_forward_path.py holds tiny targets to it).
 LOGIT_TOLERANCE = 2e-3
 
@@ -60,19 +56,12 @@ class PathPart:
     version: Callable[[], str] | None = None  # the part's own code (a kernel's source): cached timings of other code are stale
 
 
-@dataclass(frozen=True)
-class ForwardPath:
-    """One way to execute a model's forward: the parts it switches on (eager: none; every other part is off)."""
-
-    name: str
-    parts: tuple[str, ...]
-
-    def applies(self, model: nn.Module) -> bool:
-        return all(PATH_PARTS.get(part).fits(model) for part in self.parts)
-
-
 PATH_PARTS: Registry[PathPart] = Registry("forward path part")
-FORWARD_PATHS: Registry[ForwardPath] = Registry("forward path")
+
+
+def path_applies(path: ForwardPath, model: nn.Module) -> bool:
+    """Whether every part of ``path`` fits ``model``."""
+    return all(PATH_PARTS.get(part).fits(model) for part in path.parts)
 
 
 def path_version(name: str) -> str:
@@ -117,7 +106,7 @@ class PrepackedLinear(nn.Linear):
 
 class StreamedLinear(PrepackedLinear):
     """A ``PrepackedLinear`` whose forwards of at most ``_stream_rows`` rows go through specdraft's streamed kernel
-    (``utils/streamed.py``), which reads the weight itself (no copy; it follows in-place updates by construction)."""
+    (``tuning/streamed.py``), which reads the weight itself (no copy; it follows in-place updates by construction)."""
 
     _stream_rows: int
 
@@ -171,8 +160,8 @@ def stream_cap(streamed_s: dict[int, float], prepacked_s: dict[int, float], *, m
 def stream_rows(model: nn.Module) -> int:
     """Up to how many rows this model's prepacked linears run streamed here: a pass through all of them (the weights
     streaming from memory as in a forward) timed per row count 1..``STREAM_PROBE_ROWS`` on both kernels, once per
-    machine and set of linear shapes, then cached (``utils/measured.py``); ``stream_cap`` decides."""
-    from specdraft.utils.measured import fastest_time, measured_figures
+    machine and set of linear shapes, then cached (``tuning/measured.py``); ``stream_cap`` decides."""
+    from specdraft.tuning.measured import fastest_time, measured_figures
 
     linears = [m for m in model.modules() if isinstance(m, PrepackedLinear) and m.weight.is_contiguous()]
     if not linears:
@@ -237,30 +226,41 @@ def _streamed_installed(model: nn.Module) -> bool:
     return any(type(m) is StreamedLinear for m in model.modules())
 
 
-#: HF's switch (read per call by ``transformers.integrations.sdpa_attention.use_gqa_in_sdpa``) that hands grouped
-#: K/V heads to SDPA (``enable_gqa``) even with a mask. Without it every masked forward of more than one token --
-#: each verify forward of the runtime -- copies every layer's whole K/V once per query head of a group (``repeat_kv``),
-#: a cost that grows with the context.
-GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
+#: Whether the forward running in this context hands grouped K/V heads to SDPA (``enable_gqa``) even with a mask: set
+#: by a model on part ``gqa`` around its own forward only, so other models (and other threads) keep HF's default.
+#: Without it every masked forward of more than one token -- each verify forward of the runtime -- copies every layer's
+#: whole K/V once per query head of a group (``repeat_kv``), a cost that grows with the context.
+_GQA_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("specdraft_sdpa_gqa", default=False)
+
+
+def _hook_sdpa_gqa() -> None:
+    """Make HF's per-call test (``sdpa_attention.use_gqa_in_sdpa``) answer yes inside a ``gqa`` forward, once per
+    process; HF's own answer stands everywhere else."""
+    from transformers.integrations import sdpa_attention
+
+    original = sdpa_attention.use_gqa_in_sdpa
+    if getattr(original, "specdraft_gqa", False):
+        return
+
+    def use_gqa_in_sdpa(attention_mask: Any, key: torch.Tensor, value: torch.Tensor) -> bool:
+        return _GQA_ON.get() or original(attention_mask, key, value)
+
+    use_gqa_in_sdpa.specdraft_gqa = True  # type: ignore[attr-defined]
+    sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa
 
 
 class _GqaForward:
-    """A model's own forward run with ``GQA_SWITCH`` on for the call and restored after (the switch is process-wide,
-    so other models keep HF's default unless they run in another thread meanwhile, which changes their speed only)."""
+    """A model's own forward run with grouped SDPA on for the call (:data:`_GQA_ON`, reset after)."""
 
     def __init__(self, forward: Callable[..., Any]):
         self.forward = forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        previous = os.environ.get(GQA_SWITCH)
-        os.environ[GQA_SWITCH] = "1"
+        token = _GQA_ON.set(True)
         try:
             return self.forward(*args, **kwargs)
         finally:
-            if previous is None:
-                os.environ.pop(GQA_SWITCH, None)
-            else:
-                os.environ[GQA_SWITCH] = previous
+            _GQA_ON.reset(token)
 
 
 def _gqa_fits(model: nn.Module) -> bool:
@@ -273,6 +273,7 @@ def _gqa_fits(model: nn.Module) -> bool:
 
 def _install_gqa(model: nn.Module) -> None:
     if not _gqa_installed(model):
+        _hook_sdpa_gqa()
         model.forward = _GqaForward(model.forward)  # an instance attribute: nn.Module.__call__ runs it
 
 
@@ -292,19 +293,10 @@ PATH_PARTS.register("streamed")(PathPart("streamed", "CPU fp32 with oneDNN and a
                                          _streamed_installed, version=lambda: streamed.kernel_version()))
 PATH_PARTS.register("gqa")(PathPart("gqa", "a Hugging Face model on sdpa attention with grouped K/V heads", _gqa_fits, _install_gqa,
                                     _uninstall_gqa, _gqa_installed, optional=True))
-for _path in (ForwardPath(EAGER, ()), ForwardPath("prepacked", ("prepacked",)), ForwardPath("gqa", ("gqa",)),
-              ForwardPath("prepacked+gqa", ("prepacked", "gqa")), ForwardPath("prepacked+streamed", ("prepacked", "streamed")),
-              ForwardPath("prepacked+streamed+gqa", ("prepacked", "streamed", "gqa"))):
-    FORWARD_PATHS.register(_path.name)(_path)
-
-
-def path_choices() -> list[str]:
-    """What ``--forward-path`` accepts."""
-    return [AUTO, *FORWARD_PATHS.names()]
 
 
 def applicable_paths(model: nn.Module) -> list[str]:
-    return [name for name in FORWARD_PATHS.names() if FORWARD_PATHS.get(name).applies(model)]
+    return [name for name in FORWARD_PATHS.names() if path_applies(FORWARD_PATHS.get(name), model)]
 
 
 def current_path(model: nn.Module) -> str:
@@ -320,7 +312,7 @@ def use_path(model: nn.Module, name: str) -> str:
     missing = [PATH_PARTS.get(part).needs for part in parts if not PATH_PARTS.get(part).fits(model) and not PATH_PARTS.get(part).optional]
     if missing:
         param = next(model.parameters())
-        raise SpecdraftError(f"--forward-path {name} does not apply to a {str(param.dtype).removeprefix('torch.')} model on "
+        raise SpecdraftError(f"{setting('forward_path')} {name} does not apply to a {str(param.dtype).removeprefix('torch.')} model on "
                              f"{param.device.type} here (it needs {'; '.join(missing)}); use one of {', '.join([AUTO, *applicable_paths(model)])}")
     kept = [part for part in parts if PATH_PARTS.get(part).fits(model)]
     for part in PATH_PARTS.names():
