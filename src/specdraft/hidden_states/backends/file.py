@@ -143,7 +143,7 @@ class FileBackend(HiddenStateBackend):
             if problem is None:
                 return manifest
         raise SpecdraftError(f"{path} is damaged ({problem}), so the samples of {self.root} cannot be checked against it; "
-                             "extract into a new --out directory")
+                             "extract into a new directory (`specdraft extract --out NEW_DIR`)")
 
     def write_manifest(self, manifest: dict) -> None:
         _write(self.root / MANIFEST_FILE, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
