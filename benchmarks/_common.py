@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 DEFAULT_TARGET = "smollm2-135m"
 

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from _common import benchmark_parser, load_benchmark_target
+
 from specdraft.decode.config import DecodeConfig, SamplingConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
@@ -44,10 +45,14 @@ def main() -> None:
 
     from specdraft.decode.runtime import decoder_for_target
 
-    messages = [l.strip() for l in Path(args.prompts_file).read_text().splitlines() if l.strip()] if args.prompts_file else mtbench_first_turns()
+    messages = (
+        [l.strip() for l in Path(args.prompts_file).read_text().splitlines() if l.strip()] if args.prompts_file else mtbench_first_turns()
+    )
     target = load_benchmark_target(args)
-    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False)
-               for m in messages]
+    prompts = [
+        target.tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for m in messages
+    ]
     drafters = args.drafters.split(",")
     configs = {d: dataclass_from_args(DecodeConfig, args, drafter=d) for d in drafters}
     decoders = {d: decoder_for_target(target, config=configs[d], sampling=SamplingConfig()) for d in drafters}
@@ -60,10 +65,28 @@ def main() -> None:
             outputs.setdefault(d, []).extend(o.tokens for o in result.outputs)
     reference = outputs[drafters[0]]
     report = {
-        "target": target.name, "prompts": len(prompts), "batch_size": args.batch_size, "threads": args.threads,
-        "decode": {k: v for k, v in vars(configs[drafters[-1]]).items() if k != "drafter"}, "identical_outputs": {d: outputs[d] == reference for d in drafters},
-        "drafters": {d: {k: m.to_json()[k] for k in ("tau", "acceptance_rate", "position_acceptance", "output_tokens", "target_forwards",
-                                                     "tokens_per_s", "mean_ttft_s", "time_per_output_token_s")} for d, m in metrics.items()},
+        "target": target.name,
+        "prompts": len(prompts),
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "decode": {k: v for k, v in vars(configs[drafters[-1]]).items() if k != "drafter"},
+        "identical_outputs": {d: outputs[d] == reference for d in drafters},
+        "drafters": {
+            d: {
+                k: m.to_json()[k]
+                for k in (
+                    "tau",
+                    "acceptance_rate",
+                    "position_acceptance",
+                    "output_tokens",
+                    "target_forwards",
+                    "tokens_per_s",
+                    "mean_ttft_s",
+                    "time_per_output_token_s",
+                )
+            }
+            for d, m in metrics.items()
+        },
     }
     base = metrics[drafters[0]].tokens_per_s
     for d, m in metrics.items():

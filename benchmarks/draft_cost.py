@@ -72,8 +72,15 @@ def main() -> None:
             hi = lo + args.step
             for name, drafter in drafters.items():  # interleaved: load on a shared machine hits all alike
                 start = time.perf_counter()
-                drafter.draft_block(caches[name], anchor_token=int(tokens[0, hi]), anchor_position=hi, context_features=features[lo:hi],
-                                    context_positions=positions[lo:hi], temperature=temperature, generator=gens[name])
+                drafter.draft_block(
+                    caches[name],
+                    anchor_token=int(tokens[0, hi]),
+                    anchor_position=hi,
+                    context_features=features[lo:hi],
+                    context_positions=positions[lo:hi],
+                    temperature=temperature,
+                    generator=gens[name],
+                )
                 if r >= warmup:
                     times[name].append((time.perf_counter() - start) * 1e3)
         for name in drafters:
@@ -81,9 +88,22 @@ def main() -> None:
                 "median_ms_per_round": round(statistics.median(times[name]), 3),
                 "mean_ms_per_round": round(statistics.fmean(times[name]), 3),
             }
-    print(json.dumps({"target": target.name, "vocab_size": vocab, "num_layers": args.num_layers, "block_size": args.block_size,
-                      "context": args.context, "step": args.step, "rounds": args.rounds, "threads": args.threads,
-                      "draft_vocab": results}, indent=2))
+    print(
+        json.dumps(
+            {
+                "target": target.name,
+                "vocab_size": vocab,
+                "num_layers": args.num_layers,
+                "block_size": args.block_size,
+                "context": args.context,
+                "step": args.step,
+                "rounds": args.rounds,
+                "threads": args.threads,
+                "draft_vocab": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

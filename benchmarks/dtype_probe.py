@@ -25,8 +25,7 @@ def main() -> None:
     import torch
 
     from specdraft.decode.proposers.drafters import BlockDrafterProposer
-    from specdraft.train.step import measure_train_dtype, synthetic_batch
-    from specdraft.train.step import StepModule
+    from specdraft.train.step import StepModule, measure_train_dtype, synthetic_batch
     from specdraft.tuning.measured import machine_identity, measured_choice
 
     target = load_benchmark_target(args)
@@ -34,16 +33,30 @@ def main() -> None:
     slots = len(drafter.config.slots())
     batch = synthetic_batch(rows=1, tokens=args.pack_tokens, slots=slots, hidden=target.hidden_size, vocab=target.vocab_size)
     with tempfile.TemporaryDirectory() as scratch:
-        train = measure_train_dtype(StepModule(drafter), batch, device=torch.device("cpu"), context={"pack_tokens": args.pack_tokens},
-                                    cache_dir=Path(scratch))
+        train = measure_train_dtype(
+            StepModule(drafter), batch, device=torch.device("cpu"), context={"pack_tokens": args.pack_tokens}, cache_dir=Path(scratch)
+        )
         proposer = BlockDrafterProposer(drafter.eval(), provides_confidences=True)
-        draft = measured_choice("draft-dtype", {}, {d: (lambda d=d: proposer.round_seconds(d)) for d in ("fp32", "bf16")},
-                                preferred="fp32", cache_dir=Path(scratch))
-    print(json.dumps({
-        "machine": machine_identity(), "pack_tokens": args.pack_tokens,
-        "train_step_seconds": train.seconds, "train_dtype": train.choice,
-        "draft_round_seconds": draft.seconds, "draft_dtype": draft.choice,
-    }, indent=2))
+        draft = measured_choice(
+            "draft-dtype",
+            {},
+            {d: (lambda d=d: proposer.round_seconds(d)) for d in ("fp32", "bf16")},
+            preferred="fp32",
+            cache_dir=Path(scratch),
+        )
+    print(
+        json.dumps(
+            {
+                "machine": machine_identity(),
+                "pack_tokens": args.pack_tokens,
+                "train_step_seconds": train.seconds,
+                "train_dtype": train.choice,
+                "draft_round_seconds": draft.seconds,
+                "draft_dtype": draft.choice,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

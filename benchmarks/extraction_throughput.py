@@ -78,11 +78,19 @@ def main() -> None:
             from specdraft.data.prepare import PrepareConfig, prepare
 
             args.dataset = str(tmp / "data")
-            prepare(PrepareConfig(out=args.dataset, target=args.target, max_samples=args.samples, max_length=args.max_length), progress=False)
+            prepare(
+                PrepareConfig(out=args.dataset, target=args.target, max_samples=args.samples, max_length=args.max_length), progress=False
+            )
         dataset = PreparedDataset(args.dataset)
         target = load_target(args.target)
-        config = ExtractConfig(dataset=args.dataset, out=str(tmp / "specdraft"), method=args.method, dtype=args.dtype,
-                               batch_size=args.batch_size, max_samples=args.samples)
+        config = ExtractConfig(
+            dataset=args.dataset,
+            out=str(tmp / "specdraft"),
+            method=args.method,
+            dtype=args.dtype,
+            batch_size=args.batch_size,
+            max_samples=args.samples,
+        )
         slots = config.resolve_slots(target.num_layers)
         indices = list(range(min(args.samples, len(dataset))))
         with torch.no_grad():  # warm-up so neither mode pays first-call costs

@@ -90,9 +90,11 @@ def main() -> None:
     print(text)
     if args.out:
         Path(f"{args.out}.json").write_text(json.dumps({"pytest_exit": code, "stages": table}, indent=1) + "\n")
-        Path(f"{args.out}.md").write_text("# Pipeline stages per target family\n\nFrom `.venv/bin/python benchmarks/family_stages.py "
-                                          "--out docs/results/family_stages` (tiny random models of each family's config "
-                                          "class, `tests/test_families.py`).\n\n" + text)
+        Path(f"{args.out}.md").write_text(
+            "# Pipeline stages per target family\n\nFrom `.venv/bin/python benchmarks/family_stages.py "
+            "--out docs/results/family_stages` (tiny random models of each family's config "
+            "class, `tests/test_families.py`).\n\n" + text
+        )
     sys.exit(code)
 
 

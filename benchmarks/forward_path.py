@@ -110,8 +110,15 @@ def main() -> None:
     floor = bandwidth_floor(target.model)
     floor_ms = floor["floor_ms"]
     rounds = draft_rounds(target, [m for m in args.methods.split(",") if m])
-    result = {"target": args.target, "threads": torch.get_num_threads(), "torch": torch.__version__, "context": args.context,
-              "forward_ms": table, **floor, "draft_round_ms": rounds}
+    result = {
+        "target": args.target,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "context": args.context,
+        "forward_ms": table,
+        **floor,
+        "draft_round_ms": rounds,
+    }
     print(json.dumps(result, indent=1))
     print(f"\n| path | {' | '.join(f'k={k}' for k in range(1, 9))} | k=8 / k=1 | k=1 / floor |")
     print("|---|" + "---:|" * 10)

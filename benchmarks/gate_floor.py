@@ -53,13 +53,21 @@ def main() -> None:
     prompts = [p.token_ids(target.tokenizer) for p in load_prompts("quick", None, None)[: args.prompts]]
     sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint)
     config = DecodeConfig(drafter="none", max_new_tokens=args.max_new_tokens)
-    decoders = {"autoregressive": SpeculativeDecoder(target.model, PROPOSERS.get("none")(config, target), config=config, sampling=SamplingConfig())}
+    decoders = {
+        "autoregressive": SpeculativeDecoder(target.model, PROPOSERS.get("none")(config, target), config=config, sampling=SamplingConfig())
+    }
     drafters = {"quickstart": quickstart_drafter(target), "reference": load_drafter(reference_drafter(args.target), target=target)}
     scheduled = SchedulerConfig(verify_policy="scheduled")
     for name, drafter in drafters.items():
         proposer = BlockDrafterProposer(drafter, provides_confidences=True, confidences_calibrated=True)
-        decoders[name] = SpeculativeDecoder(target.model, proposer, config=DecodeConfig(drafter="dspark", max_new_tokens=args.max_new_tokens),
-                                            sampling=SamplingConfig(), scheduler=scheduled, sps=sps)
+        decoders[name] = SpeculativeDecoder(
+            target.model,
+            proposer,
+            config=DecodeConfig(drafter="dspark", max_new_tokens=args.max_new_tokens),
+            sampling=SamplingConfig(),
+            scheduler=scheduled,
+            sps=sps,
+        )
         decoders[name].draft_gates[1] = DraftGate(plain_rate=sps(1), skip_left=10**9)  # closed for the whole run
 
     capture = PROPOSERS.get("none")(config, target)
@@ -70,7 +78,7 @@ def main() -> None:
         decoder.generate([prompts[0][-16:]])  # one-off costs (allocator, lazy init)
     samples = {name: [] for name in decoders}
     cpu = {name: [] for name in decoders}
-    drafted = {name: 0 for name in decoders}
+    drafted = dict.fromkeys(decoders, 0)
     outputs = {name: [] for name in decoders}
     parts = {name: {"verify_s": 0.0, "draft_s": 0.0, "other_s": 0.0, "tokens": 0} for name in decoders}
     order = list(decoders)
@@ -91,11 +99,15 @@ def main() -> None:
                 parts[name]["other_s"] += m.wall_s - m.ttft_s - m.verify_s - m.draft_s
                 parts[name]["tokens"] += m.output_tokens - m.requests
     report = {
-        "target": target.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "target": target.name,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
         "threads": torch.get_num_threads(),
         "decoders": {
             name: {
-                "median_ms_per_token": 1e3 * statistics.median(s), "min_ms_per_token": 1e3 * min(s),
+                "median_ms_per_token": 1e3 * statistics.median(s),
+                "min_ms_per_token": 1e3 * min(s),
                 "cost_vs_autoregressive": statistics.median(paired_ratios(s, samples["autoregressive"])),  # paired, as eval does
                 "median_cpu_ms_per_token": 1e3 * statistics.median(cpu[name]),
                 "cpu_cost_vs_autoregressive": statistics.median(paired_ratios(cpu[name], cpu["autoregressive"])),

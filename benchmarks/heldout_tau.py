@@ -40,8 +40,8 @@ def main() -> None:
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.models.common.drafter import load_drafter
     from specdraft.train.batches import collate, pack_rows, select_slots
-    from specdraft.train.split import resolve_split
     from specdraft.train.metrics import MetricSums
+    from specdraft.train.split import resolve_split
 
     dataset = HiddenStateDataset(args.data)
     target = load_benchmark_target(args, dataset.target_info["name"])
@@ -64,8 +64,11 @@ def main() -> None:
     result = {"drafter": args.drafter, "data": args.data, "held_out_samples": len(held_out), "rows": len(rows)}
     for name, total in sums.items():
         summary = total.summary()
-        result[name] = {"expected_tau": round(summary["accept_len"], 4), "anchors": summary["anchors"],
-                        "position_cond_acc": summary["position_cond_acc"]}
+        result[name] = {
+            "expected_tau": round(summary["accept_len"], 4),
+            "anchors": summary["anchors"],
+            "position_cond_acc": summary["position_cond_acc"],
+        }
     print(json.dumps(result, indent=1))
 
 

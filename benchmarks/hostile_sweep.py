@@ -58,19 +58,33 @@ def row(case, verdict, work: Path) -> dict:
     else:
         text = "BUG: " + "; ".join(p.splitlines()[0] for p in verdict.problems) if verdict.problems else f"BUG: expected {verdict.detail}"
     if text.startswith("BUG: ") and case.xfail:  # found before, not fixed yet: the tests expect it to fail
-        text = "BUG (known): " + text[len("BUG: "):]
-    hide = lambda s: s.replace(str(work), "$W")
-    return {"case": case.name, "item": case.item, "exit": result.code if result else "-",
-            "message": hide(first_line(result)), "verdict": hide(text),
-            "seconds": result.seconds if result else 0, "xfail": case.xfail,
-            "command": hide("specdraft " + shlex.join(result.args)) if result else ""}
+        text = "BUG (known): " + text[len("BUG: ") :]
+
+    def hide(s: str) -> str:
+        return s.replace(str(work), "$W")
+
+    return {
+        "case": case.name,
+        "item": case.item,
+        "exit": result.code if result else "-",
+        "message": hide(first_line(result)),
+        "verdict": hide(text),
+        "seconds": result.seconds if result else 0,
+        "xfail": case.xfail,
+        "command": hide("specdraft " + shlex.join(result.args)) if result else "",
+    }
 
 
 def table(rows: list[dict]) -> str:
-    cell = lambda s: str(s).replace("|", "/").replace("\n", " ")
+    def cell(s: object) -> str:
+        return str(s).replace("|", "/").replace("\n", " ")
+
     lines = ["| # | case | area | exit | first line of message | verdict | s | command |", "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {i} | {cell(r['case'])} | {r['item']} | {r['exit']} | {cell(r['message'])} | {cell(r['verdict'])} | {r['seconds']} | "
-              f"`{cell(r['command'])}` |" for i, r in enumerate(rows, 1)]
+    lines += [
+        f"| {i} | {cell(r['case'])} | {r['item']} | {r['exit']} | {cell(r['message'])} | {cell(r['verdict'])} | {r['seconds']} | "
+        f"`{cell(r['command'])}` |"
+        for i, r in enumerate(rows, 1)
+    ]
     return "\n".join(lines)
 
 
@@ -95,15 +109,30 @@ def main() -> int:
                 rows.append(row(case, case.run(fixture, run_subprocess), work))
             except Exception as exc:  # noqa: BLE001 - a case that cannot run (its own set-up failed) is reported, not fatal
                 why = f"BUG: the case could not run: {type(exc).__name__}: {exc}".replace(str(work), "$W")
-                rows.append({"case": case.name, "item": case.item, "exit": "-", "message": "", "seconds": 0, "xfail": case.xfail,
-                             "command": "", "verdict": why})
+                rows.append(
+                    {
+                        "case": case.name,
+                        "item": case.item,
+                        "exit": "-",
+                        "message": "",
+                        "seconds": 0,
+                        "xfail": case.xfail,
+                        "command": "",
+                        "verdict": why,
+                    }
+                )
             print(f"[sweep] {case.name}: exit {rows[-1]['exit']} -> {rows[-1]['verdict'][:300]}", file=sys.stderr, flush=True)
     finally:
         text = table(rows)
         print(text)
         counts = {v: sum(r["verdict"].startswith(v) for r in rows) for v in ("ok", "BUG", "skipped")}
-        summary = {"cases": args.cases, "seconds": round(time.monotonic() - started, 1), "fixture_seconds": built, "counts": counts,
-                   "rows": rows}
+        summary = {
+            "cases": args.cases,
+            "seconds": round(time.monotonic() - started, 1),
+            "fixture_seconds": built,
+            "counts": counts,
+            "rows": rows,
+        }
         Path(args.json).write_text(json.dumps(summary, indent=2))
         if args.md:
             Path(args.md).write_text(text + "\n")

@@ -55,10 +55,28 @@ def parse_run(text: str) -> tuple[str, str, list[str]]:
 
 
 def train_command(method: str, data: str, out: Path, extra: list[str], args: argparse.Namespace, **flags: object) -> list[str]:
-    cmd = [SPECDRAFT, "train", "--config", method, "--data", data, "--out", str(out),
-           "--num-threads", str(args.threads), "--checkpoint-interval", "0", "--seed", str(args.seed),
-           "--val-max-batches", str(args.val_batches), "--decode-prompts", str(args.decode_prompts),
-           "--decode-tokens", str(args.decode_prompt_tokens)]
+    cmd = [
+        SPECDRAFT,
+        "train",
+        "--config",
+        method,
+        "--data",
+        data,
+        "--out",
+        str(out),
+        "--num-threads",
+        str(args.threads),
+        "--checkpoint-interval",
+        "0",
+        "--seed",
+        str(args.seed),
+        "--val-max-batches",
+        str(args.val_batches),
+        "--decode-prompts",
+        str(args.decode_prompts),
+        "--decode-tokens",
+        str(args.decode_prompt_tokens),
+    ]
     for name, value in flags.items():
         cmd += [f"--{name.replace('_', '-')}", str(value)]
     return cmd + extra
@@ -71,7 +89,7 @@ def records(run_dir: Path) -> list[dict]:
 
 def probe_seconds_per_step(method: str, data: str, work: Path, extra: list[str], args: argparse.Namespace) -> float:
     """Step time of this exact run configuration, from a short run (see specdraft.train.budget)."""
-    from specdraft.train.budget import seconds_per_step
+    from specdraft.tuning.budget_probes import seconds_per_step
 
     out = work / "probe"
     shutil.rmtree(str(out), ignore_errors=True)
@@ -91,9 +109,16 @@ def curve(run_dir: Path) -> list[dict]:
             elapsed += r["seconds"]
         elif r.get("split") == "val":
             decoded = r.get("decoded") or {}
-            points.append({"step": r["step"], "minutes": elapsed / 60, "tau_decoded": r.get("tau_decoded"),
-                           "decoded_rounds": decoded.get("rounds"), "tau_teacher_forced": r["accept_len"],
-                           "acc_pos1": (r.get("position_acc") or [None])[0]})
+            points.append(
+                {
+                    "step": r["step"],
+                    "minutes": elapsed / 60,
+                    "tau_decoded": r.get("tau_decoded"),
+                    "decoded_rounds": decoded.get("rounds"),
+                    "tau_teacher_forced": r["accept_len"],
+                    "acc_pos1": (r.get("position_acc") or [None])[0],
+                }
+            )
     return points
 
 
@@ -106,9 +131,15 @@ def plot(runs: list[dict], path: Path, budget_min: float) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
         pts = [p for p in run["curve"] if p["tau_decoded"] is not None]
-        line, = ax.plot([p["minutes"] for p in pts], [p["tau_decoded"] for p in pts], marker="o", label=f"{run['label']} (decoded)")
-        ax.plot([p["minutes"] for p in run["curve"]], [p["tau_teacher_forced"] for p in run["curve"]], linestyle="--",
-                color=line.get_color(), alpha=0.5, label=f"{run['label']} (teacher-forced)")
+        (line,) = ax.plot([p["minutes"] for p in pts], [p["tau_decoded"] for p in pts], marker="o", label=f"{run['label']} (decoded)")
+        ax.plot(
+            [p["minutes"] for p in run["curve"]],
+            [p["tau_teacher_forced"] for p in run["curve"]],
+            linestyle="--",
+            color=line.get_color(),
+            alpha=0.5,
+            label=f"{run['label']} (teacher-forced)",
+        )
     ax.set_xlabel("training time (min, sum of step times)")
     ax.set_ylabel("tau on held-out validation prompts")
     ax.set_xlim(0, max([budget_min] + [p["minutes"] for run in runs for p in run["curve"]]) * 1.05)
@@ -121,9 +152,11 @@ def plot(runs: list[dict], path: Path, budget_min: float) -> None:
 
 
 def table(runs: list[dict], decode: dict | None, equal_steps: bool = False) -> str:
-    lines = ["| run | method | steps done / planned | s/step (mean) | tau decoded (val prompts, rounds) | tau teacher-forced (val) | acc pos 1 "
-             "| suite tau | speed-up |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| run | method | steps done / planned | s/step (mean) | tau decoded (val prompts, rounds) | tau teacher-forced (val) | acc pos 1 "
+        "| suite tau | speed-up |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for run in runs:
         last = run["curve"][-1] if run["curve"] else {}
         d = (decode or {}).get(run["label"], {})
@@ -132,9 +165,11 @@ def table(runs: list[dict], decode: dict | None, equal_steps: bool = False) -> s
         done = max((r["step"] for r in train), default=0)
         per_step = sum(r["seconds"] for r in train) / len(train) if train else None
         decoded = "-" if last.get("tau_decoded") is None else f"{last['tau_decoded']:.3f} ({last['decoded_rounds']})"
-        lines.append(f"| {run['label']} | {run['method']} | {done} / {run['steps']} | {fmt(per_step, '.2f')} | "
-                     f"{decoded} | {fmt(last.get('tau_teacher_forced'))} | {fmt(last.get('acc_pos1'))} | {fmt(d.get('tau'))} | "
-                     f"{fmt(d.get('speedup'), '.2f')} |")
+        lines.append(
+            f"| {run['label']} | {run['method']} | {done} / {run['steps']} | {fmt(per_step, '.2f')} | "
+            f"{decoded} | {fmt(last.get('tau_teacher_forced'))} | {fmt(last.get('acc_pos1'))} | {fmt(d.get('tau'))} | "
+            f"{fmt(d.get('speedup'), '.2f')} |"
+        )
     if decode and any(d.get("domains") for d in decode.values()):
         domains = sorted({name for d in decode.values() for name in d.get("domains", {})})
         lines += ["", "| run | " + " | ".join(f"{name} tau" for name in domains) + " |", "| --- |" + " ---: |" * len(domains)]
@@ -150,8 +185,9 @@ def table(runs: list[dict], decode: dict | None, equal_steps: bool = False) -> s
             axis = "step" if equal_steps else "minutes"
             at = min(first["curve"][-1][axis], other["curve"][-1][axis])
             ratio = tau_at(first["curve"], at, axis=axis) / tau_at(other["curve"], at, axis=axis)
-            tf_ratio = (tau_at(first["curve"], at, "tau_teacher_forced", axis=axis)
-                        / tau_at(other["curve"], at, "tau_teacher_forced", axis=axis))
+            tf_ratio = tau_at(first["curve"], at, "tau_teacher_forced", axis=axis) / tau_at(
+                other["curve"], at, "tau_teacher_forced", axis=axis
+            )
             where = f"step {at}" if equal_steps else f"{at:.1f} min of training"
             line = f"- {first['label']} / {other['label']}: decoded tau ratio {ratio:.3f} at {where} (teacher-forced {tf_ratio:.3f})"
             if decode and first["label"] in decode and other["label"] in decode:
@@ -177,9 +213,23 @@ def decode_eval(runs: list[dict], args: argparse.Namespace) -> dict:
     out = Path(args.out) / "decode"
     policy = f"@{args.decode_policy}" if args.decode_policy else ""
     drafters = ",".join(f"{r['dir']}/final{policy}" for r in runs)
-    cmd = [SPECDRAFT, "eval", "--drafters", drafters, "--suite", args.decode_suite,
-           "--limit-per-domain", str(args.decode_limit), "--max-new-tokens", str(args.decode_tokens), "--threads", str(args.threads),
-           "--out", str(out), "--no-plots"]
+    cmd = [
+        SPECDRAFT,
+        "eval",
+        "--drafters",
+        drafters,
+        "--suite",
+        args.decode_suite,
+        "--limit-per-domain",
+        str(args.decode_limit),
+        "--max-new-tokens",
+        str(args.decode_tokens),
+        "--threads",
+        str(args.threads),
+        "--out",
+        str(out),
+        "--no-plots",
+    ]
     with held(args.lock):
         subprocess.run(cmd, check=True)
     report = json.loads((out / "report.json").read_text())
@@ -188,8 +238,12 @@ def decode_eval(runs: list[dict], args: argparse.Namespace) -> dict:
     for run in report["runs"]:
         name = run["drafter"].split("@")[0]
         if name in by_dir:
-            result[by_dir[name]] = {"tau": run["overall"]["tau"], "speedup": run["speedup"], "tok_per_s": run["overall"]["tokens_per_s"],
-                                    "domains": {d: m["tau"] for d, m in run["per_domain"].items()}}
+            result[by_dir[name]] = {
+                "tau": run["overall"]["tau"],
+                "speedup": run["speedup"],
+                "tok_per_s": run["overall"]["tokens_per_s"],
+                "domains": {d: m["tau"] for d, m in run["per_domain"].items()},
+            }
     return {"command": " ".join(shlex.quote(c) for c in cmd), "runs": result}
 
 
@@ -198,8 +252,13 @@ def main() -> None:
     parser.add_argument("--data", help="hidden-state store holding every method's layer slots")
     parser.add_argument("--run", action="append", default=[], help="'LABEL|METHOD|EXTRA TRAIN ARGS' (repeatable)")
     parser.add_argument("--budget-min", type=float, default=10.0, help="training-time budget per run, minutes")
-    parser.add_argument("--steps", type=int, default=0, help="give every run this many steps instead of fitting them to --budget-min "
-                        "(ratios are then taken at the last point, equal steps and data)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="give every run this many steps instead of fitting them to --budget-min "
+        "(ratios are then taken at the last point, equal steps and data)",
+    )
     parser.add_argument("--points", type=int, default=6, help="validations per run (evenly spaced in steps)")
     parser.add_argument("--val-batches", type=int, default=4, help="validation batches per point (teacher-forced estimate)")
     parser.add_argument("--decode-prompts", type=int, default=6, help="validation prompts decoded at every point (decoded tau)")
@@ -212,8 +271,11 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=96)
     parser.add_argument("--decode-policy", default="", help="verify policy for the decode eval (default: the eval's)")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--report-only", action="store_true", help="re-render table.md and curves.png from OUT/curves.json "
-                        "(with --decode-suite: decode the saved runs' final checkpoints first)")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="re-render table.md and curves.png from OUT/curves.json (with --decode-suite: decode the saved runs' final checkpoints first)",
+    )
     args = parser.parse_args()
 
     out = Path(args.out)
@@ -245,8 +307,19 @@ def main() -> None:
         with held(args.lock):
             started = time.time()
             subprocess.run(cmd, check=True)
-        runs.append({"label": label, "method": method, "extra": extra, "dir": str(run_dir), "seconds_per_step": step_s, "steps": steps,
-                     "wall_s": time.time() - started, "command": " ".join(shlex.quote(c) for c in cmd), "curve": curve(run_dir)})
+        runs.append(
+            {
+                "label": label,
+                "method": method,
+                "extra": extra,
+                "dir": str(run_dir),
+                "seconds_per_step": step_s,
+                "steps": steps,
+                "wall_s": time.time() - started,
+                "command": " ".join(shlex.quote(c) for c in cmd),
+                "curve": curve(run_dir),
+            }
+        )
         (out / "curves.json").write_text(json.dumps({"budget_min": args.budget_min, "steps": args.steps, "runs": runs}, indent=1))
 
     decode = decode_eval(runs, args) if args.decode_suite else None

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import benchmark_parser, load_benchmark_target  # noqa: E402
+from _common import benchmark_parser, load_benchmark_target
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,20 @@ def suite_rows(args: argparse.Namespace) -> list[tuple[np.ndarray, np.ndarray]]:
     for prompt in load_prompts(args.suite, limit_per_domain=args.limit_per_domain):
         ids = prompt.token_ids(target.tokenizer)
         with torch.inference_mode():
-            out = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-                                        max_new_tokens=args.max_new_tokens, pad_token_id=target.tokenizer.eos_token_id)[0].numpy()
+            out = target.model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=args.max_new_tokens,
+                pad_token_id=target.tokenizer.eos_token_id,
+            )[0].numpy()
         rows.append((out, np.r_[np.zeros(len(ids), bool), np.ones(len(out) - len(ids), bool)]))
     return rows
 
 
-def simulate(setting: Setting, rows: list[tuple[np.ndarray, np.ndarray]], corpus_answers: list[np.ndarray], cost_ms: dict[int, float]) -> dict:
+def simulate(
+    setting: Setting, rows: list[tuple[np.ndarray, np.ndarray]], corpus_answers: list[np.ndarray], cost_ms: dict[int, float]
+) -> dict:
     from specdraft.decode.proposers.corpus import AnswerCorpus, answer_runs
     from specdraft.decode.proposers.ngram import Lookup
     from specdraft.eval.lookup_replay import replay, summarize
@@ -77,22 +84,36 @@ def simulate(setting: Setting, rows: list[tuple[np.ndarray, np.ndarray]], corpus
 def settings(draft_lengths: list[int], shares: list[float], occurrences: list[int], contexts: list[tuple[int, ...]]) -> list[Setting]:
     out = [Setting(f"ngram k={k}", k, None) for k in draft_lengths]
     for k, share, occ, ctx in itertools.product(draft_lengths, shares, occurrences, contexts):
-        out.append(Setting(f"suffix k={k} share>={share:g} seen>={occ} ctx={'/'.join(map(str, ctx))}", k,
-                           {"min_share": share, "min_occurrences": occ, "context_lengths": ctx}))
+        out.append(
+            Setting(
+                f"suffix k={k} share>={share:g} seen>={occ} ctx={'/'.join(map(str, ctx))}",
+                k,
+                {"min_share": share, "min_occurrences": occ, "context_lengths": ctx},
+            )
+        )
     return out
 
 
 def markdown(result: dict) -> str:
     p = result["protocol"]
-    lines = [f"# Lookup drafting replayed on the target's greedy text: {p['replay']} (corpus from {p['data']})", "",
-             f"Corpus: {p['corpus_answers']} answers, {p['corpus_tokens']:,} tokens; replay: {p['val_rows']} {p['replay']}, "
-             f"{p['val_tokens']:,} answer tokens (validation rows: split by conversation, val fraction {p['val_fraction']}, the corpus "
-             f"from the training side; a suite: the target's greedy continuations, the corpus from all answers). Exact greedy tau; speed-up "
-             f"estimated from `{p['costs']}` path `{p['path']}` (k+1-token forward per round of k proposed).", "", f"    {p['command']}", "",
-             "| setting | tau | rounds drafted | mean proposed | accepted / proposed | est. speed-up |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"# Lookup drafting replayed on the target's greedy text: {p['replay']} (corpus from {p['data']})",
+        "",
+        f"Corpus: {p['corpus_answers']} answers, {p['corpus_tokens']:,} tokens; replay: {p['val_rows']} {p['replay']}, "
+        f"{p['val_tokens']:,} answer tokens (validation rows: split by conversation, val fraction {p['val_fraction']}, the corpus "
+        f"from the training side; a suite: the target's greedy continuations, the corpus from all answers). Exact greedy tau; speed-up "
+        f"estimated from `{p['costs']}` path `{p['path']}` (k+1-token forward per round of k proposed).",
+        "",
+        f"    {p['command']}",
+        "",
+        "| setting | tau | rounds drafted | mean proposed | accepted / proposed | est. speed-up |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in sorted(result["runs"], key=lambda r: -r["speedup_est"]):
-        lines.append(f"| {r['setting']} | {r['tau']:.3f} | {r['drafted_share']:.0%} | {r['mean_proposed']:.2f} | {r['accepted_per_proposed']:.2f} | "
-                     f"{r['speedup_est']:.3f}x |")
+        lines.append(
+            f"| {r['setting']} | {r['tau']:.3f} | {r['drafted_share']:.0%} | {r['mean_proposed']:.2f} | {r['accepted_per_proposed']:.2f} | "
+            f"{r['speedup_est']:.3f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -101,13 +122,17 @@ def main() -> None:
     parser.add_argument("--data", required=True, help="a `specdraft prepare` output with the target's regenerated answers")
     parser.add_argument("--val-fraction", type=float, default=0.3)
     parser.add_argument("--split-seed", type=int, default=0)
-    parser.add_argument("--costs", default="docs/results/forward_path.json", help="benchmarks/forward_path.py JSON (forward_ms per path and k)")
+    parser.add_argument(
+        "--costs", default="docs/results/forward_path.json", help="benchmarks/forward_path.py JSON (forward_ms per path and k)"
+    )
     parser.add_argument("--path", default="prepacked+gqa", help="the forward path whose k-token costs price a round")
     parser.add_argument("--draft-lengths", default="4,7", help="proposed tokens per round at most (the runtime's --num-draft-tokens)")
     parser.add_argument("--min-shares", default="0,0.1,0.2,0.3")
     parser.add_argument("--min-occurrences", default="1,2,3")
     parser.add_argument("--contexts", default="4/3/2,6/5/4/3/2,3/2", help="context lengths tried, longest first; sets separated by commas")
-    parser.add_argument("--suite", default=None, help="replay the target's greedy continuations of this eval suite instead of validation rows")
+    parser.add_argument(
+        "--suite", default=None, help="replay the target's greedy continuations of this eval suite instead of validation rows"
+    )
     parser.add_argument("--limit-per-domain", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default=None, help="path stem of the JSON and Markdown results")
@@ -126,16 +151,30 @@ def main() -> None:
     if args.path not in table:
         raise SystemExit(f"--path {args.path}: {args.costs} has forward costs for {', '.join(table)}")
     cost_ms = {int(k): float(v) for k, v in table[args.path].items()}
-    grid = settings([int(k) for k in args.draft_lengths.split(",")], [float(s) for s in args.min_shares.split(",")],
-                    [int(o) for o in args.min_occurrences.split(",")], [tuple(int(n) for n in c.split("/")) for c in args.contexts.split(",")])
+    grid = settings(
+        [int(k) for k in args.draft_lengths.split(",")],
+        [float(s) for s in args.min_shares.split(",")],
+        [int(o) for o in args.min_occurrences.split(",")],
+        [tuple(int(n) for n in c.split("/")) for c in args.contexts.split(",")],
+    )
     runs = []
     for setting in grid:
         runs.append(simulate(setting, val_rows, corpus_answers, cost_ms))
         print(f"{setting.name}: tau {runs[-1]['tau']:.3f}, est. {runs[-1]['speedup_est']:.3f}x", flush=True)
-    protocol = {"data": args.data, "replay": f"suite {args.suite}" if args.suite else "validation rows", "val_fraction": args.val_fraction, "split_seed": args.split_seed, "costs": args.costs, "path": args.path,
-                "cost_ms": cost_ms, "corpus_answers": len(corpus_answers), "corpus_tokens": int(sum(len(a) for a in corpus_answers)),
-                "val_rows": len(val_rows), "val_tokens": int(sum(hi - lo for _, mask in val_rows for lo, hi in answer_runs(mask))),
-                "command": " ".join(["benchmarks/lookup_sim.py", *sys.argv[1:]])}
+    protocol = {
+        "data": args.data,
+        "replay": f"suite {args.suite}" if args.suite else "validation rows",
+        "val_fraction": args.val_fraction,
+        "split_seed": args.split_seed,
+        "costs": args.costs,
+        "path": args.path,
+        "cost_ms": cost_ms,
+        "corpus_answers": len(corpus_answers),
+        "corpus_tokens": int(sum(len(a) for a in corpus_answers)),
+        "val_rows": len(val_rows),
+        "val_tokens": int(sum(hi - lo for _, mask in val_rows for lo, hi in answer_runs(mask))),
+        "command": " ".join(["benchmarks/lookup_sim.py", *sys.argv[1:]]),
+    }
     result = {"protocol": protocol, "runs": runs}
     print(markdown(result))
     if args.out:

@@ -19,8 +19,8 @@ Protocol, all on one hidden-state store:
 tau = committed tokens per verify round (bonus included). Training tokens/s is each trainer's step clock (see
 ``peer_compare.py``); absolute times are noisy on a shared machine, tau at equal tokens is the comparison.
 Runs and decodes already finished under ``--out`` are reused (``--retrain`` redoes them), so seeds can run as separate
-processes (``--seeds 0`` and ``--seeds 1``, same ``--out``) and one ``--seeds 0,1`` run then merges them. Writes ``RESULTS.json``, ``.md`` and
-``.png`` (``--results``, default ``OUT/method_compare``).
+processes (``--seeds 0`` and ``--seeds 1``, same ``--out``) and one ``--seeds 0,1`` run then merges them. Writes
+``RESULTS.json``, ``.md`` and ``.png`` (``--results``, default ``OUT/method_compare``).
 
 Run from the repository root in .venv (the peer trains in .venv-interop), e.g. (docs/results/method_compare.md)::
 
@@ -38,8 +38,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_compare import INTEROP_PYTHON, run_logged, train_ours, train_peer  # noqa: E402
-from peer_trainer import decode_validation  # noqa: E402
+from peer_compare import INTEROP_PYTHON, run_logged, train_ours, train_peer
+from peer_trainer import decode_validation
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,8 +49,11 @@ def teacher_forced(run_dir: Path) -> dict:
     from specdraft.train.model_card import last_validation
 
     record = last_validation(run_dir / "metrics.jsonl") or {}
-    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and any(word in k for word in ("tau", "acc", "loss"))}
+    return {
+        k: v
+        for k, v in record.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and any(word in k for word in ("tau", "acc", "loss"))
+    }
 
 
 def suite_taus(args: argparse.Namespace, checkpoints: dict[str, str], out: Path) -> dict:
@@ -60,16 +63,39 @@ def suite_taus(args: argparse.Namespace, checkpoints: dict[str, str], out: Path)
     if args.cached_only and not report.is_file():
         return {label: {} for label in checkpoints}
     if args.retrain or not report.is_file():
-        cmd = [sys.executable, "-m", "specdraft.cli.main", "eval", "--target", args.target, "--drafters", ",".join(checkpoints.values()),
-               "--suite", args.suite, "--limit-per-domain", str(args.limit_per_domain), "--max-new-tokens", str(args.max_new_tokens),
-               "--verify-policy", "full", "--threads", str(args.threads), "--out", str(out), "--no-plots"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "specdraft.cli.main",
+            "eval",
+            "--target",
+            args.target,
+            "--drafters",
+            ",".join(checkpoints.values()),
+            "--suite",
+            args.suite,
+            "--limit-per-domain",
+            str(args.limit_per_domain),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--verify-policy",
+            "full",
+            "--threads",
+            str(args.threads),
+            "--out",
+            str(out),
+            "--no-plots",
+        ]
         run_logged(cmd, out.with_suffix(".log"), args.threads, None)
     runs = {r["drafter"]: r for r in json.loads(report.read_text())["runs"]}  # checkpoints are labelled METHOD:DIRNAME
     picked = {}
     for label, path in checkpoints.items():
         run = runs[f"{label.split('/')[-1]}:{Path(path).name}"]
-        picked[label] = {"overall": run["overall"]["tau"], "rounds": run["overall"].get("rounds"),
-                         "per_domain": {d: m["tau"] for d, m in run["per_domain"].items() if m.get("rounds")}}
+        picked[label] = {
+            "overall": run["overall"]["tau"],
+            "rounds": run["overall"].get("rounds"),
+            "per_domain": {d: m["tau"] for d, m in run["per_domain"].items() if m.get("rounds")},
+        }
     return picked
 
 
@@ -80,41 +106,77 @@ def summarize(runs: list[dict]) -> list[dict]:
         groups.setdefault((run["trainer"], run["method"]), []).append(run)
     rows = []
     for (trainer, method), members in groups.items():
-        row = {"trainer": trainer, "method": method, "seeds": [m["seed"] for m in members], "tokens": sorted({m["train"]["tokens"] for m in members})}
+        row = {
+            "trainer": trainer,
+            "method": method,
+            "seeds": [m["seed"] for m in members],
+            "tokens": sorted({m["train"]["tokens"] for m in members}),
+        }
         for key, pick in (("tau_val", lambda m: m["val_tau"]["tau"]), ("tau_suite", lambda m: m["suite_tau"].get("overall"))):
             values = [v for v in map(pick, members) if v is not None]
             if values:
-                row[key] = {"mean": statistics.fmean(values), "values": values,
-                            "spread": (max(values) - min(values)) / 2 if len(values) > 1 else 0.0}
+                row[key] = {
+                    "mean": statistics.fmean(values),
+                    "values": values,
+                    "spread": (max(values) - min(values)) / 2 if len(values) > 1 else 0.0,
+                }
         rows.append(row)
     return rows
 
 
 def markdown(result: dict) -> str:
     p = result["protocol"]
-    lines = [f"# {' vs '.join(p['methods'])} at equal training tokens (seeds {', '.join(map(str, p['seeds']))})", "",
-             f"Store `{p['store']}`: {p['train_samples']} training / {p['val_samples']} validation samples (split by conversation), "
-             f"{p['train_tokens_per_epoch']} training tokens per epoch; "
-             + (f"every run {p['max_steps']} optimizer steps of one 2048-token packed row (train tokens per run in the table). " if p.get("max_steps")
-                else f"{p['epochs']} epoch(s): every run trains on {p['train_tokens_per_epoch'] * p['epochs']} tokens. ")
-             + f"Decoded greedily by specdraft's runtime, full-block verification: "
-             f"tau val = the first {p['val_prompts']} validation prompts (all of them when fewer) x {p['val_tokens']} tokens; "
-             + (f"tau suite = `--suite {p['suite']} --limit-per-domain {p['limit_per_domain']} --max-new-tokens {p['max_new_tokens']}`. " if p["suite"]
-                else "no suite in this run. ")
-             + f"Peer: speculators {p['peer_version']} trainer. {p['threads']} torch threads.", "", f"    {p['command']}", ""]
+    lines = [
+        f"# {' vs '.join(p['methods'])} at equal training tokens (seeds {', '.join(map(str, p['seeds']))})",
+        "",
+        f"Store `{p['store']}`: {p['train_samples']} training / {p['val_samples']} validation samples (split by conversation), "
+        f"{p['train_tokens_per_epoch']} training tokens per epoch; "
+        + (
+            f"every run {p['max_steps']} optimizer steps of one 2048-token packed row (train tokens per run in the table). "
+            if p.get("max_steps")
+            else f"{p['epochs']} epoch(s): every run trains on {p['train_tokens_per_epoch'] * p['epochs']} tokens. "
+        )
+        + f"Decoded greedily by specdraft's runtime, full-block verification: "
+        f"tau val = the first {p['val_prompts']} validation prompts (all of them when fewer) x {p['val_tokens']} tokens; "
+        + (
+            f"tau suite = `--suite {p['suite']} --limit-per-domain {p['limit_per_domain']} --max-new-tokens {p['max_new_tokens']}`. "
+            if p["suite"]
+            else "no suite in this run. "
+        )
+        + f"Peer: speculators {p['peer_version']} trainer. {p['threads']} torch threads.",
+        "",
+        f"    {p['command']}",
+        "",
+    ]
     domains = sorted({d for r in result["runs"] for d in r["suite_tau"].get("per_domain", {})})
-    lines += ["| method | trainer | seed | steps | train tokens | tokens/s | tau val (decoded) | rounds | tau suite (decoded) | tau val (teacher-forced) |"
-              + "".join(f" {d} |" for d in domains), "| --- | --- | ---: |" + " ---: |" * (7 + len(domains))]
+    lines += [
+        "| method | trainer | seed | steps | train tokens | tokens/s | tau val (decoded) | rounds | tau suite (decoded) "
+        "| tau val (teacher-forced) |" + "".join(f" {d} |" for d in domains),
+        "| --- | --- | ---: |" + " ---: |" * (7 + len(domains)),
+    ]
     for r in result["runs"]:
         t, s = r["train"], r["suite_tau"]
         tf = r.get("teacher_forced", {})
         tf_key = "tau_teacher_forced" if "tau_teacher_forced" in tf else None
-        lines.append(f"| {r['method']} | {r['trainer']} | {r['seed']} | {t['steps']} | {int(t['tokens'])} | {t['tokens_per_s']:.0f} | "
-                     f"{r['val_tau']['tau']:.3f} | {r['val_tau'].get('rounds', '-')} | " + (f"{s['overall']:.3f}" if "overall" in s else "-") + " | "
-                     + (f"{tf[tf_key]:.3f}" if tf_key else "-") + " |"
-                     + "".join(f" {s['per_domain'][d]:.3f} |" if d in s.get("per_domain", {}) else " - |" for d in domains))
-    lines += [""] * bool(result.get("failures")) + [f"- {f['trainer']} {f['method']} seed {f['seed']} missing: {f['error']}" for f in result.get("failures", [])]
-    lines += ["", "Mean over seeds (+- half the range):", "", "| method | trainer | tau val (decoded) | tau suite (decoded) |", "| --- | --- | ---: | ---: |"]
+        lines.append(
+            f"| {r['method']} | {r['trainer']} | {r['seed']} | {t['steps']} | {int(t['tokens'])} | {t['tokens_per_s']:.0f} | "
+            f"{r['val_tau']['tau']:.3f} | {r['val_tau'].get('rounds', '-')} | "
+            + (f"{s['overall']:.3f}" if "overall" in s else "-")
+            + " | "
+            + (f"{tf[tf_key]:.3f}" if tf_key else "-")
+            + " |"
+            + "".join(f" {s['per_domain'][d]:.3f} |" if d in s.get("per_domain", {}) else " - |" for d in domains)
+        )
+    lines += [""] * bool(result.get("failures")) + [
+        f"- {f['trainer']} {f['method']} seed {f['seed']} missing: {f['error']}" for f in result.get("failures", [])
+    ]
+    lines += [
+        "",
+        "Mean over seeds (+- half the range):",
+        "",
+        "| method | trainer | tau val (decoded) | tau suite (decoded) |",
+        "| --- | --- | ---: | ---: |",
+    ]
     for row in result["summary"]:
         cell = lambda k: f"{row[k]['mean']:.3f} +- {row[k]['spread']:.3f}" if k in row else "-"  # noqa: E731
         lines.append(f"| {row['method']} | {row['trainer']} | {cell('tau_val')} | {cell('tau_suite')} |")
@@ -156,16 +218,27 @@ def main() -> None:
     parser.add_argument("--target", default=None, help="the target's Hugging Face directory (default: the one the store recorded)")
     parser.add_argument("--out", required=True, help="work directory: seedS/ours-METHOD, seedS/peer-METHOD, eval-seedS")
     parser.add_argument("--results", default=None, help="path stem of the JSON/Markdown/PNG results (default OUT/method_compare)")
-    parser.add_argument("--methods", default=",".join(peer_methods()), help="methods trained by specdraft (default: every registered block drafter)")
+    parser.add_argument(
+        "--methods", default=",".join(peer_methods()), help="methods trained by specdraft (default: every registered block drafter)"
+    )
     parser.add_argument("--peer-methods", default="dflash2", help="methods also trained by speculators' trainer ('' for none)")
     parser.add_argument("--seeds", default="0,1", help="training seeds (ours: --seed; the peer: --seed)")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the training split, every run")
-    parser.add_argument("--max-steps", type=int, default=0, help="instead of --epochs: this many optimizer steps of one 2048-token packed row, "
-                        "every run (ours: --max-steps, the peer: its --max-steps; the schedule spans them)")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="instead of --epochs: this many optimizer steps of one 2048-token packed row, "
+        "every run (ours: --max-steps, the peer: its --max-steps; the schedule spans them)",
+    )
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--split-seed", type=int, default=0)
-    parser.add_argument("--peer-anchors", choices=["matched", "default"], default="matched",
-                        help="the peer's --max-anchors: our run's mean blocks per step, or its default 512")
+    parser.add_argument(
+        "--peer-anchors",
+        choices=["matched", "default"],
+        default="matched",
+        help="the peer's --max-anchors: our run's mean blocks per step, or its default 512",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every training and decoding process")
     parser.add_argument("--lock", default=None, help="flock file held during each training run")
     parser.add_argument("--val-prompts", type=int, default=10)
@@ -173,12 +246,18 @@ def main() -> None:
     parser.add_argument("--suite", default="domains", help="`specdraft eval --suite` prompts ('' to skip)")
     parser.add_argument("--limit-per-domain", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--ours-flags", default="--dtype fp32",
-                        help="further `specdraft train` flags of every run of ours (default: one compute dtype for all, not each run's own "
-                        "`auto` timing, which two runs measuring at once can settle differently)")
+    parser.add_argument(
+        "--ours-flags",
+        default="--dtype fp32",
+        help="further `specdraft train` flags of every run of ours (default: one compute dtype for all, not each run's own "
+        "`auto` timing, which two runs measuring at once can settle differently)",
+    )
     parser.add_argument("--retrain", action="store_true", help="redo runs already finished under --out")
-    parser.add_argument("--cached-only", action="store_true",
-                        help="report only the validation decodes earlier runs finished (list the rest): what a cut-short run leaves")
+    parser.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="report only the validation decodes earlier runs finished (list the rest): what a cut-short run leaves",
+    )
     parser.add_argument("--train-only", action="store_true", help="stop after training every run")
     args = parser.parse_args()
 
@@ -192,13 +271,30 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
     results = Path(args.results) if args.results else out / "method_compare"
-    protocol = {"store": args.store, "methods": methods, "peer_methods": peers, "seeds": seeds, "epochs": args.epochs,
-                "train_samples": len(split.train), "val_samples": len(split.val), "train_tokens_per_epoch": sum(dataset.lengths()[i] for i in split.train), "max_steps": args.max_steps,
-                "val_prompts": args.val_prompts, "val_tokens": args.val_tokens, "suite": args.suite, "limit_per_domain": args.limit_per_domain,
-                "max_new_tokens": args.max_new_tokens, "threads": args.threads, "peer_anchors": args.peer_anchors, "ours_flags": args.ours_flags,
-                "decode": "greedy, full-block verification, specdraft runtime", "command": " ".join(["benchmarks/method_compare.py", *sys.argv[1:]]),
-                "peer_version": subprocess.run([str(INTEROP_PYTHON), "-c", "import importlib.metadata as m; print(m.version('speculators'))"],
-                                               capture_output=True, text=True).stdout.strip()}
+    protocol = {
+        "store": args.store,
+        "methods": methods,
+        "peer_methods": peers,
+        "seeds": seeds,
+        "epochs": args.epochs,
+        "train_samples": len(split.train),
+        "val_samples": len(split.val),
+        "train_tokens_per_epoch": sum(dataset.lengths()[i] for i in split.train),
+        "max_steps": args.max_steps,
+        "val_prompts": args.val_prompts,
+        "val_tokens": args.val_tokens,
+        "suite": args.suite,
+        "limit_per_domain": args.limit_per_domain,
+        "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads,
+        "peer_anchors": args.peer_anchors,
+        "ours_flags": args.ours_flags,
+        "decode": "greedy, full-block verification, specdraft runtime",
+        "command": " ".join(["benchmarks/method_compare.py", *sys.argv[1:]]),
+        "peer_version": subprocess.run(
+            [str(INTEROP_PYTHON), "-c", "import importlib.metadata as m; print(m.version('speculators'))"], capture_output=True, text=True
+        ).stdout.strip(),
+    }
     runs: list[dict] = []
     failures: list[dict] = []
     steps = f"--max-steps {args.max_steps}" if args.max_steps else ""
@@ -206,14 +302,31 @@ def main() -> None:
         base = out / f"seed{seed}"
         trained: list[dict] = []
         for method in methods:
-            ours_args = argparse.Namespace(**{**vars(args), "ours_flags": f"--seed {seed} --decode-prompts 0 --eval-interval 0 {steps} {args.ours_flags}"})  # decoded below
+            ours_args = argparse.Namespace(
+                **{**vars(args), "ours_flags": f"--seed {seed} --decode-prompts 0 --eval-interval 0 {steps} {args.ours_flags}"}
+            )  # decoded below
             ours = train_ours(method, ours_args, base / f"ours-{method}")
-            trained.append({"seed": seed, "method": method, "trainer": "ours", "train": ours, "teacher_forced": teacher_forced(base / f"ours-{method}")})
+            trained.append(
+                {
+                    "seed": seed,
+                    "method": method,
+                    "trainer": "ours",
+                    "train": ours,
+                    "teacher_forced": teacher_forced(base / f"ours-{method}"),
+                }
+            )
             print(json.dumps(trained[-1]["train"]), flush=True)
             if method in peers:
                 peer_args = argparse.Namespace(**vars(args), peer_flags=f"--seed {seed}")
                 try:
-                    trained.append({"seed": seed, "method": method, "trainer": "peer", "train": train_peer(method, peer_args, base / f"peer-{method}", ours)})
+                    trained.append(
+                        {
+                            "seed": seed,
+                            "method": method,
+                            "trainer": "peer",
+                            "train": train_peer(method, peer_args, base / f"peer-{method}", ours),
+                        }
+                    )
                 except SystemExit as failed:  # the peer's failure is a result too (its log is named); ours go on
                     failures.append({"seed": seed, "method": method, "trainer": "peer", "error": str(failed)})
                     print(failures[-1], flush=True)
@@ -227,8 +340,15 @@ def main() -> None:
                 continue
             if args.retrain or not cached.is_file():
                 try:
-                    decoded = decode_validation(args.store, args.target, Path(run["train"]["checkpoint"]), val_fraction=args.val_fraction,
-                                                split_seed=args.split_seed, prompts=args.val_prompts, tokens=args.val_tokens)
+                    decoded = decode_validation(
+                        args.store,
+                        args.target,
+                        Path(run["train"]["checkpoint"]),
+                        val_fraction=args.val_fraction,
+                        split_seed=args.split_seed,
+                        prompts=args.val_prompts,
+                        tokens=args.val_tokens,
+                    )
                 except Exception as failed:  # a peer checkpoint we cannot read is a result too; ours must decode
                     if run["trainer"] == "ours":
                         raise

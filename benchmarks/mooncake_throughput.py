@@ -88,7 +88,7 @@ def bench_backend(backend, size: int, reps: int) -> dict:
     payload = make_payload(size, 0)
     nbytes = sum(getattr(payload, k).numel() * getattr(payload, k).element_size() for k in ("hidden_states", "token_ids", "last_hidden"))
     put_s = get_s = 0.0
-    for r in range(reps):
+    for _ in range(reps):
         key = payload.sample_id
         put_s += timed(lambda: backend.put(key, payload))
         get_s += timed(lambda: backend.get(key))
@@ -110,7 +110,9 @@ def _rates(size: int, reps: int, put_s: float, get_s: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", default="1,4,16", help="blob/payload sizes in MB, comma-separated (default: %(default)s)")
-    parser.add_argument("--total-mb", type=float, default=64, help="data moved per size and mode; sets the repetitions (default: %(default)s)")
+    parser.add_argument(
+        "--total-mb", type=float, default=64, help="data moved per size and mode; sets the repetitions (default: %(default)s)"
+    )
     parser.add_argument("--json", type=Path, help="also write the JSON result here")
     parser.add_argument("--hold", nargs=2, metavar=("MASTER", "SEGMENT_MB"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -128,7 +130,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="specdraft-mooncake-bench-") as tmp, MooncakeMaster(dir=f"{tmp}/master", port=0) as master:
         holder = subprocess.Popen(
             [sys.executable, __file__, "--hold", master.address, str(max(256, 4 * max(sizes) >> 20))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         try:
             assert holder.stdout.readline().strip() == "ready"
@@ -154,7 +158,10 @@ def main() -> None:
 
     print(f"{'layer':<10} {'mode':<20} {'MB':>6} {'reps':>5} {'put MB/s':>9} {'get MB/s':>9} {'put+get MB/s':>13}")
     for r in rows:
-        print(f"{r['layer']:<10} {r['mode']:<20} {r['bytes'] / 1e6:>6.1f} {r['reps']:>5} {r['put_MBps']:>9} {r['get_MBps']:>9} {r['put_get_MBps']:>13}")
+        print(
+            f"{r['layer']:<10} {r['mode']:<20} {r['bytes'] / 1e6:>6.1f} {r['reps']:>5} {r['put_MBps']:>9} {r['get_MBps']:>9} "
+            f"{r['put_get_MBps']:>13}"
+        )
     result = {"protocol": "tcp (loopback, two processes)", "hidden_size": HIDDEN, "slots": SLOTS, "dtype": "bfloat16", "rows": rows}
     print(json.dumps(result, indent=2))
     if args.json:

@@ -34,9 +34,25 @@ class Producers:
     def __init__(self, count: int, backend: str, store: str, log_dir: Path, max_batch: int):
         self.procs, self.urls = [], []
         for i in range(count):
-            cmd = [sys.executable, "-m", "specdraft.cli.main", "serve-hidden-states", "--target", TARGET, "--backend", backend,
-                   "--store", store, "--port", "0", "--num-threads", "1", "--max-batch", str(max_batch)]
-            log = open(log_dir / f"producer-{backend}-{count}-{i}.log", "w")
+            cmd = [
+                sys.executable,
+                "-m",
+                "specdraft.cli.main",
+                "serve-hidden-states",
+                "--target",
+                TARGET,
+                "--backend",
+                backend,
+                "--store",
+                store,
+                "--port",
+                "0",
+                "--num-threads",
+                "1",
+                "--max-batch",
+                str(max_batch),
+            ]
+            log = open(log_dir / f"producer-{backend}-{count}-{i}.log", "w")  # noqa: SIM115 - the producer writes it until it exits
             self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True))
         for proc in self.procs:
             line = proc.stdout.readline()
@@ -44,7 +60,7 @@ class Producers:
                 raise SystemExit(f"a producer failed to start; see {log_dir}")
             self.urls.append(json.loads(line)["url"])
 
-    def __enter__(self) -> "Producers":
+    def __enter__(self) -> Producers:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -68,9 +84,12 @@ def bench_in_process(target, prepared, slots) -> dict:
     for i in range(len(prepared)):
         row = prepared[i]
         hidden, last = capture([row["input_ids"]])[0]
-        payload = HiddenStatePayload.create(sample_id=row["sample_id"], target_info=info, slots=slots, token_ids=row["input_ids"],
-                                            hidden_states=hidden, last_hidden=last)
-        nbytes += sum(getattr(payload, k).numel() * getattr(payload, k).element_size() for k in ("hidden_states", "last_hidden", "token_ids"))
+        payload = HiddenStatePayload.create(
+            sample_id=row["sample_id"], target_info=info, slots=slots, token_ids=row["input_ids"], hidden_states=hidden, last_hidden=last
+        )
+        nbytes += sum(
+            getattr(payload, k).numel() * getattr(payload, k).element_size() for k in ("hidden_states", "last_hidden", "token_ids")
+        )
     return _rate(len(prepared), nbytes, time.perf_counter() - start)
 
 
@@ -86,17 +105,37 @@ def bench_stream(options) -> dict:
 
 
 def _rate(samples: int, nbytes: int, seconds: float) -> dict:
-    return {"samples": samples, "seconds": round(seconds, 2), "samples_per_s": round(samples / seconds, 2),
-            "MB_per_s": round(nbytes / seconds / 1e6, 2)}
+    return {
+        "samples": samples,
+        "seconds": round(seconds, 2),
+        "samples_per_s": round(samples / seconds, 2),
+        "MB_per_s": round(nbytes / seconds / 1e6, 2),
+    }
 
 
 def bench_trainer(target, prepared, store: str, urls: list[str], out: Path, args) -> dict:
     from specdraft.train.config import TrainConfig
     from specdraft.train.trainer import train
 
-    cfg = TrainConfig(method="dflash", target=TARGET, out=str(out), model=DRAFTER, data_mode="online", dataset=str(prepared),
-                      producers=urls, store=store, prefetch=args.prefetch, pack_tokens=args.tokens * 2, batch_rows=1,
-                      max_steps=args.steps, val_fraction=0.0, eval_interval=0, checkpoint_interval=0, dtype="fp32", num_threads=1)
+    cfg = TrainConfig(
+        method="dflash",
+        target=TARGET,
+        out=str(out),
+        model=DRAFTER,
+        data_mode="online",
+        dataset=str(prepared),
+        producers=urls,
+        store=store,
+        prefetch=args.prefetch,
+        pack_tokens=args.tokens * 2,
+        batch_rows=1,
+        max_steps=args.steps,
+        val_fraction=0.0,
+        eval_interval=0,
+        checkpoint_interval=0,
+        dtype="fp32",
+        num_threads=1,
+    )
     start = time.perf_counter()
     result = train(cfg, target=target)
     seconds = time.perf_counter() - start
@@ -106,10 +145,15 @@ def bench_trainer(target, prepared, store: str, urls: list[str], out: Path, args
     def fraction(rs: list[dict]) -> float:
         return round(sum(r["fetch_fraction"] * r["seconds"] for r in rs) / max(sum(r["seconds"] for r in rs), 1e-9), 3)
 
-    return {"producers": len(urls), "steps": result.step, "seconds": round(seconds, 2), "steps_per_s": round(result.step / seconds, 3),
-            "fetch_fraction": fraction(train_records),
-            "fetch_fraction_after_step_1": fraction(train_records[1:]),  # the first step waits for the pipeline to fill
-            "first_step_s": round(train_records[0]["seconds"], 2)}
+    return {
+        "producers": len(urls),
+        "steps": result.step,
+        "seconds": round(seconds, 2),
+        "steps_per_s": round(result.step / seconds, 3),
+        "fetch_fraction": fraction(train_records),
+        "fetch_fraction_after_step_1": fraction(train_records[1:]),  # the first step waits for the pipeline to fill
+        "first_step_s": round(train_records[0]["seconds"], 2),
+    }
 
 
 def main() -> None:
@@ -124,8 +168,8 @@ def main() -> None:
     import torch
 
     from specdraft.data.dataset import write_prepared
-    from specdraft.hidden_states.layers import spread_output_slots
     from specdraft.hidden_states.data_modes import SourceOptions
+    from specdraft.hidden_states.layers import spread_output_slots
     from specdraft.integrations.mooncake.master import MooncakeMaster
     from specdraft.targets import load_target
 
@@ -134,16 +178,24 @@ def main() -> None:
     slots = spread_output_slots(target.num_layers)
     tmp = Path(tempfile.mkdtemp(prefix="online-bench-"))
     g = torch.Generator().manual_seed(0)
-    rows = [{"sample_id": f"b/{i}", "source": "bench", "input_ids": torch.randint(0, target.vocab_size, (args.tokens,), generator=g).tolist(),
-             "loss_mask": [1] * args.tokens} for i in range(args.samples)]
+    rows = [
+        {
+            "sample_id": f"b/{i}",
+            "source": "bench",
+            "input_ids": torch.randint(0, target.vocab_size, (args.tokens,), generator=g).tolist(),
+            "loss_mask": [1] * args.tokens,
+        }
+        for i in range(args.samples)
+    ]
     prepared_dir = write_prepared(tmp / "data", rows, target_info=target.describe(), config={}, stats={}, vocab_size=target.vocab_size)
     from specdraft.data.dataset import PreparedDataset
 
     prepared = PreparedDataset(prepared_dir)
 
     def options(urls, store):
-        return SourceOptions(data=None, dataset=str(prepared_dir), producers=urls, store=store, slots=lambda n: slots,
-                             prefetch=args.prefetch)
+        return SourceOptions(
+            data=None, dataset=str(prepared_dir), producers=urls, store=store, slots=lambda n: slots, prefetch=args.prefetch
+        )
 
     results: dict = {"delivery": {}, "trainer": []}
     results["delivery"]["in-process extraction"] = bench_in_process(target, prepared, slots)
@@ -156,8 +208,9 @@ def main() -> None:
             results["delivery"]["1 producer, mooncake tcp"] = bench_stream(options(producers.urls, base + "&segment_mb=256"))
         for count in (1, 2):
             with Producers(count, "mooncake", base + "&segment_mb=0", tmp, args.max_batch) as producers:
-                results["trainer"].append(bench_trainer(target, prepared_dir, base + "&segment_mb=256", producers.urls,
-                                                        tmp / f"run-{count}", args))
+                results["trainer"].append(
+                    bench_trainer(target, prepared_dir, base + "&segment_mb=256", producers.urls, tmp / f"run-{count}", args)
+                )
         results["keys_left_in_store"] = master.metrics().get("master_key_count")
 
     print(f"{'delivery':32} {'samples/s':>10} {'MB/s':>8}")
@@ -165,7 +218,10 @@ def main() -> None:
         print(f"{name:32} {r['samples_per_s']:>10} {r['MB_per_s']:>8}")
     print(f"{'trainer (mooncake)':32} {'steps/s':>10} {'fetch fraction':>15} {'after step 1':>13}")
     for r in results["trainer"]:
-        print(f"{str(r['producers']) + ' producer(s)':32} {r['steps_per_s']:>10} {r['fetch_fraction']:>15} {r['fetch_fraction_after_step_1']:>13}")
+        print(
+            f"{str(r['producers']) + ' producer(s)':32} {r['steps_per_s']:>10} {r['fetch_fraction']:>15} "
+            f"{r['fetch_fraction_after_step_1']:>13}"
+        )
     print(json.dumps(results))
 
 

@@ -1,9 +1,9 @@
 """Head-to-head: specdraft's trainer against speculators 0.9.0's on one store (issue 16, item 4; DFlash2: issue 29).
 
-For each method (by default every registered block drafter: DFlash, DFlash2, DSpark; ``peer_methods``): ``specdraft train --config METHOD`` and the peer's own entry point
-(``benchmarks/peer_trainer.py``: our store exported to its data by ``specdraft export-speculators``, its losses, optimizer and
-schedule) train on the same training samples for the same number of epochs, so both consume exactly
-the training split's tokens times ``--epochs`` (both pack whole samples into rows of at most
+For each method (by default every registered block drafter: DFlash, DFlash2, DSpark; ``peer_methods``):
+``specdraft train --config METHOD`` and the peer's own entry point (``benchmarks/peer_trainer.py``: our store
+exported to its data by ``specdraft export-speculators``, its losses, optimizer and schedule) train on the same
+training samples for the same number of epochs, so both consume exactly the training split's tokens times ``--epochs`` (both pack whole samples into rows of at most
 2048 tokens and drop none; the step counts can differ by a row or two of packing). The draft shape
 is matched where both expose it: the peer gets our recipe's layers, block size, draft vocabulary (its
 d2t/t2d written from the counts ours uses), DSpark's Markov rank and DFlash2's convolution and selector shape
@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import held  # noqa: E402
-from peer_trainer import decode_validation, last_checkpoint  # noqa: E402
+from _common import held
+from peer_trainer import decode_validation, last_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 INTEROP_PYTHON = ROOT / ".venv-interop/bin/python"
@@ -72,16 +72,41 @@ def train_ours(method: str, args: argparse.Namespace, out: Path) -> dict:
     final = out / "final"
     wall = None
     if args.retrain or not final.is_dir():
-        cmd = [sys.executable, "-m", "specdraft.cli.main", "train", "--config", method, "--data", args.store, "--out", str(out),
-               "--epochs", str(args.epochs), "--val-fraction", str(args.val_fraction), "--split-seed", str(args.split_seed),
-               "--num-threads", str(args.threads), *shlex.split(args.ours_flags)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "specdraft.cli.main",
+            "train",
+            "--config",
+            method,
+            "--data",
+            args.store,
+            "--out",
+            str(out),
+            "--epochs",
+            str(args.epochs),
+            "--val-fraction",
+            str(args.val_fraction),
+            "--split-seed",
+            str(args.split_seed),
+            "--num-threads",
+            str(args.threads),
+            *shlex.split(args.ours_flags),
+        ]
         wall = run_logged(cmd, out.with_suffix(".log"), args.threads, args.lock)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("split") == "train"]
     tokens, seconds = sum(r["tokens"] for r in train), sum(r["seconds"] for r in train)
-    return {"checkpoint": str(final), "steps": train[-1]["step"], "tokens": tokens, "step_seconds": round(seconds, 3),
-            "tokens_per_s": tokens / seconds, "wall_s": wall, "dtype": train[-1].get("dtype"),
-            "anchors_per_step": round(sum(r.get("anchors", 0) for r in train) / len(train))}
+    return {
+        "checkpoint": str(final),
+        "steps": train[-1]["step"],
+        "tokens": tokens,
+        "step_seconds": round(seconds, 3),
+        "tokens_per_s": tokens / seconds,
+        "wall_s": wall,
+        "dtype": train[-1].get("dtype"),
+        "anchors_per_step": round(sum(r.get("anchors", 0) for r in train) / len(train)),
+    }
 
 
 def peer_flags(method: str, args: argparse.Namespace, ours: dict) -> list[str]:
@@ -89,7 +114,9 @@ def peer_flags(method: str, args: argparse.Namespace, ours: dict) -> list[str]:
     blocks per step: ``ours`` is ``train_ours``' result)."""
     from specdraft.integrations.speculators.data import trainer_flags
 
-    return trainer_flags(ours_config(method, args).model, anchors_per_step=ours["anchors_per_step"] if args.peer_anchors == "matched" else None)
+    return trainer_flags(
+        ours_config(method, args).model, anchors_per_step=ours["anchors_per_step"] if args.peer_anchors == "matched" else None
+    )
 
 
 def train_peer(method: str, args: argparse.Namespace, out: Path, ours: dict) -> dict:
@@ -101,16 +128,43 @@ def train_peer(method: str, args: argparse.Namespace, out: Path, ours: dict) -> 
         if "--draft-vocab-size" in flags:
             at = flags.index("--draft-vocab-size")
             vocab = ["--draft-vocab-size", flags[at + 1]]
-            del flags[at:at + 2]
-        cmd = [str(INTEROP_PYTHON), str(ROOT / "benchmarks/peer_trainer.py"), "--store", args.store, "--target", args.target,
-               "--method", method, "--epochs", str(args.epochs), *(["--steps", str(args.max_steps)] if getattr(args, "max_steps", 0) else []), "--out", str(out), "--data-dir", str(Path(args.out) / "peer-data"),
-               "--val-fraction", str(args.val_fraction), "--split-seed", str(args.split_seed), *vocab,
-               "--extra", " ".join(flags)]
+            del flags[at : at + 2]
+        cmd = [
+            str(INTEROP_PYTHON),
+            str(ROOT / "benchmarks/peer_trainer.py"),
+            "--store",
+            args.store,
+            "--target",
+            args.target,
+            "--method",
+            method,
+            "--epochs",
+            str(args.epochs),
+            *(["--steps", str(args.max_steps)] if getattr(args, "max_steps", 0) else []),
+            "--out",
+            str(out),
+            "--data-dir",
+            str(Path(args.out) / "peer-data"),
+            "--val-fraction",
+            str(args.val_fraction),
+            "--split-seed",
+            str(args.split_seed),
+            *vocab,
+            "--extra",
+            " ".join(flags),
+        ]
         wall = run_logged(cmd, out.with_suffix(".log"), args.threads, args.lock)
     facts = json.loads(summary.read_text())
-    return {"checkpoint": str(last_checkpoint(out / "run")), "steps": facts["steps"], "tokens": facts["tokens"],
-            "step_seconds": facts["step_seconds"], "tokens_per_s": facts["tokens_per_s"], "wall_s": wall,
-            "train_tokens_per_epoch": facts["train_tokens"], "argv": facts["argv"]}
+    return {
+        "checkpoint": str(last_checkpoint(out / "run")),
+        "steps": facts["steps"],
+        "tokens": facts["tokens"],
+        "step_seconds": facts["step_seconds"],
+        "tokens_per_s": facts["tokens_per_s"],
+        "wall_s": wall,
+        "train_tokens_per_epoch": facts["train_tokens"],
+        "argv": facts["argv"],
+    }
 
 
 def defaults(method: str, args: argparse.Namespace, ours_dir: Path, peer_dir: Path) -> list[tuple[str, str, str]]:
@@ -125,19 +179,38 @@ def defaults(method: str, args: argparse.Namespace, ours_dir: Path, peer_dir: Pa
     model = ours["model"]
     weighting = model.get("position_weighting", "exp")
     ours_loss = loss_summary(model) + (
-        f", exp(-k/{model.get('loss_gamma') or 'gamma'}) position weights" if weighting == "exp" else f", {weighting} position weights")
+        f", exp(-k/{model.get('loss_gamma') or 'gamma'}) position weights" if weighting == "exp" else f", {weighting} position weights"
+    )
     peer_terms = "".join(f", {term}" for term in [loss_summary(model, peer)] if term)
     return [
-        ("optimizer", f"{ours.get('optimizer', 'adamw')} lr {ours['lr']}, wd {ours['weight_decay']}, betas {ours['betas']}",
-         f"{peer['optimizer']} lr {peer['lr']} (muon_lr {peer['muon_lr']}), wd {peer['weight_decay']}, muon wd {peer['muon_weight_decay']}"),
-        ("schedule", f"{ours['warmup_ratio']:.0%} warm-up, cosine", f"{peer['scheduler_type']}, warm-up {peer['scheduler_warmup_steps'] or peer['scheduler_warmup_ratio'] or '1% of steps'}"),
-        ("loss", ours_loss, f"{peer['loss_fn']}, {peer['per_position_loss_weight']} position weights (gamma {peer['dflash_decay_gamma']})"
-         + peer_terms),
+        (
+            "optimizer",
+            f"{ours.get('optimizer', 'adamw')} lr {ours['lr']}, wd {ours['weight_decay']}, betas {ours['betas']}",
+            f"{peer['optimizer']} lr {peer['lr']} (muon_lr {peer['muon_lr']}), wd {peer['weight_decay']}, "
+            f"muon wd {peer['muon_weight_decay']}",
+        ),
+        (
+            "schedule",
+            f"{ours['warmup_ratio']:.0%} warm-up, cosine",
+            f"{peer['scheduler_type']}, warm-up {peer['scheduler_warmup_steps'] or peer['scheduler_warmup_ratio'] or '1% of steps'}",
+        ),
+        (
+            "loss",
+            ours_loss,
+            f"{peer['loss_fn']}, {peer['per_position_loss_weight']} position weights (gamma {peer['dflash_decay_gamma']})" + peer_terms,
+        ),
         ("anchors", f"up to {model['max_anchors']} per sample ({model.get('anchor_sampling')})", f"{peer['max_anchors']} per packed row"),
-        ("warm start", f"draft layers from target: {ours['init_from_target']}, fc {ours['fc_init']}"
-         + (f", Markov {ours['markov_init']}" if "markov_rank" in model else ""), "random init (embeddings/lm_head from the verifier)"),
-        ("draft head", f"{'trained' if model.get('train_draft_head', True) else 'frozen'}, from the target head's rows",
-         "frozen, the verifier head's rows"),
+        (
+            "warm start",
+            f"draft layers from target: {ours['init_from_target']}, fc {ours['fc_init']}"
+            + (f", Markov {ours['markov_init']}" if "markov_rank" in model else ""),
+            "random init (embeddings/lm_head from the verifier)",
+        ),
+        (
+            "draft head",
+            f"{'trained' if model.get('train_draft_head', True) else 'frozen'}, from the target head's rows",
+            "frozen, the verifier head's rows",
+        ),
         ("compute dtype", str(ours["dtype"]), f"autocast {peer['hidden_states_dtype']}"),
         ("grad clip", str(ours["grad_clip"]), "1.0"),
         ("seed", str(ours["seed"]), str(peer["seed"])),
@@ -146,8 +219,10 @@ def defaults(method: str, args: argparse.Namespace, ours_dir: Path, peer_dir: Pa
 
 def _peer_resolved(run_yaml: dict) -> dict:
     """The peer's flat config for a run.yaml (its defaults filled in by its own schema)."""
-    code = ("import json, sys, yaml; from speculators.train.config import TrainConfig; "
-            "print(json.dumps(TrainConfig(**yaml.safe_load(sys.stdin.read())).flatten(), default=str))")
+    code = (
+        "import json, sys, yaml; from speculators.train.config import TrainConfig; "
+        "print(json.dumps(TrainConfig(**yaml.safe_load(sys.stdin.read())).flatten(), default=str))"
+    )
     import yaml
 
     done = subprocess.run([str(INTEROP_PYTHON), "-c", code], input=yaml.safe_dump(run_yaml), capture_output=True, text=True, check=True)
@@ -158,9 +233,29 @@ def suite_taus(method: str, args: argparse.Namespace, ours: str, peer: str, out:
     """tau per domain of both checkpoints with ``specdraft eval`` (same prompts, same runtime)."""
     report = out / "report.json"
     if args.retrain or not report.is_file():
-        cmd = [sys.executable, "-m", "specdraft.cli.main", "eval", "--target", args.target, "--drafters", f"{ours},{peer}",
-               "--suite", args.suite, "--limit-per-domain", str(args.limit_per_domain), "--max-new-tokens", str(args.max_new_tokens),
-               "--verify-policy", "full", "--threads", str(args.threads), "--out", str(out), "--no-plots"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "specdraft.cli.main",
+            "eval",
+            "--target",
+            args.target,
+            "--drafters",
+            f"{ours},{peer}",
+            "--suite",
+            args.suite,
+            "--limit-per-domain",
+            str(args.limit_per_domain),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--verify-policy",
+            "full",
+            "--threads",
+            str(args.threads),
+            "--out",
+            str(out),
+            "--no-plots",
+        ]
         run_logged(cmd, out.with_suffix(".log"), args.threads, None)
     runs = {r["drafter"]: r for r in json.loads(report.read_text())["runs"]}  # checkpoints are labelled METHOD:DIRNAME
     picked = {}
@@ -171,11 +266,16 @@ def suite_taus(method: str, args: argparse.Namespace, ours: str, peer: str, out:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# specdraft vs speculators {result['peer_version']} trainer, same store and tokens", "",
-             f"Store `{result['store']}` ({result['train_samples']} training / {result['val_samples']} validation samples), "
-             f"{result['epochs']} epoch(s), {result['threads']} torch threads, peer anchors: {result['peer_anchors']}"
-             + (f", our runs with `{result['ours_flags']}`" if result.get("ours_flags") else "") + ". "
-             f"Command: `{result['command']}`", ""]
+    lines = [
+        f"# specdraft vs speculators {result['peer_version']} trainer, same store and tokens",
+        "",
+        f"Store `{result['store']}` ({result['train_samples']} training / {result['val_samples']} validation samples), "
+        f"{result['epochs']} epoch(s), {result['threads']} torch threads, peer anchors: {result['peer_anchors']}"
+        + (f", our runs with `{result['ours_flags']}`" if result.get("ours_flags") else "")
+        + ". "
+        f"Command: `{result['command']}`",
+        "",
+    ]
     domains = sorted({d for m in result["methods"].values() for d in m["suite_tau"].get("ours", {}) if d != "overall"})
     head = "| method | trainer | steps | train tokens | tokens/s | tau val prompts | tau suite | " + " | ".join(domains) + " |"
     lines += [head, "|" + " --- |" * 2 + " ---: |" * (5 + len(domains))]
@@ -183,11 +283,18 @@ def markdown(result: dict) -> str:
         for who in ("ours", "peer"):
             t, s = m["train"][who], m["suite_tau"].get(who, {})
             overall = f"{s['overall']:.3f}" if "overall" in s else "-"  # no suite with --suite ''
-            lines.append(f"| {method} | {who} | {t['steps']} | {t['tokens']} | {t['tokens_per_s']:.0f} | {m['val_tau'][who]['tau']:.3f} | "
-                         f"{overall} | " + " | ".join(f"{s[d]:.3f}" if d in s else "-" for d in domains) + " |")
+            lines.append(
+                f"| {method} | {who} | {t['steps']} | {t['tokens']} | {t['tokens_per_s']:.0f} | {m['val_tau'][who]['tau']:.3f} | "
+                f"{overall} | " + " | ".join(f"{s[d]:.3f}" if d in s else "-" for d in domains) + " |"
+            )
     for method, m in result["methods"].items():
-        lines += ["", f"## {method}: matched shape `{' '.join(m['peer_shape_flags'])}`; defaults left to each trainer", "",
-                  "| setting | ours | peer |", "| --- | --- | --- |"]
+        lines += [
+            "",
+            f"## {method}: matched shape `{' '.join(m['peer_shape_flags'])}`; defaults left to each trainer",
+            "",
+            "| setting | ours | peer |",
+            "| --- | --- | --- |",
+        ]
         lines += [f"| {name} | {ours} | {peer} |" for name, ours, peer in m["defaults"]]
     return "\n".join(lines) + "\n"
 
@@ -199,13 +306,20 @@ def main() -> None:
     parser.add_argument("--store", required=True, help="specdraft hidden-state store holding the methods' slots")
     parser.add_argument("--target", default=None, help="the target's Hugging Face directory (default: the one the store recorded)")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--methods", default=",".join(peer_methods()),
-                        help="methods to compare (default: every registered block drafter, integrations/speculators/data.py peer_methods)")
+    parser.add_argument(
+        "--methods",
+        default=",".join(peer_methods()),
+        help="methods to compare (default: every registered block drafter, integrations/speculators/data.py peer_methods)",
+    )
     parser.add_argument("--epochs", type=int, default=2, help="passes over the training split, both trainers (our recipes' 2)")
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--split-seed", type=int, default=0)
-    parser.add_argument("--peer-anchors", choices=["matched", "default"], default="matched",
-                        help="the peer's --max-anchors (blocks per packed row): our run's mean blocks per step, or its default 512")
+    parser.add_argument(
+        "--peer-anchors",
+        choices=["matched", "default"],
+        default="matched",
+        help="the peer's --max-anchors (blocks per packed row): our run's mean blocks per step, or its default 512",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every training and decoding process")
     parser.add_argument("--lock", default=None, help="flock file held during each training run (e.g. /tmp/heavy.lock)")
     parser.add_argument("--val-prompts", type=int, default=10, help="validation prompts decoded per drafter")
@@ -214,11 +328,18 @@ def main() -> None:
     parser.add_argument("--limit-per-domain", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ours-flags", default="", help="extra `specdraft train` flags for our runs (e.g. '--optimizer muon')")
-    parser.add_argument("--ours-label", default="", help="names our runs and the result files when --ours-flags is set "
-                        "(ours-METHOD-LABEL/, peer_compare-LABEL.json/.md; the peer's runs are shared)")
+    parser.add_argument(
+        "--ours-label",
+        default="",
+        help="names our runs and the result files when --ours-flags is set "
+        "(ours-METHOD-LABEL/, peer_compare-LABEL.json/.md; the peer's runs are shared)",
+    )
     parser.add_argument("--retrain", action="store_true", help="redo runs already finished under --out")
-    parser.add_argument("--train-only", action="store_true",
-                        help="stop after training (run this stage at the lock's priority, the decoding stage at a lower one)")
+    parser.add_argument(
+        "--train-only",
+        action="store_true",
+        help="stop after training (run this stage at the lock's priority, the decoding stage at a lower one)",
+    )
     args = parser.parse_args()
     if bool(args.ours_flags) != bool(args.ours_label):
         parser.error("--ours-flags and --ours-label go together")
@@ -234,11 +355,21 @@ def main() -> None:
     args.target = args.target or dataset.target_info["path"]
     split = dataset_split(dataset, val_fraction=args.val_fraction, seed=args.split_seed)
     out = Path(args.out)
-    result = {"store": args.store, "epochs": args.epochs, "threads": args.threads, "peer_anchors": args.peer_anchors,
-              "ours_flags": args.ours_flags, "train_samples": len(split.train), "val_samples": len(split.val), "command": " ".join(sys.argv),
-              "train_tokens_per_epoch": sum(dataset.lengths()[i] for i in split.train),
-              "peer_version": subprocess.run([str(INTEROP_PYTHON), "-c", "import importlib.metadata as m; print(m.version('speculators'))"],
-                                             capture_output=True, text=True).stdout.strip(), "methods": {}}
+    result = {
+        "store": args.store,
+        "epochs": args.epochs,
+        "threads": args.threads,
+        "peer_anchors": args.peer_anchors,
+        "ours_flags": args.ours_flags,
+        "train_samples": len(split.train),
+        "val_samples": len(split.val),
+        "command": " ".join(sys.argv),
+        "train_tokens_per_epoch": sum(dataset.lengths()[i] for i in split.train),
+        "peer_version": subprocess.run(
+            [str(INTEROP_PYTHON), "-c", "import importlib.metadata as m; print(m.version('speculators'))"], capture_output=True, text=True
+        ).stdout.strip(),
+        "methods": {},
+    }
     for method in args.methods.split(","):
         ours_dir, peer_dir = out / f"ours-{method}{suffix}", out / f"peer-{method}"
         ours = train_ours(method, args, ours_dir)
@@ -246,12 +377,30 @@ def main() -> None:
         if args.train_only:
             print(json.dumps({method: train}, indent=1))
             continue
-        val = {who: decode_validation(args.store, args.target, Path(t["checkpoint"]), val_fraction=args.val_fraction,
-                                      split_seed=args.split_seed, prompts=args.val_prompts, tokens=args.val_tokens)
-               for who, t in train.items()}
-        suite = suite_taus(method, args, train["ours"]["checkpoint"], train["peer"]["checkpoint"], out / f"eval-{method}{suffix}") if args.suite else {}
-        result["methods"][method] = {"train": train, "val_tau": val, "suite_tau": suite, "peer_shape_flags": peer_flags(method, args, ours),
-                                     "defaults": defaults(method, args, ours_dir, peer_dir)}
+        val = {
+            who: decode_validation(
+                args.store,
+                args.target,
+                Path(t["checkpoint"]),
+                val_fraction=args.val_fraction,
+                split_seed=args.split_seed,
+                prompts=args.val_prompts,
+                tokens=args.val_tokens,
+            )
+            for who, t in train.items()
+        }
+        suite = (
+            suite_taus(method, args, train["ours"]["checkpoint"], train["peer"]["checkpoint"], out / f"eval-{method}{suffix}")
+            if args.suite
+            else {}
+        )
+        result["methods"][method] = {
+            "train": train,
+            "val_tau": val,
+            "suite_tau": suite,
+            "peer_shape_flags": peer_flags(method, args, ours),
+            "defaults": defaults(method, args, ours_dir, peer_dir),
+        }
         (out / f"peer_compare{suffix}.json").write_text(json.dumps(result, indent=1))
     if not args.train_only:
         (out / f"peer_compare{suffix}.md").write_text(markdown(result))

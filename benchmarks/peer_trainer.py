@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 
 
-def decode_validation(store: str, target_dir: str, checkpoint: Path, *, val_fraction: float, split_seed: int, prompts: int,
-                      tokens: int) -> dict:
+def decode_validation(
+    store: str, target_dir: str, checkpoint: Path, *, val_fraction: float, split_seed: int, prompts: int, tokens: int
+) -> dict:
     """Greedy decoded tau of ``checkpoint`` (ours or the peer's) on our first validation prompts, in our
     runtime, as ``specdraft train`` logs its own ``tau_decoded`` (``train/decoded_tau.py``)."""
     from specdraft.hidden_states.dataset import HiddenStateDataset
@@ -96,9 +97,8 @@ CPU_FLAGS = ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
 def install_cpu_harness() -> bool:
     """Make the peer trainer run on CPU without touching its files (see the module docstring); True
     when there is no accelerator (then ``CPU_FLAGS`` are passed too)."""
-    import torch
-
     import speculators.train.trainer as peer_trainer
+    import torch
 
     if torch.accelerator.current_accelerator() is None:
         peer_trainer.get_local_rank = lambda: "cpu"
@@ -121,23 +121,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, help="specdraft hidden-state store (its layers are the drafter's)")
     parser.add_argument("--target", required=True, help="the target's Hugging Face directory (the peer's --verifier-name-or-path)")
-    parser.add_argument("--method", default="dspark", choices=peer_methods(), help="the peer's --speculator-type (a registered block drafter)")
+    parser.add_argument(
+        "--method", default="dspark", choices=peer_methods(), help="the peer's --speculator-type (a registered block drafter)"
+    )
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps (the peer's --max-steps; 0 = as many as --epochs take)")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the training rows (the peer's --epochs)")
     parser.add_argument("--out", required=True, help="work directory: data/ (converted), run/ (the peer's checkpoints), metrics.jsonl")
-    parser.add_argument("--data-dir", default=None, help="where the converted data goes (default OUT/data; reused when converted from "
-                        "the same store, slots and split, e.g. by dspark and dflash, which read the same slots)")
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="where the converted data goes (default OUT/data; reused when converted from "
+        "the same store, slots and split, e.g. by dspark and dflash, which read the same slots)",
+    )
     parser.add_argument("--val-fraction", type=float, default=0.05, help="our split's val_fraction (its validation rows go last)")
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--total-seq-len", type=int, default=2048, help="the peer's packed sequence length")
     parser.add_argument("--dtype", default="bfloat16", help="the peer's --hidden-states-dtype (its default; float32 runs without autocast)")
-    parser.add_argument("--draft-vocab-size", type=int, default=None,
-                        help="the peer's --draft-vocab-size, its mapping built from our store's counts (as our trainer builds its own)")
-    parser.add_argument("--cpu-harness", action=argparse.BooleanOptionalAction, default=True,
-                        help="patch the device choice so the trainer runs on CPU (see the module docstring)")
-    parser.add_argument("--decode-only", action="store_true",
-                        help="instead of training: decode validation prompts with the peer's last checkpoint under --out, in "
-                        "specdraft's runtime (run this in .venv: the runtime needs its transformers)")
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="the peer's --draft-vocab-size, its mapping built from our store's counts (as our trainer builds its own)",
+    )
+    parser.add_argument(
+        "--cpu-harness",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="patch the device choice so the trainer runs on CPU (see the module docstring)",
+    )
+    parser.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="instead of training: decode validation prompts with the peer's last checkpoint under --out, in "
+        "specdraft's runtime (run this in .venv: the runtime needs its transformers)",
+    )
     parser.add_argument("--decode-prompts", type=int, default=3, help="validation prompts decoded with --decode-only")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decoded prompt")
     parser.add_argument("--extra", default="", help="further peer flags, space-separated (e.g. '--num-layers 1 --block-size 4')")
@@ -145,8 +162,20 @@ def main() -> None:
 
     out = Path(args.out)
     if args.decode_only:
-        print(json.dumps(decode_validation(args.store, args.target, last_checkpoint(out / "run"), val_fraction=args.val_fraction,
-                                           split_seed=args.split_seed, prompts=args.decode_prompts, tokens=args.decode_tokens), indent=1))
+        print(
+            json.dumps(
+                decode_validation(
+                    args.store,
+                    args.target,
+                    last_checkpoint(out / "run"),
+                    val_fraction=args.val_fraction,
+                    split_seed=args.split_seed,
+                    prompts=args.decode_prompts,
+                    tokens=args.decode_tokens,
+                ),
+                indent=1,
+            )
+        )
         return
 
     from speculators.train.cli import main as peer_main
@@ -155,20 +184,51 @@ def main() -> None:
     from specdraft.integrations.speculators.data import ExportSpeculatorsConfig, export_speculators_data
 
     data = Path(args.data_dir) if args.data_dir else out / "data"
-    facts = export_speculators_data(ExportSpeculatorsConfig(store=args.store, out=str(data), method=args.method, val_fraction=args.val_fraction,
-                                                            split_seed=args.split_seed, draft_vocab_size=args.draft_vocab_size))
+    facts = export_speculators_data(
+        ExportSpeculatorsConfig(
+            store=args.store,
+            out=str(data),
+            method=args.method,
+            val_fraction=args.val_fraction,
+            split_seed=args.split_seed,
+            draft_vocab_size=args.draft_vocab_size,
+        )
+    )
     on_cpu = args.cpu_harness and install_cpu_harness()
     metrics = out / "metrics.jsonl"
     out.mkdir(parents=True, exist_ok=True)
     metrics.unlink(missing_ok=True)
     record_metrics(metrics)
-    argv = ["--speculator-type", args.method, "--verifier-name-or-path", args.target, "--data-path", str(data),
-            "--save-path", str(out / "run"), "--log-dir", str(out / "logs"), "--epochs", str(args.epochs),
-            *(["--max-steps", str(args.steps)] if args.steps else []),
-            "--total-seq-len", str(args.total_seq_len), "--train-data-ratio", str(facts["train_data_ratio"]), "--hidden-states-dtype", args.dtype,
-            "--num-workers", "0", "--on-missing", "raise", "--target-layer-ids", *map(str, facts["layer_ids"]),
-            *(["--draft-vocab-size", str(args.draft_vocab_size)] if args.draft_vocab_size else []),
-            *(CPU_FLAGS if on_cpu else []), *args.extra.split()]
+    argv = [
+        "--speculator-type",
+        args.method,
+        "--verifier-name-or-path",
+        args.target,
+        "--data-path",
+        str(data),
+        "--save-path",
+        str(out / "run"),
+        "--log-dir",
+        str(out / "logs"),
+        "--epochs",
+        str(args.epochs),
+        *(["--max-steps", str(args.steps)] if args.steps else []),
+        "--total-seq-len",
+        str(args.total_seq_len),
+        "--train-data-ratio",
+        str(facts["train_data_ratio"]),
+        "--hidden-states-dtype",
+        args.dtype,
+        "--num-workers",
+        "0",
+        "--on-missing",
+        "raise",
+        "--target-layer-ids",
+        *map(str, facts["layer_ids"]),
+        *(["--draft-vocab-size", str(args.draft_vocab_size)] if args.draft_vocab_size else []),
+        *(CPU_FLAGS if on_cpu else []),
+        *args.extra.split(),
+    ]
     started = time.perf_counter()
     peer_main(TrainConfig.resolve(argv))
     facts.update(seconds=round(time.perf_counter() - started, 3), argv=argv, **step_summary(metrics))

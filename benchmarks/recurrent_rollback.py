@@ -29,9 +29,19 @@ from _common import benchmark_parser
 
 #: A Qwen3.5-shaped stack scaled to a 2-core CPU: 3 of 4 layers gated delta nets, as the family's config makes them.
 SHAPES = {
-    "qwen3_5_text": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                         head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128,
-                         linear_value_head_dim=128, vocab_size=32000),
+    "qwen3_5_text": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -107,12 +117,21 @@ def measure(model, *, context: int, blocks: list[int], accepted: int, repeats: i
         verify_ms = timed(lambda: plain_round(k + 1), repeats)
         replay_ms = timed(lambda: plain_round(min(accepted, k) + 1), repeats)
         rows[k] = {
-            "record_ms": record_ms, "plain_verify_ms": verify_ms, "replay_ms": verify_ms + replay_ms,
-            "record_vs_step": record_ms / step_ms, "replay_vs_step": (verify_ms + replay_ms) / step_ms,
+            "record_ms": record_ms,
+            "plain_verify_ms": verify_ms,
+            "replay_ms": verify_ms + replay_ms,
+            "record_vs_step": record_ms / step_ms,
+            "replay_vs_step": (verify_ms + replay_ms) / step_ms,
             "recorded_bytes_per_row": (k + 1) * recurrent_state.numel() * recurrent_state.element_size() * layers,
         }
-    return {"context": context, "accepted": accepted, "linear_layers": layers, "state_bytes_per_row": state_bytes,
-            "step_ms": step_ms, "blocks": rows}
+    return {
+        "context": context,
+        "accepted": accepted,
+        "linear_layers": layers,
+        "state_bytes_per_row": state_bytes,
+        "step_ms": step_ms,
+        "blocks": rows,
+    }
 
 
 def main() -> None:
@@ -130,17 +149,27 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = build(args.family)
-    result = {"family": args.family, "shape": SHAPES[args.family], "threads": torch.get_num_threads(), "torch": torch.__version__,
-              **measure(model, context=args.context, blocks=[int(k) for k in args.blocks.split(",")], accepted=args.accepted,
-                        repeats=args.repeats)}
+    result = {
+        "family": args.family,
+        "shape": SHAPES[args.family],
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        **measure(
+            model, context=args.context, blocks=[int(k) for k in args.blocks.split(",")], accepted=args.accepted, repeats=args.repeats
+        ),
+    }
     print(json.dumps(result, indent=1))
-    print(f"\nplain 1-token step: {result['step_ms']:.1f} ms; state held per row between forwards: "
-          f"{result['state_bytes_per_row'] / 2**20:.2f} MiB ({result['linear_layers']} linear-attention layers)")
+    print(
+        f"\nplain 1-token step: {result['step_ms']:.1f} ms; state held per row between forwards: "
+        f"{result['state_bytes_per_row'] / 2**20:.2f} MiB ({result['linear_layers']} linear-attention layers)"
+    )
     print("\n| k | record (runtime) | vs step | replay (verify + re-run of the accepted) | vs step | recorded states per row |")
     print("|---:|---:|---:|---:|---:|---:|")
     for k, row in result["blocks"].items():
-        print(f"| {k} | {row['record_ms']:.1f} ms | {row['record_vs_step']:.2f}x | {row['replay_ms']:.1f} ms | {row['replay_vs_step']:.2f}x "
-              f"| {row['recorded_bytes_per_row'] / 2**20:.2f} MiB |")
+        print(
+            f"| {k} | {row['record_ms']:.1f} ms | {row['record_vs_step']:.2f}x | {row['replay_ms']:.1f} ms | {row['replay_vs_step']:.2f}x "
+            f"| {row['recorded_bytes_per_row'] / 2**20:.2f} MiB |"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

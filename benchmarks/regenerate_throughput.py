@@ -41,8 +41,13 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m", help="target name or directory (default: %(default)s)")
     parser.add_argument("--samples", type=int, default=64, help="ShareGPT prompts (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per reply (default: %(default)s)")
-    parser.add_argument("--runs", nargs="+", type=parse_run, default=[parse_run(r) for r in ("hf:8", "hf:32", "vllm:32")],
-                        help="ENGINE:BATCH[:VLLM_DTYPE] per run; the batch is vLLM's requests in flight (default: hf:8 hf:32 vllm:32)")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        type=parse_run,
+        default=[parse_run(r) for r in ("hf:8", "hf:32", "vllm:32")],
+        help="ENGINE:BATCH[:VLLM_DTYPE] per run; the batch is vLLM's requests in flight (default: hf:8 hf:32 vllm:32)",
+    )
     parser.add_argument("--vllm-args", default="", help="extra vLLM api_server flags for every vllm run, e.g. --vllm-args=--enforce-eager")
     parser.add_argument("--json", type=Path, help="also write the JSON result here")
     args = parser.parse_args()
@@ -82,8 +87,10 @@ def main() -> None:
     header = f"{'run':<20} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'start s':>8} {'same as ' + results[0]['run']:>14}"
     print(header)
     for r in results:
-        print(f"{r['run']:<20} {r['generated_tokens']:>7} {r['seconds']:>8.1f} {r['tokens_per_s']:>7.1f} "
-              f"{r['engine_start_seconds']:>8.1f} {r['identical_to_first']:>14.1%}")
+        print(
+            f"{r['run']:<20} {r['generated_tokens']:>7} {r['seconds']:>8.1f} {r['tokens_per_s']:>7.1f} "
+            f"{r['engine_start_seconds']:>8.1f} {r['identical_to_first']:>14.1%}"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -28,17 +28,17 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-
     from _common import quickstart_drafter
-    from specdraft.data.regenerate import EngineRequest, GenerationSettings, choose_engine, resolve_engine
+
+    from specdraft.data.regenerate import EngineRequest, GenerationSettings, resolve_engine
     from specdraft.data.sources import conversation, iter_rows
     from specdraft.decode.runtime import resolve_decode_threads
     from specdraft.quickstart import QuickstartConfig
     from specdraft.targets import load_target
-    from specdraft.train.step import measure_train_dtype, synthetic_batch
-    from specdraft.train.step import StepModule, train_step
-    from specdraft.tuning.threads import resolve_forward_threads, resolve_threads
+    from specdraft.train.step import StepModule, measure_train_dtype, synthetic_batch, train_step
+    from specdraft.tuning.engines import choose_engine
     from specdraft.tuning.measured import machine_identity
+    from specdraft.tuning.threads import resolve_forward_threads, resolve_threads
 
     target = load_target(args.target)
     cpu = torch.device("cpu")
@@ -50,12 +50,14 @@ def main() -> None:
             report[name] = {"seconds": m.seconds, "choice": m.choice}
 
         module = StepModule(quickstart_drafter(target))
-        batch = synthetic_batch(rows=1, tokens=args.pack_tokens, slots=len(module.drafter.config.slots()),
-                                hidden=target.hidden_size, vocab=target.vocab_size)
+        batch = synthetic_batch(
+            rows=1, tokens=args.pack_tokens, slots=len(module.drafter.config.slots()), hidden=target.hidden_size, vocab=target.vocab_size
+        )
         dtype = measure_train_dtype(module, batch, device=cpu, context={"pack_tokens": args.pack_tokens})
         record("train_dtype", dtype)
         record("train_threads", resolve_threads(0, "train-threads", {}, lambda: train_step(module, batch, dtype=dtype.choice, device=cpu)))
-        record("decode_threads", resolve_decode_threads(target, 0))
+        decode_threads = resolve_decode_threads(target, 0)  # a Choice (tuning/settings.py)
+        report["decode_threads"] = {"seconds": decode_threads.seconds, "choice": str(decode_threads.value)}
         record("forward_threads", resolve_forward_threads(0, target.model, fingerprint=target.fingerprint, rows=8, tokens=256))
 
         qs = QuickstartConfig()
@@ -77,8 +79,9 @@ def main() -> None:
         if figures:
             work = qs.samples * qs.max_new_tokens
             report["engine_for_budget"] = {
-                f"{budget} min" if budget else "no limit": choose_engine(figures, work_tokens=work, budget_s=budget * 60 if budget else None,
-                                                                     server_running=False)
+                f"{budget} min" if budget else "no limit": choose_engine(
+                    figures, work_tokens=work, budget_s=budget * 60 if budget else None, server_running=False
+                )
                 for budget in (1, 2, qs.data_budget, 20, 0)
             }
     print(json.dumps(report, indent=2, default=str))

@@ -69,26 +69,39 @@ def reference_samples(target: Any) -> list[RebuiltSample]:
     for shard in REFERENCE_SHARDS:
         rows = list(itertools.islice(iter_rows("sharegpt"), shard.skip_rows, shard.skip_rows + shard.read))
         replied = {r.sample_id for r in rows if first_reply_index(conversation(r.messages)) is not None}
-        config = PrepareConfig(out="-", regenerate=True, skip_rows=shard.skip_rows, max_samples=2 * shard.max_samples,
-                               max_length=REFERENCE_SETTINGS["max_length"])
+        config = PrepareConfig(
+            out="-",
+            regenerate=True,
+            skip_rows=shard.skip_rows,
+            max_samples=2 * shard.max_samples,
+            max_length=REFERENCE_SETTINGS["max_length"],
+        )
         picked = [s for s in select_samples(config, target).samples if s.sample_id in replied][: shard.max_samples]
         if len(picked) != shard.max_samples or picked[-1].sample_id != rows[-1].sample_id:
-            raise SystemExit(f"the rebuild of rows {shard.skip_rows}-{shard.skip_rows + shard.read - 1} does not end where the "
-                             f"reference build's did ({len(picked)} prompts, last {picked[-1].sample_id if picked else None})")
+            raise SystemExit(
+                f"the rebuild of rows {shard.skip_rows}-{shard.skip_rows + shard.read - 1} does not end where the "
+                f"reference build's did ({len(picked)} prompts, last {picked[-1].sample_id if picked else None})"
+            )
         kept = {id(s) for s in sorted(picked, key=lambda s: len(s.input_ids))[: shard.kept]}  # the sort regenerate() uses
         out += [RebuiltSample(s.sample_id, s.source, tuple(s.input_ids), shard.engine) for s in picked if id(s) in kept]
     return out
 
 
 def markdown(result: dict) -> str:
-    lines = ["| split | validation rows | sharing a conversation with training | sharing a prompt | sharing either |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| split | validation rows | sharing a conversation with training | sharing a prompt | sharing either |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for name in ("old", "new"):
         r = result[name]
-        lines.append(f"| {name} | {r['validation_rows']} | {r['sharing_a_conversation_with_training']} | "
-                     f"{r['sharing_a_prompt_with_training']} | {r['sharing_either']} |")
-    lines.append(f"\n{result['rows']} rows, {result['conversations']} conversations; moved validation -> training "
-                 f"{result['moved_validation_to_training']}, training -> validation {result['moved_training_to_validation']}.")
+        lines.append(
+            f"| {name} | {r['validation_rows']} | {r['sharing_a_conversation_with_training']} | "
+            f"{r['sharing_a_prompt_with_training']} | {r['sharing_either']} |"
+        )
+    lines.append(
+        f"\n{result['rows']} rows, {result['conversations']} conversations; moved validation -> training "
+        f"{result['moved_validation_to_training']}, training -> validation {result['moved_training_to_validation']}."
+    )
     return "\n".join(lines)
 
 
@@ -113,8 +126,11 @@ def main() -> None:
 
         samples, keys = reference_keys(load_target("smollm2-135m"))
         ids = [s.sample_id for s in samples]
-        head = {"data": "reference build, rebuilt (benchmarks/split_leak.py REFERENCE_SHARDS)",
-                "prompt_tokens": sum(len(s.prompt_ids) for s in samples), "card_prompt_tokens": REFERENCE_PROMPT_TOKENS}
+        head = {
+            "data": "reference build, rebuilt (benchmarks/split_leak.py REFERENCE_SHARDS)",
+            "prompt_tokens": sum(len(s.prompt_ids) for s in samples),
+            "card_prompt_tokens": REFERENCE_PROMPT_TOKENS,
+        }
     else:
         from specdraft.data.dataset import PreparedDataset
         from specdraft.hidden_states.source import PreparedRows

@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from split_leak import REFERENCE_SETTINGS, REFERENCE_SHARDS, reference_keys  # noqa: E402
+from split_leak import REFERENCE_SETTINGS, REFERENCE_SHARDS, reference_keys
 
-from specdraft.train.split_audit import analyse  # noqa: E402
+from specdraft.train.split_audit import analyse
 
 FINAL_STEP = 950  # the reference run's last step: its final validation's seed
 TRAIN_SETTINGS = {"pack_tokens": 2048, "batch_rows": 1, "val_max_batches": 8, "compute_dtype": "bf16", "seed": 0}  # the card's
@@ -64,9 +64,18 @@ def build_store(work: Path, samples, old_val: list[int], drafter_slots, threads:
         if not (data / "manifest.json").is_file():
             rows = work / f"rows-{shard.engine}.jsonl"
             write_rows(rows, ids)
-            prepare(PrepareConfig(out=str(data), data=str(rows), regenerate=True, engine=shard.engine, threads=threads,
-                                  max_new_tokens=REFERENCE_SETTINGS["max_new_tokens"], batch_size=REFERENCE_SETTINGS["batch_size"],
-                                  max_length=REFERENCE_SETTINGS["max_length"]))
+            prepare(
+                PrepareConfig(
+                    out=str(data),
+                    data=str(rows),
+                    regenerate=True,
+                    engine=shard.engine,
+                    threads=threads,
+                    max_new_tokens=REFERENCE_SETTINGS["max_new_tokens"],
+                    batch_size=REFERENCE_SETTINGS["batch_size"],
+                    max_length=REFERENCE_SETTINGS["max_length"],
+                )
+            )
         parts.append(str(data))
     joined = work / "data"
     if not (joined / "manifest.json").is_file():
@@ -87,25 +96,43 @@ def score(dataset, indices: list[int], drafter, target, slot_index, *, decode_pr
     drafter.eval()
     for name, max_batches in (("teacher_forced_as_logged", s["val_max_batches"]), ("teacher_forced_all", 0)):
         batches = plan.val_batches(max_batches)
-        sums = teacher_forced(drafter.training_forward, dataset, batches, sample_tokens=s["pack_tokens"], slot_index=slot_index,
-                              device="cpu", compute_dtype=s["compute_dtype"], seed=step_seed(s["seed"], 0, FINAL_STEP, EVAL_SEED_KIND))
+        sums = teacher_forced(
+            drafter.training_forward,
+            dataset,
+            batches,
+            sample_tokens=s["pack_tokens"],
+            slot_index=slot_index,
+            device="cpu",
+            compute_dtype=s["compute_dtype"],
+            seed=step_seed(s["seed"], 0, FINAL_STEP, EVAL_SEED_KIND),
+        )
         out[name] = {"tau": round(sums.summary()["accept_len"], 4), "packed_rows": len(batches)}
     if decode_tokens:
-        probe = DecodeProbe.from_split(token_rows(dataset, indices), [dataset.sample_ids[i] for i in indices],
-                                       count=decode_prompts or len(indices), tokens=decode_tokens)
+        probe = DecodeProbe.from_split(
+            token_rows(dataset, indices),
+            [dataset.sample_ids[i] for i in indices],
+            count=decode_prompts or len(indices),
+            tokens=decode_tokens,
+        )
         decoded = probe.run(drafter, "dspark", target)
         out["decoded"] = {k: decoded[k] for k in ("tau", "prompts", "rounds", "max_new_tokens", "seconds")}
     return out
 
 
 def markdown(result: dict) -> str:
-    lines = ["| held-out set | samples | teacher-forced tau (first 8 rows, as logged) | teacher-forced tau (all) | decoded tau |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| held-out set | samples | teacher-forced tau (first 8 rows, as logged) | teacher-forced tau (all) | decoded tau |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for name in ("before", "after"):
         r = result[name]
-        decoded = f"{r['decoded']['tau']:.3f} ({r['decoded']['prompts']} prompts x {r['decoded']['max_new_tokens']})" if "decoded" in r else "-"
-        lines.append(f"| {name}: {r['what']} | {r['samples']} | {r['teacher_forced_as_logged']['tau']:.3f} | "
-                     f"{r['teacher_forced_all']['tau']:.3f} | {decoded} |")
+        decoded = (
+            f"{r['decoded']['tau']:.3f} ({r['decoded']['prompts']} prompts x {r['decoded']['max_new_tokens']})" if "decoded" in r else "-"
+        )
+        lines.append(
+            f"| {name}: {r['what']} | {r['samples']} | {r['teacher_forced_as_logged']['tau']:.3f} | "
+            f"{r['teacher_forced_all']['tau']:.3f} | {decoded} |"
+        )
     return "\n".join(lines)
 
 
@@ -135,13 +162,17 @@ def main() -> None:
     dataset = HiddenStateDataset(store)
     slot_index = select_slots(dataset.slots, drafter.config.slots(), where=str(store))
     position = {str(sid): i for i, sid in enumerate(dataset.sample_ids)}
-    wanted = {"before": ("all old-rule validation rows", split["old_validation"]),
-              "after": ("those sharing no conversation or prompt with its training side", split["old_clean"])}
+    wanted = {
+        "before": ("all old-rule validation rows", split["old_validation"]),
+        "after": ("those sharing no conversation or prompt with its training side", split["old_clean"]),
+    }
     result = {"store": str(store), "old_validation_rows": len(split["old_validation"]), "regenerated_kept": len(position)}
     for name, (what, rows) in wanted.items():
         indices = [position[samples[i].sample_id] for i in rows if samples[i].sample_id in position]
-        result[name] = {"what": what, **score(dataset, indices, drafter, target, slot_index,
-                                              decode_prompts=args.decode_prompts, decode_tokens=args.decode_tokens)}
+        result[name] = {
+            "what": what,
+            **score(dataset, indices, drafter, target, slot_index, decode_prompts=args.decode_prompts, decode_tokens=args.decode_tokens),
+        }
     print(json.dumps(result, indent=1))
     print(markdown(result))
 

@@ -1,4 +1,5 @@
-"""Where a decode step's time goes: the target's 1-token step split into its linear layers and the rest, and a block drafter's round split into its phases.
+"""Where a decode step's time goes: the target's 1-token step split into its linear layers and the rest, and a block
+drafter's round split into its phases.
 
 The target step is timed as ``benchmarks/forward_path.py`` times it (one new token after ``--context`` cached ones,
 median of ``--repeats``) on ``--forward-path`` (``auto``: the runtime's cached or measured choice). Its linears are
@@ -58,8 +59,10 @@ def target_step(model, *, context: int, repeats: int) -> dict:
         spent = [0.0]
         started: dict[int, float] = {}
         handles = [m.register_forward_pre_hook(lambda mod, args: started.__setitem__(id(mod), time.perf_counter())) for m in linears]
-        handles += [m.register_forward_hook(lambda mod, args, out: spent.__setitem__(0, spent[0] + time.perf_counter() - started[id(mod)]))
-                    for m in linears]
+        handles += [
+            m.register_forward_hook(lambda mod, args, out: spent.__setitem__(0, spent[0] + time.perf_counter() - started[id(mod)]))
+            for m in linears
+        ]
         try:
             per_step = []
             for _ in range(repeats):
@@ -77,10 +80,16 @@ def target_step(model, *, context: int, repeats: int) -> dict:
         calls[event.key] += event.count
     linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     linear_ms = statistics.median(per_step) * 1e3
-    return {"step_ms": step_ms, "linear_ms": linear_ms, "rest_ms": step_ms - linear_ms, "linear_calls": len(linears),
-            "linear_weight_bytes": linear_bytes, "linear_gb_s": linear_bytes / linear_ms / 1e6,
-            "aten_calls_per_step": sum(n for k, n in calls.items() if k.startswith("aten::")) / repeats,
-            "top_aten_calls_per_step": {k: n / repeats for k, n in calls.most_common(12) if k.startswith("aten::")}}
+    return {
+        "step_ms": step_ms,
+        "linear_ms": linear_ms,
+        "rest_ms": step_ms - linear_ms,
+        "linear_calls": len(linears),
+        "linear_weight_bytes": linear_bytes,
+        "linear_gb_s": linear_bytes / linear_ms / 1e6,
+        "aten_calls_per_step": sum(n for k, n in calls.items() if k.startswith("aten::")) / repeats,
+        "top_aten_calls_per_step": {k: n / repeats for k, n in calls.most_common(12) if k.startswith("aten::")},
+    }
 
 
 def drafter_round(target, path: str, *, rounds: int) -> dict:
@@ -131,12 +140,22 @@ def main() -> None:
     floor = bandwidth_floor(target.model)
     floor_ms = floor["floor_ms"]
     draft = drafter_round(target, path, rounds=5)
-    result = {"target": args.target, "threads": torch.get_num_threads(), "torch": torch.__version__, "context": args.context,
-              "forward_path": path, **step, **floor, "drafter": draft}
+    result = {
+        "target": args.target,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "context": args.context,
+        "forward_path": path,
+        **step,
+        **floor,
+        "drafter": draft,
+    }
     print(json.dumps(result, indent=1))
     print(f"\n| target 1-token step ({path}) | ms | share |\n|---|---:|---:|")
-    print(f"| linears ({step['linear_calls']}, {step['linear_weight_bytes'] / 1e6:.0f} MB at {step['linear_gb_s']:.1f} GB/s) | "
-          f"{step['linear_ms']:.1f} | {step['linear_ms'] / step['step_ms']:.0%} |")
+    print(
+        f"| linears ({step['linear_calls']}, {step['linear_weight_bytes'] / 1e6:.0f} MB at {step['linear_gb_s']:.1f} GB/s) | "
+        f"{step['linear_ms']:.1f} | {step['linear_ms'] / step['step_ms']:.0%} |"
+    )
     print(f"| the rest ({step['aten_calls_per_step']:.0f} aten calls) | {step['rest_ms']:.1f} | {step['rest_ms'] / step['step_ms']:.0%} |")
     print(f"| step | {step['step_ms']:.1f} | {step['step_ms'] / floor_ms:.1f}x the floor |")
     print(f"\nfloor: {floor['weight_bytes'] / 1e6:.0f} MB of weights / {floor['read_bandwidth_gb_s']:.1f} GB/s read = {floor_ms:.1f} ms")

@@ -35,12 +35,23 @@ def main() -> None:
     from specdraft.utils.memory import peak_rss_mb
 
     with tempfile.TemporaryDirectory() as scratch:
-        cfg = resolve_config("dspark", {"data": args.data, "out": f"{scratch}/run", "max_steps": args.steps, "checkpoint_interval": 0,
-                                        "eval_interval": 0, "num_threads": args.threads, "model": {"layers": args.layers}})
+        cfg = resolve_config(
+            "dspark",
+            {
+                "data": args.data,
+                "out": f"{scratch}/run",
+                "max_steps": args.steps,
+                "checkpoint_interval": 0,
+                "eval_interval": 0,
+                "num_threads": args.threads,
+                "model": {"layers": args.layers},
+            },
+        )
         started = time.perf_counter()
         train(cfg)
         wall = time.perf_counter() - started
-        records = [json.loads(line) for line in open(f"{scratch}/run/metrics.jsonl")]
+        with open(f"{scratch}/run/metrics.jsonl") as metrics:
+            records = [json.loads(line) for line in metrics]
     steps = [r for r in records if r.get("split") == "train"]
     n = len(steps)
     quarters = []
@@ -48,8 +59,17 @@ def main() -> None:
         part = steps[q * n // 4 : (q + 1) * n // 4]
         quarters.append(round(sum(r["anchors"] for r in part) / sum(r["seconds"] for r in part), 1))
     peak_mb = peak_rss_mb()
-    print(json.dumps({"malloc": args.malloc, "steps": n, "anchors_per_s_by_quarter": quarters, "peak_rss_mb": round(peak_mb),
-                      "wall_s": round(wall, 1)}))
+    print(
+        json.dumps(
+            {
+                "malloc": args.malloc,
+                "steps": n,
+                "anchors_per_s_by_quarter": quarters,
+                "peak_rss_mb": round(peak_mb),
+                "wall_s": round(wall, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -24,10 +24,15 @@ def summarize(run: Path) -> dict:
     val = [r for r in records if r.get("split") == "val"]
     peak = steps[-1]["peak_rss_mb"]
     return {
-        "steps": steps[-1]["step"], "anchors": sum(r.get("anchors", 0) for r in steps), "tokens": int(sum(r["tokens"] for r in steps)),
-        "train_seconds": round(sum(r["seconds"] for r in steps), 1), "longest_row_tokens": max(r["row_tokens"] for r in steps),
-        "peak_rss_mb": peak, "peak_first_at_step": next(r["step"] for r in steps if r["peak_rss_mb"] == peak),
-        "val_tau_decoded": val[-1].get("tau_decoded") if val else None, "val_tau_teacher_forced": val[-1].get("tau_teacher_forced") if val else None,
+        "steps": steps[-1]["step"],
+        "anchors": sum(r.get("anchors", 0) for r in steps),
+        "tokens": int(sum(r["tokens"] for r in steps)),
+        "train_seconds": round(sum(r["seconds"] for r in steps), 1),
+        "longest_row_tokens": max(r["row_tokens"] for r in steps),
+        "peak_rss_mb": peak,
+        "peak_first_at_step": next(r["step"] for r in steps if r["peak_rss_mb"] == peak),
+        "val_tau_decoded": val[-1].get("tau_decoded") if val else None,
+        "val_tau_teacher_forced": val[-1].get("tau_teacher_forced") if val else None,
     }
 
 

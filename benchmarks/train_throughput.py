@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 
-
 def ensure_stores(work: Path, target: str, samples: int, methods: list[str]) -> dict[str, Path]:
     """Prepared dataset + one store per distinct layer preset (reused when already complete)."""
     from specdraft.data.prepare import PrepareConfig, prepare
@@ -51,9 +50,18 @@ def measure(method: str, store: Path, out: Path, args: argparse.Namespace) -> di
     from specdraft.train.trainer import train
 
     shutil.rmtree(out, ignore_errors=True)
-    overrides = {"data": str(store), "out": str(out), "max_steps": args.steps, "checkpoint_interval": 0, "eval_interval": 0,
-                 "val_fraction": 0.0, "num_threads": args.threads, "dtype": args.dtype, "pack_tokens": args.pack_tokens,
-                 **parse_overrides(args.set)}
+    overrides = {
+        "data": str(store),
+        "out": str(out),
+        "max_steps": args.steps,
+        "checkpoint_interval": 0,
+        "eval_interval": 0,
+        "val_fraction": 0.0,
+        "num_threads": args.threads,
+        "dtype": args.dtype,
+        "pack_tokens": args.pack_tokens,
+        **parse_overrides(args.set),
+    }
     if args.model:
         overrides["model"] = args.model
     cfg = resolve_config(method, overrides)

@@ -41,11 +41,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Training (and evaluation) prompts beyond the test's PARITY_PROMPTS, for --prompts > 4.
-MORE_PROMPTS = [("What is two plus two?", "b"), ("Name a big city.", "a"), ("How do birds fly?", "a"), ("Spell the word cat.", "b"),
-                ("What colour is grass?", "a"), ("Tell me a joke.", "b"), ("What day comes after Monday?", "b"), ("Describe the moon.", "a"),
-                ("Name a musical instrument.", "a"), ("What is ice made of?", "b"), ("Say goodbye.", "b"), ("Why do we sleep?", "a")]
-HELD_OUT = [("What is a river?", "a"), ("List two fruits.", "a"), ("Describe a cat.", "b"), ("Why is the sky blue?", "b"),
-            ("Write a short poem.", "a"), ("Give me a number.", "b")]
+MORE_PROMPTS = [
+    ("What is two plus two?", "b"),
+    ("Name a big city.", "a"),
+    ("How do birds fly?", "a"),
+    ("Spell the word cat.", "b"),
+    ("What colour is grass?", "a"),
+    ("Tell me a joke.", "b"),
+    ("What day comes after Monday?", "b"),
+    ("Describe the moon.", "a"),
+    ("Name a musical instrument.", "a"),
+    ("What is ice made of?", "b"),
+    ("Say goodbye.", "b"),
+    ("Why do we sleep?", "a"),
+]
+HELD_OUT = [
+    ("What is a river?", "a"),
+    ("List two fruits.", "a"),
+    ("Describe a cat.", "b"),
+    ("Why is the sky blue?", "b"),
+    ("Write a short poem.", "a"),
+    ("Give me a number.", "b"),
+]
+
+
 def spread_k_norms(model) -> None:
     """Every draft layer's k_norm gain drawn from U(0.5, 1.5) (seed 0), so the layers' gains differ."""
     import torch
@@ -81,23 +100,29 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="how many prompts to train and evaluate on (4: the test's; at most 16)")
     parser.add_argument("--tokens", type=int, default=32, help="reply length to train on and generate (more: more verify rounds)")
     parser.add_argument("--held-out", action="store_true", help="evaluate on prompts the drafters were not trained on (see above)")
-    parser.add_argument("--report-only", action="store_true",
-                        help="no training or serving: recompute every row from the two sides' reports saved under --work (the current "
-                             "parity definition applied to what was measured)")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="no training or serving: recompute every row from the two sides' reports saved under --work (the current "
+        "parity definition applied to what was measured)",
+    )
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_vllm import varied_tiny_target
-    from test_vllm_parity import PARITY_PROMPTS, trained_parity_drafter
-
     from specdraft.decode.config import SamplingConfig
     from specdraft.eval.config import EvalConfig
     from specdraft.integrations.vllm.parity import compare_sides, run_parity_eval
     from specdraft.targets import load_target, resolve_target_dir
+    from test_vllm import varied_tiny_target
+    from test_vllm_parity import PARITY_PROMPTS, trained_parity_drafter
 
     work = Path(args.work)
     target_dir = work / "target"
-    target = load_target(str(target_dir)) if (target_dir / "config.json").is_file() else varied_tiny_target(target_dir, resolve_target_dir("smollm2-135m"))
+    target = (
+        load_target(str(target_dir))
+        if (target_dir / "config.json").is_file()
+        else varied_tiny_target(target_dir, resolve_target_dir("smollm2-135m"))
+    )
     trained_on = (PARITY_PROMPTS + MORE_PROMPTS)[: args.prompts]
     if len(trained_on) < args.prompts:
         parser.error(f"--prompts is at most {len(trained_on)}")
@@ -111,17 +136,28 @@ def main() -> None:
         base, init = EXTRA_CASES.get(case, (case, None))
         drafter = work / f"{case}-{args.steps}steps-{args.prompts}x{args.tokens}"
         if not args.report_only:
-            trained_parity_drafter(base, target, drafter, steps=args.steps, prompts=[text for text, _ in trained_on], new_tokens=args.tokens,
-                                   init=init)
+            trained_parity_drafter(
+                base, target, drafter, steps=args.steps, prompts=[text for text, _ in trained_on], new_tokens=args.tokens, init=init
+            )
         spread = k_norm_spread(drafter)
 
         def row(variant: str, measured: dict) -> dict:
-            return {"case": case, "steps": args.steps, "tokens": args.tokens, "variant": variant, "held_out": args.held_out,
-                    "k_norm_spread": spread, **measured}
+            return {
+                "case": case,
+                "steps": args.steps,
+                "tokens": args.tokens,
+                "variant": variant,
+                "held_out": args.held_out,
+                "k_norm_spread": spread,
+                **measured,
+            }
 
         if args.report_only:
             for variant in args.variants.split(","):
-                sides = [json.loads((work / f"eval-{case}-{run}-{variant}" / f"{side}-0" / "report.json").read_text()) for side in ("builtin", "served")]
+                sides = [
+                    json.loads((work / f"eval-{case}-{run}-{variant}" / f"{side}-0" / "report.json").read_text())
+                    for side in ("builtin", "served")
+                ]
                 rows.append(row(variant, compare_sides(*sides, str(drafter))))
             continue
         for variant in args.variants.split(","):
@@ -133,25 +169,40 @@ def main() -> None:
                 cfg = json.loads((path / "config.json").read_text())
                 (path / "config.json").write_text(json.dumps({**cfg, "sliding_window_non_causal": False}, indent=2))
             os.environ["SPECDRAFT_VLLM_CORRECTIONS"] = corrections
-            config = EvalConfig(out=str(work / f"eval-{case}-{run}-{variant}"), target=str(target_dir), prompts=str(prompts),
-                                drafters=[str(path)], max_new_tokens=args.tokens, parity=True, vllm_args="--enforce-eager --dtype float32 --max-model-len 256",
-                                plots=False)
+            config = EvalConfig(
+                out=str(work / f"eval-{case}-{run}-{variant}"),
+                target=str(target_dir),
+                prompts=str(prompts),
+                drafters=[str(path)],
+                max_new_tokens=args.tokens,
+                parity=True,
+                vllm_args="--enforce-eager --dtype float32 --max-model-len 256",
+                plots=False,
+            )
             (measured,) = run_parity_eval(config, SamplingConfig(), target=target, progress=False)["drafters"]
             rows.append(row(variant, measured))
             keep = [r for r in earlier if (r["case"], r["variant"]) not in {(n["case"], n["variant"]) for n in rows}]
             results.write_text(json.dumps(keep + rows, indent=2))  # after each row: a cut run keeps what it measured
-            print(f"{case} {variant}: built-in {measured['builtin']['tau']:.3f} ({measured['builtin']['rounds']} rounds) served "
-                  f"{measured['served']['tau']:.3f} ({measured['served']['rounds']} rounds) gap {measured['gap']:+.1%}", flush=True)
+            print(
+                f"{case} {variant}: built-in {measured['builtin']['tau']:.3f} ({measured['builtin']['rounds']} rounds) served "
+                f"{measured['served']['tau']:.3f} ({measured['served']['rounds']} rounds) gap {measured['gap']:+.1%}",
+                flush=True,
+            )
     if args.report_only:
         results.write_text(json.dumps(rows, indent=2))
-    print("\n| drafter | k_norm spread | variant | built-in tau | built-in rounds | served tau | served rounds | gap "
-          "| positional tau built-in / served | served = AR |\n| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| drafter | k_norm spread | variant | built-in tau | built-in rounds | served tau | served rounds | gap "
+        "| positional tau built-in / served | served = AR |\n| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
     for r in rows:
         spread = "-" if r["k_norm_spread"] is None else f"{r['k_norm_spread']:.3f}"
         b, s = r["builtin"], r["served"]
-        print(f"| {r['case']} | {spread} | {r['variant']} | {b['tau']:.3f} | {b['rounds']} | {s['tau']:.3f} | {s['rounds']} | {r['gap']:+.1%} "
-              f"| {b.get('positional_tau', float('nan')):.3f} / {s.get('positional_tau', float('nan')):.3f} "
-              f"| {r['served_identical_to_autoregressive']}/{r['prompts']} |")
+        print(
+            f"| {r['case']} | {spread} | {r['variant']} | {b['tau']:.3f} | {b['rounds']} | {s['tau']:.3f} | {s['rounds']} "
+            f"| {r['gap']:+.1%} "
+            f"| {b.get('positional_tau', float('nan')):.3f} / {s.get('positional_tau', float('nan')):.3f} "
+            f"| {r['served_identical_to_autoregressive']}/{r['prompts']} |"
+        )
 
 
 if __name__ == "__main__":

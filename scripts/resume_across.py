@@ -36,15 +36,39 @@ def run_training(store: str, out: str, steps: int, stop_after_reads: int) -> Non
     from test_train_methods import OVERRIDES, tiny_target
     from test_train_toy import SignalAfterReads
 
-    cfg = TrainConfig(method="dspark", data=store, out=out, model=OVERRIDES["dspark"], max_steps=steps, pack_tokens=64, batch_rows=1,
-                      val_fraction=0.2, eval_interval=3, checkpoint_interval=0, keep_checkpoints=0, dtype="fp32", num_threads=1,
-                      seed=11, decode_prompts=0)
+    cfg = TrainConfig(
+        method="dspark",
+        data=store,
+        out=out,
+        model=OVERRIDES["dspark"],
+        max_steps=steps,
+        pack_tokens=64,
+        batch_rows=1,
+        val_fraction=0.2,
+        eval_interval=3,
+        checkpoint_interval=0,
+        keep_checkpoints=0,
+        dtype="fp32",
+        num_threads=1,
+        seed=11,
+        decode_prompts=0,
+    )
     dataset = HiddenStateDataset(store)
     result = train(cfg, target=tiny_target(), dataset=SignalAfterReads(dataset, stop_after_reads) if stop_after_reads else dataset)
     import specdraft
 
-    print(json.dumps({"out": out, "step": result.step, "stopped_by": result.stopped_by, "completed": result.completed,
-                      "code": str(Path(specdraft.__file__).parent.parent)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "out": out,
+                "step": result.step,
+                "stopped_by": result.stopped_by,
+                "completed": result.completed,
+                "code": str(Path(specdraft.__file__).parent.parent),
+            }
+        ),
+        flush=True,
+    )
 
 
 def invoke(src: str, *args: str) -> dict:
@@ -84,15 +108,19 @@ def main() -> int:
     runs = {
         "base uninterrupted": [invoke(args.base, store, str(work / "ref"), str(args.steps), "0")],
         # about half the steps' reads (batch_rows=1, a few samples per packed row), then SIGTERM: a checkpoint mid-run
-        "base stopped, new resumed": [invoke(args.base, store, str(work / "resumed"), str(args.steps), str(args.steps)),
-                                      invoke(args.new, store, str(work / "resumed"), str(args.steps), "0")],
+        "base stopped, new resumed": [
+            invoke(args.base, store, str(work / "resumed"), str(args.steps), str(args.steps)),
+            invoke(args.new, store, str(work / "resumed"), str(args.steps), "0"),
+        ],
         "new uninterrupted": [invoke(args.new, store, str(work / "fresh-new"), str(args.steps), "0")],
     }
     failed = False
     last = f"checkpoints/step-{args.steps}/trainer_state.safetensors"
     for name, results in runs.items():
         out = Path(results[-1]["out"])
-        differ = tensors_equal(work / "ref/final/model.safetensors", out / "final/model.safetensors") + tensors_equal(work / "ref" / last, out / last)
+        differ = tensors_equal(work / "ref/final/model.safetensors", out / "final/model.safetensors") + tensors_equal(
+            work / "ref" / last, out / last
+        )
         failed |= bool(differ) or not results[-1]["completed"]
         steps = " -> ".join(f"{r['step']}{' (' + r['stopped_by'] + ')' if r['stopped_by'] else ''} [{r['code']}]" for r in results)
         print(f"{name:26s} {'identical' if not differ else 'DIFFERENT: ' + ', '.join(differ[:5]):10s}  steps {steps}")

@@ -56,9 +56,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 MASTER_PORT, METRICS_PORT, PRODUCER_PORT, RDZV_PORT = 50051, 9003, 8700, 29500
@@ -119,8 +119,14 @@ class Netns:
         self.commands.append({"host": host.name, "command": command})
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as f:
-            return subprocess.Popen(["ip", "netns", "exec", host.ns, *argv], stdin=subprocess.DEVNULL, stdout=stdout or f,
-                                    stderr=f, env=env, start_new_session=True)
+            return subprocess.Popen(
+                ["ip", "netns", "exec", host.ns, *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=stdout or f,
+                stderr=f,
+                env=env,
+                start_new_session=True,
+            )
 
     def run(self, host: Host, argv: list[str], *, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", host.ns, *argv], capture_output=True, text=True, timeout=timeout)
@@ -152,9 +158,14 @@ class Netns:
             subprocess.run(["ip", "link", "del", host.veth], capture_output=True)
             subprocess.run(["ip", "netns", "del", host.ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
-        left = [line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
-                if line.startswith(self.prefix + "-")]
-        left += re.findall(rf"^\d+: ({self.prefix}\w+)[@:]", subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout, re.M)
+        left = [
+            line.split()[0]
+            for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
+            if line.startswith(self.prefix + "-")
+        ]
+        left += re.findall(
+            rf"^\d+: ({self.prefix}\w+)[@:]", subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout, re.M
+        )
         say(f"removed {len(self.hosts)} namespaces and bridge {self.bridge}" + (f"; LEFT OVER: {left}" if left else ""))
 
 
@@ -167,8 +178,13 @@ def root_listeners() -> list[dict]:
     for line in out.splitlines():
         parts = line.split()
         if len(parts) >= 4:
-            found.append({"local": parts[3], "pids": [int(p) for p in re.findall(r"pid=(\d+)", line)],
-                          "process": ",".join(re.findall(r'\("([^"]+)"', line))})
+            found.append(
+                {
+                    "local": parts[3],
+                    "pids": [int(p) for p in re.findall(r"pid=(\d+)", line)],
+                    "process": ",".join(re.findall(r'\("([^"]+)"', line)),
+                }
+            )
     return found
 
 
@@ -208,8 +224,11 @@ class ListenerWatch:
                 self.others_new.add(f"{l['local']} {l['process']}")
 
     def report(self) -> dict:
-        return {"root_namespace_samples": self.samples, "root_namespace_listeners_of_this_run": self.ours,
-                "root_namespace_new_listeners_of_other_processes": sorted(self.others_new)}
+        return {
+            "root_namespace_samples": self.samples,
+            "root_namespace_listeners_of_this_run": self.ours,
+            "root_namespace_new_listeners_of_other_processes": sorted(self.others_new),
+        }
 
 
 # -- the cluster ------------------------------------------------------------------------------
@@ -220,8 +239,12 @@ class Cluster:
         self.net, self.out, self.args, self.layout = net, out, args, layout
         self.token = secrets.token_hex(16)
         net.secrets.append(self.token)
-        self.env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
         if layout == "namespaces":
             self.master = net.add("master", "mooncake master + memory holder (mooncake_client)", 1)
             self.producers = [net.add(f"producer-{k}", "producer (serve-hidden-states, hf)", 11 + k) for k in range(args.producers)]
@@ -262,17 +285,38 @@ class Cluster:
         return self.out / "hosts" / self.master.name / "store"
 
     def start_master(self) -> None:
-        argv = self.cli("store", "start", "--host", self.master.address, "--port", str(MASTER_PORT), "--metrics-port", str(METRICS_PORT),
-                        "--dir", str(self.master_dir), "--lease-ttl-ms", "500", "--put-discard-timeout-s", "2",
-                        "--put-release-timeout-s", "3")
+        argv = self.cli(
+            "store",
+            "start",
+            "--host",
+            self.master.address,
+            "--port",
+            str(MASTER_PORT),
+            "--metrics-port",
+            str(METRICS_PORT),
+            "--dir",
+            str(self.master_dir),
+            "--lease-ttl-ms",
+            "500",
+            "--put-discard-timeout-s",
+            "2",
+            "--put-release-timeout-s",
+            "3",
+        )
         proc = self.net.spawn(self.master, argv, self.out / "hosts" / self.master.name / "store-start.log", env=self.env)
         if proc.wait(timeout=120) != 0:
             raise SystemExit(f"`specdraft store start` failed; see {self.out / 'hosts' / self.master.name}")
         from specdraft.integrations.mooncake.master import master_command
 
         holder = Path(master_command()[0]).with_name("mooncake_client")
-        argv = [str(holder), f"--host={self.master.address}", "--metadata_server=P2PHANDSHAKE", f"--global_segment_size={self.args.holder_mb}MB",
-                f"--master_server_address={self.master.address}:{MASTER_PORT}", "--protocol=tcp"]
+        argv = [
+            str(holder),
+            f"--host={self.master.address}",
+            "--metadata_server=P2PHANDSHAKE",
+            f"--global_segment_size={self.args.holder_mb}MB",
+            f"--master_server_address={self.master.address}:{MASTER_PORT}",
+            "--protocol=tcp",
+        ]
         self.holder = self.net.spawn(self.master, argv, self.out / "hosts" / self.master.name / "holder.log", env=self.env)
         self.wait_for(lambda: self.metrics().get("master_total_capacity_bytes", 0) > 0, 60, "the memory holder to register")
         say(f"master {self.master.address}:{MASTER_PORT} and a {self.args.holder_mb} MB holder up")
@@ -282,8 +326,9 @@ class Cluster:
 
     def metrics(self) -> dict:
         code = f"import json; from specdraft.integrations.mooncake.master import read_metrics; print(json.dumps(read_metrics({self.master.address!r}, {METRICS_PORT})))"
-        done = subprocess.run(["ip", "netns", "exec", self.master.ns, sys.executable, "-c", code], capture_output=True, text=True,
-                              env=self.env, timeout=30)
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.master.ns, sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=30
+        )
         return json.loads(done.stdout or "{}")
 
     @staticmethod
@@ -298,9 +343,25 @@ class Cluster:
     def start_producers(self, hosts: list[Host]) -> None:
         ready: dict[str, queue.Queue] = {}
         for host in hosts:
-            argv = self.cli("serve-hidden-states", "--target", str(self.args.target_dir), "--backend", "mooncake", "--store", self.store(host),
-                            "--host", host.address, "--port", str(host.port), "--token", self.token, "--num-threads", "1",
-                            "--max-batch", "1")
+            argv = self.cli(
+                "serve-hidden-states",
+                "--target",
+                str(self.args.target_dir),
+                "--backend",
+                "mooncake",
+                "--store",
+                self.store(host),
+                "--host",
+                host.address,
+                "--port",
+                str(host.port),
+                "--token",
+                self.token,
+                "--num-threads",
+                "1",
+                "--max-batch",
+                "1",
+            )
             proc = self.net.spawn(host, argv, self.out / f"hosts/{host.name}/producer.log", stdout=subprocess.PIPE, env=self.env)
             self.producer_procs[host.name] = proc
             ready[host.name] = q = queue.Queue()
@@ -338,25 +399,76 @@ class Cluster:
         tmp.rename(self.producer_list)
 
     def producer_health(self, host: Host) -> dict:
-        code = ("import json, sys, urllib.request as u; r = u.Request(sys.argv[1] + '/health', headers={'Authorization': 'Bearer ' + sys.argv[2]}); "
-                "print(u.urlopen(r, timeout=10).read().decode())")
+        code = (
+            "import json, sys, urllib.request as u; r = u.Request(sys.argv[1] + '/health', headers={'Authorization': 'Bearer ' + sys.argv[2]}); "
+            "print(u.urlopen(r, timeout=10).read().decode())"
+        )
         done = self.net.run(host, [sys.executable, "-c", code, self.url(host), self.token])
         return json.loads(done.stdout or "{}")
 
     # the training job
     def train_argv(self, rank: int, run: Path) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
-                f"--master-addr={self.trainers[0].address}", f"--master-port={RDZV_PORT}", "-m", "specdraft.cli.main",
-                "train", "--method", "dflash", "--target", str(self.args.target_dir), "--out", str(run), "--data-mode", "online",
-                "--dataset", str(self.args.dataset), "--producers", "@" + str(self.producer_list), "--producer-token", self.token,
-                "--store", self.store(self.trainers[rank]), "--stream-dtype", "float32", "--prefetch", "4", "--model", DRAFTER,
-                "--pack-tokens", str(TRAIN["pack_tokens"]), "--batch-rows", str(TRAIN["batch_rows"]), "--val-fraction", "0",
-                "--eval-interval", "0", "--checkpoint-interval", str(TRAIN["checkpoint_interval"]), "--dtype", "fp32",
-                "--device", "cpu", "--num-threads", "1", "--seed", str(TRAIN["seed"]), "--request-timeout", "60"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={rank}",
+            f"--master-addr={self.trainers[0].address}",
+            f"--master-port={RDZV_PORT}",
+            "-m",
+            "specdraft.cli.main",
+            "train",
+            "--method",
+            "dflash",
+            "--target",
+            str(self.args.target_dir),
+            "--out",
+            str(run),
+            "--data-mode",
+            "online",
+            "--dataset",
+            str(self.args.dataset),
+            "--producers",
+            "@" + str(self.producer_list),
+            "--producer-token",
+            self.token,
+            "--store",
+            self.store(self.trainers[rank]),
+            "--stream-dtype",
+            "float32",
+            "--prefetch",
+            "4",
+            "--model",
+            DRAFTER,
+            "--pack-tokens",
+            str(TRAIN["pack_tokens"]),
+            "--batch-rows",
+            str(TRAIN["batch_rows"]),
+            "--val-fraction",
+            "0",
+            "--eval-interval",
+            "0",
+            "--checkpoint-interval",
+            str(TRAIN["checkpoint_interval"]),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--num-threads",
+            "1",
+            "--seed",
+            str(TRAIN["seed"]),
+            "--request-timeout",
+            "60",
+        ]
 
     def train_job(self, run: Path, attempt: int, watch: Callable[[], None] | None = None, timeout: float = 400) -> list[int]:
-        procs = [self.net.spawn(t, self.train_argv(r, run), self.out / f"hosts/{t.name}/train-{run.name}-{attempt}.log", env=self.env)
-                 for r, t in enumerate(self.trainers)]
+        procs = [
+            self.net.spawn(t, self.train_argv(r, run), self.out / f"hosts/{t.name}/train-{run.name}-{attempt}.log", env=self.env)
+            for r, t in enumerate(self.trainers)
+        ]
         deadline = time.monotonic() + timeout
         last_ss, failed_at = 0.0, None
         while any(p.poll() is None for p in procs):
@@ -413,8 +525,16 @@ def _plan(args: argparse.Namespace, rank: int):
     prepared = PreparedDataset(args.dataset)
     ids = [str(sid) for sid in prepared.sample_ids]
     split = compute_split(ids, [SplitKey(sid, sid) for sid in ids], val_fraction=0.0, seed=0)  # TRAIN holds nothing out
-    return DataPlan.build(ids, [int(n) for n in prepared.lengths()], split=split,
-                          pack_tokens=TRAIN["pack_tokens"], batch_rows=TRAIN["batch_rows"], seed=TRAIN["seed"], world_size=2, rank=rank)
+    return DataPlan.build(
+        ids,
+        [int(n) for n in prepared.lengths()],
+        split=split,
+        pack_tokens=TRAIN["pack_tokens"],
+        batch_rows=TRAIN["batch_rows"],
+        seed=TRAIN["seed"],
+        world_size=2,
+        rank=rank,
+    )
 
 
 def plan_order(args: argparse.Namespace) -> list[list[str]]:
@@ -539,8 +659,10 @@ def scenario_producer_killed(cluster: Cluster, run: Path) -> dict:
     def watch() -> None:
         if not faults and sum(map(len, delivered(run))) >= total // 3:
             n = cluster.net.kill(victim)
-            faults.append(f"FAULT: SIGKILL of all {n} processes in {victim.ns} ({victim.name}, {victim.address}) after "
-                          f"{sum(map(len, delivered(run)))} of {total} deliveries")
+            faults.append(
+                f"FAULT: SIGKILL of all {n} processes in {victim.ns} ({victim.name}, {victim.address}) after "
+                f"{sum(map(len, delivered(run)))} of {total} deliveries"
+            )
             say(faults[-1])
 
     rcs = cluster.train_job(run, 0, watch)
@@ -587,9 +709,15 @@ def scenario_join_leave(cluster: Cluster, run: Path) -> dict:
     served = cluster.producer_health(joiner).get("requests", 0)
     cluster.close_producer(joiner)
     cluster.list_producers(cluster.producers)
-    return {"attempts": [(delivered(run), 0)], "return_codes": [rcs], "faults": events, "requests_served_by_joiner": served,
-            "requests_to_leaver_after_unlisting": late[0] if late else None,
-            "joined_lines": count_in_logs(cluster, run, r"producer \S+ joined"), "left_lines": count_in_logs(cluster, run, r"producer \S+ left")}
+    return {
+        "attempts": [(delivered(run), 0)],
+        "return_codes": [rcs],
+        "faults": events,
+        "requests_served_by_joiner": served,
+        "requests_to_leaver_after_unlisting": late[0] if late else None,
+        "joined_lines": count_in_logs(cluster, run, r"producer \S+ joined"),
+        "left_lines": count_in_logs(cluster, run, r"producer \S+ left"),
+    }
 
 
 def _fault_then_resume(cluster: Cluster, run: Path, inject: Callable[[], str], recover: Callable[[], None]) -> dict:
@@ -610,8 +738,12 @@ def _fault_then_resume(cluster: Cluster, run: Path, inject: Callable[[], str], r
     recover()
     say(f"{run.name}: rerunning the same torchrun commands; the job resumes from step {resumed_at}")
     rcs = cluster.train_job(run, 1)
-    return {"attempts": [(first, resumed_at), (delivered(run), 0)], "return_codes": [rcs_first, rcs], "faults": faults,
-            "resumed_from_step": resumed_at}
+    return {
+        "attempts": [(first, resumed_at), (delivered(run), 0)],
+        "return_codes": [rcs_first, rcs],
+        "faults": faults,
+        "resumed_from_step": resumed_at,
+    }
 
 
 def scenario_trainer_killed(cluster: Cluster, run: Path) -> dict:
@@ -619,7 +751,9 @@ def scenario_trainer_killed(cluster: Cluster, run: Path) -> dict:
 
     def inject() -> str:
         n = cluster.net.kill(victim)
-        return f"FAULT: SIGKILL of all {n} processes in {victim.ns} ({victim.name}, {victim.address}) after checkpoint step {latest_step(run)}"
+        return (
+            f"FAULT: SIGKILL of all {n} processes in {victim.ns} ({victim.name}, {victim.address}) after checkpoint step {latest_step(run)}"
+        )
 
     return _fault_then_resume(cluster, run, inject, lambda: None)
 
@@ -629,8 +763,10 @@ def scenario_master_restart(cluster: Cluster, run: Path) -> dict:
         step = latest_step(run)
         n = cluster.net.kill(cluster.master)  # the master host goes down: mooncake_master and the holder
         cluster.start_master()
-        return (f"FAULT: SIGKILL of all {n} processes in {cluster.master.ns} (mooncake_master and the holder) after checkpoint "
-                f"step {step}, then `specdraft store start` and a new holder")
+        return (
+            f"FAULT: SIGKILL of all {n} processes in {cluster.master.ns} (mooncake_master and the holder) after checkpoint "
+            f"step {step}, then `specdraft store start` and a new holder"
+        )
 
     def recover() -> None:
         # what the user must do: the new master knows no client, so restart every producer, then rerun training
@@ -661,14 +797,22 @@ def consume(argv: list[str]) -> None:
     parser.add_argument("--prefetch", type=int, default=8)
     args = parser.parse_args(argv)
     from specdraft.cli.main import load_plugins
-    from specdraft.hidden_states.layers import spread_output_slots
     from specdraft.hidden_states.data_modes import DATA_MODES, SourceOptions
+    from specdraft.hidden_states.layers import spread_output_slots
 
     load_plugins()  # the mooncake backend registers from above
 
     urls = args.producers.split(",")
-    options = SourceOptions(data=None, dataset=args.dataset, producers=urls, store=args.store, slots=spread_output_slots,
-                            dtype="float32", prefetch=args.prefetch, token=args.token)
+    options = SourceOptions(
+        data=None,
+        dataset=args.dataset,
+        producers=urls,
+        store=args.store,
+        slots=spread_output_slots,
+        dtype="float32",
+        prefetch=args.prefetch,
+        token=args.token,
+    )
     with DATA_MODES.get("online")(options) as source:
         source[0]  # connections and the first transfer of each kind are not what is measured
         busy = {u: source.client.health(u)["busy_s"] for u in urls}
@@ -681,9 +825,18 @@ def consume(argv: list[str]) -> None:
         seconds = time.perf_counter() - started
         busy = {u: source.client.health(u)["busy_s"] - busy[u] for u in urls}
     n = len(source) - 1
-    print(json.dumps({"samples": n, "seconds": round(seconds, 2), "samples_per_s": round(n / seconds, 1),
-                      "MB_per_s": round(nbytes / seconds / 1e6, 2), "ms_per_sample": round(1000 * seconds / n, 1),
-                      "producer_utilisation": [round(b / seconds, 2) for b in busy.values()]}))
+    print(
+        json.dumps(
+            {
+                "samples": n,
+                "seconds": round(seconds, 2),
+                "samples_per_s": round(n / seconds, 1),
+                "MB_per_s": round(nbytes / seconds / 1e6, 2),
+                "ms_per_sample": round(1000 * seconds / n, 1),
+                "producer_utilisation": [round(b / seconds, 2) for b in busy.values()],
+            }
+        )
+    )
 
 
 def throughput(cluster: Cluster, counts: list[int]) -> list[dict]:
@@ -695,8 +848,19 @@ def throughput(cluster: Cluster, counts: list[int]) -> list[dict]:
         if missing:
             cluster.start_producers(missing)
         consumer = cluster.trainers[0]
-        argv = [sys.executable, str(Path(__file__).resolve()), "consume", "--dataset", str(cluster.args.dataset), "--producers",
-                ",".join(cluster.url(h) for h in hosts), "--store", cluster.store(consumer), "--token", cluster.token]
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "consume",
+            "--dataset",
+            str(cluster.args.dataset),
+            "--producers",
+            ",".join(cluster.url(h) for h in hosts),
+            "--store",
+            cluster.store(consumer),
+            "--token",
+            cluster.token,
+        ]
         log = cluster.out / "hosts" / consumer.name / f"throughput-{count}.log"
         proc = cluster.net.spawn(consumer, argv, log, stdout=subprocess.PIPE, env=cluster.env)
         out, _ = proc.communicate(timeout=300)
@@ -716,7 +880,6 @@ def build_inputs(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import build_tiny_target_dir
-
     from specdraft.data.dataset import write_prepared
     from specdraft.targets import load_target, resolve_target_dir
 
@@ -726,10 +889,17 @@ def build_inputs(args: argparse.Namespace) -> None:
     rows = []
     for i in range(args.samples):
         n = int(torch.randint(8, 24, (1,), generator=g))
-        rows.append({"sample_id": f"c/{i}", "source": "cluster", "input_ids": torch.randint(0, target.vocab_size, (n,), generator=g).tolist(),
-                     "loss_mask": [int(j >= 2) for j in range(n)]})
-    args.dataset = write_prepared(args.out / "inputs/data", rows, target_info=target.describe(), config={}, stats={},
-                                  vocab_size=target.vocab_size)
+        rows.append(
+            {
+                "sample_id": f"c/{i}",
+                "source": "cluster",
+                "input_ids": torch.randint(0, target.vocab_size, (n,), generator=g).tolist(),
+                "loss_mask": [int(j >= 2) for j in range(n)],
+            }
+        )
+    args.dataset = write_prepared(
+        args.out / "inputs/data", rows, target_info=target.describe(), config={}, stats={}, vocab_size=target.vocab_size
+    )
 
 
 def free_subnet() -> str:
@@ -751,8 +921,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=96, help="dataset size (one epoch; the faults need a run of some seconds)")
     parser.add_argument("--producers", type=int, default=2)
     parser.add_argument("--holder-mb", type=int, default=128)
-    parser.add_argument("--throughput", default="", help="also measure delivery from this many producers, e.g. 1,2,3, "
-                        "across the namespaces and with every process in one namespace on 127.0.0.1")
+    parser.add_argument(
+        "--throughput",
+        default="",
+        help="also measure delivery from this many producers, e.g. 1,2,3, "
+        "across the namespaces and with every process in one namespace on 127.0.0.1",
+    )
     args = parser.parse_args()
     names = [s.strip() for s in args.scenario.split(",") if s.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -790,9 +964,14 @@ def main() -> None:
             weights = final_weights(run)
             if name == "steady":
                 reference = weights
-            record = {"wall_s": round(wall, 1), **account(args, result.pop("attempts")), "store_keys_left": keys,
-                      "completed": (run / "final").is_dir(), "final_weights_max_abs_diff_vs_steady": weight_diff(weights, reference),
-                      **result}
+            record = {
+                "wall_s": round(wall, 1),
+                **account(args, result.pop("attempts")),
+                "store_keys_left": keys,
+                "completed": (run / "final").is_dir(),
+                "final_weights_max_abs_diff_vs_steady": weight_diff(weights, reference),
+                **result,
+            }
             summary["scenarios"][name] = record
             say(f"scenario {name}: {json.dumps(record)}")
             (args.out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -37,20 +37,51 @@ def tie_free_sparse_indexer() -> None:
 
 tie_free_sparse_indexer()
 
-TINY_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "mistral", "deepseek_v3", "glm4_moe", "gpt_oss", "gemma4_text",
-                 "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "glm_moe_dsa")
+TINY_FAMILIES = (
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "gemma3",
+    "mistral",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+    "gemma4_text",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "kimi_linear",
+    "glm_moe_dsa",
+)
 #: few small experts, one dense layer first (DeepSeek/GLM), MLA with 32-wide rope and nope parts
-MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
-           n_shared_experts=1)
+MOE = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+)
 MLA = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
 #: the linear-attention layers of the hybrids: 2 gated-delta-net heads of 32 (Qwen3-Next / Qwen3.5), 2 KDA heads of 32 (Kimi)
 GATED_DELTA = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32)
 QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-KIMI = dict(linear_num_heads=2, linear_head_dim=32, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            n_group=1, topk_group=1, **MLA)
+KIMI = dict(
+    linear_num_heads=2,
+    linear_head_dim=32,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=1,
+    topk_group=1,
+    **MLA,
+)
 
 
-def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "llama", num_layers: int = 6, seed: int = 0, **extra) -> Path:
+def build_tiny_target_dir(
+    out_dir: Path, tokenizer_dir: Path, *, family: str = "llama", num_layers: int = 6, seed: int = 0, **extra
+) -> Path:
     """Save a random causal LM (hidden 64, 2 heads of 32) of ``family`` with the tokenizer from ``tokenizer_dir``
     (``extra``: further config fields, e.g. a shorter ``sliding_window`` or a hybrid's linear-attention heads)."""
     import torch
@@ -84,8 +115,12 @@ def build_tiny_target_dir(out_dir: Path, tokenizer_dir: Path, *, family: str = "
         "deepseek_v3": lambda: transformers.DeepseekV3Config(**common, **MOE, **MLA, topk_method="noaux_tc"),
         "glm4_moe": lambda: transformers.Glm4MoeConfig(**common, **MOE),
         "gpt_oss": lambda: transformers.GptOssConfig(**{"sliding_window": 64, **common}, num_local_experts=4, num_experts_per_tok=2),
-        "gemma4_text": lambda: transformers.Gemma4TextConfig(**{"sliding_window": 64, **common}, hidden_size_per_layer_input=16,
-                                                            vocab_size_per_layer_input=common["vocab_size"], per_layer_config={}),
+        "gemma4_text": lambda: transformers.Gemma4TextConfig(
+            **{"sliding_window": 64, **common},
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=common["vocab_size"],
+            per_layer_config={},
+        ),
         # hybrids: the configs' own layer_types (3 of 4 layers linear attention, the 4th or 5th full attention)
         "qwen3_next": lambda: transformers.Qwen3NextConfig(**{**GATED_DELTA, **QWEN_MOE, **common}),
         "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**{**GATED_DELTA, **common}),

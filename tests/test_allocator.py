@@ -16,6 +16,7 @@ CHECK = "from specdraft.utils.allocator import tune_malloc; print(tune_malloc())
 def test_malloc_settings_apply_on_glibc_and_can_be_turned_off():
     env = {k: v for k, v in os.environ.items() if k != "SPECDRAFT_MALLOC_TUNING"}
     on = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, check=True)
-    off = subprocess.run([sys.executable, "-c", CHECK], env={**env, "SPECDRAFT_MALLOC_TUNING": "0"}, capture_output=True, text=True,
-                         check=True)
+    off = subprocess.run(
+        [sys.executable, "-c", CHECK], env={**env, "SPECDRAFT_MALLOC_TUNING": "0"}, capture_output=True, text=True, check=True
+    )
     assert (on.stdout.strip(), off.stdout.strip()) == ("True", "False")

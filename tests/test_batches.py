@@ -45,8 +45,18 @@ def test_training_reads_a_long_sample_whole_and_logs_peak_memory(tmp_path, caplo
     long["loss_mask"][-20:] = True
     long["hidden_states"] = torch.randn(T, len(store.slots), 8, generator=g).to(torch.bfloat16)
     long["last_hidden"] = torch.randn(T, 8, generator=g).to(torch.bfloat16)
-    cfg = toy_config(tmp_path / "run", max_steps=0, epochs=1, pack_tokens=48, batch_rows=1, val_fraction=0.0, max_sample_tokens=512,
-                     eval_interval=0, checkpoint_interval=0, decode_prompts=0)
+    cfg = toy_config(
+        tmp_path / "run",
+        max_steps=0,
+        epochs=1,
+        pack_tokens=48,
+        batch_rows=1,
+        val_fraction=0.0,
+        max_sample_tokens=512,
+        eval_interval=0,
+        checkpoint_interval=0,
+        decode_prompts=0,
+    )
     assert cfg.sample_tokens == 512
     split = Split(train=list(range(12)), val=[], record={})
     plan = DataPlan.build(store.sample_ids, store.lengths(), split=split, pack_tokens=48, batch_rows=1, seed=3, max_sample_tokens=512)

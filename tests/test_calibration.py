@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.dspark.temperature_scaling import expected_calibration_error, sequential_temperature_scaling
 from specdraft.models.dspark.config import DSparkConfig
-from test_train_methods import config as train_config, stores  # noqa: F401  (module fixture)
+from specdraft.models.dspark.temperature_scaling import expected_calibration_error, sequential_temperature_scaling
+from test_train_methods import config as train_config
 
 
 def test_ece_is_zero_when_calibrated_and_large_when_not():
@@ -51,7 +51,7 @@ def test_config_validates_temperatures():
 
 
 @pytest.mark.slow
-def test_calibrate_writes_temperatures_used_at_inference(stores, tmp_path):  # noqa: F811
+def test_calibrate_writes_temperatures_used_at_inference(stores, tmp_path):
     from specdraft.models.common.drafter import load_drafter
     from specdraft.train.calibrate import CalibrateConfig, calibrate
     from specdraft.train.trainer import train
@@ -59,8 +59,9 @@ def test_calibrate_writes_temperatures_used_at_inference(stores, tmp_path):  # n
     target, store = stores[0], stores[1]["dspark"]
     result = train(train_config("dspark", store, tmp_path / "run", max_steps=3), target=target)
     final = result.final
-    stats = calibrate(CalibrateConfig(drafter=str(final), data=str(store), out=str(tmp_path / "cal"), val_fraction=0.5),
-                      target=target, progress=False)
+    stats = calibrate(
+        CalibrateConfig(drafter=str(final), data=str(store), out=str(tmp_path / "cal"), val_fraction=0.5), target=target, progress=False
+    )
     assert len(stats["temperatures"]) == 4 and stats["blocks"] > 0
     assert json.loads((tmp_path / "cal" / "calibration.json").read_text())["temperatures"] == stats["temperatures"]
     raw, cal = load_drafter(final, target=target), load_drafter(tmp_path / "cal", target=target)
@@ -76,7 +77,7 @@ def test_calibrate_writes_temperatures_used_at_inference(stores, tmp_path):  # n
 
 
 @pytest.mark.slow
-def test_calibrate_rejects_drafters_without_confidences(stores, tmp_path, capsys):  # noqa: F811
+def test_calibrate_rejects_drafters_without_confidences(stores, tmp_path, capsys):
     from specdraft.train.trainer import train
 
     target, store = stores[0], stores[1]["dspark"]

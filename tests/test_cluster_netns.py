@@ -40,9 +40,22 @@ def test_cluster_steady_and_producer_killed(tmp_path):
         pytest.skip(reason)
     out = tmp_path / "cluster"
     done = subprocess.run(
-        ["bash", str(REPO / "scripts/cluster.sh"), "--scenario", "steady,producer-killed", "--out", str(out), "--samples", "24",
-         "--timeout", "420"],
-        env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=480,
+        [
+            "bash",
+            str(REPO / "scripts/cluster.sh"),
+            "--scenario",
+            "steady,producer-killed",
+            "--out",
+            str(out),
+            "--samples",
+            "24",
+            "--timeout",
+            "420",
+        ],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=480,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -54,14 +54,23 @@ def _write(directory, rows, tokenizer_hash="t" * 16):
 
 def test_a_prepared_datasets_answers_are_the_corpus_and_its_tokenizer_must_be_the_targets(tmp_path):
     prompt, answer = [1, 2, 3, 4], [20, 21, 22, 23]
-    rows = [{"sample_id": f"s{i}", "source": "x", "input_ids": prompt + answer + prompt + answer,
-             "loss_mask": [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4} for i in range(2)]
+    rows = [
+        {
+            "sample_id": f"s{i}",
+            "source": "x",
+            "input_ids": prompt + answer + prompt + answer,
+            "loss_mask": [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4,
+        }
+        for i in range(2)
+    ]
     _write(tmp_path / "data", rows)
     corpus = AnswerCorpus.from_prepared(tmp_path / "data", tokenizer_hash="t" * 16)
     assert corpus.tokens == 16 and corpus.source == str(tmp_path / "data")
     assert corpus.propose([20, 21], 8).tokens == [22, 23]  # each answer turn is its own run: 23 was never followed by 1
     assert corpus.propose([1, 2], 8).tokens == []  # prompt tokens (loss_mask 0) are not the target's writing
-    with pytest.raises(SpecdraftError, match=r"--lookup-corpus .*data: prepared with tokenizer 'tttttttttttttttt', but the target's is 'other'"):
+    with pytest.raises(
+        SpecdraftError, match=r"--lookup-corpus .*data: prepared with tokenizer 'tttttttttttttttt', but the target's is 'other'"
+    ):
         AnswerCorpus.from_prepared(tmp_path / "data", tokenizer_hash="other")
     _write(tmp_path / "prompts", [{"sample_id": "p", "source": "x", "input_ids": prompt, "loss_mask": [0] * 4}])
     with pytest.raises(SpecdraftError, match="holds no answer tokens"):
@@ -103,8 +112,17 @@ def test_a_lookups_confidences_are_the_measured_acceptance_of_its_bucket():
     context = [5, 6, 7, 8, 9, 1, 5, 6]  # [5 6] matched 6 back: proposes [7 8 9], match length 2
 
     def round_(tokens):
-        return proposer.propose(ProposalInput(row_ids=[0], tokens=[torch.tensor(tokens)], new_hidden=None, new_start=[0],
-                                              max_draft=torch.tensor([3]), sampling=SamplingConfig(), generator=None))
+        return proposer.propose(
+            ProposalInput(
+                row_ids=[0],
+                tokens=[torch.tensor(tokens)],
+                new_hidden=None,
+                new_start=[0],
+                max_draft=torch.tensor([3]),
+                sampling=SamplingConfig(),
+                generator=None,
+            )
+        )
 
     first = round_(context)
     assert first.tokens[0].tolist() == [7, 8, 9] and first.confidences[0].tolist() == [0.5, 0.5, 0.5]
@@ -131,8 +149,9 @@ def test_scheduled_lookups_stay_exact_and_verify_less_where_long_verifies_cost_m
 
     def run(scheduler, sps):
         proposer = NgramProposer(max_ngram=3, min_ngram=2, corpus=corpus if drafter == "suffix" else None)
-        return SpeculativeDecoder(model, proposer, config=config, sampling=SamplingConfig(), scheduler=scheduler, sps=sps,
-                                  eos_token_ids=[]).generate(PROMPTS)
+        return SpeculativeDecoder(
+            model, proposer, config=config, sampling=SamplingConfig(), scheduler=scheduler, sps=sps, eos_token_ids=[]
+        ).generate(PROMPTS)
 
     full = run(SchedulerConfig(), None)
     steep = run(SchedulerConfig("scheduled", adaptive_drafting=False), lambda tokens: 1.0 / tokens)  # k tokens cost k steps
@@ -161,8 +180,13 @@ def test_replaying_the_greedy_text_gives_the_rounds_the_runtime_decodes():
     answers = [e[: new // 2] for e in expected] * 2 + [rng.integers(0, 64, 40) for _ in range(4)] * 2
     for corpus in (None, AnswerCorpus(answers)):
         proposer = NgramProposer(max_ngram=3, min_ngram=2, corpus=corpus)
-        decoded = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=new, num_draft_tokens=4), sampling=SamplingConfig(),
-                                     eos_token_ids=[]).generate(PROMPTS).metrics
+        decoded = (
+            SpeculativeDecoder(
+                model, proposer, config=DecodeConfig(max_new_tokens=new, num_draft_tokens=4), sampling=SamplingConfig(), eos_token_ids=[]
+            )
+            .generate(PROMPTS)
+            .metrics
+        )
         replayed = [replay(proposer.lookup, np.array(p + e), len(p), len(p) + new, 4) for p, e in zip(PROMPTS, expected)]
         assert [len(r) for r in replayed] == decoded.request_rounds
         assert [sum(x.accepted + 1 for x in r) for r in replayed] == decoded.request_committed

@@ -165,8 +165,9 @@ def test_a_further_shard_joins_an_earlier_dataset(tmp_path, tiny_llama_dir, tiny
     first = prepare(PrepareConfig(out=str(tmp_path / "a"), target=str(tiny_llama_dir), data=rows, max_samples=2), progress=False)
     shard = PrepareConfig(out=str(tmp_path / "b"), target=str(tiny_llama_dir), data=rows, skip_rows=first["read"])
     assert prepare(shard, progress=False)["read"] == 3
-    joined = prepare(PrepareConfig(out=str(tmp_path / "ab"), target=str(tiny_llama_dir), data=f"{tmp_path / 'a'},{tmp_path / 'b'}"),
-                     progress=False)
+    joined = prepare(
+        PrepareConfig(out=str(tmp_path / "ab"), target=str(tiny_llama_dir), data=f"{tmp_path / 'a'},{tmp_path / 'b'}"), progress=False
+    )
     assert joined["formats"] == {"prepared": 5} and joined["kept"] == 5
     parts = [PreparedDataset(tmp_path / d) for d in ("a", "b", "ab")]
     assert parts[2].sample_ids == parts[0].sample_ids + parts[1].sample_ids == [f"c{i}" for i in range(5)]
@@ -187,7 +188,10 @@ def test_a_further_shard_joins_an_earlier_dataset(tmp_path, tiny_llama_dir, tiny
 
 
 def _conversations(n: int) -> list[dict]:
-    return [{"id": f"c{i}", "messages": [{"role": "user", "content": "count " * (i + 1)}, {"role": "assistant", "content": "x"}]} for i in range(n)]
+    return [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": "count " * (i + 1)}, {"role": "assistant", "content": "x"}]}
+        for i in range(n)
+    ]
 
 
 def test_regenerate_greedy_matches_unbatched_generation(tmp_path, tiny_target, tiny_llama_dir):
@@ -210,7 +214,14 @@ def test_regenerate_greedy_matches_unbatched_generation(tmp_path, tiny_target, t
 
 PROMPT_ONLY_ROWS = [
     {"id": "p0", "messages": [{"role": "user", "content": "Name a colour."}]},
-    {"id": "p1", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi."}, {"role": "user", "content": "Still there?"}]},
+    {
+        "id": "p1",
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Hi."},
+            {"role": "user", "content": "Still there?"},
+        ],
+    },
     {"id": "p2", "conversations": [{"from": "system", "value": SYSTEM}, {"from": "human", "value": "Count to three."}]},
 ]
 
@@ -222,7 +233,9 @@ def test_regenerate_answers_prompt_only_rows(tmp_path, tiny_target, tiny_llama_d
     assert summary["kept"] == summary["regenerated"] == 3 and summary["skipped"] == {"no_user": 1}
     tok = tiny_target.tokenizer
     for row, item in zip(PROMPT_ONLY_ROWS, ds):
-        messages = row.get("messages") or [{"role": {"human": "user"}.get(t["from"], t["from"]), "content": t["value"]} for t in row["conversations"]]
+        messages = row.get("messages") or [
+            {"role": {"human": "user"}.get(t["from"], t["from"]), "content": t["value"]} for t in row["conversations"]
+        ]
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
         assert item["sample_id"] == row["id"] and ids[: len(prompt)] == prompt
@@ -287,8 +300,20 @@ def test_cli_prepare_regenerate_on_embedded_target(tmp_path, smollm2_dir, capsys
     from specdraft.targets import fingerprint
 
     out = tmp_path / "data"
-    argv = ["prepare", "--data", "sharegpt", "--max-samples", "4", "--regenerate", "--max-new-tokens", "16", "--engine", "hf",
-            "--out", str(out)]
+    argv = [
+        "prepare",
+        "--data",
+        "sharegpt",
+        "--max-samples",
+        "4",
+        "--regenerate",
+        "--max-new-tokens",
+        "16",
+        "--engine",
+        "hf",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "generated_tokens_per_second" in printed and f"wrote {out}" in printed
@@ -362,7 +387,9 @@ def test_vllm_answers_are_cut_at_the_first_end_of_turn():
     assert args[args.index("--generation-config") + 1] == "vllm" and args[-2:] == ["--dtype", "bfloat16"]  # the user's flags come last
 
 
-def test_select_samples_gives_the_ids_sources_and_prompts_of_a_regenerated_dataset_without_generating(tmp_path, tiny_target, tiny_llama_dir, monkeypatch):
+def test_select_samples_gives_the_ids_sources_and_prompts_of_a_regenerated_dataset_without_generating(
+    tmp_path, tiny_target, tiny_llama_dir, monkeypatch
+):
     """What split_leak.py rebuilds a regenerated dataset's split keys from: the rows prepare keeps, before any reply."""
 
     from specdraft.data.prepare import select_samples

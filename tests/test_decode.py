@@ -9,12 +9,11 @@ import pytest
 import torch
 from scipy import stats
 
-from specdraft.decode.config import DecodeConfig
+from specdraft.decode.config import DecodeConfig, SchedulerConfig
 from specdraft.decode.proposers import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.proposers.ngram import prompt_lookup
 from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
 from specdraft.decode.sampling import SamplingConfig, sample, sampling_probs
-from specdraft.decode.config import SchedulerConfig
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.layers import LayerSlot
 
@@ -24,24 +23,51 @@ def tiny_model(vocab: int = 64, layers: int = 2, seed: int = 0, context: int = 2
     import transformers
 
     torch.manual_seed(seed)
-    config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig,
-                  "mistral": transformers.MistralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
-                  "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
-                  "gpt_oss": transformers.GptOssConfig, "gemma4_text": transformers.Gemma4TextConfig,
-                  "qwen3_next": transformers.Qwen3NextConfig, "qwen3_5_text": transformers.Qwen3_5TextConfig,
-                  "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig, "kimi_linear": transformers.KimiLinearConfig,
-                  "glm_moe_dsa": transformers.GlmMoeDsaConfig}[family]
-    config = config_cls(**{"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers,
-                           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": context,
-                           "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **extra})
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen3": transformers.Qwen3Config,
+        "gemma3": transformers.Gemma3TextConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "deepseek_v3": transformers.DeepseekV3Config,
+        "glm4_moe": transformers.Glm4MoeConfig,
+        "gpt_oss": transformers.GptOssConfig,
+        "gemma4_text": transformers.Gemma4TextConfig,
+        "qwen3_next": transformers.Qwen3NextConfig,
+        "qwen3_5_text": transformers.Qwen3_5TextConfig,
+        "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
+        "kimi_linear": transformers.KimiLinearConfig,
+        "glm_moe_dsa": transformers.GlmMoeDsaConfig,
+    }[family]
+    config = config_cls(
+        **{
+            "vocab_size": vocab,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "max_position_embeddings": context,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "pad_token_id": None,
+            **extra,
+        }
+    )
     return transformers.AutoModelForCausalLM.from_config(config).double().eval()
 
 
 #: sliding-window targets with windows far shorter than prompt + output: Gemma 3 interleaves sliding
 #: and full layers (per-layer-type masks), Mistral slides in every layer (one mask)
 SLIDING = {
-    "gemma3": dict(family="gemma3", layers=3, sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                   query_pre_attn_scalar=32),
+    "gemma3": dict(
+        family="gemma3",
+        layers=3,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=32,
+    ),
     "mistral": dict(family="mistral", layers=2, sliding_window=4),
 }
 
@@ -60,7 +86,7 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 class OracleProposer(Proposer):
@@ -162,9 +188,18 @@ def test_sliding_window_layers_forget_what_no_query_reaches_and_stay_exact(famil
 def test_gemma4_layers_that_reuse_another_layers_kv_decode_exactly_with_trimmed_windows():
     """Gemma 4's KV sharing: the last layers read the K/V a 'store' layer of their own type wrote, so a reusing sliding
     layer reads the trimmed columns and gets the trimmed mask. Window 3, 40 new tokens, random rejections: exact."""
-    model = tiny_model(vocab=64, layers=4, seed=2, family="gemma4_text", hidden_size_per_layer_input=16, per_layer_config={},
-                       vocab_size_per_layer_input=64, sliding_window=3, num_kv_shared_layers=2,
-                       layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]).float()
+    model = tiny_model(
+        vocab=64,
+        layers=4,
+        seed=2,
+        family="gemma4_text",
+        hidden_size_per_layer_input=16,
+        per_layer_config={},
+        vocab_size_per_layer_input=64,
+        sliding_window=3,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    ).float()
     assert model.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
     assert_exact_under_random_rejections(model, 40)
 
@@ -188,8 +223,13 @@ def test_eos_and_context_limits():
     ref = reference_greedy(model, PROMPTS[0], 12)
     eos = ref[5]
     first = ref.index(eos)
-    dec = SpeculativeDecoder(model, OracleProposer([PROMPTS[0]], [ref + [0] * 8], 64, miss=0.0), config=DecodeConfig(max_new_tokens=12),
-                             sampling=SamplingConfig(), eos_token_ids=[eos])
+    dec = SpeculativeDecoder(
+        model,
+        OracleProposer([PROMPTS[0]], [ref + [0] * 8], 64, miss=0.0),
+        config=DecodeConfig(max_new_tokens=12),
+        sampling=SamplingConfig(),
+        eos_token_ids=[eos],
+    )
     out = dec.generate([PROMPTS[0]]).outputs[0]
     assert out.tokens == ref[: first + 1] and out.finish_reason == "eos"
     # context 24, prompt 8: at most 16 tokens even though 100 were asked for
@@ -213,8 +253,13 @@ def test_bad_inputs_are_clear_errors(model):
     with pytest.raises(SpecdraftError, match="unknown drafter 'magic'"):
         build_proposer(DecodeConfig(drafter="magic"))
     with pytest.raises(SpecdraftError, match="needs draft confidences, which the 'ngram' drafter does not produce"):
-        SpeculativeDecoder(model, OracleProposer([[1]], [[1]], 64, miss=0.0), config=DecodeConfig(), sampling=SamplingConfig(),
-                           scheduler=SchedulerConfig("threshold"))
+        SpeculativeDecoder(
+            model,
+            OracleProposer([[1]], [[1]], 64, miss=0.0),
+            config=DecodeConfig(),
+            sampling=SamplingConfig(),
+            scheduler=SchedulerConfig("threshold"),
+        )
 
 
 def test_prompt_lookup():
@@ -323,8 +368,15 @@ def test_sampled_outputs_follow_the_target_distribution(drafter):
         # budget on the most likely drafts across all requests and stops at the knee
         budget = int(2.5 * rows)
         scheduler, sps = SchedulerConfig("scheduled"), lambda tokens: 1.0 if tokens <= budget else 1.0 / (1.0 + (tokens - budget) / 500)
-    dec = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=length, num_draft_tokens=3, seed=5), sampling=sampling,
-                             scheduler=scheduler, sps=sps, eos_token_ids=[])
+    dec = SpeculativeDecoder(
+        model,
+        proposer,
+        config=DecodeConfig(max_new_tokens=length, num_draft_tokens=3, seed=5),
+        sampling=sampling,
+        scheduler=scheduler,
+        sps=sps,
+        eos_token_ids=[],
+    )
     result = dec.generate([prompt] * rows)
     assert result.metrics.accepted > 0.1 * rows and result.metrics.accepted < result.metrics.drafted
     if drafter == "scheduled":
@@ -357,13 +409,15 @@ def test_real_target_greedy_ngram_matches_hf_generate(smollm2_dir):
 
     target = load_target(str(smollm2_dir))
     chats = ["Repeat exactly: the quick brown fox jumps over the lazy dog.", "List the numbers from 1 to 8, comma separated."]
-    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=False)
-               for c in chats]
+    prompts = [
+        target.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for c in chats
+    ]
     config = DecodeConfig(drafter="ngram", max_new_tokens=24)
     result = SpeculativeDecoder(target.model, build_proposer(config), config=config, sampling=SamplingConfig()).generate(prompts)
     with torch.no_grad():
         for prompt, out in zip(prompts, result.outputs):
-            hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+            hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
             assert out.tokens == hf
     assert result.metrics.accepted > 0
 
@@ -417,8 +471,16 @@ def test_draft_gate_skips_drafting_only_when_it_does_not_pay(model, miss, drafts
     proposer = GatedRecorder([r + [0] * 8 for r in refs], miss=miss, cost_s=0.01, clock=clock)
     config = DecodeConfig(max_new_tokens=48, num_draft_tokens=4)
     flat = SpsTable((1, 64), (200.0, 200.0))
-    dec = SpeculativeDecoder(model, proposer, config=config, sampling=SamplingConfig(), scheduler=SchedulerConfig("scheduled"),
-                             sps=flat, eos_token_ids=[], clock=clock)
+    dec = SpeculativeDecoder(
+        model,
+        proposer,
+        config=config,
+        sampling=SamplingConfig(),
+        scheduler=SchedulerConfig("scheduled"),
+        sps=flat,
+        eos_token_ids=[],
+        clock=clock,
+    )
     result = dec.generate(PROMPTS)
     assert [o.tokens for o in result.outputs] == refs
     m = result.metrics
@@ -437,7 +499,14 @@ def test_draft_gate_skips_drafting_only_when_it_does_not_pay(model, miss, drafts
         again = dec.generate(PROMPTS)
         assert [o.tokens for o in again.outputs] == refs
         assert again.metrics.rounds < m.rounds and again.metrics.drafting_fraction < 0.1
-    off = SpeculativeDecoder(model, GatedRecorder([r + [0] * 8 for r in refs], miss=miss, cost_s=0.0, clock=clock), config=config,
-                             sampling=SamplingConfig(), scheduler=SchedulerConfig("scheduled", adaptive_drafting=False), sps=flat,
-                             eos_token_ids=[], clock=clock).generate(PROMPTS)
+    off = SpeculativeDecoder(
+        model,
+        GatedRecorder([r + [0] * 8 for r in refs], miss=miss, cost_s=0.0, clock=clock),
+        config=config,
+        sampling=SamplingConfig(),
+        scheduler=SchedulerConfig("scheduled", adaptive_drafting=False),
+        sps=flat,
+        eos_token_ids=[],
+        clock=clock,
+    ).generate(PROMPTS)
     assert off.metrics.plain_steps == 0 and [o.tokens for o in off.outputs] == refs

@@ -11,8 +11,25 @@ def test_generate_cli_writes_metrics(tiny_llama_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Say hello.\n\nCount to three, then count to three again.\n")
     out = tmp_path / "metrics.json"
-    rc = main(["generate", "--target", str(tiny_llama_dir), "--prompts-file", str(prompts), "--batch-size", "2", "--drafter", "ngram",
-               "--max-new-tokens", "6", "--threads", "1", "--metrics-out", str(out)])
+    rc = main(
+        [
+            "generate",
+            "--target",
+            str(tiny_llama_dir),
+            "--prompts-file",
+            str(prompts),
+            "--batch-size",
+            "2",
+            "--drafter",
+            "ngram",
+            "--max-new-tokens",
+            "6",
+            "--threads",
+            "1",
+            "--metrics-out",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["metrics"]["requests"] == 2 and report["metrics"]["output_tokens"] == 12

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.decode.config import DecodeConfig
+from specdraft.decode.config import DecodeConfig, SchedulerConfig
 from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
 from specdraft.decode.sampling import SamplingConfig
-from specdraft.decode.config import SchedulerConfig
 from specdraft.decode.sps import SpsTable
 from specdraft.errors import SpecdraftError
 from specdraft.models import METHODS
@@ -26,7 +25,13 @@ SMALL = {
     "dspark-uncalibrated": {"block_size": 4, "num_layers": 1, "markov_rank": 16},
     # reduced draft vocabularies: drafts are draft ids mapped through d2t, q scattered into V
     "dflash-draft-vocab": {"block_size": 4, "num_layers": 1, "draft_vocab_size": 40},
-    "dspark-draft-vocab": {"block_size": 4, "num_layers": 1, "markov_rank": 16, "draft_vocab_size": 40, "confidence_temperatures": [1.5, 1.2, 1.0, 0.8]},
+    "dspark-draft-vocab": {
+        "block_size": 4,
+        "num_layers": 1,
+        "markov_rank": 16,
+        "draft_vocab_size": 40,
+        "confidence_temperatures": [1.5, 1.2, 1.0, 0.8],
+    },
 }
 RUNTIME_CASES = ["eagle3", "dflash", "dflash2", "dspark", "dflash-draft-vocab", "dspark-draft-vocab"]
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
@@ -54,7 +59,7 @@ def reference_greedy(model, prompt, n):
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("case", RUNTIME_CASES)
@@ -66,14 +71,23 @@ def test_trained_drafters_keep_greedy_output_exact(target, checkpoints, case):
     scheduler, sps = SchedulerConfig(), None
     if method == "dspark":
         scheduler, sps = SchedulerConfig("scheduled"), SpsTable((1, 4, 16), (100.0, 90.0, 40.0))
-    dec = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), scheduler=scheduler, sps=sps, eos_token_ids=[])
+    dec = SpeculativeDecoder(
+        target.model, proposer, config=config, sampling=SamplingConfig(), scheduler=scheduler, sps=sps, eos_token_ids=[]
+    )
     result = dec.generate(PROMPTS)
     assert [o.tokens for o in result.outputs] == [reference_greedy(target.model, p, 16) for p in PROMPTS]
     assert result.metrics.drafted > 0
     assert not proposer.caches, "draft caches of finished requests are released"
     # sampling runs too (losslessness itself is tested with stub drafters)
-    sampled = SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(temperature=0.8),
-                                 scheduler=scheduler, sps=sps, eos_token_ids=[]).generate(PROMPTS)
+    sampled = SpeculativeDecoder(
+        target.model,
+        build_proposer(config, target),
+        config=config,
+        sampling=SamplingConfig(temperature=0.8),
+        scheduler=scheduler,
+        sps=sps,
+        eos_token_ids=[],
+    ).generate(PROMPTS)
     assert [len(o.tokens) for o in sampled.outputs] == [16, 16, 16]
 
 
@@ -85,15 +99,28 @@ def test_drafter_checkpoint_errors(target, checkpoints):
     for method in ("dflash", "dflash2"):  # no confidences: the scheduled policy is refused, the draft gate alone runs them
         with pytest.raises(SpecdraftError, match="confidence"):
             config = DecodeConfig(drafter=method, drafter_path=str(checkpoints[method]))
-            SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(),
-                               scheduler=SchedulerConfig("scheduled"), sps=SpsTable((1,), (1.0,)))
+            SpeculativeDecoder(
+                target.model,
+                build_proposer(config, target),
+                config=config,
+                sampling=SamplingConfig(),
+                scheduler=SchedulerConfig("scheduled"),
+                sps=SpsTable((1,), (1.0,)),
+            )
     config = DecodeConfig(drafter="dspark", drafter_path=str(checkpoints["dspark-uncalibrated"]))
     with pytest.raises(SpecdraftError, match="not calibrated.*specdraft calibrate"):
-        SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(),
-                           scheduler=SchedulerConfig("scheduled"), sps=SpsTable((1,), (1.0,)))
+        SpeculativeDecoder(
+            target.model,
+            build_proposer(config, target),
+            config=config,
+            sampling=SamplingConfig(),
+            scheduler=SchedulerConfig("scheduled"),
+            sps=SpsTable((1,), (1.0,)),
+        )
     # the threshold policy only compares confidences with a user-chosen level: no calibration required
-    SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(),
-                       scheduler=SchedulerConfig("threshold"))
+    SpeculativeDecoder(
+        target.model, build_proposer(config, target), config=config, sampling=SamplingConfig(), scheduler=SchedulerConfig("threshold")
+    )
 
 
 @pytest.mark.parametrize("case", RUNTIME_CASES)
@@ -108,8 +135,9 @@ def test_incremental_features_give_the_same_drafts_as_one_shot(target, checkpoin
 
     from specdraft.hidden_states.capture import HiddenStateCapture
 
-    config = DecodeConfig(drafter=case.split("-")[0], drafter_path=str(checkpoints[case]), max_new_tokens=12, num_draft_tokens=3,
-                          draft_dtype="fp32")
+    config = DecodeConfig(
+        drafter=case.split("-")[0], drafter_path=str(checkpoints[case]), max_new_tokens=12, num_draft_tokens=3, draft_dtype="fp32"
+    )
     proposer = build_proposer(config, target)
     capture = HiddenStateCapture(target.model, list(proposer.layer_slots))
     checked = []
@@ -119,9 +147,12 @@ def test_incremental_features_give_the_same_drafts_as_one_shot(target, checkpoin
         replay = torch.Generator().set_state(inputs.generator.get_state())
         draft = original(inputs)
         for i, tokens in enumerate(inputs.tokens):
-            (features, _), = capture([tokens[:-1]])
-            one_shot = proposer.draft_row(proposer.drafter.new_cache(),
-                                          replace(inputs, new_hidden=[None] * i + [features], new_start=[0] * (i + 1), generator=replay), i)
+            ((features, _),) = capture([tokens[:-1]])
+            one_shot = proposer.draft_row(
+                proposer.drafter.new_cache(),
+                replace(inputs, new_hidden=[None] * i + [features], new_start=[0] * (i + 1), generator=replay),
+                i,
+            )
             k = int(draft.lengths[i])
             assert draft.tokens[i, :k].tolist() == one_shot.tokens[:k].tolist()
             torch.testing.assert_close(draft.probs[i, :k], one_shot.probs[:k].to(draft.probs.dtype), atol=1e-5, rtol=1e-4)
@@ -153,18 +184,26 @@ def test_every_method_is_exact_on_the_real_target_at_batch_1_and_2(smollm2_dir, 
 
     real = load_target(str(smollm2_dir))
     chats = ["Repeat exactly: the quick brown fox jumps over the lazy dog.", "Name three primary colours."]
-    prompts = [real.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False) for c in chats]
+    prompts = [
+        real.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for c in chats
+    ]
     n_new = 12
     with torch.no_grad():
-        expected = [real.model.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False)[0, len(p):].tolist() for p in prompts]
+        expected = [real.model.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False)[0, len(p) :].tolist() for p in prompts]
     counts = torch.arange(real.vocab_size, dtype=torch.int64)
     configs = {
         "eagle3": {"draft_vocab_size": 4096},
         "dflash": {"block_size": 4, "num_layers": 1},
         "dflash2": {"block_size": 4, "num_layers": 1, "selector_rank": 32},
         "dspark": {"block_size": 4, "num_layers": 1, "markov_rank": 32, "confidence_temperatures": [1.0] * 4},
-        "dspark-draft-vocab": {"block_size": 4, "num_layers": 1, "markov_rank": 32, "confidence_temperatures": [1.0] * 4, "draft_vocab_size": 8192},
+        "dspark-draft-vocab": {
+            "block_size": 4,
+            "num_layers": 1,
+            "markov_rank": 32,
+            "confidence_temperatures": [1.0] * 4,
+            "draft_vocab_size": 8192,
+        },
     }
     for case, overrides in configs.items():
         method = case.split("-")[0]
@@ -172,9 +211,12 @@ def test_every_method_is_exact_on_the_real_target_at_batch_1_and_2(smollm2_dir, 
         torch.manual_seed(0)
         spec.build(spec.config_cls(**overrides), real, counts=counts).save_pretrained(tmp_path / case)
         config = DecodeConfig(drafter=method, drafter_path=str(tmp_path / case), max_new_tokens=n_new, num_draft_tokens=3)
-        scheduler, sps = (SchedulerConfig("scheduled"), SpsTable((1, 4, 16), (10.0, 6.0, 3.0))) if method == "dspark" else (SchedulerConfig(), None)
-        decoder = SpeculativeDecoder(real.model, build_proposer(config, real), config=config, sampling=SamplingConfig(),
-                                     scheduler=scheduler, sps=sps)
+        scheduler, sps = (
+            (SchedulerConfig("scheduled"), SpsTable((1, 4, 16), (10.0, 6.0, 3.0))) if method == "dspark" else (SchedulerConfig(), None)
+        )
+        decoder = SpeculativeDecoder(
+            real.model, build_proposer(config, real), config=config, sampling=SamplingConfig(), scheduler=scheduler, sps=sps
+        )
         assert [decoder.generate([p]).outputs[0].tokens for p in prompts] == expected, case
         together = decoder.generate(prompts)
         assert [o.tokens for o in together.outputs] == expected, case
@@ -205,11 +247,23 @@ def test_closed_draft_gate_does_no_drafter_work(target, checkpoints, monkeypatch
     propose_calls = []
     real_propose = proposer.propose
     monkeypatch.setattr(proposer, "propose", lambda inputs: propose_calls.append(1) or real_propose(inputs))
-    gated = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), scheduler=SchedulerConfig("scheduled"),
-                               sps=SpsTable((1, 16), (100.0, 90.0)), eos_token_ids=[])
+    gated = SpeculativeDecoder(
+        target.model,
+        proposer,
+        config=config,
+        sampling=SamplingConfig(),
+        scheduler=SchedulerConfig("scheduled"),
+        sps=SpsTable((1, 16), (100.0, 90.0)),
+        eos_token_ids=[],
+    )
     gated.draft_gates[len(PROMPTS)] = DraftGate(plain_rate=100.0, skip_left=10**6)  # closed for the whole run
-    plain = SpeculativeDecoder(target.model, build_proposer(DecodeConfig(drafter="none", max_new_tokens=12)), config=config,
-                               sampling=SamplingConfig(), eos_token_ids=[])
+    plain = SpeculativeDecoder(
+        target.model,
+        build_proposer(DecodeConfig(drafter="none", max_new_tokens=12)),
+        config=config,
+        sampling=SamplingConfig(),
+        eos_token_ids=[],
+    )
 
     def joins(decoder) -> tuple[int, list]:
         calls = []

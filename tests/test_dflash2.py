@@ -37,7 +37,11 @@ def test_block_conv_is_causal_inside_each_block_only():
     """out[t] = sum_tap (base[tap] + delta[t, tap]) * x[t - tap] with t - tap in t's block, written out slot by slot."""
     g = torch.Generator().manual_seed(0)
     n, blocks, b, d, taps, groups = 2, 3, 4, 8, 3, 2
-    x, delta, base = torch.randn(n, blocks * b, d, generator=g), torch.randn(n, blocks * b, taps, groups, generator=g), torch.randn(taps, d, generator=g)
+    x, delta, base = (
+        torch.randn(n, blocks * b, d, generator=g),
+        torch.randn(n, blocks * b, taps, groups, generator=g),
+        torch.randn(taps, d, generator=g),
+    )
     want = torch.zeros_like(x)
     for t in range(blocks * b):
         for tap in range(taps):
@@ -92,7 +96,12 @@ def test_checkpoint_round_trip_and_strict_reading(target, tmp_path):
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())
     assert cfg["speculators_model_type"] == "dflash2" and cfg["architectures"] == ["DFlash2DraftModel"]
     assert {k: cfg[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "sample_from_anchor")} == {
-        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8, "sample_from_anchor": False}
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 16,
+        "selector_top_k": 8,
+        "sample_from_anchor": False,
+    }
     loaded = load_drafter(tmp_path / "a", target=target)
     saved = model.saved_state()
     assert saved.keys() == loaded.saved_state().keys()
@@ -143,7 +152,9 @@ def test_greedy_draft_is_the_selector_argmax_given_the_previous_draft(target):
     prev, differs = 7, False
     for k in range(3):
         cands = unary[k].topk(8).indices
-        bilinear = torch.einsum("r,r,cr->c", sel.predecessor_codebook[prev], sel.hidden_projection(hidden[1 + k]), sel.successor_codebook[cands])
+        bilinear = torch.einsum(
+            "r,r,cr->c", sel.predecessor_codebook[prev], sel.hidden_projection(hidden[1 + k]), sel.successor_codebook[cands]
+        )
         want = int(cands[(unary[k, cands] + bilinear).argmax()])
         assert int(proposal.tokens[k]) == want
         differs |= want != int(unary[k].argmax())
@@ -176,8 +187,13 @@ def test_sampled_drafts_follow_their_reported_distribution_and_verification_stay
     assert _chi_square_p(tokens[rows, 1], probs[rows][0, 1]) > 1e-3
 
     p_t = torch.softmax(torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(9)) * 2.0, -1).double()
-    out = verify_rejection(draft_tokens=tokens, draft_lengths=torch.full((n,), 3), draft_probs=probs.double(),
-                           target_probs=p_t.expand(n, 4, VOCAB), generator=gen)
+    out = verify_rejection(
+        draft_tokens=tokens,
+        draft_lengths=torch.full((n,), 3),
+        draft_probs=probs.double(),
+        target_probs=p_t.expand(n, 4, VOCAB),
+        generator=gen,
+    )
     assert 0 < int((out.num_accepted == 0).sum()) < n  # rejections happen, and so do acceptances
     assert _chi_square_p(out.tokens[:, 0], p_t[0]) > 1e-3
 

@@ -23,8 +23,9 @@ def _prompt_file(tmp_path):
 
 def test_eval_compares_drafter_with_autoregressive(tmp_path, tiny_target):
     out = tmp_path / "eval"
-    config = EvalConfig(out=str(out), prompts=str(_prompt_file(tmp_path)), drafters=["ngram"], max_new_tokens=12,
-                        concurrency=[1, 2], threads=1)
+    config = EvalConfig(
+        out=str(out), prompts=str(_prompt_file(tmp_path)), drafters=["ngram"], max_new_tokens=12, concurrency=[1, 2], threads=1
+    )
     report = run_eval(config, SamplingConfig(), target=tiny_target, progress=False)
     runs = {(r["drafter"], r["concurrency"]): r for r in report["runs"]}
     assert set(runs) == {("autoregressive", 1), ("autoregressive", 2), ("ngram", 1), ("ngram", 2)}
@@ -57,8 +58,16 @@ def test_eval_max_time_keeps_whole_batches_and_says_so(tmp_path, tiny_target, mo
 
     monkeypatch.setattr(runner, "time", Clock)
     out = tmp_path / "eval"
-    config = EvalConfig(out=str(out), prompts=str(_prompt_file(tmp_path)), drafters=["ngram"], max_new_tokens=6,
-                        concurrency=[1, 2], threads=1, plots=False, max_time=30)
+    config = EvalConfig(
+        out=str(out),
+        prompts=str(_prompt_file(tmp_path)),
+        drafters=["ngram"],
+        max_new_tokens=6,
+        concurrency=[1, 2],
+        threads=1,
+        plots=False,
+        max_time=30,
+    )
     report = run_eval(config, SamplingConfig(), target=tiny_target, progress=False)
     # batch 1 ends at 10 s; batch 2 would end at ~40 s > 30 s: not started, nor is concurrency 2
     assert report["cut_by_time"] and report["num_prompts"] == 1 and report["prompts_planned"] == 3
@@ -67,8 +76,9 @@ def test_eval_max_time_keeps_whole_batches_and_says_so(tmp_path, tiny_target, mo
     assert [set(p["outputs"]) for p in report["prompts"]] == [{"autoregressive", "ngram"}]
     assert "1 of 3 prompts (--max-time reached)" in (out / "report.md").read_text()
 
-    unlimited = run_eval(dataclasses.replace(config, max_time=0, out=str(tmp_path / "all")), SamplingConfig(), target=tiny_target,
-                         progress=False)
+    unlimited = run_eval(
+        dataclasses.replace(config, max_time=0, out=str(tmp_path / "all")), SamplingConfig(), target=tiny_target, progress=False
+    )
     assert not unlimited["cut_by_time"] and unlimited["num_prompts"] == 3 and len(unlimited["runs"]) == 4
 
 
@@ -95,8 +105,9 @@ def test_eval_decoders_take_turns_and_tpot_is_the_median_over_batches(tmp_path, 
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", timed)
     out = tmp_path / "eval"
-    config = EvalConfig(out=str(out), prompts=str(_prompt_file(tmp_path)), drafters=["ngram"], max_new_tokens=6, concurrency=[1],
-                        threads=1, plots=False)
+    config = EvalConfig(
+        out=str(out), prompts=str(_prompt_file(tmp_path)), drafters=["ngram"], max_new_tokens=6, concurrency=[1], threads=1, plots=False
+    )
     report = run_eval(config, SamplingConfig(), target=tiny_target, progress=False)
     firsts = calls[2::2]
     assert firsts == ["NgramProposer", "NoDraftProposer", "NgramProposer"]  # the order rotates batch by batch
@@ -111,18 +122,45 @@ def test_report_states_the_draft_gate_floor():
     from specdraft.eval.report import gate_floor_lines
 
     def run(name: str, drafting: float, ratio: float, batches: list[float] | None = None) -> dict:
-        overall = {"tau": 1.0, "acceptance_rate": 0.0, "drafted": 0, "rounds": 1, "drafting_fraction": drafting, "tokens_per_s": 1.0,
-                   "mean_ttft_s": 0.1, "time_per_output_token_s": 0.05}
-        return {"drafter": name, "concurrency": 1, "overall": overall, "speedup": 1.0, "identical_to_autoregressive": 1,
-                "median_tpot_s": 0.05 * ratio, "tpot_vs_autoregressive": ratio, "batch_tpot_s": batches or []}
+        overall = {
+            "tau": 1.0,
+            "acceptance_rate": 0.0,
+            "drafted": 0,
+            "rounds": 1,
+            "drafting_fraction": drafting,
+            "tokens_per_s": 1.0,
+            "mean_ttft_s": 0.1,
+            "time_per_output_token_s": 0.05,
+        }
+        return {
+            "drafter": name,
+            "concurrency": 1,
+            "overall": overall,
+            "speedup": 1.0,
+            "identical_to_autoregressive": 1,
+            "median_tpot_s": 0.05 * ratio,
+            "tpot_vs_autoregressive": ratio,
+            "batch_tpot_s": batches or [],
+        }
 
     spread = [0.94, 1.0, 1.02, 1.04, 1.10]  # per-batch ratios to the autoregressive batches below (all 0.05 s per token)
-    lines = gate_floor_lines({"runs": [run("autoregressive", 1.0, 1.0, [0.05] * 5), run("full", 1.0, 1.5), run("gated", 0.01, 1.012),
-                                        run("slow", 0.02, 1.05), run("noisy", 0.01, 1.02, [0.05 * x for x in spread])]})
-    assert lines[1:] == ["- draft gate floor, gated (c=1): drafted in 1% of steps, median TPOT +1.2% vs autoregressive (within the 3% floor)",
-                         "- draft gate floor, slow (c=1): drafted in 2% of steps, median TPOT +5.0% vs autoregressive (OVER the 3% floor)",
-                         "- draft gate floor, noisy (c=1): drafted in 1% of steps, median TPOT +2.0% vs autoregressive (within the 3% floor; "
-                         "middle half of 5 batches -3.0% to +7.0%)"]
+    lines = gate_floor_lines(
+        {
+            "runs": [
+                run("autoregressive", 1.0, 1.0, [0.05] * 5),
+                run("full", 1.0, 1.5),
+                run("gated", 0.01, 1.012),
+                run("slow", 0.02, 1.05),
+                run("noisy", 0.01, 1.02, [0.05 * x for x in spread]),
+            ]
+        }
+    )
+    assert lines[1:] == [
+        "- draft gate floor, gated (c=1): drafted in 1% of steps, median TPOT +1.2% vs autoregressive (within the 3% floor)",
+        "- draft gate floor, slow (c=1): drafted in 2% of steps, median TPOT +5.0% vs autoregressive (OVER the 3% floor)",
+        "- draft gate floor, noisy (c=1): drafted in 1% of steps, median TPOT +2.0% vs autoregressive (within the 3% floor; "
+        "middle half of 5 batches -3.0% to +7.0%)",
+    ]
 
 
 def test_eval_sampling_reports_no_identity_check(tmp_path, tiny_target):
@@ -184,15 +222,39 @@ def test_report_tables_per_domain_speedup_and_verify_length():
     from specdraft.eval.report import render_tables
 
     def metrics(tok_s: float, rounds: int = 0, drafted: int = 0, tau: float = 1.0) -> dict:
-        return {"tau": tau, "acceptance_rate": 0.5, "drafted": drafted, "rounds": rounds, "drafting_fraction": 1.0, "tokens_per_s": tok_s,
-                "mean_ttft_s": 0.1, "time_per_output_token_s": 1 / tok_s, "position_drafted": [rounds, 0], "plain_steps": 0}
+        return {
+            "tau": tau,
+            "acceptance_rate": 0.5,
+            "drafted": drafted,
+            "rounds": rounds,
+            "drafting_fraction": 1.0,
+            "tokens_per_s": tok_s,
+            "mean_ttft_s": 0.1,
+            "time_per_output_token_s": 1 / tok_s,
+            "position_drafted": [rounds, 0],
+            "plain_steps": 0,
+        }
 
     def run(name: str, overall: dict, per_domain: dict) -> dict:
-        return {"drafter": name, "concurrency": 1, "overall": overall, "per_domain": per_domain, "speedup": 1.0, "identical_to_autoregressive": 2}
+        return {
+            "drafter": name,
+            "concurrency": 1,
+            "overall": overall,
+            "per_domain": per_domain,
+            "speedup": 1.0,
+            "identical_to_autoregressive": 2,
+        }
 
-    report = {"num_prompts": 2, "target": {"name": "t"}, "config": {"max_new_tokens": 8, "concurrency": [1]}, "sampling": {"temperature": 0.0},
-              "runs": [run("autoregressive", metrics(10), {"math": metrics(10), "code": metrics(20)}),
-                       run("d", metrics(15, 4, 6), {"math": metrics(15, 4, 6, tau=2.0), "code": metrics(20)})]}
+    report = {
+        "num_prompts": 2,
+        "target": {"name": "t"},
+        "config": {"max_new_tokens": 8, "concurrency": [1]},
+        "sampling": {"temperature": 0.0},
+        "runs": [
+            run("autoregressive", metrics(10), {"math": metrics(10), "code": metrics(20)}),
+            run("d", metrics(15, 4, 6), {"math": metrics(15, 4, 6, tau=2.0), "code": metrics(20)}),
+        ],
+    }
     text = render_tables(report)
     tau, speed, verify = (text.split(title)[1].split("\n\n")[1] for title in ("tau per domain", "speed-up over", "mean verify length"))
     assert "| d | -" in tau and "| 2.00 |" in tau  # code had no drafting round: no tau
@@ -208,13 +270,25 @@ def test_parity_compares_tokens_per_round_and_flags_gaps_above_3_percent():
     from specdraft.integrations.vllm.parity import compare_sides, parity_summary, positional_tau, round_tau
 
     prompt = {"outputs": {"autoregressive": {"1": {"tokens": [1, 2]}}, "endpoint:target": {"1": {"tokens": [1, 2]}}}}
-    local = {"requests": 12, "output_tokens": 768, "rounds": 207, "position_drafted": [206, 197, 194], "position_accepted": [196, 183, 170],
-             "position_acceptance": [0.95, 0.93, 0.88]}
+    local = {
+        "requests": 12,
+        "output_tokens": 768,
+        "rounds": 207,
+        "position_drafted": [206, 197, 194],
+        "position_accepted": [196, 183, 170],
+        "position_acceptance": [0.95, 0.93, 0.88],
+    }
     assert round_tau(local) == pytest.approx(756 / 207) and positional_tau(local) == pytest.approx(3.757, abs=1e-3)
 
     def served(rounds: int, accepted: list[int]) -> dict:
-        overall = {"requests": 12, "output_tokens": 768, "rounds": rounds, "position_drafted": [rounds] * 3, "position_accepted": accepted,
-                   "position_acceptance": [a / rounds for a in accepted]}
+        overall = {
+            "requests": 12,
+            "output_tokens": 768,
+            "rounds": rounds,
+            "position_drafted": [rounds] * 3,
+            "position_accepted": accepted,
+            "position_acceptance": [a / rounds for a in accepted],
+        }
         return {"runs": [{"drafter": "endpoint:target", "overall": overall}], "prompts": [prompt]}
 
     builtin = {"runs": [{"drafter": "autoregressive"}, {"drafter": "dflash:d@full", "overall": local}], "prompts": [prompt]}
@@ -239,14 +313,19 @@ def test_parity_refuses_what_it_cannot_compare(tmp_path):
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
     with pytest.raises(SpecdraftError, match="compares the one drafter that server serves"):
-        run_parity_eval(EvalConfig(out=str(tmp_path / "parity"), drafters=[str(ckpt), str(ckpt)], parity=True, endpoint="http://127.0.0.1:1"))
+        run_parity_eval(
+            EvalConfig(out=str(tmp_path / "parity"), drafters=[str(ckpt), str(ckpt)], parity=True, endpoint="http://127.0.0.1:1")
+        )
 
 
-@pytest.mark.parametrize("draft_dtype, bf16_seconds, expected, source", [
-    ("auto", 13.0, "fp32", "measured"),  # bf16 is the slow one here: the report says fp32, measured
-    ("auto", 0.2, "bf16", "measured"),
-    ("bf16", 13.0, "bf16", "flag"),  # a flag wins and is not measured
-])
+@pytest.mark.parametrize(
+    "draft_dtype, bf16_seconds, expected, source",
+    [
+        ("auto", 13.0, "fp32", "measured"),  # bf16 is the slow one here: the report says fp32, measured
+        ("auto", 0.2, "bf16", "measured"),
+        ("bf16", 13.0, "bf16", "flag"),  # a flag wins and is not measured
+    ],
+)
 def test_eval_report_records_the_resolved_draft_dtype(tmp_path, tiny_target, monkeypatch, draft_dtype, bf16_seconds, expected, source):
     import torch
 
@@ -257,11 +336,22 @@ def test_eval_report_records_the_resolved_draft_dtype(tmp_path, tiny_target, mon
     monkeypatch.setattr(DrafterProposer, "round_seconds", lambda self, dtype, **kw: {"fp32": 1.0, "bf16": bf16_seconds}[dtype])
     spec = METHODS.get("dspark")
     torch.manual_seed(0)
-    drafter = spec.build(spec.config_cls(block_size=4, num_layers=1, markov_rank=16), tiny_target,
-                         counts=torch.arange(tiny_target.vocab_size, dtype=torch.int64))
+    drafter = spec.build(
+        spec.config_cls(block_size=4, num_layers=1, markov_rank=16),
+        tiny_target,
+        counts=torch.arange(tiny_target.vocab_size, dtype=torch.int64),
+    )
     drafter.save_pretrained(tmp_path / "ckpt")
-    config = EvalConfig(out=str(tmp_path / "eval"), prompts=str(_prompt_file(tmp_path)), drafters=[str(tmp_path / "ckpt")],
-                        max_new_tokens=4, limit_per_domain=1, plots=False, threads=1, draft_dtype=draft_dtype)
+    config = EvalConfig(
+        out=str(tmp_path / "eval"),
+        prompts=str(_prompt_file(tmp_path)),
+        drafters=[str(tmp_path / "ckpt")],
+        max_new_tokens=4,
+        limit_per_domain=1,
+        plots=False,
+        threads=1,
+        draft_dtype=draft_dtype,
+    )
     run_eval(config, SamplingConfig(), target=tiny_target, progress=False)
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     entry = report["drafters"]["dspark:ckpt"]
@@ -273,7 +363,7 @@ def test_eval_report_records_the_resolved_draft_dtype(tmp_path, tiny_target, mon
     assert (entry["draft_forward_path"], entry["draft_forward_path_source"]) == ("eager", "measured")
     from specdraft.tuning.forward_path import applicable_paths
 
-    assert entry["draft_forward_path_seconds"] == {path: 1.0 for path in applicable_paths(drafter)}
+    assert entry["draft_forward_path_seconds"] == dict.fromkeys(applicable_paths(drafter), 1.0)
     assert report["target_forward_path"]["forward_path_source"] == "measured"
 
     assert set(report["target_forward_path"]["forward_path_seconds"]) == set(applicable_paths(tiny_target.model)) >= {"eager", "prepacked"}

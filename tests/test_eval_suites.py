@@ -9,9 +9,9 @@ from specdraft.eval.suites import HELD_OUT_ROWS, load_prompt_file, load_prompts
 
 def test_mtbench_has_eight_categories_of_ten():
     prompts = load_prompts("mtbench")
-    assert Counter(p.domain for p in prompts) == {
-        c: 10 for c in ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
-    }
+    assert Counter(p.domain for p in prompts) == dict.fromkeys(
+        ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"], 10
+    )
     assert all(p.messages[-1]["role"] == "user" and p.messages[-1]["content"] for p in prompts)
 
 
@@ -37,8 +37,10 @@ def test_limit_per_domain_caps_each_domain():
 def test_prompt_file_accepts_prompt_and_messages(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(
-        json.dumps({"prompt": "hi", "domain": "chat"}) + "\n"
-        + json.dumps({"id": "x", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}) + "\n"
+        json.dumps({"prompt": "hi", "domain": "chat"})
+        + "\n"
+        + json.dumps({"id": "x", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]})
+        + "\n"
     )
     prompts = load_prompt_file(path)
     assert [p.domain for p in prompts] == ["chat", "custom"]

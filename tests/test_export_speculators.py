@@ -13,7 +13,9 @@ import torch
 from specdraft.errors import SpecdraftError
 from test_interop import INTEROP_PYTHON, ROOT
 
-needs_interop = pytest.mark.skipif(not INTEROP_PYTHON.exists(), reason=f"speculators environment {INTEROP_PYTHON} not built (scripts/bootstrap.sh)")
+needs_interop = pytest.mark.skipif(
+    not INTEROP_PYTHON.exists(), reason=f"speculators environment {INTEROP_PYTHON} not built (scripts/bootstrap.sh)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,20 +26,48 @@ def store(tiny_llama_dir, tiny_target, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("export")
     g = torch.Generator().manual_seed(0)
-    rows = [{"sample_id": f"c{i // 2}_{i % 2}", "source": "t:sharegpt", "input_ids": torch.randint(0, 1000, (24,), generator=g).tolist(),
-             "loss_mask": [int(j >= 6) for j in range(24)]} for i in range(16)]
+    rows = [
+        {
+            "sample_id": f"c{i // 2}_{i % 2}",
+            "source": "t:sharegpt",
+            "input_ids": torch.randint(0, 1000, (24,), generator=g).tolist(),
+            "loss_mask": [int(j >= 6) for j in range(24)],
+        }
+        for i in range(16)
+    ]
     data = write_prepared(root / "data", rows, target_info=tiny_target.describe(), config={}, stats={}, vocab_size=tiny_target.vocab_size)
     out = root / "hs"
     # dspark's slots (outputs of layers 1-3) plus one it does not read: the export must pick the method's
-    extract_hidden_states(ExtractConfig(dataset=str(data), out=str(out), layers="input:5,output:1,output:2,output:3",
-                                        target=str(tiny_llama_dir), dtype="float32"), progress=False)
+    extract_hidden_states(
+        ExtractConfig(
+            dataset=str(data), out=str(out), layers="input:5,output:1,output:2,output:3", target=str(tiny_llama_dir), dtype="float32"
+        ),
+        progress=False,
+    )
     return out
 
 
 def _export(store, out, *flags):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([str(INTEROP_PYTHON), "-m", "specdraft.cli.main", "export-speculators", "--store", str(store), "--out", str(out),
-                           "--val-fraction", "0.3", *flags], capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(
+        [
+            str(INTEROP_PYTHON),
+            "-m",
+            "specdraft.cli.main",
+            "export-speculators",
+            "--store",
+            str(store),
+            "--out",
+            str(out),
+            "--val-fraction",
+            "0.3",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -52,7 +82,7 @@ def test_export_writes_what_the_peer_trainer_reads_with_our_split_and_vocabulary
 
     run = _export(store, tmp_path / "data", "--draft-vocab-size", "64")
     assert run.returncode == 0, run.stderr[-3000:]
-    facts = json.loads(run.stdout[run.stdout.index("{\n"):])
+    facts = json.loads(run.stdout[run.stdout.index("{\n") :])
     assert facts["layer_ids"] == [2, 3, 4]  # outputs of layers 1-3, as speculators numbers them; input:5 left out
     dataset = HiddenStateDataset(store)
     split = dataset_split(dataset, val_fraction=0.3, seed=0)
@@ -70,14 +100,24 @@ def test_export_writes_what_the_peer_trainer_reads_with_our_split_and_vocabulary
     assert np.array_equal(np.load(tmp_path / "data/d2t-64.npy"), ours_d2t.numpy())
     assert np.array_equal(np.load(tmp_path / "data/t2d-64.npy"), ours_t2d.numpy())
     # the columns the peer's dataset loader reads, in our order
-    columns = subprocess.run([str(INTEROP_PYTHON), "-c", "import sys, json, datasets; d = datasets.load_from_disk(sys.argv[1]); "
-                              "print(json.dumps({'names': d.column_names, 'seq_len': [int(n) for n in d.with_format(None)['seq_len']]}))", str(tmp_path / "data")],
-                             capture_output=True, text=True, timeout=300, check=True)
+    columns = subprocess.run(
+        [
+            str(INTEROP_PYTHON),
+            "-c",
+            "import sys, json, datasets; d = datasets.load_from_disk(sys.argv[1]); "
+            "print(json.dumps({'names': d.column_names, 'seq_len': [int(n) for n in d.with_format(None)['seq_len']]}))",
+            str(tmp_path / "data"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     read = json.loads(columns.stdout.strip().splitlines()[-1])
     assert sorted(read["names"]) == ["input_ids", "loss_mask", "seq_len"]
     assert [int(n) for n in read["seq_len"]] == [int(dataset.lengths()[i]) for i in split.train + split.val]
     again = _export(store, tmp_path / "data")  # same store, slots and split: reused
-    assert again.returncode == 0 and json.loads(again.stdout[again.stdout.index("{\n"):]) == facts
+    assert again.returncode == 0 and json.loads(again.stdout[again.stdout.index("{\n") :]) == facts
 
 
 def test_export_without_datasets_says_where_to_run_it(store, tmp_path):
@@ -100,8 +140,17 @@ def test_peer_gets_our_shape_and_blocks_per_step():
     model = resolve_config("dspark").model
     # ours samples up to 64 blocks per *sample*; a packed row of ~14 gets ~740: the peer counts blocks per packed row
     assert trainer_flags(model, anchors_per_step=737) == [
-        "--num-layers", str(model["num_layers"]), "--block-size", str(model["block_size"]), "--draft-vocab-size",
-        str(model["draft_vocab_size"]), "--markov-rank", str(model["markov_rank"]), "--max-anchors", "737"]
+        "--num-layers",
+        str(model["num_layers"]),
+        "--block-size",
+        str(model["block_size"]),
+        "--draft-vocab-size",
+        str(model["draft_vocab_size"]),
+        "--markov-rank",
+        str(model["markov_rank"]),
+        "--max-anchors",
+        "737",
+    ]
     dflash = trainer_flags(resolve_config("dflash").model)
     assert "--markov-rank" not in dflash and "--max-anchors" not in dflash and dflash[dflash.index("--block-size") + 1] == "8"
 
@@ -128,10 +177,15 @@ def test_peer_gets_dflash2_convolution_and_selector_shape():
     model = resolve_config("dflash2").model
     flags = trainer_flags(model)
     pairs = dict(zip(flags[::2], flags[1::2]))
-    assert pairs == {"--num-layers": str(model["num_layers"]), "--block-size": str(model["block_size"]),
-                     "--conv-kernel-size": str(model["conv_kernel_size"]), "--conv-group-size": str(model["conv_group_size"]),
-                     "--selector-rank": str(model["selector_rank"]), "--selector-top-k": str(model["selector_top_k"]),
-                     "--selector-loss-alpha": str(model["selector_weight"])}
+    assert pairs == {
+        "--num-layers": str(model["num_layers"]),
+        "--block-size": str(model["block_size"]),
+        "--conv-kernel-size": str(model["conv_kernel_size"]),
+        "--conv-group-size": str(model["conv_group_size"]),
+        "--selector-rank": str(model["selector_rank"]),
+        "--selector-top-k": str(model["selector_top_k"]),
+        "--selector-loss-alpha": str(model["selector_weight"]),
+    }
 
 
 def test_loss_summary_names_each_family_terms_and_the_peer_keys():

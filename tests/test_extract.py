@@ -27,8 +27,15 @@ def random_llama_target(seed=0, fingerprint="f" * 16) -> Target:
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval().requires_grad_(False)
     return Target(name="tiny", path=Path("/nowhere"), model=model, tokenizer=None, fingerprint=fingerprint, tokenizer_hash="t" * 16)
 
@@ -38,8 +45,9 @@ def make_dataset(directory, target, *, lengths=LENGTHS, seed=1) -> Path:
     rows = []
     for i, n in enumerate(lengths):
         ids = torch.randint(0, VOCAB, (n,), generator=g)
-        rows.append({"sample_id": f"sharegpt/{i}", "source": "t", "input_ids": ids.tolist(),
-                     "loss_mask": [int(j >= n // 2) for j in range(n)]})
+        rows.append(
+            {"sample_id": f"sharegpt/{i}", "source": "t", "input_ids": ids.tolist(), "loss_mask": [int(j >= n // 2) for j in range(n)]}
+        )
     return write_prepared(directory, rows, target_info=target.describe(), config={}, stats={}, vocab_size=VOCAB)
 
 
@@ -123,8 +131,11 @@ def test_corrupt_files_are_detected_by_reader_and_redone_by_rerun(setup):
     flipped.write_bytes(bytes(raw))
     with pytest.raises(SpecdraftError, match=r"1 bad sample\(s\): \S+/sharegpt%2F1\.safetensors is truncated or damaged"):
         HiddenStateDataset(out)  # sizes are checked when the store is opened
-    with pytest.raises(SpecdraftError, match=r"2 bad sample\(s\): .*sharegpt%2F1\.safetensors is truncated.*"
-                                             r"sharegpt%2F3\.safetensors \(sample 'sharegpt/3'\): tensor 'last_hidden' checksum"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"2 bad sample\(s\): .*sharegpt%2F1\.safetensors is truncated.*"
+        r"sharegpt%2F3\.safetensors \(sample 'sharegpt/3'\): tensor 'last_hidden' checksum",
+    ):
         HiddenStateDataset(out, verify="full")
     summary = run(target, data, out)
     assert (summary.samples_skipped, summary.samples_extracted) == (3, 2)
@@ -170,7 +181,9 @@ def test_full_disk_is_a_clear_error_and_leaves_no_partial_file(setup, monkeypatc
         return real_write(self, data)
 
     monkeypatch.setattr(Path, "write_bytes", full_disk)
-    with pytest.raises(SpecdraftError, match=r"cannot write .*sharegpt%2F2\.safetensors: No space left on device; the disk is full: free space"):
+    with pytest.raises(
+        SpecdraftError, match=r"cannot write .*sharegpt%2F2\.safetensors: No space left on device; the disk is full: free space"
+    ):
         run(target, data, out, batch_size=1)
     assert not (out / "sharegpt%2F2.safetensors").exists()
     assert not list(out.glob(".*"))
@@ -181,7 +194,9 @@ def test_full_disk_is_a_clear_error_and_leaves_no_partial_file(setup, monkeypatc
 def test_store_for_other_target_or_layers_is_refused(setup, tmp_path):
     target, data, out = setup
     run(target, data, out, method="dflash")
-    with pytest.raises(SpecdraftError, match=rf"{out} holds hidden states of target 'tiny' made with other settings \(layers output:1 != output:2\)"):
+    with pytest.raises(
+        SpecdraftError, match=rf"{out} holds hidden states of target 'tiny' made with other settings \(layers output:1 != output:2\)"
+    ):
         run(target, data, out, layers="output:2")
     with pytest.raises(SpecdraftError, match=r"dtype 'bfloat16' != 'float32'"):
         run(target, data, out, method="dflash", dtype="float32")
@@ -212,8 +227,11 @@ def test_resume_from_a_reprepared_dataset_is_refused_and_restart_clears(setup):
     before = (out / "manifest.json").read_bytes()
     rows = [{"sample_id": f"other/{i}", "source": "t", "input_ids": [1] * (4 + i), "loss_mask": [1] * (4 + i)} for i in range(3)]
     write_prepared(data, rows, target_info=target.describe(), config={}, stats={}, vocab_size=VOCAB)
-    with pytest.raises(SpecdraftError, match=rf"{out} was started from dataset {data} \(5 rows, created .*, rows sha256 [0-9a-f]{{12}}\), "
-                       rf"not {data} \(3 rows, .*5 stored sample\(s\) are not in it, e.g. 'sharegpt/0'.*a new --out, or add --restart"):
+    with pytest.raises(
+        SpecdraftError,
+        match=rf"{out} was started from dataset {data} \(5 rows, created .*, rows sha256 [0-9a-f]{{12}}\), "
+        rf"not {data} \(3 rows, .*5 stored sample\(s\) are not in it, e.g. 'sharegpt/0'.*a new --out, or add --restart",
+    ):
         run(target, data, out)
     assert (out / "manifest.json").read_bytes() == before and len(FileBackend(out).keys()) == 5  # nothing touched
     summary = run(target, data, out, restart=True)

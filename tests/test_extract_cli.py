@@ -46,15 +46,18 @@ def test_cli_extract_uses_dataset_target_and_resumes(tiny_target, tmp_path, caps
 @pytest.mark.slow
 def test_embedded_target_states_equal_hf(tmp_path, smollm2_dir):
     """SmolLM2-135M (30 layers): stored fp32 DFlash slots == HF output_hidden_states, exactly when unbatched."""
-    from specdraft.hidden_states.extract import extract_hidden_states
     from specdraft.hidden_states.config import ExtractConfig
+    from specdraft.hidden_states.extract import extract_hidden_states
     from specdraft.targets import load_target
 
     target = load_target("smollm2-135m")
     data = write_chat_dataset(tmp_path / "data", target, ["Name a colour.", "Why is the sky blue? Answer briefly."])
     for out, batch in (("exact", 1), ("batched", 2)):
-        extract_hidden_states(ExtractConfig(dataset=str(data), out=str(tmp_path / out), method="dflash", dtype="float32", batch_size=batch),
-                              target=target, progress=False)
+        extract_hidden_states(
+            ExtractConfig(dataset=str(data), out=str(tmp_path / out), method="dflash", dtype="float32", batch_size=batch),
+            target=target,
+            progress=False,
+        )
     exact, batched = HiddenStateDataset(tmp_path / "exact"), HiddenStateDataset(tmp_path / "batched")
     assert [s.layer for s in exact.slots] == [1, 8, 14, 20, 27]
     for i in range(2):

@@ -48,12 +48,30 @@ GEMMA_TEMPLATE = (
     "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
-QUESTIONS = ["Name three colours and say why you like them.", "Count from one to ten, please.", "What is the capital of France?",
-             "Write a haiku about the sea.", "Explain rain to a child.", "List four animals that live in water."]
-ROWS = [{"id": f"q{i}", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q},
-                                     {"role": "assistant", "content": f"Answer {i}: " + q.lower()}]} for i, q in enumerate(QUESTIONS)]
-NOT_ALTERNATING = {"id": "twice", "messages": [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Hello?"},
-                                                {"role": "assistant", "content": "Hello."}]}
+QUESTIONS = [
+    "Name three colours and say why you like them.",
+    "Count from one to ten, please.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain rain to a child.",
+    "List four animals that live in water.",
+]
+ROWS = [
+    {
+        "id": f"q{i}",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": q},
+            {"role": "assistant", "content": f"Answer {i}: " + q.lower()},
+        ],
+    }
+    for i, q in enumerate(QUESTIONS)
+]
+NOT_ALTERNATING = {
+    "id": "twice",
+    "messages": [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hello."}],
+}
+
 
 def gemma_style_tokenizer(smollm2_dir: Path, out: Path) -> Path:
     """The SmolLM2 tokenizer with Gemma's special tokens added (``<mask>`` below an unused one, as in Gemma's
@@ -91,7 +109,9 @@ class FamilyRun:
         tokenizer_dir = self.smollm2_dir
         if self.family == "gemma3":
             tokenizer_dir = gemma_style_tokenizer(self.smollm2_dir, self.root / "tokenizer")
-        out = build_tiny_target_dir(self.root / "target", tokenizer_dir, family=self.family, num_layers=6, seed=1, **EXTRA.get(self.family, {}))
+        out = build_tiny_target_dir(
+            self.root / "target", tokenizer_dir, family=self.family, num_layers=6, seed=1, **EXTRA.get(self.family, {})
+        )
         varied(out)
         return out
 
@@ -114,18 +134,36 @@ class FamilyRun:
 
         self.stage("prepare")
         out = self.root / f"hs-{method}"
-        extract_hidden_states(ExtractConfig(dataset=str(self.root / "data"), out=str(out), method=method, dtype="float32",
-                                            target=str(self.stage("target_dir"))), target=self.stage("target"), progress=False)
+        extract_hidden_states(
+            ExtractConfig(
+                dataset=str(self.root / "data"), out=str(out), method=method, dtype="float32", target=str(self.stage("target_dir"))
+            ),
+            target=self.stage("target"),
+            progress=False,
+        )
         return out
 
     def _train(self, method: str = "dflash", steps: int = 3):
         from specdraft.train.config import TrainConfig
         from specdraft.train.trainer import train
 
-        cfg = TrainConfig(method=method, data=str(self.stage("extract" if method == "dflash" else f"extract_{method}")),
-                          out=str(self.root / f"run-{method}"), model=DRAFTERS[method], max_steps=steps, pack_tokens=96, batch_rows=1,
-                          val_fraction=0.0, eval_interval=0, checkpoint_interval=0, keep_checkpoints=0, dtype="fp32", num_threads=1,
-                          seed=0, lr=3e-3)
+        cfg = TrainConfig(
+            method=method,
+            data=str(self.stage("extract" if method == "dflash" else f"extract_{method}")),
+            out=str(self.root / f"run-{method}"),
+            model=DRAFTERS[method],
+            max_steps=steps,
+            pack_tokens=96,
+            batch_rows=1,
+            val_fraction=0.0,
+            eval_interval=0,
+            checkpoint_interval=0,
+            keep_checkpoints=0,
+            dtype="fp32",
+            num_threads=1,
+            seed=0,
+            lr=3e-3,
+        )
         return train(cfg, target=self.stage("target"))
 
     def _extract_dspark(self) -> Path:
@@ -203,7 +241,7 @@ def test_extract_equals_hf_hidden_states(runs, family):
         with torch.no_grad():
             torch.testing.assert_close(final(payload.last_hidden[None])[0], hf[-1][0], atol=1e-5, rtol=1e-5)
         edges = [LayerSlot(0, "input"), LayerSlot(target.num_layers - 1, "input"), LayerSlot(target.num_layers - 1, "output")]
-        (captured, last), = HiddenStateCapture(target.model, edges)([data[i]["input_ids"]])
+        ((captured, last),) = HiddenStateCapture(target.model, edges)([data[i]["input_ids"]])
         torch.testing.assert_close(captured[:, :2], torch.stack([hf[0][0], hf[target.num_layers - 1][0]], dim=1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(captured[:, 2], payload.last_hidden, atol=1e-5, rtol=1e-5)
 
@@ -239,7 +277,7 @@ def _greedy_reference(model, prompt: list[int], n: int, stop: set[int]) -> list[
         ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
         if ids[-1] in stop:
             break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.slow
@@ -251,11 +289,14 @@ def test_greedy_decoding_with_the_trained_drafter_is_exact(runs, family):
 
     run = runs[family]
     target, final = run.stage("target"), run.stage("train").final
-    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False) for q in QUESTIONS[:3]]
+    prompts = [
+        target.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for q in QUESTIONS[:3]
+    ]
     assert min(len(p) for p in prompts) > WINDOW  # every row attends past its window
-    decoder = decoder_for_target(target, config=DecodeConfig(drafter="dflash", drafter_path=str(final), max_new_tokens=24),
-                                 sampling=SamplingConfig())
+    decoder = decoder_for_target(
+        target, config=DecodeConfig(drafter="dflash", drafter_path=str(final), max_new_tokens=24), sampling=SamplingConfig()
+    )
     result = decoder.generate(prompts)
     assert [o.tokens for o in result.outputs] == [_greedy_reference(target.model, p, 24, target.end_of_turn_ids) for p in prompts]
     assert result.metrics.drafted > 0
@@ -264,14 +305,20 @@ def test_greedy_decoding_with_the_trained_drafter_is_exact(runs, family):
 SLIDE = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"])
 DSA_SMALL = dict(index_topk=3, index_n_heads=2, index_head_dim=32)  # fewer columns than a context: the indexer really selects
 HYBRID = dict(layer_types=["linear_attention", "full_attention"])
-SAMPLED_EXTRA = {"gemma3": dict(query_pre_attn_scalar=32, **SLIDE), "mistral": dict(sliding_window=3),
-                 "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
-                 "deepseek_v3": dict(num_key_value_heads=2, **{**MOE, **MLA}), "glm4_moe": MOE,
-                 "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, **SLIDE),
-                 "gemma4_text": dict(hidden_size_per_layer_input=16, per_layer_config={}, **SLIDE),
-                 "qwen3_next": dict(**GATED_DELTA, **QWEN_MOE, **HYBRID), "qwen3_5_text": dict(**GATED_DELTA, **HYBRID),
-                 "qwen3_5_moe_text": dict(**GATED_DELTA, **QWEN_MOE, **HYBRID), "kimi_linear": dict(**{**KIMI, **HYBRID}, num_key_value_heads=2),
-                 "glm_moe_dsa": dict(num_key_value_heads=2, **{**MOE, **MLA, **DSA_SMALL})}
+SAMPLED_EXTRA = {
+    "gemma3": dict(query_pre_attn_scalar=32, **SLIDE),
+    "mistral": dict(sliding_window=3),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    "deepseek_v3": dict(num_key_value_heads=2, **{**MOE, **MLA}),
+    "glm4_moe": MOE,
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, **SLIDE),
+    "gemma4_text": dict(hidden_size_per_layer_input=16, per_layer_config={}, **SLIDE),
+    "qwen3_next": dict(**GATED_DELTA, **QWEN_MOE, **HYBRID),
+    "qwen3_5_text": dict(**GATED_DELTA, **HYBRID),
+    "qwen3_5_moe_text": dict(**GATED_DELTA, **QWEN_MOE, **HYBRID),
+    "kimi_linear": dict(**{**KIMI, **HYBRID}, num_key_value_heads=2),
+    "glm_moe_dsa": dict(num_key_value_heads=2, **{**MOE, **MLA, **DSA_SMALL}),
+}
 
 
 def tiny_family_model(family: str, vocab: int, seed: int):
@@ -287,24 +334,24 @@ def tiny_family_model(family: str, vocab: int, seed: int):
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_sampled_decoding_is_exact(family):
     """Rejection sampling on a vocabulary-4 model of the family's config class (window 3 where it slides)."""
-    from test_decode import DistributionProposer, assert_target_distribution
-
     from specdraft.decode.config import DecodeConfig
     from specdraft.decode.runtime import SpeculativeDecoder
     from specdraft.decode.sampling import SamplingConfig
+    from test_decode import DistributionProposer, assert_target_distribution
 
     model = tiny_family_model(family, vocab=4, seed=3)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(6.0)
     sampling, prompt = SamplingConfig(temperature=0.8, top_k=3), [0, 1, 2, 3, 2, 1]
     proposer = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0], dtype=model.dtype))
-    result = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=3, num_draft_tokens=2, seed=7), sampling=sampling,
-                                eos_token_ids=[]).generate([prompt] * 3000)
+    result = SpeculativeDecoder(
+        model, proposer, config=DecodeConfig(max_new_tokens=3, num_draft_tokens=2, seed=7), sampling=sampling, eos_token_ids=[]
+    ).generate([prompt] * 3000)
     assert 0 < result.metrics.accepted < result.metrics.drafted
     assert_target_distribution(model, prompt, [o.tokens for o in result.outputs], sampling, vocab=4)
 
 
-SPECULATORS_LOAD = r'''
+SPECULATORS_LOAD = r"""
 import json, sys
 from speculators import SpeculatorModel
 out = {}
@@ -312,7 +359,7 @@ for family, path in json.load(open(sys.argv[1])).items():
     model, info = SpeculatorModel.from_pretrained(path, output_loading_info=True)
     out[family] = {"class": type(model).__name__, "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"])}
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 
 def _run_side(python: Path, script: str, job: dict, tmp: Path, timeout: int) -> tuple[dict, str]:
@@ -321,7 +368,9 @@ def _run_side(python: Path, script: str, job: dict, tmp: Path, timeout: int) -> 
     (tmp / "side.py").write_text(script)
     (tmp / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
-    proc = subprocess.run([str(python), str(tmp / "side.py"), str(tmp / "job.json")], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+        [str(python), str(tmp / "side.py"), str(tmp / "job.json")], capture_output=True, text=True, timeout=timeout, env=env
+    )
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -354,7 +403,7 @@ def test_checkpoint_loads_in_speculators(speculators_loaded, family):
 
 # One vLLM process serves both vLLM checks (each process pays vLLM's ~25 s import): first what vLLM's model
 # classes claim, then every family's tiny target and trained drafter through vLLM's loader.
-VLLM_SIDE = r'''
+VLLM_SIDE = r"""
 import inspect, json, re, socket, sys
 from vllm.model_executor.models import ModelRegistry
 from vllm.model_executor.models.interfaces import supports_eagle3
@@ -427,7 +476,7 @@ for family, paths in job["refused"].items():  # what Family.vllm_cpu_refusal cla
     except Exception as exc:
         refused[family] = {"failed": True, "error": f"{type(exc).__name__}: {exc}"[-300:]}
 print("RESULT " + json.dumps({"refused": refused}))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -441,9 +490,11 @@ def vllm_side(runs, tmp_path_factory) -> tuple[dict, str]:
         pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
     served = {f: run for f, run in runs.items() if run.stage("target").family.vllm_aux_hidden_states}
     paths = {f: {"target": str(run.stage("target_dir")), "drafter": str(run.stage("train").final)} for f, run in served.items()}
-    job = {"claims": {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name] for name in FAMILIES.names()},
-           "load": {f: p for f, p in paths.items() if not served[f].stage("target").family.vllm_cpu_refusal},
-           "refused": {f: p for f, p in paths.items() if served[f].stage("target").family.vllm_cpu_refusal}}
+    job = {
+        "claims": {name: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name] for name in FAMILIES.names()},
+        "load": {f: p for f, p in paths.items() if not served[f].stage("target").family.vllm_cpu_refusal},
+        "refused": {f: p for f, p in paths.items() if served[f].stage("target").family.vllm_cpu_refusal},
+    }
     return _run_side(VLLM_PYTHON, VLLM_SIDE, job, tmp_path_factory.mktemp("vllm-side"), timeout=900)
 
 
@@ -499,7 +550,10 @@ def test_unknown_family_names_what_is_missing():
     from specdraft.targets.families import family_of
 
     config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2)
-    with pytest.raises(SpecdraftError, match=r"GPT2Config \(model_type 'gpt2'\) is not a supported family .*decoder layers.*sliding-window.*targets/families.py"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"GPT2Config \(model_type 'gpt2'\) is not a supported family .*decoder layers.*sliding-window.*targets/families.py",
+    ):
         family_of(config)
 
 
@@ -509,8 +563,17 @@ def test_vllm_paths_refuse_families_vllm_cannot_serve(tiny_target_factory, tmp_p
 
     drafter = tmp_path / "drafter"
     drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "speculators_config": {
-        "proposal_methods": [{"speculative_tokens": 3}], "verifier": {"name_or_path": str(tiny_target_factory("gemma3"))}}}))
+    (drafter / "config.json").write_text(
+        json.dumps(
+            {
+                "speculators_model_type": "eagle3",
+                "speculators_config": {
+                    "proposal_methods": [{"speculative_tokens": 3}],
+                    "verifier": {"name_or_path": str(tiny_target_factory("gemma3"))},
+                },
+            }
+        )
+    )
     if not VLLM_PYTHON.exists():
         pytest.skip(f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
     with pytest.raises(SpecdraftError, match=r"vLLM 0.32 cannot serve a eagle3 drafter for gemma3_text targets.*specdraft generate"):
@@ -543,15 +606,16 @@ def test_system_turn_is_folded_only_for_families_without_one():
 def test_extraction_refuses_zero_states_from_a_layer_that_computed_nothing(tmp_path):
     """A layer whose output the capture sees as zeros (as speculators #613's hybrid target gave its DFlash
     drafter) stops extraction with the sample, layer and side, and nothing is stored."""
-    from test_extract import make_dataset, random_llama_target, run
-
     from specdraft.hidden_states.backends.file import FileBackend
+    from test_extract import make_dataset, random_llama_target, run
 
     target = random_llama_target()
     data = make_dataset(tmp_path / "data", target)
     layer = target.model.model.layers[1]
     layer.register_forward_hook(lambda module, args, output: torch.zeros_like(output[0] if isinstance(output, tuple) else output))
-    with pytest.raises(SpecdraftError, match=r"sample 'sharegpt/1': layer 1 output holds all zeros at token 0 \(12 of 12 rows degenerate\)"):
+    with pytest.raises(
+        SpecdraftError, match=r"sample 'sharegpt/1': layer 1 output holds all zeros at token 0 \(12 of 12 rows degenerate\)"
+    ):
         run(target, data, tmp_path / "hs", layers="input:0,output:1,input:3", dtype="float32", batch_size=1)
     assert FileBackend(tmp_path / "hs").keys() == []
 
@@ -562,23 +626,32 @@ def test_extraction_refuses_a_hybrid_target_whose_linear_layers_pass_a_zero_row_
     other tokens in (nothing attends across tokens before it). A DFlash drafter trained on such rows would have
     validated on them; extraction stops at the first such sample, naming sample, layer and token."""
     import transformers
-    from test_extract import make_dataset, run
-
-    from specdraft.hidden_states.backends.file import FileBackend
-    from specdraft.targets.base import Target
 
     from specdraft.data.dataset import PreparedDataset
+    from specdraft.hidden_states.backends.file import FileBackend
+    from specdraft.targets.base import Target
+    from test_extract import make_dataset, run
 
     torch.manual_seed(0)
-    config = transformers.Qwen3_5TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, **GATED_DELTA)
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        **GATED_DELTA,
+    )
     assert config.layer_types[:3] == ["linear_attention"] * 3
     model = transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
     target = Target(name="tiny-qwen3.5", path=Path("/nowhere"), model=model, tokenizer=None, fingerprint="q" * 16, tokenizer_hash="t" * 16)
     data = make_dataset(tmp_path / "data", target)
     pad = int(PreparedDataset(data)[0]["input_ids"][3])
     model.get_input_embeddings().weight[pad] = 0  # what HF's init gives the pad token's row (padding_idx)
-    with pytest.raises(SpecdraftError, match=r"sample 'sharegpt/0': layer 1 output holds all zeros at token 3 .*stored nothing for this sample"):
+    with pytest.raises(
+        SpecdraftError, match=r"sample 'sharegpt/0': layer 1 output holds all zeros at token 3 .*stored nothing for this sample"
+    ):
         run(target, data, tmp_path / "hs", layers="output:1,output:3", dtype="float32", batch_size=1)
     assert "sharegpt/0" not in FileBackend(tmp_path / "hs").keys()  # samples without the token were stored, intact
 

@@ -63,8 +63,20 @@ def test_round_trip_gives_equal_outputs(tmp_path, target, method):
     for a, b in zip(_outputs(model, batch), _outputs(loaded, batch)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     if method == "dspark":
-        out_a = model.draft_block(model.new_cache(), context_features=batch.aux_hidden[0, :6], context_positions=batch.position_ids[0, :6], anchor_token=3, anchor_position=6)
-        out_b = loaded.draft_block(loaded.new_cache(), context_features=batch.aux_hidden[0, :6], context_positions=batch.position_ids[0, :6], anchor_token=3, anchor_position=6)
+        out_a = model.draft_block(
+            model.new_cache(),
+            context_features=batch.aux_hidden[0, :6],
+            context_positions=batch.position_ids[0, :6],
+            anchor_token=3,
+            anchor_position=6,
+        )
+        out_b = loaded.draft_block(
+            loaded.new_cache(),
+            context_features=batch.aux_hidden[0, :6],
+            context_positions=batch.position_ids[0, :6],
+            anchor_token=3,
+            anchor_position=6,
+        )
         assert torch.equal(out_a.tokens, out_b.tokens) and torch.equal(out_a.confidences, out_b.confidences)
     assert type(load_drafter(tmp_path / "ckpt", target=target)) is type(model)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
@@ -83,7 +95,12 @@ def test_eagle3_layout(tmp_path, target):
     assert cfg["specdraft"]["layer_slots"] == [{"layer": 2, "side": "input"}, {"layer": 4, "side": "input"}, {"layer": 5, "side": "input"}]
     spec_cfg = cfg["speculators_config"]
     assert spec_cfg["algorithm"] == "eagle3" and spec_cfg["default_proposal_method"] == "greedy"
-    assert spec_cfg["proposal_methods"][0] == {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    assert spec_cfg["proposal_methods"][0] == {
+        "proposal_type": "greedy",
+        "speculative_tokens": 3,
+        "verifier_accept_k": 1,
+        "accept_tolerance": 0.0,
+    }
     assert spec_cfg["verifier"]["architectures"] == ["LlamaForCausalLM"]
     assert cfg["specdraft"]["target"]["fingerprint"] == target.fingerprint
     tensors = load_file(str(tmp_path / "e/model.safetensors"))
@@ -114,7 +131,13 @@ def test_block_drafter_layout(tmp_path, target, method):
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == (4 if method == "dspark" else 3)
     tensors = load_file(str(tmp_path / "d/model.safetensors"))
     assert "embed_tokens.weight" not in tensors and "lm_head.weight" not in tensors  # the target's own
-    assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight", "norm.weight"} <= set(tensors)
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "layers.1.self_attn.q_norm.weight",
+        "layers.1.self_attn.k_norm.weight",
+        "norm.weight",
+    } <= set(tensors)
     if method == "dspark":
         assert cfg["markov_rank"] == 16 and cfg["markov_head_type"] == "gated"
         assert cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is True
@@ -126,7 +149,11 @@ def test_block_drafter_layout(tmp_path, target, method):
         assert (cfg["conv_kernel_size"], cfg["conv_group_size"], cfg["selector_rank"], cfg["selector_top_k"]) == (2, 16, 16, 8)
         assert tensors["layers.1.attention_conv.base_kernel"].shape == tensors["layers.1.mlp_conv.base_kernel"].shape == (2, 2, 64)
         assert tensors["layers.1.mlp_conv.kernel_projection.weight"].shape == (2 * 2 * 4, 64)  # (side, tap, group) rows
-        assert tensors["candidate_selector.predecessor_codebook"].shape == tensors["candidate_selector.successor_codebook"].shape == (VOCAB, 16)
+        assert (
+            tensors["candidate_selector.predecessor_codebook"].shape
+            == tensors["candidate_selector.successor_codebook"].shape
+            == (VOCAB, 16)
+        )
         assert tensors["candidate_selector.hidden_projection.weight"].shape == (16, 64)
 
 
@@ -141,7 +168,12 @@ def test_config_errors():
         DSparkConfig(markov_head="lstm")
     with pytest.raises(SpecdraftError, match="num_layers must be 1"):
         METHODS.get("eagle3").config_cls(num_layers=2)
-    assert default_gamma(16) == 7.0 and default_gamma(10) == 5.0 and default_gamma(8) == 4.0 and default_gamma(12) == pytest.approx(5 + 2 / 6 * 2)
+    assert (
+        default_gamma(16) == 7.0
+        and default_gamma(10) == 5.0
+        and default_gamma(8) == 4.0
+        and default_gamma(12) == pytest.approx(5 + 2 / 6 * 2)
+    )
 
 
 def test_eagle3_reduced_vocab_needs_counts(target):
@@ -188,7 +220,9 @@ def test_reduced_vocab_block_drafter_round_trip_and_layout(tmp_path, target, met
 
 
 def test_fresh_reduced_head_starts_from_target_rows(target):
-    model = METHODS.get("dspark").build(DSparkConfig(block_size=4, num_layers=1, markov_rank=16, draft_vocab_size=40), target, counts=torch.arange(VOCAB))
+    model = METHODS.get("dspark").build(
+        DSparkConfig(block_size=4, num_layers=1, markov_rank=16, draft_vocab_size=40), target, counts=torch.arange(VOCAB)
+    )
     ids = model.draft_target_ids()
     assert torch.equal(model.lm_head.weight, model.verifier_lm_head.weight[ids]) and model.lm_head.weight.requires_grad
     full = METHODS.get("dflash").build(DFlashConfig(block_size=4, num_layers=1, draft_vocab_size=VOCAB), target, counts=torch.arange(VOCAB))

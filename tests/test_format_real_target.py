@@ -30,8 +30,12 @@ def _payload(target, slots, tokens):
     aux = torch.stack([out.hidden_states[s.hf_index(target.num_layers)] for s in slots], dim=2)
     n, t = tokens.shape
     return DrafterBatch(
-        token_ids=tokens, loss_mask=torch.ones(n, t, dtype=torch.bool), segment_ids=torch.zeros(n, t, dtype=torch.int32),
-        position_ids=torch.arange(t)[None].expand(n, t), aux_hidden=aux, last_hidden=captured["x"],
+        token_ids=tokens,
+        loss_mask=torch.ones(n, t, dtype=torch.bool),
+        segment_ids=torch.zeros(n, t, dtype=torch.int32),
+        position_ids=torch.arange(t)[None].expand(n, t),
+        aux_hidden=aux,
+        last_hidden=captured["x"],
     )
 
 
@@ -41,7 +45,11 @@ def _payload(target, slots, tokens):
 )
 def test_real_target_build_train_step_and_round_trip(tmp_path, smollm2, method, ids):
     spec = METHODS.get(method)
-    small = {"eagle3": {"draft_vocab_size": 2048, "ttt_steps": 2}, "dflash": {"num_layers": 1, "block_size": 4}, "dspark": {"num_layers": 1, "block_size": 4, "markov_rank": 32}}
+    small = {
+        "eagle3": {"draft_vocab_size": 2048, "ttt_steps": 2},
+        "dflash": {"num_layers": 1, "block_size": 4},
+        "dspark": {"num_layers": 1, "block_size": 4, "markov_rank": 32},
+    }
     with single_thread():
         counts = torch.zeros(smollm2.vocab_size, dtype=torch.int64)
         counts[:3000] = torch.arange(3000, 0, -1)
@@ -59,7 +67,9 @@ def test_real_target_build_train_step_and_round_trip(tmp_path, smollm2, method, 
         key = "eagle_aux_hidden_state_layer_ids" if method == "eagle3" else "aux_hidden_state_layer_ids"
         assert cfg[key] == ids
         side = "input" if method == "eagle3" else "output"
-        assert [LayerSlot.from_json(s) for s in cfg["specdraft"]["layer_slots"]] == [LayerSlot(i if side == "input" else i - 1, side) for i in ids]
+        assert [LayerSlot.from_json(s) for s in cfg["specdraft"]["layer_slots"]] == [
+            LayerSlot(i if side == "input" else i - 1, side) for i in ids
+        ]
         assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(smollm2.path)
         loaded = load_drafter(tmp_path / method, target=smollm2)
         for a, b in zip(model.state_dict().values(), loaded.state_dict().values()):

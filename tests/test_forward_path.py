@@ -14,8 +14,9 @@ from specdraft.errors import SpecdraftError
 from specdraft.tuning import forward_path as fp
 from test_decode import PROMPTS, SLIDING, OracleProposer, assert_target_distribution, tiny_model
 
-pytestmark = pytest.mark.skipif(not fp.path_applies(fp.FORWARD_PATHS.get("prepacked"), nn.Linear(2, 2)),
-                                reason="oneDNN is not available in this torch build")
+pytestmark = pytest.mark.skipif(
+    not fp.path_applies(fp.FORWARD_PATHS.get("prepacked"), nn.Linear(2, 2)), reason="oneDNN is not available in this torch build"
+)
 
 
 def fp32_model(**kwargs):
@@ -30,8 +31,11 @@ def test_configs_accept_exactly_the_registered_paths():
 
     assert path_choices() == ["auto", *fp.FORWARD_PATHS.names()]
     assert {f.name: f.metadata.get("choices") for f in dataclasses.fields(DecodeConfig)}["forward_path"] == path_choices()
-    with pytest.raises(SpecdraftError, match=r"forward_path must be one of auto, eager, gqa, prepacked, prepacked\+gqa, prepacked\+streamed, "
-                                             r"prepacked\+streamed\+gqa, got 'fast'"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"forward_path must be one of auto, eager, gqa, prepacked, prepacked\+gqa, prepacked\+streamed, "
+        r"prepacked\+streamed\+gqa, got 'fast'",
+    ):
         DecodeConfig(forward_path="fast")
 
 
@@ -129,7 +133,7 @@ def test_stream_cap_takes_the_rows_where_the_streamed_pass_was_clearly_faster():
     prepacked = {1: 31.0, 2: 34.0, 3: 29.0, 4: 29.0, 5: 28.0}
     assert fp.stream_cap({1: 20.0, 2: 20.0, 3: 23.0, 4: 35.0, 5: 20.0}, prepacked) == 3  # 5 does not count past the loss at 4
     assert fp.stream_cap({1: 30.0, 2: 20.0, 3: 20.0, 4: 20.0, 5: 20.0}, prepacked) == 0  # one row within the margin: never
-    assert fp.stream_cap({r: 1.0 for r in prepacked}, prepacked) == 5
+    assert fp.stream_cap(dict.fromkeys(prepacked, 1.0), prepacked) == 5
 
 
 def test_stream_rows_measures_once_per_machine_and_shapes(monkeypatch, tmp_path):
@@ -163,21 +167,38 @@ def test_timings_of_an_earlier_kernel_are_measured_again(monkeypatch, tmp_path):
     fp.stream_rows(model)
     assert len(calls) == 2 * fp.STREAM_PROBE_ROWS  # cached for this kernel
     old = fp.path_version("prepacked+streamed")
-    sps_old = sps_cache_path(tmp_path, fingerprint="t", device=torch.device("cpu"), dtype=torch.float32, context_tokens=8,
-                             max_tokens=4, forward_path="prepacked+streamed")
+    sps_old = sps_cache_path(
+        tmp_path,
+        fingerprint="t",
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        context_tokens=8,
+        max_tokens=4,
+        forward_path="prepacked+streamed",
+    )
     monkeypatch.setattr(streamed, "kernel_version", lambda: "0123456789ab")
     fp.stream_rows(model)
     assert len(calls) == 4 * fp.STREAM_PROBE_ROWS  # another kernel: timed again
     assert fp.path_version("prepacked+streamed") == "prepacked+streamed@0123456789ab" != old
     assert fp.path_version("prepacked+gqa") == "prepacked+gqa"  # parts without code of their own add nothing
-    sps_new = sps_cache_path(tmp_path, fingerprint="t", device=torch.device("cpu"), dtype=torch.float32, context_tokens=8,
-                             max_tokens=4, forward_path="prepacked+streamed")
+    sps_new = sps_cache_path(
+        tmp_path,
+        fingerprint="t",
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        context_tokens=8,
+        max_tokens=4,
+        forward_path="prepacked+streamed",
+    )
     assert sps_new != sps_old and "prepacked+streamed@0123456789ab" in sps_new.name
 
 
 def test_a_path_that_cannot_apply_is_refused_naming_what_can():
     model = nn.Linear(8, 8).double()
-    with pytest.raises(SpecdraftError, match=r"--forward-path prepacked does not apply to a float64 model on cpu here \(it needs CPU fp32 with oneDNN\); use one of auto, eager$"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"--forward-path prepacked does not apply to a float64 model on cpu here \(it needs CPU fp32 with oneDNN\); use one of auto, eager$",
+    ):
         fp.use_path(model, "prepacked")
 
 
@@ -188,9 +209,12 @@ def test_the_streamed_path_without_its_kernel_is_refused_naming_what_it_needs(mo
 
     monkeypatch.setattr(streamed, "streamed_ops", lambda: None)
     model = nn.Sequential(nn.Linear(8, 8))
-    with pytest.raises(SpecdraftError, match=r"--forward-path prepacked\+streamed does not apply to a float32 model on cpu here "
-                                             r"\(it needs CPU fp32 with oneDNN and a C\+\+ compiler that builds specdraft's streamed "
-                                             r"linear \(the log says why it did not\)\); use one of auto, eager, prepacked$"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"--forward-path prepacked\+streamed does not apply to a float32 model on cpu here "
+        r"\(it needs CPU fp32 with oneDNN and a C\+\+ compiler that builds specdraft's streamed "
+        r"linear \(the log says why it did not\)\); use one of auto, eager, prepacked$",
+    ):
         fp.use_path(model, "prepacked+streamed")
     assert type(model[0]) is nn.Linear and fp.applicable_paths(model) == ["eager", "prepacked"]
 
@@ -208,6 +232,7 @@ def test_auto_picks_the_measured_faster_path_and_caches_it(monkeypatch, tmp_path
         def work() -> float:
             calls.append(fp.current_path(model))
             return table[fp.current_path(model)]
+
         return work
 
     choice = fp.resolve_path(model, "auto", "test", {"case": 1}, timings({"eager": 1.0, "prepacked": 0.5}))
@@ -343,8 +368,9 @@ def test_prepacked_gqa_rejection_sampling_follows_the_target_distribution():
     sampling = SamplingConfig(temperature=0.8, top_k=3)
     prompt = [0, 1, 2, 3, 2, 1]
     proposer = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0]))
-    dec = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=length, num_draft_tokens=3, seed=5), sampling=sampling,
-                             eos_token_ids=[])
+    dec = SpeculativeDecoder(
+        model, proposer, config=DecodeConfig(max_new_tokens=length, num_draft_tokens=3, seed=5), sampling=sampling, eos_token_ids=[]
+    )
     result = dec.generate([prompt] * rows)
     assert result.metrics.accepted > 0.1 * rows and result.metrics.accepted < result.metrics.drafted
     assert_target_distribution(model, prompt, [o.tokens for o in result.outputs], sampling, vocab)
@@ -366,7 +392,9 @@ def test_training_runs_on_the_path_its_probe_chose_and_still_learns(tmp_path, mo
     result = train(toy_config(tmp_path / "run", max_steps=3, eval_interval=0), target=ToyTarget(), dataset=ToyStore())
     assert result.forward_path == {"forward_path": "prepacked", "forward_path_source": "measured", "forward_path_seconds": seconds}
     assert type(result.drafter.fc) is fp.PrepackedLinear and result.step == 3
-    first = train(toy_config(tmp_path / "eager", max_steps=3, eval_interval=0, forward_path="eager"), target=ToyTarget(), dataset=ToyStore())
+    first = train(
+        toy_config(tmp_path / "eager", max_steps=3, eval_interval=0, forward_path="eager"), target=ToyTarget(), dataset=ToyStore()
+    )
     assert first.forward_path["forward_path_source"] == "flag" and type(first.drafter.fc) is nn.Linear
     # the same data and seed on either path: trained weights agree to float reassociation (gradients flowed alike)
     for (name, a), b in zip(result.drafter.state_dict().items(), first.drafter.state_dict().values()):

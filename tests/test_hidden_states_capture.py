@@ -9,8 +9,16 @@ from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.capture import HiddenStateCapture, find_decoder
 from specdraft.hidden_states.layers import LayerSlot
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, max_position_embeddings=256)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    max_position_embeddings=256,
+)
 
 
 def tiny_model(family: str):

@@ -55,8 +55,14 @@ def test_verify_names_sample_tensor_and_difference():
     with pytest.raises(SpecdraftError, match=r"tensor 'last_hidden' has dtype float32 but the manifest says bfloat16"):
         p.verify(source="f.safetensors")
     with pytest.raises(SpecdraftError, match=r"tensor 'hidden_states' has shape \[5, 3, 8\], expected \[5, 2, 8\]"):
-        HiddenStatePayload.create(sample_id="x", target_info=INFO, slots=SLOTS, token_ids=torch.arange(5),
-                                  hidden_states=torch.zeros(5, 3, 8), last_hidden=torch.zeros(5, 8))
+        HiddenStatePayload.create(
+            sample_id="x",
+            target_info=INFO,
+            slots=SLOTS,
+            token_ids=torch.arange(5),
+            hidden_states=torch.zeros(5, 3, 8),
+            last_hidden=torch.zeros(5, 8),
+        )
 
 
 def test_corrupt_bytes_are_reported_with_source():
@@ -140,10 +146,9 @@ def test_writer_flushes_on_close_in_background_threads(tmp_path):
 
 def test_writer_error_surfaces_in_main_thread(tmp_path):
     b = SlowFailingBackend(tmp_path, fail_at=3)
-    with pytest.raises(OSError, match="injected failure writing k2"):
-        with AsyncWriter(b, max_pending=1) as w:
-            for i in range(50):
-                w.submit(f"k{i}", make_payload(f"k{i}"))
+    with pytest.raises(OSError, match="injected failure writing k2"), AsyncWriter(b, max_pending=1) as w:
+        for i in range(50):
+            w.submit(f"k{i}", make_payload(f"k{i}"))
     assert b.keys() == ["k0", "k1"]
     assert b.calls == 3  # queued payloads after the failure are dropped, not written
 
@@ -154,19 +159,25 @@ def test_foreign_safetensors_is_rejected():
     plain = save({"hidden_states": torch.zeros(2, 1, 8)})
     with pytest.raises(SpecdraftError, match=r"^x: safetensors metadata lacks a valid 'specdraft' manifest"):
         HiddenStatePayload.from_bytes(plain, source="x")
-    odd = save({"hidden_states": torch.zeros(2, 1, 8)}, metadata={"specdraft": json.dumps({"format": "specdraft.hidden_states", "format_version": 1})})
+    odd = save(
+        {"hidden_states": torch.zeros(2, 1, 8)},
+        metadata={"specdraft": json.dumps({"format": "specdraft.hidden_states", "format_version": 1})},
+    )
     with pytest.raises(SpecdraftError, match=r"^x: payload lacks sample_id, target, slots, tensors, tensor 'token_ids'"):
         HiddenStatePayload.from_bytes(odd, source="x")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("row, value, what", [
-    ("hidden", 0.0, "layer 2 output holds all zeros at token 3"),
-    ("hidden", 0.5, "layer 2 output holds the constant 0.5 at token 3"),
-    ("hidden", float("nan"), "layer 2 output holds non-finite values at token 3"),
-    ("last", float("inf"), r"last_hidden \(the final norm's input\) holds non-finite values at token 3"),
-    ("overflow", 1e6, "layer 2 output holds non-finite values at token 3"),
-])
+@pytest.mark.parametrize(
+    "row, value, what",
+    [
+        ("hidden", 0.0, "layer 2 output holds all zeros at token 3"),
+        ("hidden", 0.5, "layer 2 output holds the constant 0.5 at token 3"),
+        ("hidden", float("nan"), "layer 2 output holds non-finite values at token 3"),
+        ("last", float("inf"), r"last_hidden \(the final norm's input\) holds non-finite values at token 3"),
+        ("overflow", 1e6, "layer 2 output holds non-finite values at token 3"),
+    ],
+)
 def test_degenerate_rows_are_refused_before_storing(row, value, what, dtype):
     """One bad token row in one slot is enough; 1e6 is finite in fp32 but overflows fp16 storage."""
     if row == "overflow" and dtype == "float32":
@@ -179,8 +190,9 @@ def test_degenerate_rows_are_refused_before_storing(row, value, what, dtype):
         hidden[3, 1, 0] = value
     else:
         hidden[3, 1] = value
-    make = lambda: HiddenStatePayload.create(sample_id="s9", target_info=INFO, slots=SLOTS, token_ids=torch.arange(5),
-                                             hidden_states=hidden, last_hidden=last, dtype=dtype)
+    make = lambda: HiddenStatePayload.create(
+        sample_id="s9", target_info=INFO, slots=SLOTS, token_ids=torch.arange(5), hidden_states=hidden, last_hidden=last, dtype=dtype
+    )
     if what is None:
         make()
         return

@@ -18,8 +18,15 @@ from specdraft.decode.proposers.ngram import Lookup, lookup
 from specdraft.decode.runtime import SpeculativeDecoder, build_proposer
 from specdraft.decode.sps import SpsTable
 from specdraft.errors import SpecdraftError
-from test_decode import (PROMPTS, DistributionProposer, FeatureRecorder, assert_features_of_every_position, assert_target_distribution,
-                         reference_greedy, tiny_model)
+from test_decode import (
+    PROMPTS,
+    DistributionProposer,
+    FeatureRecorder,
+    assert_features_of_every_position,
+    assert_target_distribution,
+    reference_greedy,
+    tiny_model,
+)
 from test_decode_drafters import checkpoints  # noqa: F401  (a fixture: random drafters of every method, saved)
 
 FLAT = lambda tokens: 0.01  # noqa: E731  a memory-bound target: every width up to 16 costs the same step
@@ -120,22 +127,35 @@ def hybrid_for(config: DecodeConfig, target, *, lookup_prior: float = 0.95, step
     """The hybrid around the checkpoint's drafter on a flat SPS profile, with a lookup prior that makes
     matched rows take the lookup and unmatched ones the drafter (whose drafting the frozen clock makes free)."""
     drafter = build_proposer(DecodeConfig(**{**vars(config), "drafter": config.drafter.removesuffix("+ngram")}), target)
-    return HybridProposer(drafter, step_rate=step_rate, lookup=Lookup(config.ngram_max, config.ngram_min), lookup_prior=lookup_prior,
-                          clock=lambda: 0.0)
+    return HybridProposer(
+        drafter, step_rate=step_rate, lookup=Lookup(config.ngram_max, config.ngram_min), lookup_prior=lookup_prior, clock=lambda: 0.0
+    )
 
 
 @pytest.mark.parametrize("method, policy", [("dspark", "scheduled"), ("dspark", "full"), ("dflash", "full"), ("eagle3", "full")])
 def test_greedy_output_is_the_targets_with_rows_on_both_branches(target, checkpoints, monkeypatch, method, policy):
     """Alone (batch 1) and together (batch 2, the first round taking one branch per row)."""
-    config = DecodeConfig(drafter=f"{method}+ngram", drafter_path=str(checkpoints[method]), max_new_tokens=16, num_draft_tokens=3,
-                          ngram_min=1, draft_dtype="fp32")
-    scheduler, sps = (SchedulerConfig("scheduled", adaptive_drafting=False), SpsTable((1, 4, 16), (100.0, 90.0, 40.0))) if policy == "scheduled" else (SchedulerConfig(), None)
+    config = DecodeConfig(
+        drafter=f"{method}+ngram",
+        drafter_path=str(checkpoints[method]),
+        max_new_tokens=16,
+        num_draft_tokens=3,
+        ngram_min=1,
+        draft_dtype="fp32",
+    )
+    scheduler, sps = (
+        (SchedulerConfig("scheduled", adaptive_drafting=False), SpsTable((1, 4, 16), (100.0, 90.0, 40.0)))
+        if policy == "scheduled"
+        else (SchedulerConfig(), None)
+    )
     prompts = first_round_prompts(target.model)
     expected = [reference_greedy(target.model, p, 16) for p in prompts]
     for batch, first_round in (([prompts[0]], [LOOKUP]), ([prompts[1]], [DRAFTER]), (list(prompts), [LOOKUP, DRAFTER])):
         proposer = hybrid_for(config, target)
         rounds = Rounds(monkeypatch, proposer)
-        dec = SpeculativeDecoder(target.model, proposer, config=config, sampling=SamplingConfig(), scheduler=scheduler, sps=sps, eos_token_ids=[])
+        dec = SpeculativeDecoder(
+            target.model, proposer, config=config, sampling=SamplingConfig(), scheduler=scheduler, sps=sps, eos_token_ids=[]
+        )
         result = dec.generate(batch)
         assert [o.tokens for o in result.outputs] == [expected[prompts.index(p)] for p in batch]
         assert rounds.rounds[0] == first_round
@@ -146,11 +166,15 @@ def test_greedy_output_is_the_targets_with_rows_on_both_branches(target, checkpo
 def test_the_decision_is_made_before_anything_is_drafted(target, checkpoints, monkeypatch):
     """Every row's branch is chosen before the drafter samples this round's tokens: a choice made after
     would be free to read them (and bias the sampled output)."""
-    config = DecodeConfig(drafter="dspark+ngram", drafter_path=str(checkpoints["dspark"]), max_new_tokens=16, ngram_min=1, draft_dtype="fp32")
+    config = DecodeConfig(
+        drafter="dspark+ngram", drafter_path=str(checkpoints["dspark"]), max_new_tokens=16, ngram_min=1, draft_dtype="fp32"
+    )
     proposer = hybrid_for(config, target)
     rounds = Rounds(monkeypatch, proposer)
     sampling = SamplingConfig(temperature=1.0)
-    SpeculativeDecoder(target.model, proposer, config=config, sampling=sampling, eos_token_ids=[]).generate(list(first_round_prompts(target.model)))
+    SpeculativeDecoder(target.model, proposer, config=config, sampling=sampling, eos_token_ids=[]).generate(
+        list(first_round_prompts(target.model))
+    )
     assert rounds.mixed > 0
     per_round = [list(g) for is_round, g in itertools.groupby(rounds.events, key=lambda e: e[0] == "round") if not is_round]
     for events in per_round:
@@ -203,8 +227,9 @@ def sampled_outputs(cls, rows: int = 6000, lookup: Lookup = Lookup(2, 2)):
     prompt = [0, 1, 2, 3, 2, 1, 0, 1]
     drafter = DistributionProposer(torch.tensor([2.0, 0.0, 1.0, -1.0], dtype=torch.float64))
     proposer = cls(drafter, step_rate=lambda tokens: 100.0, lookup=lookup, lookup_prior=0.9, clock=lambda: 0.0)
-    dec = SpeculativeDecoder(model, proposer, config=DecodeConfig(max_new_tokens=length, num_draft_tokens=3, seed=5), sampling=sampling,
-                             eos_token_ids=[])
+    dec = SpeculativeDecoder(
+        model, proposer, config=DecodeConfig(max_new_tokens=length, num_draft_tokens=3, seed=5), sampling=sampling, eos_token_ids=[]
+    )
     result = dec.generate([prompt] * rows)
     return model, prompt, [o.tokens for o in result.outputs], sampling, vocab, proposer, result.metrics
 
@@ -241,9 +266,8 @@ def test_the_distribution_check_catches_a_choice_that_reads_the_drafts():
 
 def test_hybrid_is_a_registered_drafter_and_an_eval_spec(target, checkpoints, monkeypatch, tmp_path):
     from specdraft.data.dataset import write_prepared
-    from specdraft.eval.runner import resolve_drafter
-
     from specdraft.decode import sps
+    from specdraft.eval.runner import resolve_drafter
 
     profiled = []
     monkeypatch.setattr(sps, "load_or_measure_sps", lambda model, fingerprint: profiled.append(fingerprint) or SpsTable((1,), (100.0,)))
@@ -256,12 +280,24 @@ def test_hybrid_is_a_registered_drafter_and_an_eval_spec(target, checkpoints, mo
     with pytest.raises(SpecdraftError, match="'\\+ngram' follows a checkpoint directory or 'reference'"):
         resolve_drafter("ngram+ngram", num_draft_tokens=4, max_new_tokens=8, seed=0)
     # with suffix drafting: the corpus (answers prepared for this target) reaches the hybrid's lookup
-    data = str(write_prepared(tmp_path / "data", [{"sample_id": "a", "source": "x", "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 1, 1, 1, 1]}],
-                              target_info={"tokenizer_hash": target.tokenizer_hash}, config={}, stats={}, vocab_size=int(target.vocab_size)))
+    data = str(
+        write_prepared(
+            tmp_path / "data",
+            [{"sample_id": "a", "source": "x", "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 1, 1, 1, 1]}],
+            target_info={"tokenizer_hash": target.tokenizer_hash},
+            config={},
+            stats={},
+            vocab_size=int(target.vocab_size),
+        )
+    )
     proposer = build_proposer(DecodeConfig(drafter="dspark+suffix", drafter_path=str(checkpoints["dspark"]), lookup_corpus=data), target)
     assert isinstance(proposer, HybridProposer) and proposer.lookup.corpus.source == data
     spec = resolve_drafter(f"{checkpoints['dspark']}+suffix", num_draft_tokens=4, max_new_tokens=8, seed=0, lookup_corpus=data)
-    assert (spec.decode.drafter, spec.decode.lookup_corpus, spec.label) == ("dspark+suffix", data, f"dspark+suffix:{checkpoints['dspark'].name}")
+    assert (spec.decode.drafter, spec.decode.lookup_corpus, spec.label) == (
+        "dspark+suffix",
+        data,
+        f"dspark+suffix:{checkpoints['dspark'].name}",
+    )
     assert resolve_drafter("suffix", num_draft_tokens=4, max_new_tokens=8, seed=0, lookup_corpus=data).label == "suffix"
     with pytest.raises(SpecdraftError, match="unknown drafter 'magic\\+ngram'"):
         build_proposer(DecodeConfig(drafter="magic+ngram"))
@@ -275,14 +311,20 @@ def test_reference_hybrid_on_the_real_target_matches_hf_generate(smollm2_dir):
     from specdraft.targets import load_target
 
     real = load_target(str(smollm2_dir))
-    chats = ["Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog.",
-             "Name three primary colours."]
-    prompts = [real.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False) for c in chats]
+    chats = [
+        "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog.",
+        "Name three primary colours.",
+    ]
+    prompts = [
+        real.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for c in chats
+    ]
     n_new = 24
     with torch.no_grad():
-        expected = [real.model.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False)[0, len(p):].tolist() for p in prompts]
-    config = DecodeConfig(drafter="dspark+ngram", drafter_path=str(reference_drafter("smollm2-135m")), max_new_tokens=n_new, draft_dtype="fp32")
+        expected = [real.model.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False)[0, len(p) :].tolist() for p in prompts]
+    config = DecodeConfig(
+        drafter="dspark+ngram", drafter_path=str(reference_drafter("smollm2-135m")), max_new_tokens=n_new, draft_dtype="fp32"
+    )
     proposer = hybrid_for(config, real, lookup_prior=0.5)
     decoder = SpeculativeDecoder(real.model, proposer, config=config, sampling=SamplingConfig())
     assert [decoder.generate([p]).outputs[0].tokens for p in prompts] == expected

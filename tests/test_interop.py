@@ -48,7 +48,7 @@ pytestmark = [
     pytest.mark.skipif(not INTEROP_PYTHON.exists(), reason=f"speculators environment {INTEROP_PYTHON} not built (scripts/bootstrap.sh)"),
 ]
 
-SPECULATORS_SIDE = r'''
+SPECULATORS_SIDE = r"""
 import json, sys
 from unittest import mock
 import torch
@@ -155,7 +155,7 @@ for spec in job["methods"].values():
     theirs.save_pretrained(spec["theirs"])
     save_file(run(load(spec["theirs"]), x), spec["theirs_out"])
 print("ok")
-'''
+"""
 
 
 def _our_outputs(model, batch, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -218,11 +218,20 @@ def exchange(tmp_path_factory):
                 "theirs": str(tmp / f"theirs-{case}"),
                 "theirs_out": str(tmp / f"theirs-{case}.out.safetensors"),
             }
-        job["target"] = {"path": str(tmp / "target"), "vocab": VOCAB, "draft_vocab": DRAFT_VOCAB, "block": BLOCK, "eagle_ids": [2, 4, 5], "dflash_ids": [2, 3, 4, 5, 6]}
+        job["target"] = {
+            "path": str(tmp / "target"),
+            "vocab": VOCAB,
+            "draft_vocab": DRAFT_VOCAB,
+            "block": BLOCK,
+            "eagle_ids": [2, 4, 5],
+            "dflash_ids": [2, 3, 4, 5, 6],
+        }
         (tmp / "job.json").write_text(json.dumps(job))
         (tmp / "side.py").write_text(SPECULATORS_SIDE)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
-        proc = subprocess.run([str(INTEROP_PYTHON), str(tmp / "side.py"), str(tmp / "job.json")], capture_output=True, text=True, timeout=600, env=env)
+        proc = subprocess.run(
+            [str(INTEROP_PYTHON), str(tmp / "side.py"), str(tmp / "job.json")], capture_output=True, text=True, timeout=600, env=env
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         yield {"target": target, "job": job, "batches": batches, "ours": ours, "anchors": anchors}
 

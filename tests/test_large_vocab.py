@@ -16,7 +16,7 @@ from specdraft.models.common.checkpoint import write_checkpoint
 from specdraft.models.common.vocab import draft_ids
 from specdraft.train.config import TrainConfig
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
-from test_models_support import VOCAB, make_batch, make_target
+from test_models_support import VOCAB, make_batch
 
 DRAFT = 40
 SMALL = {
@@ -69,12 +69,16 @@ def test_dspark_l1_target_is_the_full_target_distribution_renormalised_over_the_
     with torch.no_grad():
         restricted = torch.nn.functional.linear(model.require_verifier()(h), model.draft_target_head())
         full = torch.softmax(model.target_logits(h).double(), -1)[:, draft_ids(model.d2t)]
-    _, l1, _ = block_terms(draft_logits=draft_logits, target_logits=restricted, labels=torch.zeros(6, dtype=torch.long), confidence_logits=None)
+    _, l1, _ = block_terms(
+        draft_logits=draft_logits, target_logits=restricted, labels=torch.zeros(6, dtype=torch.long), confidence_logits=None
+    )
     want = (torch.softmax(draft_logits.double(), -1) - full / full.sum(-1, keepdim=True)).abs().sum(-1)
     torch.testing.assert_close(l1.double(), want, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method,draft_vocab", [("eagle3", DRAFT), ("eagle3", None), ("dflash", DRAFT), ("dflash", None), ("dspark", DRAFT), ("dspark", None)])
+@pytest.mark.parametrize(
+    "method,draft_vocab", [("eagle3", DRAFT), ("eagle3", None), ("dflash", DRAFT), ("dflash", None), ("dspark", DRAFT), ("dspark", None)]
+)
 def test_checkpoints_carry_only_trained_tensors(tmp_path, target, method, draft_vocab):
     """Trained tensors and the vocabulary tables; the one frozen exception is EAGLE-3's embedding,
     which speculators 0.9.0 cannot restore from the verifier (see ``models.common.drafter``)."""
@@ -126,8 +130,16 @@ def gemma3_target():
 
     from specdraft.targets.base import Target
 
-    config = transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.config.architectures = [type(model).__name__]
@@ -141,11 +153,10 @@ def test_init_from_target_is_off_with_reasons_for_a_family_whose_layers_compute_
     before = {k: v.clone() for k, v in model.layers.state_dict().items()}
     cfg = TrainConfig(method=method, init_from_target=True)
     with caplog.at_level(logging.WARNING, logger="specdraft.models.common.warm_start"):
-        done = apply_warm_start(model, check_warm_start(cfg, method), WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: []))
+        done = apply_warm_start(model, check_warm_start(cfg, method), WarmStartInputs(target=target, cfg=cfg, token_rows=list))
     assert done == {"init_from_target": []}
     assert all(torch.equal(before[k], v) for k, v in model.layers.state_dict().items())
     text = caplog.text
     assert "init_from_target: off for target tiny-gemma3" in text
     for reason in ("activation is gelu_pytorch_tanh", "post-attention/post-FFN norms", "RoPE base is", "embeddings by 8"):
         assert reason in text, reason
-

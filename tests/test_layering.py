@@ -7,7 +7,8 @@ a higher layer's type, or a module that imports this one, is the same dependency
 reads it.
 
 Layers, lowest first: ``targets -> data -> hidden_states -> models -> decode -> train -> eval -> integrations ->
-quickstart -> cli``, with ``errors``, ``registry``, ``utils``, ``tuning`` (measured machine choices) and ``reference`` (shipped files) below them all. A module
+quickstart -> cli``, with ``errors``, ``registry``, ``utils``, ``tuning`` (measured machine choices), ``reference`` (shipped files) and
+``tracking`` (``--report-to``: train and eval mirror their records to trackers) below them all. A module
 may import its own layer and any lower one; an import that points up hides an import circle or a lower layer knowing
 an integration, so it fails here with the file, line and imported module. ``decode`` sits below ``train``: the
 decoding runtime needs only the drafters and the target, and training measures its drafter's decoded tau with it
@@ -22,20 +23,24 @@ from __future__ import annotations
 
 import ast
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "specdraft"
 PYPROJECT = PACKAGE.parents[1] / "pyproject.toml"
 
-BASE = ("errors", "registry", "utils", "tuning", "reference")
+BASE = ("errors", "registry", "utils", "tuning", "reference", "tracking")
 LAYERS = ("targets", "data", "hidden_states", "models", "decode", "train", "eval", "integrations", "quickstart", "cli")
 
 #: The registries a higher layer fills, by design: registry name -> (the layer that fills it, why it is a seam).
 #: Every other registry is filled by its own layer only.
 SEAMS = {
-    "LAYER_PRESETS": ("models", "each method owns its layer slots; `extract --method NAME` asks for them by name, so "
-                      "extraction, below the models, runs for any method without knowing one"),
+    "LAYER_PRESETS": (
+        "models",
+        "each method owns its layer slots; `extract --method NAME` asks for them by name, so "
+        "extraction, below the models, runs for any method without knowing one",
+    ),
     "REGENERATION_ENGINES": ("integrations", "vLLM regenerates replies; it is optional, so `prepare` runs on HF without it"),
     "SERVER_ENGINES": ("integrations", "a vLLM server for regeneration, optional like the engine"),
     "EXTRACT_ENGINES": ("integrations", "vLLM extracts hidden states; optional, `extract` runs on HF without it"),
@@ -189,8 +194,12 @@ def registrations(trees: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
     for module, tree in trees.items():
         alias = {a.asname or a.name: a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register"
-                    and isinstance(node.func.value, ast.Name)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "register"
+                and isinstance(node.func.value, ast.Name)
+            ):
                 name = alias.get(node.func.value.id, node.func.value.id)
                 if name in names:
                     found.append((module, node.lineno, name))
@@ -234,8 +243,9 @@ def test_no_import_circle():
 
 def test_no_registration_points_up_outside_the_seams():
     violations = upward_registrations()
-    assert not violations, ("a lower layer's registry holding an upper layer's code (list a designed seam in SEAMS):\n"
-                            + "\n".join(violations))
+    assert not violations, "a lower layer's registry holding an upper layer's code (list a designed seam in SEAMS):\n" + "\n".join(
+        violations
+    )
 
 
 def test_every_seam_is_a_registry_filled_from_its_layer():
@@ -260,13 +270,14 @@ def test_tests_neither_import_nor_run_benchmarks():
     """Benchmarks measure and may change freely; what a test checks lives in the package (or beside the tests)."""
     tests = Path(__file__).resolve().parent
     reaching = re.compile(r"""["']benchmarks["'/]""")  # a path into benchmarks/ in code (docstrings name it in ``...``)
-    offenders = [path.name for path in sorted(tests.rglob("*.py")) if path != Path(__file__).resolve() and reaching.search(path.read_text())]
+    offenders = [
+        path.name for path in sorted(tests.rglob("*.py")) if path != Path(__file__).resolve() and reaching.search(path.read_text())
+    ]
     assert not offenders, f"tests that reach into benchmarks/: {offenders}"
 
 
 if __name__ == "__main__":  # list the violations and count them (TYPE_CHECKING imports included): python tests/test_layering.py
     upward, circles, registered = upward_imports(), import_circles(), upward_registrations()
     print("\n".join(upward + [" <-> ".join(circle) for circle in circles] + registered) or "clean")
-    print(f"upward {len(upward)}, circles {len(circles)} (type-only imports included), "
-          f"registrations outside the seams {len(registered)}")
+    print(f"upward {len(upward)}, circles {len(circles)} (type-only imports included), registrations outside the seams {len(registered)}")
     print("seams:\n" + "\n".join(f"  {name} (filled by {layer}): {why}" for name, (layer, why) in SEAMS.items()))

@@ -140,8 +140,7 @@ def test_eval_reports_buckets_request_tau_and_the_plot(tmp_path, tiny_target):
 
     path = tmp_path / "prompts.jsonl"
     long = " ".join(["red green blue"] * 120)  # ~360 tokens: bucket <=512, the short ones <=256
-    rows = [{"prompt": "one two three one two three", "domain": "a"}, {"prompt": long, "domain": "a"},
-            {"prompt": "Say hi.", "domain": "b"}]
+    rows = [{"prompt": "one two three one two three", "domain": "a"}, {"prompt": long, "domain": "a"}, {"prompt": "Say hi.", "domain": "b"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "eval"
     config = EvalConfig(out=str(out), prompts=str(path), drafters=["ngram"], max_new_tokens=8, threads=1)
@@ -167,8 +166,10 @@ def test_embedded_target_is_exact_at_its_longest_prompts_batched(smollm2_dir):
     from specdraft.targets import load_target
 
     target = load_target("smollm2-135m")
-    prompts = [p.token_ids(target.tokenizer) for p in long_context(lengths=(8192 - 8, 2048), per_length=1, domains=("specdraft-source",),
-                                                                    max_new_tokens=8)]
+    prompts = [
+        p.token_ids(target.tokenizer)
+        for p in long_context(lengths=(8192 - 8, 2048), per_length=1, domains=("specdraft-source",), max_new_tokens=8)
+    ]
     assert len(prompts[0]) > 8100 and len(prompts[1]) < 2100
     plain = decoder_for_target(target, config=DecodeConfig(drafter="none", max_new_tokens=8), sampling=SamplingConfig())
     ngram = decoder_for_target(target, config=DecodeConfig(drafter="ngram", max_new_tokens=8), sampling=SamplingConfig())

@@ -60,8 +60,17 @@ def test_length_distribution_quantiles_and_buckets():
 
 
 def test_prepare_regenerates_long_documents_into_long_samples(tmp_path, tiny_llama_dir):
-    config = PrepareConfig(out=str(tmp_path / "out"), target=str(tiny_llama_dir), data="long-documents", regenerate=True,
-                           max_samples=2, max_length=8192, max_new_tokens=2, engine="hf", batch_size=1)
+    config = PrepareConfig(
+        out=str(tmp_path / "out"),
+        target=str(tiny_llama_dir),
+        data="long-documents",
+        regenerate=True,
+        max_samples=2,
+        max_length=8192,
+        max_new_tokens=2,
+        engine="hf",
+        batch_size=1,
+    )
     summary = prepare(config, progress=False)
     dataset = PreparedDataset(config.out)
     lengths = sorted(len(dataset[i]["input_ids"]) for i in range(len(dataset)))
@@ -69,8 +78,12 @@ def test_prepare_regenerates_long_documents_into_long_samples(tmp_path, tiny_lla
     assert summary["lengths"]["max"] == lengths[-1] and sum(summary["lengths"]["buckets"].values()) == 2
     for i in range(len(dataset)):
         mask = dataset[i]["loss_mask"].tolist()
-        assert 1 <= sum(mask) <= 2 and mask[-sum(mask):] == [1] * sum(mask)  # the loss is on the target's reply only
+        assert 1 <= sum(mask) <= 2 and mask[-sum(mask) :] == [1] * sum(mask)  # the loss is on the target's reply only
     assert "length buckets" in format_summary(summary)
     with pytest.raises(SpecdraftError, match="--regenerate"):  # prompts only: without regeneration nothing is left
-        prepare(PrepareConfig(out=str(tmp_path / "bare"), target=str(tiny_llama_dir), data="long-documents", max_samples=2,
-                              max_length=8192, engine="hf"), progress=False)
+        prepare(
+            PrepareConfig(
+                out=str(tmp_path / "bare"), target=str(tiny_llama_dir), data="long-documents", max_samples=2, max_length=8192, engine="hf"
+            ),
+            progress=False,
+        )

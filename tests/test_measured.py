@@ -11,12 +11,15 @@ from specdraft.tuning import measured
 from specdraft.tuning.measured import choose, machine_identity, measured_choice
 
 
-@pytest.mark.parametrize("seconds, expected", [
-    ({"fp32": 1.0, "bf16": 0.5}, "bf16"),  # AVX-512-BF16 / AMX / GPU: bf16 wins
-    ({"fp32": 1.0, "bf16": 13.0}, "fp32"),  # AVX2-only EPYC: bf16 13x slower
-    ({"fp32": 1.0, "bf16": 0.95}, "fp32"),  # within the margin: keep the exact one
-    ({"fp32": 1.0}, "fp32"),
-])
+@pytest.mark.parametrize(
+    "seconds, expected",
+    [
+        ({"fp32": 1.0, "bf16": 0.5}, "bf16"),  # AVX-512-BF16 / AMX / GPU: bf16 wins
+        ({"fp32": 1.0, "bf16": 13.0}, "fp32"),  # AVX2-only EPYC: bf16 13x slower
+        ({"fp32": 1.0, "bf16": 0.95}, "fp32"),  # within the margin: keep the exact one
+        ({"fp32": 1.0}, "fp32"),
+    ],
+)
 def test_choice_follows_the_timings(seconds, expected):
     assert choose(seconds, preferred="fp32", margin=0.1) == expected
 
@@ -43,7 +46,7 @@ def test_measurements_are_cached_per_machine_and_context(tmp_path, monkeypatch):
 @pytest.mark.parametrize("bf16_seconds, expected", [(0.01, "bf16"), (13.0, "fp32")])
 def test_dtype_auto_trains_in_the_measured_dtype(tmp_path, monkeypatch, bf16_seconds, expected):
     """The trainer's probe times its real step in each dtype; with injected timings the choice flips."""
-    from specdraft.train import step
+    from specdraft.train import step, trainer
     from specdraft.train.trainer import train
     from test_train_toy import ToyStore, ToyTarget, toy_config
 
@@ -55,7 +58,7 @@ def test_dtype_auto_trains_in_the_measured_dtype(tmp_path, monkeypatch, bf16_sec
         timed.append(fn)
         return 1.0 if len(timed) == 1 else bf16_seconds
 
-    monkeypatch.setattr(step, "fastest_time", fake_fastest_time)
+    monkeypatch.setattr(trainer, "fastest_time", fake_fastest_time)
     real_autocast = step.autocast
     monkeypatch.setattr(step, "autocast", lambda name, device: autocast_dtypes.append(name) or real_autocast(name, device))
     # the path pinned: its own probe (tests/test_forward_path.py) would time fp32 steps before these
@@ -76,12 +79,17 @@ def test_machine_settings_log_one_block_naming_each_choice_and_its_source(caplog
 
     from specdraft.tuning.settings import Choice, MachineSettings
 
-    settings = MachineSettings("generate", forward_path=Choice.from_facts(
-        {"forward_path": "prepacked", "forward_path_source": "cached", "forward_path_seconds": {"eager": 0.02, "prepacked": 0.01}},
-        "forward_path"), threads=Choice(2, "flag"))
+    settings = MachineSettings(
+        "generate",
+        forward_path=Choice.from_facts(
+            {"forward_path": "prepacked", "forward_path_source": "cached", "forward_path_seconds": {"eager": 0.02, "prepacked": 0.01}},
+            "forward_path",
+        ),
+        threads=Choice(2, "flag"),
+    )
     with caplog.at_level(logging.INFO, logger="specdraft.tuning.settings"):
         settings.log()
     assert len(caplog.records) == 1
-    assert caplog.records[0].getMessage() == ("generate machine settings:\n"
-                                              "  forward path: prepacked (from cache: eager 20.0 ms, prepacked 10.0 ms)\n"
-                                              "  threads: 2 (given)")
+    assert caplog.records[0].getMessage() == (
+        "generate machine settings:\n  forward path: prepacked (from cache: eager 20.0 ms, prepacked 10.0 ms)\n  threads: 2 (given)"
+    )

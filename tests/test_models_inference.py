@@ -59,7 +59,9 @@ def test_eagle3_draft_proposal_respects_draft_vocab(target):
     assert greedy.tokens.shape == (3,) and bool(torch.isin(greedy.tokens, allowed).all())
     assert greedy.probs is None  # argmaxes: point masses, no full-vocabulary table
     g = torch.Generator().manual_seed(3)
-    sampled = model.draft(model.new_cache(), features=aux[:8], next_tokens=tokens[1:9], positions=pos[:8], num_tokens=3, temperature=0.7, generator=g)
+    sampled = model.draft(
+        model.new_cache(), features=aux[:8], next_tokens=tokens[1:9], positions=pos[:8], num_tokens=3, temperature=0.7, generator=g
+    )
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[allowed] = False
     assert float(sampled.probs[:, outside].sum()) == 0.0
@@ -92,7 +94,9 @@ def test_dflash_draft_block_is_argmax_of_slots(target, draft_vocab):
     model = _build("dflash", target, block_size=4, num_layers=1, draft_vocab_size=draft_vocab)
     batch = make_batch(target, "dflash", count=1, length=16)
     tokens, aux, pos = batch.token_ids[0], batch.aux_hidden[0], batch.position_ids[0]
-    proposal = model.draft_block(model.new_cache(), context_features=aux[:9], context_positions=pos[:9], anchor_token=int(tokens[9]), anchor_position=9)
+    proposal = model.draft_block(
+        model.new_cache(), context_features=aux[:9], context_positions=pos[:9], anchor_token=int(tokens[9]), anchor_position=9
+    )
     with torch.no_grad():
         hidden = model.forward_blocks(batch, torch.tensor([[9]]))[0, 0]
     assert proposal.tokens.tolist() == _target_ids(model, model.lm_logits(hidden[1:]).argmax(-1)).tolist()
@@ -122,7 +126,13 @@ def test_dspark_sequential_draft_matches_teacher_forced_heads(target, head, draf
     batch = make_batch(target, "dspark", count=1, length=16)
     tokens, aux, pos = batch.token_ids[0], batch.aux_hidden[0], batch.position_ids[0]
     anchor = 8
-    proposal = model.draft_block(model.new_cache(), context_features=aux[:anchor], context_positions=pos[:anchor], anchor_token=int(tokens[anchor]), anchor_position=anchor)
+    proposal = model.draft_block(
+        model.new_cache(),
+        context_features=aux[:anchor],
+        context_positions=pos[:anchor],
+        anchor_token=int(tokens[anchor]),
+        anchor_position=anchor,
+    )
     assert proposal.tokens.shape == (5,) and proposal.confidences.shape == (5,) and proposal.probs is None  # greedy: point masses
     assert bool(((proposal.confidences > 0) & (proposal.confidences < 1)).all())
     # Teacher-force the drafter's own tokens: the corrected logits must pick the same tokens.
@@ -133,7 +143,15 @@ def test_dspark_sequential_draft_matches_teacher_forced_heads(target, head, draf
     assert _target_ids(model, logits[0].argmax(-1)).tolist() == proposal.tokens.tolist()
     torch.testing.assert_close(torch.sigmoid(conf[0]), proposal.confidences)
     g = torch.Generator().manual_seed(0)
-    sampled = model.draft_block(model.new_cache(), context_features=aux[:anchor], context_positions=pos[:anchor], anchor_token=int(tokens[anchor]), anchor_position=anchor, temperature=1.0, generator=g)
+    sampled = model.draft_block(
+        model.new_cache(),
+        context_features=aux[:anchor],
+        context_positions=pos[:anchor],
+        anchor_token=int(tokens[anchor]),
+        anchor_position=anchor,
+        temperature=1.0,
+        generator=g,
+    )
     assert sampled.probs.shape == (5, VOCAB) and torch.allclose(sampled.probs.sum(-1), torch.ones(5))
     assert bool((sampled.probs[torch.arange(5), sampled.tokens] > 0).all())
     if draft_vocab:

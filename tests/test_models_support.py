@@ -38,7 +38,14 @@ def make_target(*, num_layers: int = 8, vocab: int = VOCAB, seed: int = 0, kv_he
     with torch.no_grad():  # a random head gives near-uniform p_t; sharpen it so argmax is meaningful
         model.lm_head.weight.mul_(40.0)
     model.config.architectures = [type(model).__name__]
-    return Target(name=f"tiny-{family}", path=Path(f"/nonexistent/tiny-{family}"), model=model, tokenizer=None, fingerprint=f"fp-{seed}", tokenizer_hash="none")
+    return Target(
+        name=f"tiny-{family}",
+        path=Path(f"/nonexistent/tiny-{family}"),
+        model=model,
+        tokenizer=None,
+        fingerprint=f"fp-{seed}",
+        tokenizer_hash="none",
+    )
 
 
 @torch.no_grad()
@@ -46,7 +53,14 @@ def sample_sequences(target: Target, *, count: int, length: int, prompt: int = 4
     """Greedy continuations of random prompts: int64 [count, length] (so labels = target argmax)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.vocab_size, (count, prompt), generator=g)
-    out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=length - prompt, min_new_tokens=length - prompt, do_sample=False, pad_token_id=0)
+    out = target.model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=length - prompt,
+        min_new_tokens=length - prompt,
+        do_sample=False,
+        pad_token_id=0,
+    )
     return out[:, :length]
 
 
@@ -65,7 +79,9 @@ def hidden_payload(target: Target, tokens: torch.Tensor, method: str) -> tuple[t
     return aux, captured["x"]
 
 
-def make_batch(target: Target, method: str, *, count: int = 4, length: int = 24, prompt: int = 4, seed: int = 0, pack: int = 1) -> DrafterBatch:
+def make_batch(
+    target: Target, method: str, *, count: int = 4, length: int = 24, prompt: int = 4, seed: int = 0, pack: int = 1
+) -> DrafterBatch:
     """Greedy samples as a batch; ``pack`` samples are concatenated per row (segments 0..pack-1)."""
     tokens = sample_sequences(target, count=count, length=length, prompt=prompt, seed=seed)
     aux, last = hidden_payload(target, tokens, method)
@@ -79,7 +95,12 @@ def make_batch(target: Target, method: str, *, count: int = 4, length: int = 24,
     seg = torch.arange(pack).repeat_interleave(length).repeat(rows, 1).to(torch.int32)
     pos = torch.arange(length).repeat(pack).repeat(rows, 1)
     return DrafterBatch(
-        token_ids=packed(tokens), loss_mask=packed(mask), segment_ids=seg, position_ids=pos, aux_hidden=packed(aux), last_hidden=packed(last)
+        token_ids=packed(tokens),
+        loss_mask=packed(mask),
+        segment_ids=seg,
+        position_ids=pos,
+        aux_hidden=packed(aux),
+        last_hidden=packed(last),
     )
 
 
@@ -109,7 +130,6 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(before)
-
 
 
 def test_make_batch_packs_segments():

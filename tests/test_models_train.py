@@ -197,7 +197,9 @@ def test_confidence_records_use_the_full_target_distribution(target):
     model = _build("dspark", target, draft_vocab_size=24)
     batch = make_batch(target, "dspark", count=2, length=16)
     records = model.confidence_records(batch, generator=torch.Generator().manual_seed(0))
-    anchors = sample_anchors(batch.segment_ids, batch.loss_mask, max_per_segment=model.config.max_anchors, generator=torch.Generator().manual_seed(0))
+    anchors = sample_anchors(
+        batch.segment_ids, batch.loss_mask, max_per_segment=model.config.max_anchors, generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         tf = model.teacher_forced_blocks(batch, anchors, model.forward_blocks(batch, anchors))
         p_t = torch.softmax(model.target_logits(tf["target_hidden"]), -1)

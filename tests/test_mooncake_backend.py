@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.integrations.mooncake.backend import MooncakeBackend, parse_location
 from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.payload import TENSOR_KEYS, HiddenStatePayload
+from specdraft.integrations.mooncake.backend import MooncakeBackend, parse_location
 from specdraft.integrations.mooncake.client import MooncakeClient, MooncakeClientConfig
 
 TARGET = {"name": "tiny", "fingerprint": "fp", "tokenizer_hash": "th", "num_layers": 6, "hidden_size": 64}
@@ -219,13 +219,22 @@ def test_extract_into_mooncake_matches_the_file_backend(location, consumer, tmp_
     from specdraft.targets.base import Target
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
     model = transformers.LlamaForCausalLM(config).eval().requires_grad_(False)
     target = Target(name="tiny", path=tmp_path, model=model, tokenizer=None, fingerprint="f" * 16, tokenizer_hash="t" * 16)
     g = torch.Generator().manual_seed(1)
-    rows = [{"sample_id": f"sharegpt/{i}", "source": "t", "input_ids": torch.randint(0, 128, (n,), generator=g).tolist(),
-             "loss_mask": [1] * n} for i, n in enumerate((7, 12, 3))]
+    rows = [
+        {"sample_id": f"sharegpt/{i}", "source": "t", "input_ids": torch.randint(0, 128, (n,), generator=g).tolist(), "loss_mask": [1] * n}
+        for i, n in enumerate((7, 12, 3))
+    ]
     data = write_prepared(tmp_path / "data", rows, target_info=target.describe(), config={}, stats={}, vocab_size=128)
 
     def extract(backend: str, out: str):

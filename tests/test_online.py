@@ -8,17 +8,16 @@ import socket
 import pytest
 import torch
 
-from specdraft.data.dataset import write_prepared
+from specdraft.data.dataset import PreparedDataset, write_prepared
 from specdraft.errors import SpecdraftError
-from specdraft.hidden_states.capture import HiddenStateCapture
-from specdraft.hidden_states.dataset import HiddenStateDataset
-from specdraft.hidden_states.layers import LayerSlot
-from specdraft.data.dataset import PreparedDataset
 from specdraft.hidden_states.backends.file import FileBackend
+from specdraft.hidden_states.capture import HiddenStateCapture
 from specdraft.hidden_states.client import ProducerClient
 from specdraft.hidden_states.data_modes import DATA_MODES, SourceOptions
-from specdraft.hidden_states.streaming import StreamingSource
+from specdraft.hidden_states.dataset import HiddenStateDataset
+from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.service import HiddenStateService, ServiceConfig
+from specdraft.hidden_states.streaming import StreamingSource
 
 SLOTS = [LayerSlot(1, "output"), LayerSlot(4, "output")]
 NUM = 10
@@ -29,8 +28,14 @@ def make_prepared(directory, target, num=NUM, seed=0):
     rows = []
     for i in range(num):
         n = int(torch.randint(6, 20, (1,), generator=g))
-        rows.append({"sample_id": f"on/{i}", "source": "t", "input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(),
-                     "loss_mask": [int(j >= 2) for j in range(n)]})
+        rows.append(
+            {
+                "sample_id": f"on/{i}",
+                "source": "t",
+                "input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(),
+                "loss_mask": [int(j >= 2) for j in range(n)],
+            }
+        )
     return write_prepared(directory, rows, target_info=target.describe(), config={}, stats={}, vocab_size=target.vocab_size)
 
 
@@ -50,8 +55,9 @@ def producers(tiny_llama_dir, transport):
     from specdraft.targets import load_target
 
     services = [
-        HiddenStateService(ServiceConfig(target="tiny", backend="file", store=str(transport), port=0, max_batch=4),
-                           target=load_target(str(tiny_llama_dir))).start()
+        HiddenStateService(
+            ServiceConfig(target="tiny", backend="file", store=str(transport), port=0, max_batch=4), target=load_target(str(tiny_llama_dir))
+        ).start()
         for _ in range(2)
     ]
     yield services
@@ -60,8 +66,18 @@ def producers(tiny_llama_dir, transport):
 
 
 def options(prepared, transport, urls, **kw) -> SourceOptions:
-    values = dict(data=None, dataset=str(prepared), producers=urls, store=str(transport), slots=lambda n: SLOTS, dtype="float32",
-                  prefetch=4, token=None, timeout_s=30.0, delivery_log=None)
+    values = dict(
+        data=None,
+        dataset=str(prepared),
+        producers=urls,
+        store=str(transport),
+        slots=lambda n: SLOTS,
+        dtype="float32",
+        prefetch=4,
+        token=None,
+        timeout_s=30.0,
+        delivery_log=None,
+    )
     values.update(kw)
     return SourceOptions(**values)
 
@@ -99,8 +115,9 @@ def test_online_delivers_every_sample_once_and_leaves_the_store_empty(prepared, 
 
 
 def test_requests_to_a_producer_that_died_go_to_another(prepared, transport, producers):
-    doomed = HiddenStateService(ServiceConfig(target="tiny", backend="file", store=str(transport), port=0),
-                                target=producers[1].engine.target).start()  # producers[1] gets no requests here
+    doomed = HiddenStateService(
+        ServiceConfig(target="tiny", backend="file", store=str(transport), port=0), target=producers[1].engine.target
+    ).start()  # producers[1] gets no requests here
     with DATA_MODES.get("online")(options(prepared, transport, [doomed.url, dead_url(), producers[0].url])) as source:
         assert set(source.client.unavailable()) == {source.client.urls[1]}  # found dead when the source opened
         doomed.close()
@@ -116,8 +133,15 @@ def test_a_producer_that_does_not_answer_times_out_and_is_bypassed(prepared, tra
         silent.listen(16)
         hung = f"http://127.0.0.1:{silent.getsockname()[1]}"
         client = ProducerClient([hung, producers[0].url], timeout_s=1.0)
-        with StreamingSource(prepared=PreparedDataset(prepared), client=client, transport=FileBackend(transport),
-                             target_info=producers[0].target_info, slots=SLOTS, dtype="float32", prefetch=2) as source:
+        with StreamingSource(
+            prepared=PreparedDataset(prepared),
+            client=client,
+            transport=FileBackend(transport),
+            target_info=producers[0].target_info,
+            slots=SLOTS,
+            dtype="float32",
+            prefetch=2,
+        ) as source:
             source.start(range(4))
             assert [source[i]["sample_id"] for i in range(4)] == [f"on/{i}" for i in range(4)]
             assert source.counters["retries"] >= 1
@@ -206,7 +230,9 @@ def test_hybrid_caches_requested_samples_for_offline_use(prepared, transport, pr
     with pytest.raises(SpecdraftError, match="made with other settings"):
         DATA_MODES.get("hybrid")(options(prepared, transport, [producers[0].url], data=str(cache), slots=lambda n: SLOTS[:1]))
     reprepared = make_prepared(tmp_path / "reprepared", tiny_target, seed=1)  # the same sample ids, other tokens
-    with pytest.raises(SpecdraftError, match=rf"{cache} was started from dataset .*its first {NUM} rows \(sample ids or token ids\) differ"):
+    with pytest.raises(
+        SpecdraftError, match=rf"{cache} was started from dataset .*its first {NUM} rows \(sample ids or token ids\) differ"
+    ):
         DATA_MODES.get("hybrid")(options(reprepared, transport, [producers[0].url], data=str(cache)))
 
 
@@ -271,8 +297,10 @@ def test_a_restarted_consumer_deletes_what_its_killed_predecessor_left(prepared,
     urls = [p.url for p in producers]
     dead = DATA_MODES.get("online")(options(prepared, transport, urls, owner="run1r0"))
     other = DATA_MODES.get("online")(options(prepared, transport, urls, owner="run2r0"))
-    left, kept = dead._request({"token_ids": [1, 2, 3], "slots": [s.to_json() for s in SLOTS], "dtype": "float32"}, "on/0")[0], \
-        other._request({"token_ids": [4, 5], "slots": [s.to_json() for s in SLOTS], "dtype": "float32"}, "on/1")[0]
+    left, kept = (
+        dead._request({"token_ids": [1, 2, 3], "slots": [s.to_json() for s in SLOTS], "dtype": "float32"}, "on/0")[0],
+        other._request({"token_ids": [4, 5], "slots": [s.to_json() for s in SLOTS], "dtype": "float32"}, "on/1")[0],
+    )
     assert FileBackend(transport).keys() == sorted([left, kept])  # `dead` never reads or closes: its host was lost
     with DATA_MODES.get("online")(options(prepared, transport, urls, owner="run1r0")):
         assert FileBackend(transport).keys() == [kept]  # only its own predecessor's, not another run's

@@ -24,8 +24,8 @@ from specdraft.cli.main import main
 from specdraft.hidden_states.capture import HiddenStateCapture
 from specdraft.hidden_states.layers import spread_output_slots
 from specdraft.integrations.mooncake.master import MooncakeMaster
-from specdraft.train.config import TrainConfig
 from specdraft.train.batches import DELIVERY_LOG, open_sample_source
+from specdraft.train.config import TrainConfig
 from specdraft.train.trainer import train
 from test_online import make_prepared
 
@@ -48,8 +48,24 @@ class Producers:
         self.urls = []
         for i in range(count):
             log = open(log_dir / f"producer-{i}.log", "w")
-            cmd = [sys.executable, "-m", "specdraft.cli.main", "serve-hidden-states", "--target", str(target_dir), "--backend",
-                   "mooncake", "--store", store, "--port", "0", "--num-threads", "1", "--max-batch", "4"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "specdraft.cli.main",
+                "serve-hidden-states",
+                "--target",
+                str(target_dir),
+                "--backend",
+                "mooncake",
+                "--store",
+                store,
+                "--port",
+                "0",
+                "--num-threads",
+                "1",
+                "--max-batch",
+                "4",
+            ]
             self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True))
         for proc in self.procs:
             line = proc.stdout.readline()
@@ -74,10 +90,26 @@ def prepared(tiny_target, tmp_path_factory):
 
 
 def config(tmp_path, prepared, master, namespace, producers, tiny_llama_dir, **kw) -> TrainConfig:
-    values = dict(method="dflash", target=str(tiny_llama_dir), out=str(tmp_path / "run"), model=DFLASH, data_mode="online",
-                  dataset=str(prepared), producers=producers.urls, store=location(master, namespace, segment_mb=64, buffer_mb=8),
-                  stream_dtype="float32", prefetch=4, pack_tokens=48, batch_rows=1, val_fraction=0.0, eval_interval=0,
-                  checkpoint_interval=0, dtype="fp32", num_threads=1, seed=1)
+    values = dict(
+        method="dflash",
+        target=str(tiny_llama_dir),
+        out=str(tmp_path / "run"),
+        model=DFLASH,
+        data_mode="online",
+        dataset=str(prepared),
+        producers=producers.urls,
+        store=location(master, namespace, segment_mb=64, buffer_mb=8),
+        stream_dtype="float32",
+        prefetch=4,
+        pack_tokens=48,
+        batch_rows=1,
+        val_fraction=0.0,
+        eval_interval=0,
+        checkpoint_interval=0,
+        dtype="fp32",
+        num_threads=1,
+        seed=1,
+    )
     values.update(kw)
     return TrainConfig(**values)
 
@@ -102,11 +134,41 @@ def test_online_training_with_two_producers(master, prepared, tiny_llama_dir, ti
                 torch.testing.assert_close(item["hidden_states"], hidden, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(item["last_hidden"], last, rtol=1e-5, atol=1e-5)
         os.remove(tmp_path / "run" / DELIVERY_LOG)
-        argv = ["train", "--method", "dflash", "--target", str(tiny_llama_dir), "--out", str(tmp_path / "run"), "--data-mode", "online",
-                "--dataset", str(prepared), "--producers", ",".join(with_producers.urls), "--store", cfg.store,
-                "--stream-dtype", "float32", "--prefetch", "4", "--model", "num_layers=1,block_size=4,max_anchors=8,intermediate_size=64",
-                "--pack-tokens", "48", "--val-fraction", "0", "--eval-interval", "0", "--checkpoint-interval", "0", "--dtype", "fp32",
-                "--num-threads", "1"]
+        argv = [
+            "train",
+            "--method",
+            "dflash",
+            "--target",
+            str(tiny_llama_dir),
+            "--out",
+            str(tmp_path / "run"),
+            "--data-mode",
+            "online",
+            "--dataset",
+            str(prepared),
+            "--producers",
+            ",".join(with_producers.urls),
+            "--store",
+            cfg.store,
+            "--stream-dtype",
+            "float32",
+            "--prefetch",
+            "4",
+            "--model",
+            "num_layers=1,block_size=4,max_anchors=8,intermediate_size=64",
+            "--pack-tokens",
+            "48",
+            "--val-fraction",
+            "0",
+            "--eval-interval",
+            "0",
+            "--checkpoint-interval",
+            "0",
+            "--dtype",
+            "fp32",
+            "--num-threads",
+            "1",
+        ]
         assert main(argv) == 0
     finally:
         with_producers.close()
@@ -132,10 +194,21 @@ class QuickReleaseMaster:
         port, metrics_port = free_port(), free_port()
         self.state = {"host": "127.0.0.1", "port": port, "metrics_port": metrics_port}
         self.address = f"127.0.0.1:{port}"
-        self.proc = subprocess.Popen(master_command() + [
-            "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_host=127.0.0.1", f"--metrics_port={metrics_port}",
-            "--enable_http_metadata_server=false", "--default_kv_lease_ttl=300", "--put_start_discard_timeout_sec=2",
-            "--put_start_release_timeout_sec=3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            master_command()
+            + [
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={port}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={metrics_port}",
+                "--enable_http_metadata_server=false",
+                "--default_kv_lease_ttl=300",
+                "--put_start_discard_timeout_sec=2",
+                "--put_start_release_timeout_sec=3",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         from specdraft.integrations.mooncake.client import check_reachable
 
         deadline = time.monotonic() + 30
@@ -197,8 +270,8 @@ def consume_across_restart(options_json: str) -> None:
     A child, because Mooncake's client can crash natively (SIGSEGV) when used after its master restarted.
     """
     from specdraft.errors import SpecdraftError
-    from specdraft.hidden_states.layers import LayerSlot
     from specdraft.hidden_states.data_modes import DATA_MODES, SourceOptions
+    from specdraft.hidden_states.layers import LayerSlot
 
     values = json.loads(options_json)
     source = DATA_MODES.get("online")(SourceOptions(**values, slots=lambda n: [LayerSlot(1, "output")]))
@@ -220,11 +293,22 @@ def test_a_master_restart_stops_training_with_a_clear_error(tiny_llama_dir, tiny
     with_producers = None
     try:
         with_producers = Producers(tiny_llama_dir, location(first, "restart", segment_mb=0), 1, tmp_path)
-        options = dict(data=None, dataset=str(data), producers=with_producers.urls, prefetch=1, timeout_s=30,
-                       store=location(first, "restart", segment_mb=32, buffer_mb=8, wait_s=5))
+        options = dict(
+            data=None,
+            dataset=str(data),
+            producers=with_producers.urls,
+            prefetch=1,
+            timeout_s=30,
+            store=location(first, "restart", segment_mb=32, buffer_mb=8, wait_s=5),
+        )
         code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); from specdraft.cli.main import load_plugins; load_plugins(); import test_online_mooncake as t; t.consume_across_restart(sys.argv[1])"
-        consumer = subprocess.Popen([sys.executable, "-c", code, json.dumps(options)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, text=True)
+        consumer = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(options)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert consumer.stdout.readline().strip() == "got on/0"
         first.__exit__()
         with MooncakeMaster(dir=str(tmp_path / "m2"), port=port, lease_ttl_ms=300):

@@ -15,7 +15,7 @@ def test_orthogonalise_flattens_the_spectrum_of_wide_and_tall_matrices():
         update = torch.randn(shape, generator=g) * torch.logspace(-2, 0, shape[1])  # condition number 8 (wide), 116 (tall)
         singular = torch.linalg.svdvals(orthogonalise(update))
         assert orthogonalise(update).shape == shape
-        assert 0.65 < float(singular.min()) and float(singular.max()) < 1.2, singular
+        assert float(singular.min()) > 0.65 and float(singular.max()) < 1.2, singular
 
 
 def test_muon_takes_hidden_matrices_and_leaves_vocabulary_rows_norms_and_vectors_to_adamw():
@@ -62,10 +62,9 @@ def test_muon_step_is_orthogonal_momentum_scaled_to_adamw_rms():
 
 
 def test_muon_training_resumes_bitwise(tmp_path):
+    from specdraft.train.trainer import train
     from test_train import assert_same_weights
     from test_train_toy import SignalAfterReads, ToyStore, ToyTarget, toy_config
-
-    from specdraft.train.trainer import train
 
     reference = train(toy_config(tmp_path / "ref", optimizer="muon"), target=ToyTarget(), dataset=ToyStore())
     adamw = train(toy_config(tmp_path / "adamw"), target=ToyTarget(), dataset=ToyStore())

@@ -12,7 +12,9 @@ from test_data_prepare import _conversations, _prepare
 
 def test_regen_budget_keeps_finished_batches_and_a_rerun_completes(tmp_path, tiny_llama_dir, monkeypatch):
     rows = _conversations(3)
-    options = dict(regenerate=True, max_new_tokens=4, batch_size=1, threads=1, forward_path="eager")  # no thread or path probe: it would count as a batch
+    options = dict(
+        regenerate=True, max_new_tokens=4, batch_size=1, threads=1, forward_path="eager"
+    )  # no thread or path probe: it would count as a batch
     real = regenerate_module.generate_batch
 
     def stop_after_first(*args, **kwargs):

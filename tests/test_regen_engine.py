@@ -12,23 +12,27 @@ import pytest
 import torch
 
 from specdraft.data import regenerate as regen
-from specdraft.data.regenerate import EngineRequest, GenerationSettings, choose_engine, resolve_engine
+from specdraft.data.regenerate import EngineRequest, GenerationSettings, resolve_engine
 from specdraft.errors import SpecdraftError
 from specdraft.integrations.vllm import engine as vllm_engine
 from specdraft.integrations.vllm import generate as _vllm_generate  # noqa: F401  (registers the vllm engine)
+from specdraft.tuning.engines import choose_engine, generation_rate
 
 #: What benchmarks/regenerate_throughput.py measured on a busy 2-core CPU (README): HF 8, vLLM 48 tokens/s, 97 s start.
 SLOW_CPU = {"hf_tokens_per_s": 8.0, "vllm_tokens_per_s": 48.0, "vllm_start_s": 97.0}
 
 
-@pytest.mark.parametrize("work, budget, running, expected", [
-    (512 * 128, 300.0, False, "vllm"),  # the quickstart's 5 minutes: 9,744 tokens with vLLM vs 2,400 with HF
-    (512 * 128, 60.0, False, "hf"),  # a minute: the server would still be starting when the budget ends
-    (512 * 128, 60.0, True, "vllm"),  # ... unless the probe already started it
-    (64, None, False, "hf"),  # no limit but little work: 8 s with HF vs 98 s with vLLM
-    (512 * 128, None, False, "vllm"),  # no limit, much work: 2.3 h vs 24 min
-    (1000, 100.0, False, "hf"),  # HF finishes all of it within the budget, vLLM would not
-])
+@pytest.mark.parametrize(
+    "work, budget, running, expected",
+    [
+        (512 * 128, 300.0, False, "vllm"),  # the quickstart's 5 minutes: 9,744 tokens with vLLM vs 2,400 with HF
+        (512 * 128, 60.0, False, "hf"),  # a minute: the server would still be starting when the budget ends
+        (512 * 128, 60.0, True, "vllm"),  # ... unless the probe already started it
+        (64, None, False, "hf"),  # no limit but little work: 8 s with HF vs 98 s with vLLM
+        (512 * 128, None, False, "vllm"),  # no limit, much work: 2.3 h vs 24 min
+        (1000, 100.0, False, "hf"),  # HF finishes all of it within the budget, vLLM would not
+    ],
+)
 def test_the_engine_that_regenerates_more_within_the_budget_wins(work, budget, running, expected):
     engine, plan = choose_engine(SLOW_CPU, work_tokens=work, budget_s=budget, server_running=running)
     assert engine == expected
@@ -59,8 +63,18 @@ class FakeServer:
 def fake_vllm(tmp_path, monkeypatch):
     """A clock that only the fakes advance: HF generates ``hf`` tokens/s after a prefill of ``hf_prefill`` s, the
     server starts in ``start`` s and generates ``vllm`` tokens/s after ``vllm_prefill`` s; records the servers started."""
-    clock = SimpleNamespace(now=1000.0, started=[], hf=8.0, vllm=48.0, start=97.0, hf_prefill=0.0, vllm_prefill=0.0, fail=None,
-                            fail_probe=None, vllm_cached=set())
+    clock = SimpleNamespace(
+        now=1000.0,
+        started=[],
+        hf=8.0,
+        vllm=48.0,
+        start=97.0,
+        hf_prefill=0.0,
+        vllm_prefill=0.0,
+        fail=None,
+        fail_probe=None,
+        vllm_cached=set(),
+    )
     monkeypatch.setattr(regen, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=lambda: clock.now))
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
 
@@ -84,16 +98,25 @@ def fake_vllm(tmp_path, monkeypatch):
         return [[1] * request.settings.max_new_tokens for _ in prompts]
 
     monkeypatch.setattr(regen, "_hf_generate", hf_generate)
-    fake = regen.ServerEngine(locate=lambda explicit=None: tmp_path / ".venv-vllm/bin/python", version=vllm_engine.vllm_version,
-                              start=start_server, probe=probe_batch)
+    fake = regen.ServerEngine(
+        locate=lambda explicit=None: tmp_path / ".venv-vllm/bin/python",
+        version=vllm_engine.vllm_version,
+        start=start_server,
+        probe=probe_batch,
+    )
     monkeypatch.setitem(regen.SERVER_ENGINES._items, "vllm", fake)
     return clock
 
 
 def _request(**settings):
     target = SimpleNamespace(fingerprint="f" * 16, model=torch.nn.Linear(1, 1))
-    return EngineRequest(target, 0, frozenset({2}), GenerationSettings(**{"max_new_tokens": 128, "temperature": 0.0, "batch_size": 16,
-                                                                          "seed": 0, **settings}), forward_path="eager")
+    return EngineRequest(
+        target,
+        0,
+        frozenset({2}),
+        GenerationSettings(**{"max_new_tokens": 128, "temperature": 0.0, "batch_size": 16, "seed": 0, **settings}),
+        forward_path="eager",
+    )
 
 
 PROMPTS = [[5] * (10 + i) for i in range(512)]
@@ -106,8 +129,9 @@ def test_auto_measures_once_keeps_the_started_server_and_decides_per_budget(fake
     assert {k: choice.facts["engine_figures"][k] for k in SLOW_CPU} == pytest.approx(SLOW_CPU)
     assert choice.facts["engine_plan"]["vllm"]["start_s"] == 0.0  # already paid
     stored = json.loads(next(_cached()).read_text())
-    assert stored["seconds"] == pytest.approx({"hf_first_s": 2.0, "hf_step_s": 2.0, "vllm_first_s": 16 / 48, "vllm_step_s": 16 / 48,
-                                               "vllm_start_s": 97.0})
+    assert stored["seconds"] == pytest.approx(
+        {"hf_first_s": 2.0, "hf_step_s": 2.0, "vllm_first_s": 16 / 48, "vllm_step_s": 16 / 48, "vllm_start_s": 97.0}
+    )
     assert stored["context"]["rows"] == 16
 
     # Cached: nothing is timed or started again; with one minute left the start cannot pay off, so HF.
@@ -129,12 +153,14 @@ def test_rates_are_predicted_at_the_answer_length_not_read_off_a_prefill_bound_p
     probe prompts skips their prefill, which must not be read as fast steps."""
     fake_vllm.hf_prefill, fake_vllm.vllm_prefill = 6.0, 1.0
     for max_new_tokens in (128, 512):
-        figures = resolve_engine(_request(max_new_tokens=max_new_tokens), PROMPTS, requested="auto", threads=1, deadline=None).facts["engine_figures"]
+        figures = resolve_engine(_request(max_new_tokens=max_new_tokens), PROMPTS, requested="auto", threads=1, deadline=None).facts[
+            "engine_figures"
+        ]
         steps = max_new_tokens - 1
         assert figures["hf_first_s"] == pytest.approx(6.0 + 16 / 8) and figures["hf_step_s"] == pytest.approx(16 / 8)
         assert figures["hf_tokens_per_s"] == pytest.approx(16 * max_new_tokens / (8.0 + 2.0 * steps))  # the fake's own rate
         assert figures["vllm_tokens_per_s"] == pytest.approx(16 * max_new_tokens / (1.0 + 16 / 48 * max_new_tokens))
-    assert regen.generation_rate(6.0, 0.0, rows=4, tokens=3) == pytest.approx(2.0)  # all of it prefill
+    assert generation_rate(6.0, 0.0, rows=4, tokens=3) == pytest.approx(2.0)  # all of it prefill
 
 
 def test_hf_wins_where_vllm_is_slow_here_and_its_server_is_stopped(fake_vllm):
@@ -156,7 +182,9 @@ def test_no_vllm_environment_or_a_failed_start_means_hf_and_nothing_cached(fake_
         raise SpecdraftError("no vLLM environment")
 
     monkeypatch.setitem(regen.SERVER_ENGINES._items, "vllm", dataclasses.replace(regen.SERVER_ENGINES.get("vllm"), locate=missing))
-    assert resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=None).facts["engine_source"].startswith("no .venv-vllm")
+    assert (
+        resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=None).facts["engine_source"].startswith("no .venv-vllm")
+    )
     with pytest.raises(SpecdraftError, match="no vLLM environment"):  # an explicit --vllm-python that does not exist is an error
         resolve_engine(dataclasses.replace(_request(), vllm_python="/nope/python"), PROMPTS, requested="auto", threads=1, deadline=None)
 
@@ -180,8 +208,9 @@ def test_prepare_auto_regenerates_on_the_probes_server_and_stops_it(tmp_path, ti
         yield ((index, [[7, 2] for _ in prompts]) for index, prompts in batches)
 
     monkeypatch.setitem(regen.REGENERATION_ENGINES._items, "vllm", fake_batches)
-    summary, ds = _prepare(tmp_path, tiny_llama_dir, _conversations(40), regenerate=True, max_new_tokens=200, batch_size=4,
-                           engine="auto", threads=1)
+    summary, ds = _prepare(
+        tmp_path, tiny_llama_dir, _conversations(40), regenerate=True, max_new_tokens=200, batch_size=4, engine="auto", threads=1
+    )
     assert summary["engine"] == "vllm" and summary["engine_source"] == "measured" and summary["regenerated"] == 40
     assert used == fake_vllm.started and len(fake_vllm.started) == 1 and fake_vllm.started[0].stopped == 1
 
@@ -190,11 +219,10 @@ def test_hf_generates_on_the_path_measured_fastest_and_prepare_puts_the_target_b
     """``--forward-path auto`` for HF regeneration: a short generate of the probe prompts timed on each path that
     applies (rates injected: prepacked twice eager's), the fastest kept for the batches and cached; prepare leaves the
     target on the path it found, for the stages after it to choose their own."""
-    from test_data_prepare import _conversations, _prepare
-
     from specdraft.targets import load_target
     from specdraft.tuning import forward_path as fp
     from specdraft.tuning import streamed
+    from test_data_prepare import _conversations, _prepare
 
     monkeypatch.setattr(streamed, "streamed_ops", lambda: None)  # candidates: eager, prepacked (no grouped heads: no gqa)
     rates = {"eager": 8.0, "prepacked": 16.0}

@@ -10,8 +10,8 @@ import torch
 from scipy import stats
 
 from specdraft.decode import sps as sps_module
-from specdraft.decode.sampling import sample
 from specdraft.decode.config import SchedulerConfig
+from specdraft.decode.sampling import sample
 from specdraft.decode.scheduler import choose_verify_lengths, prefix_survival, schedule_prefix
 from specdraft.decode.sps import SpsTable, default_token_counts, load_or_measure_sps
 from specdraft.decode.verification import verify_rejection
@@ -34,7 +34,9 @@ def test_scheduler_spends_the_batch_on_the_most_likely_drafts():
     lengths = torch.tensor([2, 2])
     assert choose_verify_lengths(confidences=conf, lengths=lengths, config=SchedulerConfig("scheduled"), sps=table).tolist() == [0, 2]
     # A verify length never exceeds the drafted length.
-    assert choose_verify_lengths(confidences=conf, lengths=torch.tensor([2, 1]), config=SchedulerConfig("scheduled"), sps=table).tolist() == [1, 1]
+    assert choose_verify_lengths(
+        confidences=conf, lengths=torch.tensor([2, 1]), config=SchedulerConfig("scheduled"), sps=table
+    ).tolist() == [1, 1]
 
 
 def test_full_and_threshold_policies():
@@ -157,8 +159,17 @@ def test_sps_is_measured_once_and_cached(tmp_path, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, head_dim=32)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=32,
+        )
+    ).eval()
     calls = []
     real = sps_module.measure_sps
     monkeypatch.setattr(sps_module, "measure_sps", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
@@ -217,8 +228,17 @@ def test_sps_profile_is_monotone_and_ignores_slow_outliers(monkeypatch):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, head_dim=32)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=32,
+        )
+    ).eval()
     # a fake clock: each forward of B tokens "takes" 10 ms, except every third run, hit by a 1 s stall,
     # and B=3 is impossibly cheap (as a noisy profile can claim)
     clock = it.count()

@@ -14,8 +14,8 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.backends.file import FileBackend
 from specdraft.hidden_states.capture import HiddenStateCapture
-from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.client import ProducerClient
+from specdraft.hidden_states.layers import LayerSlot
 from specdraft.hidden_states.service import HiddenStateService, ServiceConfig
 
 SLOTS = [LayerSlot(1, "output"), LayerSlot(3, "input")]
@@ -79,7 +79,12 @@ def test_extract_stores_what_a_local_capture_computes(service, tiny_target):
         (json.dumps(body("a", [1, 10**7])).encode(), TOKEN, 400, "outside the target's vocabulary"),
         (json.dumps(body("a", [])).encode(), TOKEN, 400, "non-empty list of integers"),
         (json.dumps(body("", [1])).encode(), TOKEN, 400, "'key' must be"),
-        (json.dumps(body("a", [1], dtype="int8")).encode(), TOKEN, 400, "dtype must be one of 'bfloat16', 'float16', 'float32', got a string \"int8\""),
+        (
+            json.dumps(body("a", [1], dtype="int8")).encode(),
+            TOKEN,
+            400,
+            "dtype must be one of 'bfloat16', 'float16', 'float32', got a string \"int8\"",
+        ),
         (json.dumps(body("a", [1], extra=1)).encode(), TOKEN, 400, "unknown field"),
         (json.dumps(body("a", [1], target_fingerprint="f" * 16)).encode(), TOKEN, 409, "fingerprint"),
     ],
@@ -92,8 +97,9 @@ def test_bad_requests_get_a_4xx_with_a_clear_message(service, data, token, statu
 
 def test_unknown_path_and_client_errors(service):
     for method, path in (("GET", "/nope"), ("POST", "/nope"), ("GET", "/extract"), ("POST", "/health")):
-        request = urllib.request.Request(service.url + path, data=b"{}" if method == "POST" else None, method=method,
-                                         headers={"Authorization": f"Bearer {TOKEN}"})
+        request = urllib.request.Request(
+            service.url + path, data=b"{}" if method == "POST" else None, method=method, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(request, timeout=10)
         assert err.value.code == 404 and "POST /extract" in json.loads(err.value.read())["error"], (method, path)

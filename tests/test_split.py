@@ -29,7 +29,9 @@ def _rows(conversations: int = 120, seed: int = 0) -> list[dict]:
             prompt = continue_prompt if shared else torch.randint(4, VOCAB, (6,), generator=g).tolist()
             reply = torch.randint(4, VOCAB, (5,), generator=g).tolist()
             sid = f"c{c:03d}_{k}" + (f"@{index}" if c % 17 == 0 and k == 0 and index else "")
-            rows.append({"sample_id": sid, "source": SOURCE, "input_ids": prompt + reply, "loss_mask": [0] * len(prompt) + [1] * len(reply)})
+            rows.append(
+                {"sample_id": sid, "source": SOURCE, "input_ids": prompt + reply, "loss_mask": [0] * len(prompt) + [1] * len(reply)}
+            )
             index += 1
     return rows
 
@@ -90,8 +92,10 @@ def test_recorded_split_is_reused_when_the_data_change(tmp_path):
     write_split(path, first)
     assert resolve_split(dataset, val_fraction=0.1, seed=1, recorded=path).hash == first.hash  # settings changed: recorded wins
     # more rows: new chunks of recorded validation conversations join validation, everything else trains
-    extra = [{**row, "sample_id": row["sample_id"].split("@")[0] + "9", "input_ids": [5] + row["input_ids"], "loss_mask": [0] + row["loss_mask"]}
-             for row in rows]  # a further chunk of every conversation (c001_0 -> c001_09), with a prompt of its own
+    extra = [
+        {**row, "sample_id": row["sample_id"].split("@")[0] + "9", "input_ids": [5] + row["input_ids"], "loss_mask": [0] + row["loss_mask"]}
+        for row in rows
+    ]  # a further chunk of every conversation (c001_0 -> c001_09), with a prompt of its own
     grown = _dataset(tmp_path, rows + extra, "b")
     again = resolve_split(grown, val_fraction=0.3, seed=7, recorded=path)
     recorded_ids, groups = set(first.record["validation_ids"]), set(first.record["validation_groups"])
@@ -104,8 +108,10 @@ def test_recorded_split_is_reused_when_the_data_change(tmp_path):
 def test_adding_data_never_moves_a_training_sample_to_validation():
     """What the sharegpt eval suite relies on: its split over the whole file holds validation prompts of any part of it."""
     g = torch.Generator().manual_seed(3)
-    keys = [SplitKey(f"g{int(torch.randint(0, 400, (1,), generator=g))}", f"p{int(torch.randint(0, 3000, (1,), generator=g))}")
-            for _ in range(1000)]
+    keys = [
+        SplitKey(f"g{int(torch.randint(0, 400, (1,), generator=g))}", f"p{int(torch.randint(0, 3000, (1,), generator=g))}")
+        for _ in range(1000)
+    ]
     whole = held_out(keys, 0.2, 0)
     part = held_out(keys[:400], 0.2, 0)
     assert any(whole) and all(part[i] for i in range(400) if whole[i])
@@ -156,4 +162,7 @@ def test_split_audit_counts_the_old_rules_leaks_and_its_clean_subset(tmp_path):
     leaking = {i for i in old if group(rows[i]) in {group(r) for r in train} or prompt(rows[i]) in {prompt(r) for r in train}}
     assert leaking and clean and clean == old - leaking
     assert result["old"]["sharing_either"] == len(leaking) and result["new"]["sharing_either"] == 0
-    assert result["old"]["validation_rows"] - result["moved_validation_to_training"] + result["moved_training_to_validation"] == result["new"]["validation_rows"]
+    assert (
+        result["old"]["validation_rows"] - result["moved_validation_to_training"] + result["moved_training_to_validation"]
+        == result["new"]["validation_rows"]
+    )

@@ -68,7 +68,10 @@ _CONVERT = "from specdraft.targets import resolve_target_dir; print(resolve_targ
 def test_embedded_conversion_is_once_and_concurrency_safe(tmp_path):
     """Two processes convert into an empty cache at once: one converts, the other waits and reuses."""
     env = {**os.environ, "SPECDRAFT_CACHE": str(tmp_path / "cache")}
-    procs = [subprocess.Popen([sys.executable, "-c", _CONVERT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CONVERT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     final = tmp_path / "cache" / "targets" / "smollm2-135m"

@@ -38,11 +38,14 @@ def test_candidates_span_one_to_all_cores(cores, expected):
     assert thread_candidates(cores) == expected
 
 
-@pytest.mark.parametrize("seconds, expected", [
-    ({1: 0.25, 2: 1.0, 4: 0.9}, 1),  # a busy shared CPU: one thread is 4x faster than all
-    ({1: 1.0, 2: 0.6, 4: 0.3}, 4),  # an idle machine: all cores
-    ({1: 1.0, 2: 0.97, 4: 1.0}, 4),  # within the margin of all cores: keep the default
-])
+@pytest.mark.parametrize(
+    "seconds, expected",
+    [
+        ({1: 0.25, 2: 1.0, 4: 0.9}, 1),  # a busy shared CPU: one thread is 4x faster than all
+        ({1: 1.0, 2: 0.6, 4: 0.3}, 4),  # an idle machine: all cores
+        ({1: 1.0, 2: 0.97, 4: 1.0}, 4),  # within the margin of all cores: keep the default
+    ],
+)
 def test_the_fastest_count_is_set_and_cached(tmp_path, monkeypatch, seconds, expected):
     timed = inject(monkeypatch, seconds, cores=4)
     work = []
@@ -88,8 +91,12 @@ def test_eval_decodes_at_the_measured_count_and_reports_it(tmp_path, tiny_target
     timed = inject(monkeypatch, {1: 0.1, 2: 1.0}, cores=2)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Say hello."}) + "\n")
-    report = run_eval(EvalConfig(out=str(tmp_path / "e"), prompts=str(prompts), max_new_tokens=3, plots=False), SamplingConfig(),
-                      target=tiny_target, progress=False)
+    report = run_eval(
+        EvalConfig(out=str(tmp_path / "e"), prompts=str(prompts), max_new_tokens=3, plots=False),
+        SamplingConfig(),
+        target=tiny_target,
+        progress=False,
+    )
     assert sorted(timed) == [1, 2] and torch.get_num_threads() == 1
     assert (report["threads"], report["threads_source"], report["threads_seconds"]) == (1, "measured", {"1": 0.1, "2": 1.0})
     assert "1 CPU threads (measured: 1 100.0 ms, 2 1000.0 ms)" in (tmp_path / "e" / "report.md").read_text()

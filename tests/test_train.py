@@ -104,8 +104,13 @@ def test_resume_from_periodic_checkpoint_and_dry_run(reference, tmp_path):
 def test_sigterm_subprocess_leaves_resumable_checkpoint(tmp_path):
     out = tmp_path / "run"
     cfg = toy_config(out, max_steps=100000, checkpoint_interval=0, eval_interval=0).to_dict()
-    proc = subprocess.Popen([sys.executable, str(TESTS / "test_train_toy.py"), json.dumps(cfg)], cwd=TESTS,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(TESTS / "test_train_toy.py"), json.dumps(cfg)],
+        cwd=TESTS,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
@@ -132,8 +137,12 @@ def test_sigkill_subprocess_then_rerun_equals_uninterrupted(reference, tmp_path)
     """A hard kill (no chance to save) mid-run; the rerun resumes from the last periodic checkpoint."""
     out = tmp_path / "run"
     cfg = toy_config(out, max_steps=12, checkpoint_interval=3)
-    proc = subprocess.Popen([sys.executable, str(TESTS / "test_train_toy.py"), json.dumps(cfg.to_dict()), "", "0.05"], cwd=TESTS,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(TESTS / "test_train_toy.py"), json.dumps(cfg.to_dict()), "", "0.05"],
+        cwd=TESTS,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while len(ckpt.list_checkpoints(out)) < 2:
@@ -219,8 +228,7 @@ def test_plan_is_worked_out_without_side_effects(reference, tmp_path):
 
 def test_train_step_without_optimizer_leaves_the_parameters(tmp_path):
     """The probes' unit of work (``train_step`` without an optimizer) changes nothing; with one it updates."""
-    from specdraft.train.step import synthetic_batch
-    from specdraft.train.step import StepModule, build_optimizer, train_step
+    from specdraft.train.step import StepModule, build_optimizer, synthetic_batch, train_step
     from test_train_toy import ToyConfig, ToyDrafter
 
     module = StepModule(ToyDrafter(ToyConfig(), 2, 8)).train()
@@ -303,9 +311,22 @@ def test_cli_reports_bad_data_dir(tmp_path, capsys):
 
 def torchrun_toy(cfg: dict, side_dir: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(TESTS / "test_train_toy.py"), json.dumps(cfg), str(side_dir)],
-        cwd=TESTS, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(TESTS / "test_train_toy.py"),
+            json.dumps(cfg),
+            str(side_dir),
+        ],
+        cwd=TESTS,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
     assert proc.returncode == 0, "\n".join(errors[:40]) + "\n" + proc.stderr[-3000:]

@@ -35,8 +35,16 @@ def tiny_target(fingerprint: str = "a" * 16):
     from specdraft.targets.base import Target
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval().requires_grad_(False)
     return Target(name="tiny", path=Path("/nowhere"), model=model, tokenizer=None, fingerprint=fingerprint, tokenizer_hash="t" * 16)
 
@@ -64,8 +72,9 @@ def build_stores(root: Path, presets=("eagle3", "dspark")):
     out = {}
     for preset in presets:
         out[preset] = root / f"hs-{preset}"
-        extract_hidden_states(ExtractConfig(dataset=str(data), out=str(out[preset]), method=preset, dtype="float32"),
-                              target=target, progress=False)
+        extract_hidden_states(
+            ExtractConfig(dataset=str(data), out=str(out[preset]), method=preset, dtype="float32"), target=target, progress=False
+        )
     return target, out
 
 
@@ -74,9 +83,22 @@ def store_for(method: str, stores) -> Path:
 
 
 def config(method, data, out, **kw) -> TrainConfig:
-    values = dict(method=method, data=str(data), out=str(out), model=OVERRIDES[method], max_steps=4, pack_tokens=64,
-                  batch_rows=1, val_fraction=0.2, eval_interval=2, checkpoint_interval=2, keep_checkpoints=0, dtype="fp32",
-                  num_threads=1, seed=5)
+    values = dict(
+        method=method,
+        data=str(data),
+        out=str(out),
+        model=OVERRIDES[method],
+        max_steps=4,
+        pack_tokens=64,
+        batch_rows=1,
+        val_fraction=0.2,
+        eval_interval=2,
+        checkpoint_interval=2,
+        keep_checkpoints=0,
+        dtype="fp32",
+        num_threads=1,
+        seed=5,
+    )
     values.update(kw)
     return TrainConfig(**values)
 
@@ -136,8 +158,9 @@ def test_validation_logs_teacher_forced_and_decoded_tau(method, stores, tmp_path
     from specdraft.train.split import prompt_length
 
     target, data = stores[0], store_for(method, stores)
-    result = train(config(method, data, tmp_path, max_steps=2, eval_interval=1, val_fraction=0.3, decode_prompts=2, decode_tokens=6),
-                   target=target)
+    result = train(
+        config(method, data, tmp_path, max_steps=2, eval_interval=1, val_fraction=0.3, decode_prompts=2, decode_tokens=6), target=target
+    )
     vals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"val"' in line]
     assert [r["step"] for r in vals] == [1, 2]
     last = vals[-1]
@@ -152,8 +175,9 @@ def test_validation_logs_teacher_forced_and_decoded_tau(method, stores, tmp_path
     for sid in split["decode_prompts"]:
         item = prepared[prepared.index_of(sid)]
         prompts.append(item["input_ids"][: prompt_length(item["loss_mask"])].tolist())
-    decoder = decoder_for_target(target, config=DecodeConfig(drafter=method, drafter_path=str(result.final), max_new_tokens=6),
-                                 sampling=SamplingConfig())
+    decoder = decoder_for_target(
+        target, config=DecodeConfig(drafter=method, drafter_path=str(result.final), max_new_tokens=6), sampling=SamplingConfig()
+    )
     assert decoder.generate(prompts).metrics.tau == pytest.approx(last["tau_decoded"])
     card = (result.final / "MODEL_CARD.md").read_text()
     assert f"| teacher_forced | {last['tau_teacher_forced']:.3f} |" in card and f"| decoded | {last['tau_decoded']:.3f} |" in card
@@ -193,7 +217,11 @@ def test_ddp_two_gloo_processes_real_method(stores, tmp_path):
     cfg = config("dspark", store_for("dspark", stores), out, max_steps=2, eval_interval=0, checkpoint_interval=0).to_dict()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, json.dumps(cfg), str(tmp_path)],
-        cwd=Path(__file__).parent, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+        cwd=Path(__file__).parent,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [load_file(str(tmp_path / f"weights-{r}.safetensors")) for r in range(2)]
@@ -214,14 +242,43 @@ def test_cli_recipe_with_overrides_on_a_target_directory(tiny_llama_dir, tiny_ta
     from specdraft.hidden_states.extract import extract_hidden_states
 
     g = torch.Generator().manual_seed(0)
-    rows = [{"sample_id": f"c/{i}", "source": "t", "input_ids": torch.randint(0, 1000, (20,), generator=g).tolist(),
-             "loss_mask": [int(j >= 5) for j in range(20)]} for i in range(6)]
-    data = write_prepared(tmp_path / "data", rows, target_info=tiny_target.describe(), config={}, stats={}, vocab_size=tiny_target.vocab_size)
+    rows = [
+        {
+            "sample_id": f"c/{i}",
+            "source": "t",
+            "input_ids": torch.randint(0, 1000, (20,), generator=g).tolist(),
+            "loss_mask": [int(j >= 5) for j in range(20)],
+        }
+        for i in range(6)
+    ]
+    data = write_prepared(
+        tmp_path / "data", rows, target_info=tiny_target.describe(), config={}, stats={}, vocab_size=tiny_target.vocab_size
+    )
     store = tmp_path / "hs"
     extract_hidden_states(ExtractConfig(dataset=str(data), out=str(store), method="dspark", target=str(tiny_llama_dir)), progress=False)
-    argv = ["train", "--config", "dspark", "--target", str(tiny_llama_dir), "--data", str(store),
-            "--out", str(tmp_path / "run"), "--max-steps", "2", "--pack-tokens", "40", "--val-fraction", "0",
-            "--model", "num_layers=1,max_anchors=4,markov_rank=8,intermediate_size=64", "--num-threads", "1", "--dtype", "fp32"]
+    argv = [
+        "train",
+        "--config",
+        "dspark",
+        "--target",
+        str(tiny_llama_dir),
+        "--data",
+        str(store),
+        "--out",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "2",
+        "--pack-tokens",
+        "40",
+        "--val-fraction",
+        "0",
+        "--model",
+        "num_layers=1,max_anchors=4,markov_rank=8,intermediate_size=64",
+        "--num-threads",
+        "1",
+        "--dtype",
+        "fp32",
+    ]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["completed"] and summary["step"] == 2

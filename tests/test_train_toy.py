@@ -60,7 +60,11 @@ class ToyDrafter(DrafterModel):
             ok = same & batch.loss_mask[:, shift:] & anchors[:, :-shift]
             labels[:, :-shift] = torch.where(ok, batch.token_ids[:, shift:] % VOCAB, -1)
             valid = labels >= 0
-            losses.append(nn.functional.cross_entropy(logits[:, :, k].reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-1) if valid.any() else logits.sum() * 0)
+            losses.append(
+                nn.functional.cross_entropy(logits[:, :, k].reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-1)
+                if valid.any()
+                else logits.sum() * 0
+            )
             correct = (logits[:, :, k].argmax(-1) == labels) & valid
             n = valid.sum().clamp_min(1)
             accs.append(correct.sum() / n)
@@ -69,20 +73,26 @@ class ToyDrafter(DrafterModel):
             counts.append(valid.sum().float())
             prefix_ok = prefix_ok & correct
         loss = torch.stack(losses).mean()
-        return TrainOutput(loss=loss, metrics={"ce": float(loss.detach())}, position_acc=torch.stack(accs).detach(),
-                           position_cond_acc=torch.stack(conds).detach(), position_count=torch.stack(counts))
+        return TrainOutput(
+            loss=loss,
+            metrics={"ce": float(loss.detach())},
+            position_acc=torch.stack(accs).detach(),
+            position_cond_acc=torch.stack(conds).detach(),
+            position_count=torch.stack(counts),
+        )
 
     def save_pretrained(self, directory) -> None:
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps({"speculators_model_type": TOY, **asdict(self.cfg),
-                                                           "num_slots": self.num_slots, "hidden_size": self.hidden_size}))
+        (directory / "config.json").write_text(
+            json.dumps({"speculators_model_type": TOY, **asdict(self.cfg), "num_slots": self.num_slots, "hidden_size": self.hidden_size})
+        )
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(directory / "model.safetensors"))
 
     @classmethod
-    def from_pretrained(cls, directory, **kwargs) -> "ToyDrafter":
+    def from_pretrained(cls, directory, **kwargs) -> ToyDrafter:
         from safetensors.torch import load_file
 
         meta = json.loads((Path(directory) / "config.json").read_text())
@@ -117,8 +127,9 @@ class ToyStore:
     """In-memory ``SampleSource`` with deterministic random samples of varied lengths. It spells out the whole
     interface rather than inheriting it: ``scripts/resume_across.py`` imports it into older checkouts too."""
 
-    def __init__(self, n: int = 24, *, slots=None, fingerprint: str = "toyfp0001", hidden_size: int = 8, seed: int = 0,
-                 read_delay: float = 0.0):
+    def __init__(
+        self, n: int = 24, *, slots=None, fingerprint: str = "toyfp0001", hidden_size: int = 8, seed: int = 0, read_delay: float = 0.0
+    ):
         g = torch.Generator().manual_seed(seed)
         self.read_delay = read_delay  # seconds per item read: slows a subprocess run down enough to kill it mid-run
         self.slots = list(slots if slots is not None else toy_slots(6))
@@ -132,8 +143,15 @@ class ToyStore:
             mask = torch.zeros(T, dtype=torch.bool)
             mask[T // 3 :] = True
             hs = torch.randn(T, len(self.slots), hidden_size, generator=g) + tokens.view(T, 1, 1).float() / VOCAB
-            self.items.append({"sample_id": sid, "token_ids": tokens, "loss_mask": mask, "hidden_states": hs.to(torch.bfloat16),
-                               "last_hidden": torch.randn(T, hidden_size, generator=g).to(torch.bfloat16)})
+            self.items.append(
+                {
+                    "sample_id": sid,
+                    "token_ids": tokens,
+                    "loss_mask": mask,
+                    "hidden_states": hs.to(torch.bfloat16),
+                    "last_hidden": torch.randn(T, hidden_size, generator=g).to(torch.bfloat16),
+                }
+            )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -186,8 +204,22 @@ class SignalAfterReads:
 def toy_config(out, **overrides):
     from specdraft.train.config import TrainConfig
 
-    values = dict(method=TOY, out=str(out), data=None, max_steps=12, pack_tokens=48, batch_rows=2, val_fraction=0.2,
-                  eval_interval=5, checkpoint_interval=4, log_interval=1, keep_checkpoints=0, dtype="fp32", num_threads=1, seed=3)
+    values = dict(
+        method=TOY,
+        out=str(out),
+        data=None,
+        max_steps=12,
+        pack_tokens=48,
+        batch_rows=2,
+        val_fraction=0.2,
+        eval_interval=5,
+        checkpoint_interval=4,
+        log_interval=1,
+        keep_checkpoints=0,
+        dtype="fp32",
+        num_threads=1,
+        seed=3,
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -217,4 +249,3 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
-

@@ -40,9 +40,13 @@ def test_greedy_batched_per_request_lengths():
 
 def test_shape_errors_are_clear():
     with pytest.raises(ValueError, match="K\\+1"):
-        verify_greedy(draft_tokens=torch.zeros((1, 2), dtype=torch.long), draft_lengths=torch.tensor([1]), target_logits=torch.zeros(1, 2, 4))
+        verify_greedy(
+            draft_tokens=torch.zeros((1, 2), dtype=torch.long), draft_lengths=torch.tensor([1]), target_logits=torch.zeros(1, 2, 4)
+        )
     with pytest.raises(ValueError, match="draft_lengths"):
-        verify_greedy(draft_tokens=torch.zeros((1, 2), dtype=torch.long), draft_lengths=torch.tensor([3]), target_logits=torch.zeros(1, 3, 4))
+        verify_greedy(
+            draft_tokens=torch.zeros((1, 2), dtype=torch.long), draft_lengths=torch.tensor([3]), target_logits=torch.zeros(1, 3, 4)
+        )
 
 
 def _chi_square_p(tokens: torch.Tensor, probs: torch.Tensor) -> float:
@@ -71,7 +75,11 @@ def test_rejection_sampling_is_lossless(deterministic_draft):
         drafts = sample(p_d.expand(n, k, vocab), gen)
         draft_probs = p_d.expand(n, k, vocab)
     out = verify_rejection(
-        draft_tokens=drafts, draft_lengths=torch.full((n,), k), draft_probs=draft_probs, target_probs=p_t.expand(n, k + 1, vocab), generator=gen
+        draft_tokens=drafts,
+        draft_lengths=torch.full((n,), k),
+        draft_probs=draft_probs,
+        target_probs=p_t.expand(n, k + 1, vocab),
+        generator=gen,
     )
     committed = out.num_committed
     for position in range(k + 1):
@@ -88,8 +96,11 @@ def test_rejection_with_zero_drafts_samples_bonus_from_target():
     gen = torch.Generator().manual_seed(2)
     p_t = torch.tensor([0.1, 0.6, 0.3]).double()
     out = verify_rejection(
-        draft_tokens=torch.zeros((20_000, 0), dtype=torch.long), draft_lengths=torch.zeros(20_000, dtype=torch.long),
-        draft_probs=None, target_probs=p_t.expand(20_000, 1, 3), generator=gen,
+        draft_tokens=torch.zeros((20_000, 0), dtype=torch.long),
+        draft_lengths=torch.zeros(20_000, dtype=torch.long),
+        draft_probs=None,
+        target_probs=p_t.expand(20_000, 1, 3),
+        generator=gen,
     )
     assert out.bonus.all()
     assert _chi_square_p(out.tokens[:, 0], p_t) > 1e-3
@@ -110,8 +121,13 @@ def test_sampling_transform():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
-     ({"temperature": float("nan")}, "temperature")],
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"temperature": float("nan")}, "temperature"),
+    ],
 )
 def test_bad_sampling_config(kwargs, field):
     with pytest.raises(SpecdraftError, match=field):

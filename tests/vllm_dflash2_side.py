@@ -87,8 +87,10 @@ with drafter_model(config) as model:
             values = torch.cat([cv, v.view(n, a.num_kv_heads, a.head_dim)]).transpose(0, 1).repeat_interleave(repeat, 0)
             allowed = torch.ones(n, ck.shape[0] + n, dtype=torch.bool)
             if self.causal:
-                allowed[:, ck.shape[0]:] = torch.ones(n, n, dtype=torch.bool).tril()
-            out = F.scaled_dot_product_attention(q.view(n, a.num_heads, a.head_dim).transpose(0, 1), keys, values, attn_mask=allowed, scale=a.scaling)
+                allowed[:, ck.shape[0] :] = torch.ones(n, n, dtype=torch.bool).tril()
+            out = F.scaled_dot_product_attention(
+                q.view(n, a.num_heads, a.head_dim).transpose(0, 1), keys, values, attn_mask=allowed, scale=a.scaling
+            )
             return out.transpose(0, 1).reshape(n, -1)
 
     for i, layer in enumerate(inner.layers):
@@ -100,7 +102,9 @@ with drafter_model(config) as model:
     with torch.no_grad():
         for p in anchors.tolist():
             context_kv.clear()
-            model.precompute_and_store_context_kv(model.combine_hidden_states(features[:p]), torch.arange(p), torch.zeros(p, dtype=torch.int64))
+            model.precompute_and_store_context_kv(
+                model.combine_hidden_states(features[:p]), torch.arange(p), torch.zeros(p, dtype=torch.int64)
+            )
             ids = torch.full((num_tokens + 1,), inner.mask_token_id, dtype=torch.int64)  # [bonus/anchor, MASK x K] at p..p+K
             ids[0] = tokens[p]
             hidden = model(ids, torch.arange(p, p + num_tokens + 1))[1:]  # the K mask slots draft
@@ -116,11 +120,18 @@ with drafter_model(config) as model:
             realized.append(walked)
 
 report = {
-    "checkpoint_tensors": len(checkpoint), "loaded_parameters": len(filled), "model_parameters": len(params),
-    "unexpected": unexpected, "missing": missing, "architectures": list(hf.architectures or []),
+    "checkpoint_tensors": len(checkpoint),
+    "loaded_parameters": len(filled),
+    "model_parameters": len(params),
+    "unexpected": unexpected,
+    "missing": missing,
+    "architectures": list(hf.architectures or []),
     "dflash_config": {k: v for k, v in dict(hf.dflash_config).items() if isinstance(v, (int, float, bool, list, str))},
-    "method": config.speculative_config.method, "causal": [bool(layer.self_attn.causal) for layer in inner.layers],
-    "num_speculative_tokens": config.speculative_config.num_speculative_tokens, "conv_torch_calls": conv_calls["torch_path"],
-    "drafts": drafts, "realized_scores": realized,
+    "method": config.speculative_config.method,
+    "causal": [bool(layer.self_attn.causal) for layer in inner.layers],
+    "num_speculative_tokens": config.speculative_config.num_speculative_tokens,
+    "conv_torch_calls": conv_calls["torch_path"],
+    "drafts": drafts,
+    "realized_scores": realized,
 }
 json.dump(report, open(out_path, "w"))

@@ -79,7 +79,7 @@ with drafter_model(config) as model:
             keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
             mask = torch.ones(n, ck.shape[0] + n, dtype=torch.bool)
             if self.causal:
-                mask[:, ck.shape[0]:] = torch.ones(n, n, dtype=torch.bool).tril()
+                mask[:, ck.shape[0] :] = torch.ones(n, n, dtype=torch.bool).tril()
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling)
             return out.transpose(0, 1).reshape(n, -1)
 
@@ -122,13 +122,22 @@ with drafter_model(config) as model:
     drafts, confidences = draft_blocks()
 
 report = {
-    "checkpoint_tensors": len(checkpoint), "loaded_parameters": len(loaded), "model_parameters": len(params),
-    "skipped": skipped, "unexpected": unexpected, "missing": missing,
+    "checkpoint_tensors": len(checkpoint),
+    "loaded_parameters": len(loaded),
+    "model_parameters": len(params),
+    "skipped": skipped,
+    "unexpected": unexpected,
+    "missing": missing,
     "causal": [bool(layer.self_attn.causal) for layer in inner.layers],
-    "sample_from_anchor": getattr(hf, "sample_from_anchor", None), "bonus_anchor": getattr(hf, "dspark_bonus_anchor", None),
+    "sample_from_anchor": getattr(hf, "sample_from_anchor", None),
+    "bonus_anchor": getattr(hf, "dspark_bonus_anchor", None),
     "eagle_aux_hidden_state_layer_ids": list(getattr(hf, "eagle_aux_hidden_state_layer_ids", [])),
     "target_layer_ids": list(getattr(hf, "target_layer_ids", [])),
-    "markov_head_type": getattr(hf, "markov_head_type", None), "num_speculative_tokens": config.speculative_config.num_speculative_tokens,
-    "drafts": drafts, "confidences": confidences, "stock_drafts": stock_drafts, "stock_confidences": stock_confidences,
+    "markov_head_type": getattr(hf, "markov_head_type", None),
+    "num_speculative_tokens": config.speculative_config.num_speculative_tokens,
+    "drafts": drafts,
+    "confidences": confidences,
+    "stock_drafts": stock_drafts,
+    "stock_confidences": stock_confidences,
 }
 json.dump(report, open(out_path, "w"))

@@ -7,7 +7,13 @@ import json
 import torch
 
 #: vLLM's fused projections: a checkpoint's q/k/v and gate/up tensors load into these.
-FUSED = {".q_proj.": ".qkv_proj.", ".k_proj.": ".qkv_proj.", ".v_proj.": ".qkv_proj.", ".gate_proj.": ".gate_up_proj.", ".up_proj.": ".gate_up_proj."}
+FUSED = {
+    ".q_proj.": ".qkv_proj.",
+    ".k_proj.": ".qkv_proj.",
+    ".v_proj.": ".qkv_proj.",
+    ".gate_proj.": ".gate_up_proj.",
+    ".up_proj.": ".gate_up_proj.",
+}
 
 
 def drafter_engine_config(target_dir: str, drafter_dir: str, **speculative):
@@ -25,8 +31,13 @@ def drafter_engine_config(target_dir: str, drafter_dir: str, **speculative):
     with open(f"{drafter_dir}/config.json") as f:
         num_tokens = json.load(f)["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     VllmConfig._validate_v1_model_runner = lambda self: None
-    config = EngineArgs(model=target_dir, dtype="float32", enforce_eager=True, max_model_len=1024,
-                        speculative_config={**speculative, "model": drafter_dir, "num_speculative_tokens": num_tokens}).create_engine_config()
+    config = EngineArgs(
+        model=target_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        speculative_config={**speculative, "model": drafter_dir, "num_speculative_tokens": num_tokens},
+    ).create_engine_config()
     return config, checkpoint, num_tokens
 
 

@@ -7,8 +7,8 @@ name the offending file/field/value and say what to do about it.
 import contextlib
 import errno
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
 
 
 class SpecdraftError(Exception):
@@ -67,6 +67,9 @@ OS_ERROR_FIXES = {
     errno.EPERM: "operation not permitted: change its permissions or owner, or choose another path",
     errno.EMFILE: "too many open files in this process: raise the limit (ulimit -n) or use fewer threads/workers",
     errno.ENFILE: "too many open files on this machine: close other programs' files or raise the system limit (fs.file-max)",
+    # a directory or a file where specdraft expects the other (moved or made there by hand): no write of ours leaves one
+    errno.EISDIR: "a directory is where a file is expected: move it aside, or choose another path",
+    errno.ENOTDIR: "a file is where a directory is expected on that path: move it aside, or choose another path",
 }
 
 

@@ -31,15 +31,18 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from specdraft.errors import SpecdraftError, setting
 from specdraft.targets.base import Target
+from specdraft.tracking import check_report_to
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.io import atomic_write_json, sha256_bytes
 from specdraft.utils.lock import claims_output
+from specdraft.utils.provenance import write_provenance
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,13 @@ EVAL_MARGIN_S = 30.0
 MIN_TRAIN_S = 15.0
 #: Settings of the stages that quickstart's own flags set under another name (the stage's field -> quickstart's), so
 #: that an error a stage raises names the flag that changes it (``errors.setting``).
-RENAMED_SETTINGS = {"max_samples": "samples", "regen_budget": "data_budget", "batch_size": "regen_batch_size",
-                    "num_threads": "threads", "limit_per_domain": "eval_prompts_per_domain"}
+RENAMED_SETTINGS = {
+    "max_samples": "samples",
+    "regen_budget": "data_budget",
+    "batch_size": "regen_batch_size",
+    "num_threads": "threads",
+    "limit_per_domain": "eval_prompts_per_domain",
+}
 
 
 @dataclass(frozen=True)
@@ -70,29 +78,35 @@ class QuickstartConfig:
     max_new_tokens: int = config_field(128, help="tokens per regenerated answer")
     regen_batch_size: int = config_field(16, help="prompts regenerated together")
     recipe: str = config_field(METHOD, help="training recipe: a packaged recipe name (dspark, dflash, dflash2, eagle3) or a YAML file")
-    pack_tokens: int = config_field(
-        512, help="tokens per training step; small steps give more optimizer updates within a CPU budget"
-    )
+    pack_tokens: int = config_field(512, help="tokens per training step; small steps give more optimizer updates within a CPU budget")
     max_anchors: int = config_field(16, help="blocks drafted per sample per step (each costs a full-vocabulary LM head)")
     eval_prompts_per_domain: int = config_field(1, help="held-out prompts per domain in the final comparison")
     eval_max_new_tokens: int = config_field(64, help="tokens generated per eval prompt")
     epochs: int = config_field(6, help="passes over the training data at most; training stops sooner if the budget runs out")
     eval_reserve: float = config_field(
-        0.0, help="minutes of the budget kept for calibration and the final comparison (which stops starting prompts when "
+        0.0,
+        help="minutes of the budget kept for calibration and the final comparison (which stops starting prompts when "
         "the budget runs out); 0 = measured: the comparison's decoding bounded from this machine's target step and draft "
-        "round times (eval/budget.py)"
+        "round times (eval/budget.py)",
     )
     compare_reference: bool = config_field(
         True, help="also evaluate the reference drafter shipped with specdraft for this target (if one ships), to show a trained one"
     )
     threads: int = config_field(
-        0, help="torch CPU threads (0 = auto: each stage uses the count that ran its own work fastest here, measured once per "
-        "machine and cached)"
+        0,
+        help="torch CPU threads (0 = auto: each stage uses the count that ran its own work fastest here, measured once per "
+        "machine and cached)",
     )
     engine: str = config_field(
-        "auto", help="what regenerates the answers: hf, vllm, or auto (where .venv-vllm exists, the one that regenerates more "
+        "auto",
+        help="what regenerates the answers: hf, vllm, or auto (where .venv-vllm exists, the one that regenerates more "
         "within --data-budget here, vLLM's server start included; measured once per machine and cached)",
         metadata={"choices": ["auto", "hf", "vllm"]},
+    )
+    report_to: list[str] = config_field(
+        [],
+        help="trackers mirroring training's metrics.jsonl (under train/) and the comparison's summary (under eval/), a comma "
+        "list: tensorboard, mlflow, wandb (offline unless WANDB_MODE), trackio, or none; each is an extra: pip install 'specdraft[NAME]'",
     )
 
     def __post_init__(self) -> None:
@@ -105,8 +119,17 @@ class QuickstartConfig:
         if self.eval_reserve < 0:
             raise SpecdraftError(f"--eval-reserve must be >= 0 minutes, got {self.eval_reserve:g}")
         check_budget(self, self.eval_reserve * 60 or None)
-        for name in ("samples", "max_new_tokens", "regen_batch_size", "eval_prompts_per_domain", "eval_max_new_tokens",
-                     "pack_tokens", "max_anchors", "epochs"):
+        check_report_to(self.report_to)
+        for name in (
+            "samples",
+            "max_new_tokens",
+            "regen_batch_size",
+            "eval_prompts_per_domain",
+            "eval_max_new_tokens",
+            "pack_tokens",
+            "max_anchors",
+            "epochs",
+        ):
             if getattr(self, name) < 1:
                 raise SpecdraftError(f"{setting(name)} must be >= 1, got {getattr(self, name)}")
         if self.samples < 2:
@@ -117,9 +140,15 @@ def check_budget(config: QuickstartConfig, reserve_s: float | None, *, spent_s: 
     """Refuse a ``--budget`` that cannot hold the data stage, the comparison's reserve (``reserve_s``: given or measured;
     None: not measured yet, so only its fixed margin counts) and ``MIN_TRAIN_S`` of training after ``spent_s`` already
     spent, naming the flags, their values and a budget that would do."""
-    reserve = f"--eval-reserve {config.eval_reserve:g} min" if config.eval_reserve else (
-        f"the comparison's reserve ({reserve_s / 60:.2f} min, measured here; --eval-reserve sets it)" if reserve_s is not None
-        else f"the comparison's reserve (at least {EVAL_MARGIN_S / 60:g} min, measured when the run starts; --eval-reserve sets it)")
+    reserve = (
+        f"--eval-reserve {config.eval_reserve:g} min"
+        if config.eval_reserve
+        else (
+            f"the comparison's reserve ({reserve_s / 60:.2f} min, measured here; --eval-reserve sets it)"
+            if reserve_s is not None
+            else f"the comparison's reserve (at least {EVAL_MARGIN_S / 60:g} min, measured when the run starts; --eval-reserve sets it)"
+        )
+    )
     needed = spent_s + config.data_budget * 60 + (EVAL_MARGIN_S if reserve_s is None else reserve_s) + MIN_TRAIN_S
     if config.budget * 60 < needed:
         spent = f" after the {spent_s / 60:.2f} min spent measuring it" if spent_s else ""
@@ -216,7 +245,7 @@ def _prepared_earlier(data: Path, target: Target) -> dict | None:
     return stats
 
 
-# One writer per run. No kind of its own: the run only adds its five entries (a log the user keeps there does not stop a
+# One writer per run. No kind of its own: the run only adds its six entries (a log the user keeps there does not stop a
 # resume), and each stage claims its own directory inside it with that stage's kind.
 @claims_output(None)
 def run_quickstart(config: QuickstartConfig) -> dict:
@@ -228,10 +257,11 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     from specdraft.hidden_states.config import ExtractConfig
     from specdraft.hidden_states.extract import extract_hidden_states
     from specdraft.targets import load_target
-    from specdraft.train.budget import median_record, steps_for_budget
+    from specdraft.train.budget import steps_for_budget
     from specdraft.train.calibrate import CalibrateConfig, calibrate
     from specdraft.train.config import recipe_path, resolve_config
     from specdraft.train.trainer import train
+    from specdraft.tuning.budget_probes import median_record
     from specdraft.tuning.threads import set_threads
 
     started = time.perf_counter()
@@ -246,23 +276,51 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     recipe = recipe_path(config.recipe)
 
     def train_config(**overrides: Any):
-        values = {"data": str(states), "out": str(train_dir), "num_threads": config.threads, "pack_tokens": config.pack_tokens,
-                  "epochs": config.epochs, "model": {"max_anchors": config.max_anchors}, **overrides}
+        values = {
+            "data": str(states),
+            "out": str(train_dir),
+            "num_threads": config.threads,
+            "pack_tokens": config.pack_tokens,
+            "epochs": config.epochs,
+            "model": {"max_anchors": config.max_anchors},
+            **overrides,
+        }
         return resolve_config(recipe, values)
 
     # Measured first: a budget its reserve leaves no training in is refused before the data stages spend their minutes.
-    reserve_s = config.eval_reserve * 60 or journal.run(
-        "size-eval", lambda: size_eval(config, target, train_config(), final=train_dir / "final"))["reserve_s"]
+    reserve_s = (
+        config.eval_reserve * 60
+        or journal.run("size-eval", lambda: size_eval(config, target, train_config(), final=train_dir / "final"))["reserve_s"]
+    )
     check_budget(config, reserve_s, spent_s=time.perf_counter() - started)
 
-    journal.run("prepare", lambda: _prepared_earlier(data, target) or prepare(PrepareConfig(
-        out=str(data), target=config.target, data="sharegpt", max_samples=config.samples, max_length=config.max_length,
-        regenerate=True, max_new_tokens=config.max_new_tokens, batch_size=config.regen_batch_size, threads=config.threads,
-        regen_budget=config.data_budget, engine=config.engine,
-    )))
-    journal.run("extract", lambda: extract_hidden_states(
-        ExtractConfig(dataset=str(data), out=str(states), method=METHOD, threads=config.threads), target=target
-    ).to_dict())
+    journal.run(
+        "prepare",
+        lambda: (
+            _prepared_earlier(data, target)
+            or prepare(
+                PrepareConfig(
+                    out=str(data),
+                    target=config.target,
+                    data="sharegpt",
+                    max_samples=config.samples,
+                    max_length=config.max_length,
+                    regenerate=True,
+                    max_new_tokens=config.max_new_tokens,
+                    batch_size=config.regen_batch_size,
+                    threads=config.threads,
+                    regen_budget=config.data_budget,
+                    engine=config.engine,
+                )
+            )
+        ),
+    )
+    journal.run(
+        "extract",
+        lambda: extract_hidden_states(
+            ExtractConfig(dataset=str(data), out=str(states), method=METHOD, threads=config.threads), target=target
+        ).to_dict(),
+    )
 
     def training_seconds_left() -> float:
         return deadline - time.perf_counter() - reserve_s
@@ -277,18 +335,33 @@ def run_quickstart(config: QuickstartConfig) -> dict:
         # budget, stopping with a final checkpoint before the schedule ends if it must. Validation runs once, at
         # the end (both taus for the card): validating every 100 steps spent on decoding the budget the plan gave
         # to steps, and cut the plan short (docs/results/machine_tuning.md).
-        result = train(train_config(max_steps=steps, max_time=max(60.0, training_seconds_left()), eval_interval=0), target=target)
-        return {**_train_facts(result), "dtype": result.compute_dtype, **(result.threads or {}), **(result.forward_path or {}),
-                "anchors_per_s": median_record(train_dir / "metrics.jsonl", "anchors_per_s")}
+        result = train(
+            train_config(max_steps=steps, max_time=max(60.0, training_seconds_left()), eval_interval=0, report_to=list(config.report_to)),
+            target=target,
+        )
+        return {
+            **_train_facts(result),
+            "dtype": result.compute_dtype,
+            **(result.threads or {}),
+            **(result.forward_path or {}),
+            "anchors_per_s": median_record(train_dir / "metrics.jsonl", "anchors_per_s"),
+        }
 
     journal.run("train", train_in_budget)
     final = train_dir / "final"
     journal.run("calibrate", lambda: calibrate(CalibrateConfig(drafter=str(final), data=str(states)), target=target))
 
     eval_config = EvalConfig(
-        out=str(run / "eval"), target=config.target, suite="quick", limit_per_domain=config.eval_prompts_per_domain,
-        max_new_tokens=config.eval_max_new_tokens, drafters=eval_drafters(config, final), lookup_corpus=str(data),
-        threads=config.threads, max_time=max(60.0, deadline - time.perf_counter() - EVAL_MARGIN_S),
+        out=str(run / "eval"),
+        target=config.target,
+        suite="quick",
+        limit_per_domain=config.eval_prompts_per_domain,
+        max_new_tokens=config.eval_max_new_tokens,
+        drafters=eval_drafters(config, final),
+        lookup_corpus=str(data),
+        threads=config.threads,
+        max_time=max(60.0, deadline - time.perf_counter() - EVAL_MARGIN_S),
+        report_to=list(config.report_to),
     )
     report: dict = {}
 
@@ -301,51 +374,77 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     total = time.perf_counter() - started
     journal.state["wall_s"] = round(total, 1)
     atomic_write_json(journal.path, journal.state)
+    write_provenance(run, config=config, target=target.describe(), inputs=[recipe, data, states], measured=journal.state["stages"])
     print(training_table(journal.state["stages"]))
     print(f"[quickstart] finished in {total / 60:.1f} min (budget {config.budget:g} min); report: {run / 'eval' / 'report.md'}")
     return report
 
 
 def size_eval(config: QuickstartConfig, target: Target, train_config: Any, *, final: Path) -> dict:
-    """The comparison's reserve, measured here (eval/budget.py): its decoders' worst-case round times (a
+    """The comparison's reserve, measured here (eval/budget.py, tuning/budget_probes.py): its decoders' worst-case round times (a
     fresh drafter of the recipe stands in for the one not trained yet) times its prompts and tokens,
     plus the margin for what its time limit does not cover."""
     from specdraft.decode.config import DecodeConfig
     from specdraft.decode.proposers.drafters import drafter_proposer
-    from specdraft.decode.runtime import resolve_decode_threads, resolve_target_path
+    from specdraft.decode.runtime import drafter_settings, resolve_decode_threads, resolve_target_path
     from specdraft.decode.sps import load_or_measure_sps
-    from specdraft.eval.budget import DecoderCost, drafter_cost, estimate_eval_seconds, plain_overhead_seconds, round_seconds
+    from specdraft.eval.budget import WARMUP_TOKENS, drafter_cost, plain_overhead_seconds
     from specdraft.eval.config import EvalConfig
+    from specdraft.eval.report import GATE_FLOOR
     from specdraft.eval.runner import AUTOREGRESSIVE
     from specdraft.eval.suites import load_prompts
     from specdraft.models.common.drafter import load_drafter
     from specdraft.reference import reference_drafter
+    from specdraft.tuning.budget_probes import DecoderCost, estimate_eval_seconds, round_seconds
+    from specdraft.tuning.settings import Choice, MachineSettings
 
-    resolve_decode_threads(target, config.threads)  # the count the comparison will decode at (cached)
+    threads = resolve_decode_threads(target, config.threads)  # the count the comparison will decode at (cached)
     defaults = EvalConfig(out="-", drafters=["ngram"])  # the comparison's draft length for ngram, its draft dtype and forward path
     path = resolve_target_path(target, defaults.forward_path)  # the path the comparison will run the target on (cached)
     sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint, forward_path=path.name)
     overhead = plain_overhead_seconds(target, sps)
-    gated = round_seconds(sps, overhead_s=overhead, gated=True)  # a scheduled drafter's bound does not depend on the drafter
+    gated = round_seconds(sps, overhead_s=overhead, gate_floor=GATE_FLOOR)  # a scheduled drafter's bound does not depend on the drafter
     lookup = round_seconds(sps, overhead_s=overhead, verify_tokens=1 + defaults.num_draft_tokens)
-    costs = [DecoderCost(AUTOREGRESSIVE, round_seconds(sps, overhead_s=overhead)), DecoderCost("ngram", lookup), DecoderCost("suffix", lookup)]
+    costs = [
+        DecoderCost(AUTOREGRESSIVE, round_seconds(sps, overhead_s=overhead)),
+        DecoderCost("ngram", lookup),
+        DecoderCost("suffix", lookup),
+    ]
     drafters = {"drafter": fresh_drafter(train_config, target)}
     if "reference@full" in eval_drafters(config, final):
         drafters["reference"] = load_drafter(reference_drafter(config.target), target=target)
+    drafter_choices = {}
     for name, drafter in drafters.items():
         proposer = drafter_proposer(drafter, DecodeConfig(drafter=drafter.method, num_draft_tokens=defaults.num_draft_tokens))
-        costs.append(drafter_cost(f"{name}@full", proposer, sps, overhead_s=overhead, draft_dtype=defaults.draft_dtype,
-                                  forward_path=defaults.forward_path))
+        costs.append(
+            drafter_cost(
+                f"{name}@full", proposer, sps, overhead_s=overhead, draft_dtype=defaults.draft_dtype, forward_path=defaults.forward_path
+            )
+        )
         costs.append(DecoderCost(f"{name}@scheduled", gated))
+        drafter_choices[name] = drafter_settings(name, proposer)
+    MachineSettings(
+        "quickstart", forward_path=Choice(path.name, path.source, dict(path.seconds)), threads=threads, drafters=drafter_choices
+    ).log()
     full = next(c.round_s for c in costs if c.label == "drafter@full")
     costs.append(DecoderCost("drafter+suffix", full))  # the hybrid at worst drafts and verifies a whole block every round
     prompts = load_prompts("quick", None, config.eval_prompts_per_domain)
-    estimate = estimate_eval_seconds([len(p.token_ids(target.tokenizer)) for p in prompts], config.eval_max_new_tokens, costs, sps)
+    estimate = estimate_eval_seconds(
+        [len(p.token_ids(target.tokenizer)) for p in prompts], config.eval_max_new_tokens, costs, sps, warmup_tokens=WARMUP_TOKENS
+    )
     reserve = estimate["seconds"] + EVAL_MARGIN_S
-    print(f"[quickstart] comparison reserve {reserve / 60:.1f} min: {len(prompts)} prompts x {config.eval_max_new_tokens} tokens, "
-          "worst-case rounds " + ", ".join(f"{c.label} {c.round_s * 1e3:.0f} ms" for c in costs), flush=True)
-    return {"reserve_s": round(reserve, 1), "prompts": len(prompts), "plain_overhead_ms": round(overhead * 1e3, 2),
-            "round_ms": {c.label: round(c.round_s * 1e3, 2) for c in costs}, **estimate}
+    print(
+        f"[quickstart] comparison reserve {reserve / 60:.1f} min: {len(prompts)} prompts x {config.eval_max_new_tokens} tokens, "
+        "worst-case rounds " + ", ".join(f"{c.label} {c.round_s * 1e3:.0f} ms" for c in costs),
+        flush=True,
+    )
+    return {
+        "reserve_s": round(reserve, 1),
+        "prompts": len(prompts),
+        "plain_overhead_ms": round(overhead * 1e3, 2),
+        "round_ms": {c.label: round(c.round_s * 1e3, 2) for c in costs},
+        **estimate,
+    }
 
 
 def fresh_drafter(train_config: Any, target: Target) -> Any:
@@ -397,14 +496,29 @@ def training_table(stages: dict) -> str:
     ]
     if "reserve_s" in stages.get("size-eval", {}):
         sized = stages["size-eval"]
-        rows.append(("comparison reserve", f"{sized['reserve_s'] / 60:.1f} min (measured worst case of {sized['prompts']} prompts; "
-                                           f"plain round {sized['round_ms']['autoregressive']:.0f} ms here)"))
+        rows.append(
+            (
+                "comparison reserve",
+                f"{sized['reserve_s'] / 60:.1f} min (measured worst case of {sized['prompts']} prompts; "
+                f"plain round {sized['round_ms']['autoregressive']:.0f} ms here)",
+            )
+        )
     if plan.get("budget_short"):
-        rows.append(("note", f"the budget left {plan.get('train_seconds', 0):.0f} s for training, less than one "
-                             f"{plan.get('seconds_per_step', 0):.1f} s step: raise --budget or lower --pack-tokens"))
+        rows.append(
+            (
+                "note",
+                f"the budget left {plan.get('train_seconds', 0):.0f} s for training, less than one "
+                f"{plan.get('seconds_per_step', 0):.1f} s step: raise --budget or lower --pack-tokens",
+            )
+        )
     if done.get("stopped_by_time_budget"):
-        rows.append(("note", f"steps ran slower than the probe measured, so the time budget stopped training at step {steps} of "
-                             f"{planned}; raise --budget or lower --samples / --pack-tokens"))
+        rows.append(
+            (
+                "note",
+                f"steps ran slower than the probe measured, so the time budget stopped training at step {steps} of "
+                f"{planned}; raise --budget or lower --samples / --pack-tokens",
+            )
+        )
     return "\n".join(["| training | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
 
 
@@ -424,11 +538,15 @@ def _regeneration(data: dict) -> str:
     figures = data.get("engine_figures") or {}
     why = data.get("engine_source", "?")
     if figures:
-        why += (f": hf {figures['hf_tokens_per_s']:.1f}, vllm {figures['vllm_tokens_per_s']:.1f} tokens/s predicted + "
-                f"{figures['vllm_start_s']:.0f} s start")
+        why += (
+            f": hf {figures['hf_tokens_per_s']:.1f}, vllm {figures['vllm_tokens_per_s']:.1f} tokens/s predicted + "
+            f"{figures['vllm_start_s']:.0f} s start"
+        )
     threads = f", {data['threads']} CPU threads ({data.get('threads_source', '?')})" if data["engine"] == "hf" and "threads" in data else ""
-    return (f"{data['engine']} ({why}); {data.get('generated_tokens', 0):,} tokens at {data.get('generated_tokens_per_second', 0):.1f} "
-            f"tokens/s{threads}")
+    return (
+        f"{data['engine']} ({why}); {data.get('generated_tokens', 0):,} tokens at {data.get('generated_tokens_per_second', 0):.1f} "
+        f"tokens/s{threads}"
+    )
 
 
 def _train_facts(result: Any) -> dict:

@@ -9,7 +9,8 @@ or ``in`` that misses loads the installed ``specdraft.plugins`` entry points (:f
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 from specdraft.errors import SpecdraftError
 

@@ -40,7 +40,7 @@ def arm(where: str) -> None:
         if only == "dir":
             counted = first is not None and os.path.isdir(first)
         elif only.startswith("match="):
-            counted = re.search(only[len("match="):], " -> ".join(map(str, args))) is not None
+            counted = re.search(only[len("match=") :], " -> ".join(map(str, args))) is not None
         else:
             counted = True
         with guard:

@@ -23,16 +23,49 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from conftest import build_tiny_target_dir
 
 MODEL = "num_layers=1,block_size=4,markov_rank=16,max_anchors=8,intermediate_size=64"
-TRAIN = ["--method", "dspark", "--model", MODEL, "--pack-tokens", "128", "--eval-interval", "0", "--val-fraction", "0",
-         "--dtype", "fp32", "--num-threads", "1"]
-WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing about rivers and stones".split()
+TRAIN = [
+    "--method",
+    "dspark",
+    "--model",
+    MODEL,
+    "--pack-tokens",
+    "128",
+    "--eval-interval",
+    "0",
+    "--val-fraction",
+    "0",
+    "--dtype",
+    "fp32",
+    "--num-threads",
+    "1",
+]
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "small",
+    "birds",
+    "sing",
+    "about",
+    "rivers",
+    "and",
+    "stones",
+]
 
 
 # ----- running a command ------------------------------------------------------------------------------
@@ -149,8 +182,14 @@ def run_in_process(args: list[str], *, timeout: float = 60.0, stop_on: str | Non
 def run_subprocess(args: list[str], *, timeout: float = 180.0, cwd: Path | None = None) -> Result:
     """``python -m specdraft.cli.main ARGS`` in its own session, killed (``"overtime"``) after ``timeout`` seconds."""
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "specdraft.cli.main", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=cwd, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdraft.cli.main", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         code: int | str = proc.returncode
@@ -230,8 +269,15 @@ def output_problems(path: Path, kind: str) -> list[str]:
     return problems
 
 
-def judge(result: Result, *, inputs_before: dict, inputs_after: dict, outputs: dict[Path, str] = {},
-          outputs_before: dict[Path, dict] = {}, codes: tuple = (0, 2)) -> list[str]:
+def judge(
+    result: Result,
+    *,
+    inputs_before: dict,
+    inputs_after: dict,
+    outputs: dict[Path, str] = {},
+    outputs_before: dict[Path, dict] = {},
+    codes: tuple = (0, 2),
+) -> list[str]:
     """Every way ``result`` breaks the sweep's properties; [] when it keeps them all.
 
     ``outputs_before``: ``tree_digest`` of the outputs that existed before the run; one left unchanged is fine."""
@@ -245,8 +291,10 @@ def judge(result: Result, *, inputs_before: dict, inputs_after: dict, outputs: d
     if result.code == 2 and "usage: specdraft" not in result.stderr:  # argparse's own errors echo what the user typed
         from test_advice import untrue_advice  # issue 37: an error names only flags of the command run
 
-        problems += [f"advises {flag}, not a flag of that command: {result.message}"
-                     for flag in untrue_advice(result.args, result.error_line or result.message)]
+        problems += [
+            f"advises {flag}, not a flag of that command: {result.message}"
+            for flag in untrue_advice(result.args, result.error_line or result.message)
+        ]
     if inputs_after != inputs_before:
         changed = sorted(k for k in set(inputs_before) | set(inputs_after) if inputs_before.get(k) != inputs_after.get(k))
         problems.append(f"inputs changed: {changed[:8]}")
@@ -306,8 +354,20 @@ class Pipeline:
         return path
 
     def generate(self, drafter: Path) -> list[str]:
-        return ["generate", *self.T, "--drafter", "dspark", "--drafter-path", str(drafter), "--prompt", "the quick brown fox",
-                "--max-new-tokens", "8", "--threads", "1"]
+        return [
+            "generate",
+            *self.T,
+            "--drafter",
+            "dspark",
+            "--drafter-path",
+            str(drafter),
+            "--prompt",
+            "the quick brown fox",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+        ]
 
 
 def build_pipeline(work: Path, run: Runner, target: Path | None = None) -> Pipeline:
@@ -319,12 +379,16 @@ def build_pipeline(work: Path, run: Runner, target: Path | None = None) -> Pipel
         target = build_tiny_target_dir(work / "target", resolve_target_dir("smollm2-135m"), num_layers=4)
     p = Pipeline(work, target, work / "good.jsonl", work / "data", work / "hs", work / "run")
     p.jsonl.write_text(conversations(40))
-    for args in (["prepare", *p.T, "--data", str(p.jsonl), "--out", str(p.data), "--threads", "1"],
-                 ["extract", *p.T, "--dataset", str(p.data), "--out", str(p.hs), "--method", "dspark", "--threads", "1"],
-                 ["train", *p.T, *TRAIN, "--data", str(p.hs), "--out", str(p.run), "--max-steps", "4", "--checkpoint-interval", "2"]):
+    for args in (
+        ["prepare", *p.T, "--data", str(p.jsonl), "--out", str(p.data), "--threads", "1"],
+        ["extract", *p.T, "--dataset", str(p.data), "--out", str(p.hs), "--method", "dspark", "--threads", "1"],
+        ["train", *p.T, *TRAIN, "--data", str(p.hs), "--out", str(p.run), "--max-steps", "4", "--checkpoint-interval", "2"],
+    ):
         result = run(args)
         if result.code != 0:
-            raise RuntimeError(f"fixture step failed: specdraft {' '.join(args)}: exit {result.code}\n{result.stderr[-2000:]}{result.crash}")
+            raise RuntimeError(
+                f"fixture step failed: specdraft {' '.join(args)}: exit {result.code}\n{result.stderr[-2000:]}{result.crash}"
+            )
     return p
 
 
@@ -341,8 +405,9 @@ def safetensors_layout(path: Path) -> tuple[int, dict]:
 def flip_mantissa_bit(path: Path) -> str:
     """Flip the lowest bit of one float32 in the middle of the largest tensor (a change that can never make NaN)."""
     start, header = safetensors_layout(path)
-    name, info = max(((k, v) for k, v in header.items() if k != "__metadata__"),
-                     key=lambda kv: kv[1]["data_offsets"][1] - kv[1]["data_offsets"][0])
+    name, info = max(
+        ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][1] - kv[1]["data_offsets"][0]
+    )
     lo, hi = info["data_offsets"]
     offset = start + lo + ((hi - lo) // 2) // 4 * 4
     data = bytearray(path.read_bytes())
@@ -373,8 +438,9 @@ def nan_tensors(directory: Path) -> int:
     import torch
     from safetensors.torch import load_file
 
-    return sum(1 for v in load_file(str(directory / "model.safetensors")).values()
-               if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    return sum(
+        1 for v in load_file(str(directory / "model.safetensors")).values() if v.is_floating_point() and not bool(torch.isfinite(v).all())
+    )
 
 
 def train_steps(out: Path) -> int:
@@ -405,7 +471,9 @@ class Case:
     xfail: str = ""  # a known bug not fixed yet (where, what): the case is expected to fail until it is
 
 
-def checked(p: Pipeline, run: Runner, args: list[str], outputs: dict[Path, str], extra_inputs: tuple[Path, ...] = ()) -> tuple[Result, list[str]]:
+def checked(
+    p: Pipeline, run: Runner, args: list[str], outputs: dict[Path, str], extra_inputs: tuple[Path, ...] = ()
+) -> tuple[Result, list[str]]:
     """Run ``args`` and judge it against the sweep's properties (pipeline inputs and ``extra_inputs`` unchanged; an
     output that existed before and was left unchanged is not judged: it is not what the command wrote)."""
     before = {**p.inputs(), **tree_digest(*extra_inputs)}
@@ -451,10 +519,16 @@ def _decode_flipped_final(p: Pipeline, run: Runner) -> Verdict:
 def _train_non_finite(flag: str, value: str) -> Callable[[Pipeline, Runner], Verdict]:
     def case(p: Pipeline, run: Runner) -> Verdict:
         out = p.fresh(f"train{flag}")
-        r, problems = checked(p, run, ["train", *p.T, *TRAIN, "--data", str(p.hs), "--out", str(out), "--max-steps", "4",
-                                        "--checkpoint-interval", "2", flag, value], {out: "run"})
+        r, problems = checked(
+            p,
+            run,
+            ["train", *p.T, *TRAIN, "--data", str(p.hs), "--out", str(out), "--max-steps", "4", "--checkpoint-interval", "2", flag, value],
+            {out: "run"},
+        )
         nan = nan_tensors(out / "final")
-        return Verdict(r, (r.code == 0 or r.clean_error()) and not nan, f"refused or trained to finite weights ({nan} NaN tensors)", problems)
+        return Verdict(
+            r, (r.code == 0 or r.clean_error()) and not nan, f"refused or trained to finite weights ({nan} NaN tensors)", problems
+        )
 
     return case
 
@@ -502,12 +576,29 @@ def _moved_store(p: Pipeline, run: Runner) -> Verdict:
     p.data.rename(away)
     try:
         r1 = run(["train", *p.T, *TRAIN, "--data", str(moved / "hs"), "--out", str(p.fresh("moved-run")), "--max-steps", "1"])
-        r2 = run(["train", *p.T, *TRAIN, "--data", str(moved / "hs"), "--dataset", str(moved / "data"), "--out", str(p.fresh("moved-run2")),
-                  "--max-steps", "1"])
+        r2 = run(
+            [
+                "train",
+                *p.T,
+                *TRAIN,
+                "--data",
+                str(moved / "hs"),
+                "--dataset",
+                str(moved / "data"),
+                "--out",
+                str(p.fresh("moved-run2")),
+                "--max-steps",
+                "1",
+            ]
+        )
     finally:
         away.rename(p.data)
-    return Verdict(r1, r1.clean_error("--dataset") and r2.code == 0, "names --dataset, then trains with it",
-                   judge(r2, inputs_before={}, inputs_after={}))
+    return Verdict(
+        r1,
+        r1.clean_error("--dataset") and r2.code == 0,
+        "names --dataset, then trains with it",
+        judge(r2, inputs_before={}, inputs_after={}),
+    )
 
 
 def _quickstart_budget(flags: list[str]) -> Callable[[Pipeline, Runner], Verdict]:
@@ -541,10 +632,15 @@ def _flip_byte(files: list[Path]) -> None:
 
 def _long_line(p: Pipeline, run: Runner) -> Verdict:
     big = p.fresh("long-line.jsonl")
-    big.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 400_000}]}) + "\n"
-                   + conversations(2))
+    big.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 400_000}]})
+        + "\n"
+        + conversations(2)
+    )
     out = p.fresh("long-line-out")
-    r, problems = checked(p, run, ["prepare", *p.T, "--data", str(big), "--out", str(out), "--max-length", "512"], {out: "prepared"}, (big,))
+    r, problems = checked(
+        p, run, ["prepare", *p.T, "--data", str(big), "--out", str(out), "--max-length", "512"], {out: "prepared"}, (big,)
+    )
     return Verdict(r, r.code == 0 and "too_long" in r.stdout + r.stderr, "skipped the 2 MB line", problems)
 
 
@@ -568,7 +664,9 @@ CASES: list[Case] = [
     Case("serve --host 0.0.0.0 without --token", "4", _serve_wide_without_token),
     Case("target dir: pytorch_model.bin beside extra.safetensors", "5", _pickle_target),
     Case("decode: no specdraft.config.block_size", "6", _loose_drafter_config(lambda c: c["specdraft"]["config"].pop("block_size"))),
-    Case("decode: specdraft block_size 3, top level 4", "6", _loose_drafter_config(lambda c: c["specdraft"]["config"].update(block_size=3))),
+    Case(
+        "decode: specdraft block_size 3, top level 4", "6", _loose_drafter_config(lambda c: c["specdraft"]["config"].update(block_size=3))
+    ),
     Case("decode: no specdraft.target.fingerprint", "6", _loose_drafter_config(lambda c: c["specdraft"]["target"].pop("fingerprint"))),
     Case("moved store, without and with --dataset", "7", _moved_store),
     Case("quickstart --eval-reserve -100", "7", _quickstart_budget(["--eval-reserve", "-100"])),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -36,16 +36,37 @@ FOREIGN_FLAGS = {
     "--no-deps": "pip's, in how bootstrap.sh installs a wheel",
 }
 #: Calls whose string arguments are not error text: logs, what is printed on success, argparse, help texts.
-NOT_ERRORS = {"debug", "info", "warning", "error", "exception", "print", "add_argument", "add_parser", "add_argument_group",
-              "config_field", "warn", "append", "extend", "insert", "index", "startswith", "endswith", "split", "replace"}
+NOT_ERRORS = {
+    "debug",
+    "info",
+    "warning",
+    "error",
+    "exception",
+    "print",
+    "add_argument",
+    "add_parser",
+    "add_argument_group",
+    "config_field",
+    "warn",
+    "append",
+    "extend",
+    "insert",
+    "index",
+    "startswith",
+    "endswith",
+    "split",
+    "replace",
+}
 
 
-@lru_cache(maxsize=None)
+@cache
 def parser_table() -> dict[str, tuple[str, frozenset[str]]]:
     """Command -> (the module whose ``run`` it calls, its flags)."""
     parser = build_parser()
-    return {name: (leaf.get_default("func").__module__, frozenset(o for a in leaf._actions for o in a.option_strings))
-            for name, leaf in commands(parser).items()}
+    return {
+        name: (leaf.get_default("func").__module__, frozenset(o for a in leaf._actions for o in a.option_strings))
+        for name, leaf in commands(parser).items()
+    }
 
 
 def module_name(path: Path) -> str:
@@ -53,12 +74,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@lru_cache(maxsize=None)
+@cache
 def modules() -> dict[str, ast.Module]:
     return {module_name(p): ast.parse(p.read_text(), str(p)) for p in SRC.rglob("*.py")}
 
 
-@lru_cache(maxsize=None)
+@cache
 def imports(name: str) -> frozenset[str]:
     """The specdraft modules ``name`` imports anywhere (function-level imports too), with their packages."""
     tree, found = modules()[name], set()
@@ -136,8 +157,11 @@ def flags_in(tree: ast.Module) -> set[tuple[int, str, str | None]]:
             quiet.update(id(v) for v in node.values)  # its pieces: the f-string is read whole
 
     def strings(node: ast.AST) -> list[ast.AST]:
-        return [n for n in ast.walk(node) if (isinstance(n, ast.JoinedStr) or isinstance(n, ast.Constant) and isinstance(n.value, str))
-                and id(n) not in quiet]
+        return [
+            n
+            for n in ast.walk(node)
+            if (isinstance(n, ast.JoinedStr) or (isinstance(n, ast.Constant) and isinstance(n.value, str))) and id(n) not in quiet
+        ]
 
     found: set[tuple[int, str, str | None]] = set()
     candidates: list[ast.AST] = []
@@ -150,13 +174,22 @@ def flags_in(tree: ast.Module) -> set[tuple[int, str, str | None]]:
             if any(re.search(r"--\{\}", _text(s)) for s in strings(node)):
                 found.add((node.lineno, "BUILT", None))
         elif isinstance(node, ast.Call) and _call_name(node) not in NOT_ERRORS:
-            candidates += [s for a in [*node.args, *(k.value for k in node.keywords)] if isinstance(a, (ast.Constant, ast.JoinedStr))
-                           for s in strings(a)]
+            candidates += [
+                s
+                for a in [*node.args, *(k.value for k in node.keywords)]
+                if isinstance(a, (ast.Constant, ast.JoinedStr))
+                for s in strings(a)
+            ]
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             candidates += [s for d in [*node.args.defaults, *node.args.kw_defaults] if isinstance(d, ast.Constant) for s in strings(d)]
         elif isinstance(node, ast.Module):
-            candidates += [s for st in node.body if isinstance(st, (ast.Assign, ast.AnnAssign)) and st.value is not None
-                           for s in strings(st.value) if " " in _text(s)]
+            candidates += [
+                s
+                for st in node.body
+                if isinstance(st, (ast.Assign, ast.AnnAssign)) and st.value is not None
+                for s in strings(st.value)
+                if " " in _text(s)
+            ]
         if isinstance(node, ast.BinOp) and isinstance(node.left, ast.Constant) and node.left.value == "--":
             if id(node) not in argparse_flags:
                 found.add((node.lineno, "BUILT", None))
@@ -166,7 +199,7 @@ def flags_in(tree: ast.Module) -> set[tuple[int, str, str | None]]:
     return found
 
 
-@lru_cache(maxsize=None)
+@cache
 def error_text(name: str) -> frozenset[tuple[int, str, str | None]]:
     return frozenset(flags_in(modules()[name]))
 
@@ -197,8 +230,11 @@ def untrue_advice(args: list[str], text: str) -> list[str]:
     table = parser_table()
     words = [a for a in args if not a.startswith("-")][:2]
     command = " ".join(words) if " ".join(words) in table else words[0]
-    return [flag if quoted is None else f"`specdraft {quoted} {flag}`" for flag, quoted in _spelled(text)
-            if flag not in table.get(quoted or command, ("", frozenset()))[1] and not (quoted is None and flag in FOREIGN_FLAGS)]
+    return [
+        flag if quoted is None else f"`specdraft {quoted} {flag}`"
+        for flag, quoted in _spelled(text)
+        if flag not in table.get(quoted or command, ("", frozenset()))[1] and not (quoted is None and flag in FOREIGN_FLAGS)
+    ]
 
 
 # ----- the static check -------------------------------------------------------------------------------------
@@ -209,7 +245,8 @@ def test_every_flag_an_error_can_name_is_a_flag_of_the_command_that_raises_it():
     (neither a quickstart flag), among the other commands' foreign flags."""
     problems = untrue_flags()
     assert not problems, "errors that advise flags the command does not take:\n" + "\n".join(
-        f"specdraft {command}: {', '.join(where)}" for command, where in sorted(problems.items()))
+        f"specdraft {command}: {', '.join(where)}" for command, where in sorted(problems.items())
+    )
 
 
 def test_the_scan_sees_the_ways_an_error_can_spell_a_flag():
@@ -287,8 +324,41 @@ def _error_line(capsys, command: str) -> str:
     return lines[-1]
 
 
-@pytest.mark.parametrize("flags", [["--budget", "0.01"], ["--budget", "-1"], ["--budget", "2", "--data-budget", "5"],
-                                   ["--budget", "5", "--eval-reserve", "6"]])
+def test_a_lock_holders_command_line_is_quoted_as_its_own_command():
+    """A refusal put the holder's command line in unquoted (cut at 200 characters, perhaps inside a flag), so its
+    flags read as advice to the refused command: `prepare --out R/sub` "advised" train's --max-steps. Quoted as
+    `specdraft train ...`, closed however long, with a flag never cut."""
+    from specdraft.utils.lock import describe_holder
+
+    argv = [
+        "/venv/bin/specdraft",
+        "train",
+        "--target",
+        "/t/" + "x" * 120,
+        "--data",
+        "/d/" + "y" * 120,
+        "--out",
+        "/runs/R",
+        "--max-steps",
+        "4",
+        "--checkpoint-interval",
+        "2",
+    ]
+    for limit_argv in (argv, argv[:8], ["/w/killpoint.py", *argv[1:6]]):
+        shown = describe_holder({"pid": 7, "host": "h", "command": "specdraft train", "argv": limit_argv, "started": 0.0})
+        refusal = f"/runs/R/sub lies inside /runs/R, which is being written by {shown}; choose another --out"
+        assert untrue_advice(["prepare", "--out", "/runs/R/sub"], refusal) == [], refusal
+        quoted = re.search(r"`specdraft train [^`]*`", shown)
+        assert quoted and shown.count("`") == 2 and len(quoted.group()) <= 302, shown
+        assert not re.search(r"--[a-z-]*\.\.\.", shown), shown  # no flag cut short
+    assert "(4 argument(s) cut)" in describe_holder({"command": "specdraft train", "argv": argv})
+    in_python = describe_holder({"pid": 7, "host": "h", "command": "specdraft train", "argv": ["/x/pytest", "-q", "--max-steps"]})
+    assert "specdraft train, run by `pytest`" in in_python and "--max-steps" not in in_python  # not the CLI: no argv as flags
+
+
+@pytest.mark.parametrize(
+    "flags", [["--budget", "0.01"], ["--budget", "-1"], ["--budget", "2", "--data-budget", "5"], ["--budget", "5", "--eval-reserve", "6"]]
+)
 def test_a_quickstart_budget_that_cannot_hold_a_run_is_refused_before_any_work(tmp_path, capsys, flags):
     """Before the fix each was accepted (the check ran only with a nonzero --eval-reserve): --budget 0.01 spent 14
     minutes preparing data before "no time left for training"."""
@@ -301,8 +371,9 @@ def test_a_quickstart_budget_that_cannot_hold_a_run_is_refused_before_any_work(t
 
         budget = re.search(r"pass --budget ([0-9.]+) or more", line).group(1)
         values = dict(zip(flags[::2], flags[1::2]))
-        QuickstartConfig(budget=float(budget), data_budget=float(values.get("--data-budget", 5)),
-                         eval_reserve=float(values.get("--eval-reserve", 0)))
+        QuickstartConfig(
+            budget=float(budget), data_budget=float(values.get("--data-budget", 5)), eval_reserve=float(values.get("--eval-reserve", 0))
+        )
 
 
 def test_a_measured_comparison_reserve_that_leaves_no_training_is_refused_before_the_data_stage(tiny_llama_dir, tmp_path, monkeypatch):
@@ -311,8 +382,11 @@ def test_a_measured_comparison_reserve_that_leaves_no_training_is_refused_before
 
     monkeypatch.setattr(quickstart, "size_eval", lambda *a, **k: {"reserve_s": 600.0})
     config = quickstart.QuickstartConfig(out=str(tmp_path / "run"), target=str(tiny_llama_dir), budget=7, threads=1, engine="hf")
-    with pytest.raises(SpecdraftError, match=r"--budget 7 min is too small for a run after .* the comparison's reserve \(10.00 min, "
-                                             r"measured here.* pass --budget 15\.[0-9]+ or more"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"--budget 7 min is too small for a run after .* the comparison's reserve \(10.00 min, "
+        r"measured here.* pass --budget 15\.[0-9]+ or more",
+    ):
         quickstart.run_quickstart(config)
     assert not (tmp_path / "run" / "data").exists()
 
@@ -330,9 +404,31 @@ dtype: fp32
 def _quickstart(tmp_path: Path, target: Path, *flags: str) -> list[str]:
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(TINY_RECIPE)
-    return ["quickstart", "--out", str(tmp_path / "run"), "--target", str(target), "--recipe", str(recipe), "--max-new-tokens", "8",
-            "--regen-batch-size", "8", "--budget", "3", "--epochs", "1", "--eval-max-new-tokens", "4", "--threads", "1",
-            "--engine", "hf", "--no-compare-reference", *flags]
+    return [
+        "quickstart",
+        "--out",
+        str(tmp_path / "run"),
+        "--target",
+        str(target),
+        "--recipe",
+        str(recipe),
+        "--max-new-tokens",
+        "8",
+        "--regen-batch-size",
+        "8",
+        "--budget",
+        "3",
+        "--epochs",
+        "1",
+        "--eval-max-new-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--engine",
+        "hf",
+        "--no-compare-reference",
+        *flags,
+    ]
 
 
 def test_a_quickstart_whose_data_budget_keeps_nothing_advises_its_own_flags(tiny_llama_dir, tmp_path, capsys):

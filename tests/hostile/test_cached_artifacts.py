@@ -145,9 +145,29 @@ def test_generate_after_a_build_killed_mid_way_takes_the_lock_over_and_finishes(
     build_dir.mkdir(parents=True)
     (build_dir / "lock").write_text("")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "SPECDRAFT_CACHE": str(tmp_path / "cache")}
-    run = subprocess.run([sys.executable, "-m", "specdraft.cli.main", "generate", "--target", str(tiny_llama_dir), "--prompt", "hi",
-                          "--drafter", "none", "--max-new-tokens", "4", "--threads", "1"], env=env, capture_output=True, text=True,
-                         timeout=600, cwd=REPO)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdraft.cli.main",
+            "generate",
+            "--target",
+            str(tiny_llama_dir),
+            "--prompt",
+            "hi",
+            "--drafter",
+            "none",
+            "--max-new-tokens",
+            "4",
+            "--threads",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"taking over the stale build lock {build_dir / 'lock'}" in run.stderr and "tok/s=" in run.stdout
 
@@ -159,8 +179,17 @@ def tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2, head_dim=32)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=32,
+        )
+    ).eval()
 
 
 def sps(model, cache: Path):
@@ -183,8 +212,9 @@ def test_an_sps_cache_entry_that_is_a_directory_is_measured_again_and_kept_in_me
     from specdraft.decode.sps import sps_cache_path
 
     model = tiny_model()
-    path = sps_cache_path(tmp_path, fingerprint="abc", device=torch.device("cpu"), dtype=torch.float32, context_tokens=8, max_tokens=2,
-                          forward_path="eager")
+    path = sps_cache_path(
+        tmp_path, fingerprint="abc", device=torch.device("cpu"), dtype=torch.float32, context_tokens=8, max_tokens=2, forward_path="eager"
+    )
     path.mkdir(parents=True)
     with caplog.at_level(logging.WARNING):
         first = sps(model, tmp_path)
@@ -206,7 +236,7 @@ def test_a_damaged_sps_or_measurement_entry_is_measured_again_with_a_warning(tmp
             if "steps_per_second" in entry:
                 entry["steps_per_second"] = [1e9 for _ in entry["steps_per_second"]]
             else:
-                entry["seconds"] = {k: 1e-9 for k in entry["seconds"]}
+                entry["seconds"] = dict.fromkeys(entry["seconds"], 1e-09)
             path.write_text(json.dumps(entry))
         else:
             path.write_text(json.dumps([entry]))
@@ -221,8 +251,9 @@ def test_a_damaged_sps_or_measurement_entry_is_measured_again_with_a_warning(tmp
         assert sps(model, tmp_path).tokens == first.tokens and len(sps_calls) == 2
         again = measured_choice("probe", {}, timers, preferred="a", cache_dir=tmp_path)
     assert not again.cached and again.seconds == {"a": 1.0, "b": 2.0}
-    reason = {"not JSON": "it is not JSON", "edited": "its content does not match its entry_sha256",
-              "wrong type": "it holds a JSON list"}[damage]
+    reason = {"not JSON": "it is not JSON", "edited": "its content does not match its entry_sha256", "wrong type": "it holds a JSON list"}[
+        damage
+    ]
     assert caplog.text.count(reason) == 2 and "not using the cached SPS profile" in caplog.text
     assert sps(model, tmp_path) and measured_choice("probe", {}, timers, preferred="a", cache_dir=tmp_path).cached  # rewritten
 
@@ -266,8 +297,21 @@ def test_a_policy_the_drafter_cannot_feed_is_refused_before_profiling(tmp_path, 
     from specdraft.cli.main import main
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
-    argv = ["generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--drafter", "none", "--verify-policy", "scheduled",
-            "--max-new-tokens", "2", "--forward-path", "eager"]
+    argv = [
+        "generate",
+        "--target",
+        str(tiny_llama_dir),
+        "--prompt",
+        "hi",
+        "--drafter",
+        "none",
+        "--verify-policy",
+        "scheduled",
+        "--max-new-tokens",
+        "2",
+        "--forward-path",
+        "eager",
+    ]
     assert main(argv) == 2
     assert "needs draft confidences" in capsys.readouterr().err and not sps_calls
 
@@ -307,8 +351,10 @@ def _random_bytes(path: Path) -> None:
 
 DAMAGE = {
     "random bytes": (lambda d: _random_bytes(d / "model.safetensors"), "model.safetensors differs from what was converted"),
-    "truncated": (lambda d: os.truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size // 2),
-                  "model.safetensors is .* bytes, not the .* it was converted to"),
+    "truncated": (
+        lambda d: os.truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size // 2),
+        "model.safetensors is .* bytes, not the .* it was converted to",
+    ),
     "deleted": (lambda d: [p.unlink() for p in d.iterdir() if p.name != "specdraft_target.json"], "is missing"),
 }
 
@@ -356,8 +402,11 @@ def test_a_conversion_held_by_a_live_process_past_the_timeout_is_refused_naming_
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("4242\n")
         held.flush()
-        with pytest.raises(SpecdraftError, match=r"process 4242 has been converting embedded target smollm2-135m for over 0.3 s \(it holds "
-                                                 r".*\.smollm2-135m\.lock\); let it finish, or stop it, then rerun"):
+        with pytest.raises(
+            SpecdraftError,
+            match=r"process 4242 has been converting embedded target smollm2-135m for over 0.3 s \(it holds "
+            r".*\.smollm2-135m\.lock\); let it finish, or stop it, then rerun",
+        ):
             emb.ensure_embedded(emb.DEFAULT_TARGET)
     assert not embedded
 
@@ -366,8 +415,22 @@ def test_a_conversion_held_by_a_live_process_past_the_timeout_is_refused_naming_
 def test_random_bytes_in_the_real_converted_target_are_converted_again_and_generate_agrees(tmp_path):
     """The reported case with the real GGUF target, in a temporary cache: blank output before."""
     env = {**os.environ, "SPECDRAFT_CACHE": str(tmp_path / "cache")}
-    command = [sys.executable, "-m", "specdraft.cli.main", "generate", "--prompt", "What is the capital of France?", "--drafter", "none",
-               "--max-new-tokens", "8", "--threads", "1", "--forward-path", "eager"]
+    command = [
+        sys.executable,
+        "-m",
+        "specdraft.cli.main",
+        "generate",
+        "--prompt",
+        "What is the capital of France?",
+        "--drafter",
+        "none",
+        "--max-new-tokens",
+        "8",
+        "--threads",
+        "1",
+        "--forward-path",
+        "eager",
+    ]
     before = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert before.returncode == 0, before.stderr[-3000:]
     _random_bytes(tmp_path / "cache" / "targets" / "smollm2-135m" / "model.safetensors")
@@ -389,12 +452,15 @@ def prepared(directory: Path):
     return PreparedDataset(write_prepared(directory, rows, target_info=info, config={}, stats={}, vocab_size=8))
 
 
-@pytest.mark.parametrize("counts, rechecksummed, message", [
-    (torch.tensor([0, 1, 1, -3, 0, 0, 0, 0]), False, r"is corrupt: its sha256 is not the .* manifest.json records"),
-    (torch.tensor([0, 1, 1, -3, 0, 0, 0, 0]), True, r"holds 1 count\(s\) that are not non-negative integers \(token id 3: -3\)"),
-    (torch.tensor([0.0, 1.0, float("nan"), 1.0, 0.0, 0.0, 0.0, 0.0]), True, r"not non-negative integers \(token id 2: nan\)"),
-    (torch.tensor([0, 1, 1]), True, r"holds counts of shape \[3\], not one per id of the vocabulary of 8"),
-])
+@pytest.mark.parametrize(
+    "counts, rechecksummed, message",
+    [
+        (torch.tensor([0, 1, 1, -3, 0, 0, 0, 0]), False, r"is corrupt: its sha256 is not the .* manifest.json records"),
+        (torch.tensor([0, 1, 1, -3, 0, 0, 0, 0]), True, r"holds 1 count\(s\) that are not non-negative integers \(token id 3: -3\)"),
+        (torch.tensor([0.0, 1.0, float("nan"), 1.0, 0.0, 0.0, 0.0, 0.0]), True, r"not non-negative integers \(token id 2: nan\)"),
+        (torch.tensor([0, 1, 1]), True, r"holds counts of shape \[3\], not one per id of the vocabulary of 8"),
+    ],
+)
 def test_damaged_or_negative_token_counts_are_refused_naming_the_file(tmp_path, counts, rechecksummed, message):
     """Negative counts in token_counts.safetensors, which had no checksum, were accepted."""
     from specdraft.data.dataset import COUNTS_FILE, MANIFEST_FILE, PreparedDataset
@@ -418,8 +484,11 @@ def test_a_target_changed_since_preparing_is_named_as_changed_not_as_another_tar
 
     dataset = prepared(tmp_path / "d")
     changed = Target(name="tiny", path=Path("/models/tiny"), model=None, tokenizer=None, fingerprint="0" * 16, tokenizer_hash="t" * 16)
-    with pytest.raises(SpecdraftError, match=r"^target 'tiny' \(/models/tiny\) has changed since .*/d was prepared for it: fingerprint "
-                                             r"ffffffffffffffff then, 0000000000000000 now\. Rerun `specdraft prepare --target tiny`"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"^target 'tiny' \(/models/tiny\) has changed since .*/d was prepared for it: fingerprint "
+        r"ffffffffffffffff then, 0000000000000000 now\. Rerun `specdraft prepare --target tiny`",
+    ):
         dataset.check_target(changed)
     other = Target(name="other", path=Path("/models/other"), model=None, tokenizer=None, fingerprint="0" * 16, tokenizer_hash="t" * 16)
     with pytest.raises(SpecdraftError, match=r"was prepared for target 'tiny' \(/models/tiny\), not 'other' \(/models/other\)"):

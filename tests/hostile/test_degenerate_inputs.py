@@ -20,13 +20,13 @@ from typing import Literal
 
 import pytest
 import torch
+from test_integrity import run  # noqa: F401  (module fixture: a 4-step dspark run on ``stores``)
 
 from specdraft.cli.main import main
 from specdraft.errors import SpecdraftError
 from specdraft.train.trainer import train
 from test_data_prepare import SHAREGPT_ROW
-from test_integrity import run  # noqa: F401  (module fixture: a 4-step dspark run on ``stores``)
-from test_train_methods import config as train_config, stores  # noqa: F401  (module fixture)
+from test_train_methods import config as train_config
 from test_train_toy import ToyStore, ToyTarget, toy_config
 
 
@@ -114,8 +114,12 @@ def test_prepare_refuses_a_source_named_twice_however_spelled(tmp_path, capsys, 
     rows.write_text(json.dumps(SHAREGPT_ROW) + "\n")
     (tmp_path / "alias.jsonl").symlink_to(rows)
     monkeypatch.chdir(tmp_path)
-    for data, named in [(f"{rows},{rows}", f"'{rows}' twice"), (f"{rows},./chats.jsonl", f"'./chats.jsonl' twice (as '{rows}')"),
-                        ("chats.jsonl,alias.jsonl", "'alias.jsonl' twice (as 'chats.jsonl')"), ("sharegpt,sharegpt", "'sharegpt' twice")]:
+    for data, named in [
+        (f"{rows},{rows}", f"'{rows}' twice"),
+        (f"{rows},./chats.jsonl", f"'./chats.jsonl' twice (as '{rows}')"),
+        ("chats.jsonl,alias.jsonl", "'alias.jsonl' twice (as 'chats.jsonl')"),
+        ("sharegpt,sharegpt", "'sharegpt' twice"),
+    ]:
         assert main(["prepare", "--data", data, "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert f"names the source {named}: every sample would be held twice; name each source once" in err, err
@@ -126,11 +130,14 @@ def test_prepare_refuses_a_source_named_twice_however_spelled(tmp_path, capsys, 
 
 
 @pytest.mark.parametrize("method, need", [("dspark", 5), ("eagle3", 3)])
-def test_pack_tokens_below_one_block_is_refused_before_training(stores, tmp_path, method, need):  # noqa: F811
+def test_pack_tokens_below_one_block_is_refused_before_training(stores, tmp_path, method, need):
     """``train --pack-tokens 1`` trained on 0 anchors at loss 0.0 and wrote a "completed" drafter."""
     target, store = stores[0], stores[1]["eagle3" if method == "eagle3" else "dspark"]
-    with pytest.raises(SpecdraftError, match=rf"--pack-tokens 1 is below the {need} tokens one {method} block spans .* never "
-                                             rf"supervise draft position\(s\) 1-{need - 1}; use --pack-tokens {need} or more"):
+    with pytest.raises(
+        SpecdraftError,
+        match=rf"--pack-tokens 1 is below the {need} tokens one {method} block spans .* never "
+        rf"supervise draft position\(s\) 1-{need - 1}; use --pack-tokens {need} or more",
+    ):
         train(train_config(method, store, tmp_path / "run", pack_tokens=1), target=target)
     assert not (tmp_path / "run" / "final").exists()
 
@@ -140,8 +147,11 @@ def test_prompts_longer_than_the_rows_are_refused_before_training(tmp_path):
     for item in store.items:  # the reply is the last token of each sample, past the 4 tokens a row reads of it
         item["loss_mask"][:] = False
         item["loss_mask"][-1] = True
-    with pytest.raises(SpecdraftError, match=r"none of the 12 training samples has a response token within the first 4 tokens a row "
-                                             r"reads of it \(--pack-tokens, --max-sample-tokens\)"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"none of the 12 training samples has a response token within the first 4 tokens a row "
+        r"reads of it \(--pack-tokens, --max-sample-tokens\)",
+    ):
         train(toy_config(tmp_path / "run", pack_tokens=4, val_fraction=0.0), target=ToyTarget(), dataset=store)
     assert not (tmp_path / "run" / "final").exists()
 
@@ -160,8 +170,11 @@ def test_a_run_whose_steps_supervised_no_label_writes_no_final(tmp_path):
     for i, item in enumerate(store.items):
         if i != keep:
             item["loss_mask"][:] = False
-    with pytest.raises(SpecdraftError, match=r"the 1 training step\(s\) supervised 0 labels \(metrics.jsonl\), so the drafter learned "
-                                             r"nothing and final/ is not written"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"the 1 training step\(s\) supervised 0 labels \(metrics.jsonl\), so the drafter learned "
+        r"nothing and final/ is not written",
+    ):
         train(cfg, target=ToyTarget(), dataset=store)
     assert not (tmp_path / "run" / "final").exists()
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["labels"] == 0
@@ -203,8 +216,11 @@ def test_a_val_fraction_that_draws_nothing_of_one_linked_component_is_refused():
 
     keys = [SplitKey(f"g{i}", "the same prompt") for i in range(12)]  # linked into one component: nothing can be held out
     seed = _seed_drawing_nothing(keys, 0.2)
-    with pytest.raises(SpecdraftError, match=r"--val-fraction 0.2 holds out none of the 12 samples \(12 conversation\(s\) linked by shared "
-                                             r"prompts into 1 component\(s\).*or set --val-fraction 0 to train on all of them"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"--val-fraction 0.2 holds out none of the 12 samples \(12 conversation\(s\) linked by shared "
+        r"prompts into 1 component\(s\).*or set --val-fraction 0 to train on all of them",
+    ):
         compute_split([f"s{i}" for i in range(12)], keys, val_fraction=0.2, seed=seed)
 
 
@@ -227,11 +243,12 @@ def _poison(store: Path, sample_id: str, token: int) -> None:
 
 
 def _nan_refused(store: Path, sample: str, token: int) -> str:
-    return re.escape(f"{store}: sample '{sample}' holds non-finite values (NaN or inf) in its hidden_states at token {token}; "
-                     "the store verifies")
+    return re.escape(
+        f"{store}: sample '{sample}' holds non-finite values (NaN or inf) in its hidden_states at token {token}; the store verifies"
+    )
 
 
-def test_nan_validation_states_are_refused_naming_store_sample_and_tensor(stores, tmp_path):  # noqa: F811
+def test_nan_validation_states_are_refused_naming_store_sample_and_tensor(stores, tmp_path):
     """NaN validation states gave a NaN validation loss, yet the card reported tau 1.000."""
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.train.split import dataset_split
@@ -253,14 +270,23 @@ def test_a_nan_validation_loss_reaches_the_card_as_not_a_number():
     from specdraft.train.model_card import model_card
 
     sums = MetricSums()
-    sums.add(TrainOutput(loss=torch.tensor(float("nan")), position_acc=torch.zeros(3), position_cond_acc=torch.zeros(3),
-                         position_count=torch.ones(3)), tokens=10)
+    sums.add(
+        TrainOutput(
+            loss=torch.tensor(float("nan")), position_acc=torch.zeros(3), position_cond_acc=torch.zeros(3), position_count=torch.ones(3)
+        ),
+        tokens=10,
+    )
     summary = sums.summary()
     assert summary["loss"] is None and summary["non_finite_loss"] and "accept_len" not in summary
     json.dumps(summary, allow_nan=False)  # metrics.jsonl stays JSON
     split = {"hash": "h", "validation_samples": 2, "samples": 12, "validation_groups_count": 2, "val_fraction": 0.2, "seed": 0}
-    card = model_card(method="dspark", step=4, data="S", split=split,
-                      validation={"split": "val", "step": 4, **summary, "tau_teacher_forced": summary.get("accept_len")})
+    card = model_card(
+        method="dspark",
+        step=4,
+        data="S",
+        split=split,
+        validation={"split": "val", "step": 4, **summary, "tau_teacher_forced": summary.get("accept_len")},
+    )
     assert "| teacher_forced | - | not a number: the validation loss was NaN or inf" in card and "1.000" not in card
 
 
@@ -284,6 +310,60 @@ def test_temperature_scaling_refuses_non_finite_confidences():
 
     logits = torch.zeros(4, 3)
     logits[1, 2] = float("nan")
-    with pytest.raises(SpecdraftError, match=r"1 supervised confidence logit\(s\) or acceptance\(s\) are NaN or inf \(the first at "
-                                             r"block 1, draft position 3\)"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"1 supervised confidence logit\(s\) or acceptance\(s\) are NaN or inf \(the first at "
+        r"block 1, draft position 3\)",
+    ):
         sequential_temperature_scaling(logits=logits, accept=torch.ones(4, 3), valid=torch.ones(4, 3, dtype=torch.bool))
+
+
+def _collate_on_rank(rank: int, world: int, port: int, results: Path) -> None:
+    """One gloo rank of ``test_every_rank_refuses_a_batch_with_nan_on_one``: rank 1's batch holds NaN. Each rank
+    writes what collate did after a barrier (so neither waits for ever, whatever the other did)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from specdraft.train.batches import collate
+    from specdraft.train.distributed import Dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        hidden = torch.zeros(4, 2, 3)
+        if rank == 1:
+            hidden[2, 1, 0] = float("nan")
+        item = {
+            "sample_id": f"s{rank}",
+            "token_ids": torch.arange(4),
+            "loss_mask": torch.ones(4),
+            "hidden_states": hidden,
+            "last_hidden": torch.zeros(4, 3),
+        }
+        try:
+            collate([[item]], sample_tokens=4, where="S", agree=lambda bad: Dist(rank, world).any(bad, torch.device("cpu")))
+            outcome = "collated"
+        except SpecdraftError as exc:
+            outcome = str(exc)
+        dist.barrier()  # the step's next collective: reached by every rank only when all of them stopped alike
+        (results / f"rank-{rank}").write_text(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_refuses_a_batch_with_nan_on_one(tmp_path):
+    """NaN states in one rank's batch raised on that rank only: under DDP the others went on into the step's
+    all-reduce and waited for ever. Every rank now agrees (``Dist.any``) and refuses; the one holding the sample names it."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_collate_on_rank, args=(2, port, tmp_path), nprocs=2, join=True, start_method="spawn")
+    refused = "S: sample 's1' holds non-finite values (NaN or inf) in its hidden_states at token 2"
+    assert (tmp_path / "rank-1").read_text().startswith(refused)
+    assert (tmp_path / "rank-0").read_text().startswith("S: another process's batch holds non-finite values")

@@ -62,11 +62,19 @@ def test_recipe_strings_nan_are_refused_too():
 @pytest.mark.parametrize(
     "where,values,message",
     [
-        ("specdraft.models.dflash.config:DFlashConfig", {"train_draft_head": "maybe"}, "train_draft_head must be true or false, got 'maybe'"),
+        (
+            "specdraft.models.dflash.config:DFlashConfig",
+            {"train_draft_head": "maybe"},
+            "train_draft_head must be true or false, got 'maybe'",
+        ),
         ("specdraft.models.dflash.config:DFlashConfig", {"dpace_alpha": "half"}, "dpace_alpha must be a number, got 'half'"),
         ("specdraft.models.dflash.config:DFlashConfig", {"max_anchors": 6.5}, "max_anchors must be an integer, got 6.5"),
         ("specdraft.models.dspark.config:DSparkConfig", {"confidence_head": "yes please"}, "confidence_head must be true or false"),
-        ("specdraft.models.dspark.config:DSparkConfig", {"confidence_temperatures": [1.0, "x"]}, "confidence_temperatures must be a list of numbers"),
+        (
+            "specdraft.models.dspark.config:DSparkConfig",
+            {"confidence_temperatures": [1.0, "x"]},
+            "confidence_temperatures must be a list of numbers",
+        ),
         ("specdraft.train.config:TrainConfig", {"lr": "fast"}, "lr must be a number, got 'fast'"),
     ],
 )
@@ -124,8 +132,16 @@ def test_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_p
     cfg = toy_config(tmp_path / "run", checkpoint_interval=2, eval_interval=0)
     store = ToyStore()
     split = dataset_split(store, val_fraction=cfg.val_fraction, seed=cfg.split_seed)
-    plan = DataPlan.build(store.sample_ids, store.lengths(), split=split, pack_tokens=cfg.pack_tokens,
-                          batch_rows=cfg.batch_rows, seed=cfg.seed, world_size=1, rank=0)
+    plan = DataPlan.build(
+        store.sample_ids,
+        store.lengths(),
+        split=split,
+        pack_tokens=cfg.pack_tokens,
+        batch_rows=cfg.batch_rows,
+        seed=cfg.seed,
+        world_size=1,
+        rank=0,
+    )
     poisoned = plan.train_rows(2)[0][0]  # first read by step 3, after the step-2 checkpoint
     bad_step = 1 + next(s for s in range(cfg.max_steps) if any(poisoned in row for row in plan.train_rows(s)))
     with pytest.raises(SpecdraftError, match=rf"training stopped at step {bad_step}: the loss is nan.*last good checkpoint"):
@@ -363,7 +379,9 @@ def test_deleted_sample_of_a_complete_store_is_an_error(store):
     files[3].write_bytes(files[3].read_bytes()[:-64])
     with pytest.raises(SpecdraftError) as info:  # one check reports both: the counted sample gone and the damaged one
         _offline(hs)
-    assert re.search(f"2 bad sample.*{victim!r} is missing \\(the store manifest records 5 complete samples but 4 are stored\\)", str(info.value))
+    assert re.search(
+        f"2 bad sample.*{victim!r} is missing \\(the store manifest records 5 complete samples but 4 are stored\\)", str(info.value)
+    )
     assert f"{files[3].name} is truncated or damaged" in str(info.value) and fix in str(info.value)
 
 
@@ -419,8 +437,23 @@ def test_sigterm_exits_143(tmp_path, monkeypatch):
 
     real_train = trainer.train
     monkeypatch.setattr(trainer, "train", lambda cfg: real_train(cfg, target=ToyTarget(), dataset=SignalAfterReads(ToyStore(), 5)))
-    code = main(["train", "--method", "toy", "--out", str(tmp_path / "run"), "--max-steps", "12", "--pack-tokens", "48",
-                 "--dtype", "fp32", "--num-threads", "1"])
+    code = main(
+        [
+            "train",
+            "--method",
+            "toy",
+            "--out",
+            str(tmp_path / "run"),
+            "--max-steps",
+            "12",
+            "--pack-tokens",
+            "48",
+            "--dtype",
+            "fp32",
+            "--num-threads",
+            "1",
+        ]
+    )
     assert code == 128 + signal.SIGTERM
 
 
@@ -430,12 +463,18 @@ def test_over_long_line_is_skipped_before_tokenizing(tmp_path, tiny_llama_dir, m
 
     rendered = []
     real = prepare_module.render_with_mask
-    monkeypatch.setattr(prepare_module, "render_with_mask", lambda tok, messages, eot: rendered.append(messages) or real(tok, messages, eot))
-    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x " * 500_000}]},
-            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    monkeypatch.setattr(
+        prepare_module, "render_with_mask", lambda tok, messages, eot: rendered.append(messages) or real(tok, messages, eot)
+    )
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x " * 500_000}]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = prepare(PrepareConfig(out=str(tmp_path / "out"), target=str(tiny_llama_dir), data=str(tmp_path / "in.jsonl"),
-                                    max_length=256), progress=False)
+    summary = prepare(
+        PrepareConfig(out=str(tmp_path / "out"), target=str(tiny_llama_dir), data=str(tmp_path / "in.jsonl"), max_length=256),
+        progress=False,
+    )
     assert summary["skipped"] == {"too_long": 1} and summary["kept"] == 1
     assert len(rendered) == 1  # only the short row reached the tokenizer
 
@@ -464,12 +503,12 @@ def fake_prepare(args):
     server.command = lambda: [sys.executable, "-c", "import time; time.sleep(600)"]
     server._wait_healthy = lambda: None
     with server:
-        open({str(tmp_path / 'pid')!r}, "w").write(str(server.process.pid))
+        open({str(tmp_path / "pid")!r}, "w").write(str(server.process.pid))
         os.kill(os.getpid(), signal.SIGTERM)
         signal.pause()
 
 cli_prepare.run = fake_prepare
-sys.exit(main(["prepare", "--data", "x", "--out", {str(tmp_path / 'out')!r}]))
+sys.exit(main(["prepare", "--data", "x", "--out", {str(tmp_path / "out")!r}]))
 """)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr

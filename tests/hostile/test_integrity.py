@@ -21,7 +21,7 @@ from specdraft.models.common.drafter import load_drafter
 from specdraft.train import checkpoint_files as ckpt
 from specdraft.train.trainer import train
 from test_data_prepare import SHAREGPT_ROW
-from test_train_methods import config as train_config, stores  # noqa: F401  (module fixture)
+from test_train_methods import config as train_config
 
 FROZEN = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
 
@@ -79,7 +79,7 @@ def test_a_directory_that_only_looks_like_a_dataset_is_not_replaced(tmp_path, ti
 
 
 @pytest.fixture(scope="module")
-def run(stores, tmp_path_factory):  # noqa: F811
+def run(stores, tmp_path_factory):
     """A 4-step DSpark run on the tiny target with checkpoints at steps 2 and 4."""
     out = tmp_path_factory.mktemp("integrity") / "run"
     target, store = stores[0], stores[1]["dspark"]
@@ -186,7 +186,7 @@ def test_a_flipped_byte_in_a_final_drafter_is_refused(run, tmp_path, monkeypatch
     config = json.loads((final / "config.json").read_text())
     del config["specdraft"]["checksums"]
     (final / "config.json").write_text(json.dumps(config))
-    with pytest.raises(SpecdraftError, match="records no checksum of model.safetensors.*add \"checksums\""):
+    with pytest.raises(SpecdraftError, match='records no checksum of model.safetensors.*add "checksums"'):
         load_drafter(final, target=target)
     # an intact one is hashed and parsed once
     shutil.copy(reference / "final/config.json", final / "config.json")
@@ -208,11 +208,15 @@ def _bad_store(store: Path, tmp_path: Path, damage) -> tuple[Path, Path]:
     return copy, victim
 
 
-@pytest.mark.parametrize("damage, verify, message", [
-    (lambda p: p.write_bytes(p.read_bytes()[:-64]), "quick", "is truncated or damaged"),
-    (lambda p: p.unlink(), "quick", "is listed in the store manifest but missing"),
-    (_flip_byte, "full", "checksum"),
-], ids=["truncated", "deleted", "flipped"])
+@pytest.mark.parametrize(
+    "damage, verify, message",
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[:-64]), "quick", "is truncated or damaged"),
+        (lambda p: p.unlink(), "quick", "is listed in the store manifest but missing"),
+        (_flip_byte, "full", "checksum"),
+    ],
+    ids=["truncated", "deleted", "flipped"],
+)
 def test_a_bad_store_sample_stops_training_before_the_first_step(run, tmp_path, damage, verify, message):
     target, store, _ = run
     bad, victim = _bad_store(store, tmp_path, damage)

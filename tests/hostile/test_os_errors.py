@@ -19,15 +19,17 @@ from specdraft.cli.main import main
 from specdraft.train import checkpoint_files as ckpt
 from specdraft.train.trainer import train
 from test_data_prepare import SHAREGPT_ROW
-from test_train_methods import config as train_config, stores  # noqa: F401  (module fixture)
+from test_train_methods import config as train_config
 
 
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str):
     """A small tmpfs at ``path`` (root can mount one in most sandboxes), unmounted on the way out."""
     path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode != 0
+    ):
         pytest.skip("needs root and a mountable tmpfs")
     try:
         yield path
@@ -39,7 +41,7 @@ def _remount_read_only(path: Path) -> None:
     subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
 
 
-def test_disk_full_while_saving_a_checkpoint_keeps_the_last_one_and_resumes(stores, tmp_path):  # noqa: F811
+def test_disk_full_while_saving_a_checkpoint_keeps_the_last_one_and_resumes(stores, tmp_path):
     """safetensors reported a full disk as its own SafetensorError; now an OSError naming the file, and
     neither a half-written step-N nor a damaged previous checkpoint is left for the resume."""
     target, store = stores[0], stores[1]["dspark"]
@@ -83,10 +85,18 @@ def _fill(disk: Path) -> None:
             f.write(b"\0" * 4096)
 
 
-@pytest.mark.parametrize("code, fix", [
-    (errno.ENOSPC, "the disk is full"), (errno.EDQUOT, "quota"), (errno.EROFS, "read-only"), (errno.EACCES, "permission"),
-    (errno.EPERM, "not permitted"), (errno.EMFILE, "ulimit -n"), (errno.ENFILE, "fs.file-max"),
-])
+@pytest.mark.parametrize(
+    "code, fix",
+    [
+        (errno.ENOSPC, "the disk is full"),
+        (errno.EDQUOT, "quota"),
+        (errno.EROFS, "read-only"),
+        (errno.EACCES, "permission"),
+        (errno.EPERM, "not permitted"),
+        (errno.EMFILE, "ulimit -n"),
+        (errno.ENFILE, "fs.file-max"),
+    ],
+)
 def test_every_command_turns_machine_os_errors_into_one_line(code, fix, monkeypatch, capsys):
     """Raised anywhere in a command, also wrapped in another exception (a DataLoader worker's, a library's)."""
     import specdraft.cli.calibrate as command

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_integrity import _tree, run  # noqa: F401  (module fixture)
 
 from specdraft.cli.main import main
 from specdraft.errors import SpecdraftError
 from specdraft.utils.lock import OutputLock, claim_output, lock_path, probe_writable
 from test_extract_cli import write_chat_dataset
-from test_integrity import _tree, run  # noqa: F401  (module fixture)
 from test_train_methods import stores  # noqa: F401  (module fixture, used by ``run``)
 
 TINY_MODEL = "num_layers=1,block_size=4,max_anchors=8,markov_rank=16,intermediate_size=64"
@@ -49,8 +49,9 @@ def store(dataset, tiny_target) -> Path:
     from specdraft.hidden_states.extract import extract_hidden_states
 
     out = dataset.parent / "hs"
-    extract_hidden_states(ExtractConfig(dataset=str(dataset), out=str(out), method="dspark", dtype="float32"), target=tiny_target,
-                          progress=False)
+    extract_hidden_states(
+        ExtractConfig(dataset=str(dataset), out=str(out), method="dspark", dtype="float32"), target=tiny_target, progress=False
+    )
     return out
 
 
@@ -68,14 +69,17 @@ class _Holder:
     """A first writer in another process: holds the lock on ``out`` until closed."""
 
     def __init__(self, out: Path, command: str = "specdraft first-writer"):
-        code = ("import sys; from specdraft.utils.lock import OutputLock; l = OutputLock(sys.argv[1], command=sys.argv[2]); "
-                "l.acquire(); print('held', flush=True); sys.stdin.read(); l.release()")
+        code = (
+            "import sys; from specdraft.utils.lock import OutputLock; l = OutputLock(sys.argv[1], command=sys.argv[2]); "
+            "l.acquire(); print('held', flush=True); sys.stdin.read(); l.release()"
+        )
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(out), command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(out), command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
         assert self.proc.stdout.readline().strip() == "held"
 
-    def __enter__(self) -> "_Holder":
+    def __enter__(self) -> _Holder:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -140,10 +144,40 @@ def test_two_train_processes_on_one_run(store, tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
 
     def start(seed: int) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "specdraft.cli.main", "train", "--method", "dspark", "--data", str(store), "--out", str(out),
-                "--target", str(tiny_llama_dir), "--model", TINY_MODEL, "--max-steps", "3", "--pack-tokens", "64", "--batch-rows", "1",
-                "--val-fraction", "0", "--eval-interval", "0", "--decode-prompts", "0", "--dtype", "fp32", "--num-threads", "1",
-                "--seed", str(seed)]
+        argv = [
+            sys.executable,
+            "-m",
+            "specdraft.cli.main",
+            "train",
+            "--method",
+            "dspark",
+            "--data",
+            str(store),
+            "--out",
+            str(out),
+            "--target",
+            str(tiny_llama_dir),
+            "--model",
+            TINY_MODEL,
+            "--max-steps",
+            "3",
+            "--pack-tokens",
+            "64",
+            "--batch-rows",
+            "1",
+            "--val-fraction",
+            "0",
+            "--eval-interval",
+            "0",
+            "--decode-prompts",
+            "0",
+            "--dtype",
+            "fp32",
+            "--num-threads",
+            "1",
+            "--seed",
+            str(seed),
+        ]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -268,7 +302,10 @@ def test_read_only_output_is_one_line_before_the_work(command, readonly, dataset
     assert main(argv) == 2
     err = capsys.readouterr().err
     shown = readonly / "existing" if command == "calibrate" else out / "m.json" if command == "generate" else out
-    assert f"specdraft {command}: error: cannot write --{'drafter' if command == 'calibrate' else 'metrics-out' if command == 'generate' else 'out'} {shown}: the filesystem is read-only: choose a path on a writable one" in err, err
+    assert (
+        f"specdraft {command}: error: cannot write --{'drafter' if command == 'calibrate' else 'metrics-out' if command == 'generate' else 'out'} {shown}: the filesystem is read-only: choose a path on a writable one"
+        in err
+    ), err
     assert err.count("\n") == 1
 
 
@@ -277,7 +314,10 @@ def test_a_full_disk_is_named_with_the_fix(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "write", full)
-    with pytest.raises(SpecdraftError, match=r"cannot write --out .*: the disk is full: free space there or write to another filesystem, then rerun the same command; nothing was done"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"cannot write --out .*: the disk is full: free space there or write to another filesystem, then rerun the same command; nothing was done",
+    ):
         probe_writable(tmp_path / "out")
 
 
@@ -293,8 +333,9 @@ def _dead_pid() -> int:
 def _holder_json(path: Path, **fields) -> None:
     now = time.time()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": 1, "host": socket.gethostname(), "command": "specdraft old", "started": now, "heartbeat": now,
-                                **fields}))
+    path.write_text(
+        json.dumps({"pid": 1, "host": socket.gethostname(), "command": "specdraft old", "started": now, "heartbeat": now, **fields})
+    )
 
 
 def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_warning(tmp_path, caplog):

@@ -18,17 +18,17 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
+from test_integrity import _tree, run  # noqa: F401  (module fixture)
+from test_outputs import _Holder
 
 from specdraft.cli.main import build_parser, commands, main
 from specdraft.utils.lock import claim_output, lock_path
-from test_integrity import _tree, run  # noqa: F401  (module fixture)
-from test_outputs import _Holder
 from test_train_methods import stores  # noqa: F401  (module fixture, used by ``run``)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,8 +55,15 @@ def _prepared(directory: Path, target, samples: int) -> Path:
     from specdraft.data.dataset import write_prepared
 
     g = torch.Generator().manual_seed(0)
-    rows = [{"sample_id": f"c{i // 2}_{i % 2}", "source": "t:sharegpt", "input_ids": torch.randint(0, 1000, (16,), generator=g).tolist(),
-             "loss_mask": [int(j >= 4) for j in range(16)]} for i in range(samples)]
+    rows = [
+        {
+            "sample_id": f"c{i // 2}_{i % 2}",
+            "source": "t:sharegpt",
+            "input_ids": torch.randint(0, 1000, (16,), generator=g).tolist(),
+            "loss_mask": [int(j >= 4) for j in range(16)],
+        }
+        for i in range(samples)
+    ]
     return write_prepared(directory, rows, target_info=target.describe(), config={}, stats={}, vocab_size=target.vocab_size)
 
 
@@ -64,8 +71,9 @@ def _extract(data: Path, store: Path, target, **options) -> Path:
     from specdraft.hidden_states.config import ExtractConfig
     from specdraft.hidden_states.extract import extract_hidden_states
 
-    extract_hidden_states(ExtractConfig(dataset=str(data), out=str(store), method="dspark", dtype="float32", **options), target=target,
-                          progress=False)
+    extract_hidden_states(
+        ExtractConfig(dataset=str(data), out=str(store), method="dspark", dtype="float32", **options), target=target, progress=False
+    )
     return store
 
 
@@ -132,8 +140,12 @@ def test_a_process_nests_its_own_claims(tmp_path):
     from specdraft.data.dataset import PREPARED_DIR
 
     qs = tmp_path / "qs"
-    with claim_output(qs, None), claim_output(qs / "data", PREPARED_DIR), claim_output(qs / "train", None), \
-            claim_output(qs / "train" / "final", None):
+    with (
+        claim_output(qs, None),
+        claim_output(qs / "data", PREPARED_DIR),
+        claim_output(qs / "train", None),
+        claim_output(qs / "train" / "final", None),
+    ):
         assert lock_path(qs / "train" / "final").exists()
     assert not list(tmp_path.rglob(".*.lock"))
 
@@ -160,8 +172,15 @@ def test_two_writers_on_nested_paths_never_both_proceed(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     start = time.time() + 3.0
     pairs = [(tmp_path / f"w{i}", tmp_path / f"w{i}" / "run" / "final") for i in range(8)]
-    procs = [[subprocess.Popen([sys.executable, "-c", _RACER, str(path), str(start)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=env) for path in pair] for pair in pairs]
+    procs = [
+        [
+            subprocess.Popen(
+                [sys.executable, "-c", _RACER, str(path), str(start)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
+            for path in pair
+        ]
+        for pair in pairs
+    ]
     verdicts = [[p.communicate(timeout=60)[0].strip() for p in pair] for pair in procs]
     assert all(verdict.count("claimed") <= 1 and set(verdict) <= {"claimed", "refused"} for verdict in verdicts), verdicts
     assert not list(tmp_path.rglob(".*.lock"))
@@ -219,9 +238,26 @@ def test_export_refuses_a_users_directory_and_its_own_store(inputs, tmp_path, ca
 def _export(store: Path, out: Path) -> tuple[int, dict | None, str]:
     """``export-speculators`` in the speculators environment (it needs ``datasets``): exit code, facts, stderr."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([str(INTEROP_PYTHON), "-m", "specdraft.cli.main", "export-speculators", "--store", str(store), "--out", str(out),
-                           "--val-fraction", "0.3"], check=False, capture_output=True, text=True, timeout=300, env=env)
-    facts = json.loads(done.stdout[done.stdout.index("{\n"):]) if done.returncode == 0 else None
+    done = subprocess.run(
+        [
+            str(INTEROP_PYTHON),
+            "-m",
+            "specdraft.cli.main",
+            "export-speculators",
+            "--store",
+            str(store),
+            "--out",
+            str(out),
+            "--val-fraction",
+            "0.3",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    facts = json.loads(done.stdout[done.stdout.index("{\n") :]) if done.returncode == 0 else None
     return done.returncode, facts, done.stderr
 
 
@@ -295,17 +331,26 @@ WRITERS: dict[tuple[str, str], tuple[Writer, ...]] = {
     ("extract", "--out"): (Writer(lambda i, out: ["extract", "--dataset", str(i.dataset), "--out", str(out), "--method", "dspark"]),),
     ("store start", "--dir"): (Writer(lambda i, out: ["store", "start", "--dir", str(out), "--port", "0"]),),
     ("train", "--out"): (Writer(lambda i, out: ["train", "--method", "dspark", "--data", str(i.store), "--out", str(out)]),),
-    ("generate", "--metrics-out"): (Writer(lambda i, out: ["generate", "--prompt", "hi", "--target", str(i.target),
-                                                          "--metrics-out", str(out)], file=True),),
-    ("eval", "--out"): (Writer(lambda i, out: ["eval", "--drafters", "ngram", "--out", str(out)]),
-                        Writer(lambda i, out: ["eval", "--endpoint", "http://127.0.0.1:9", "--drafters", "ngram", "--out", str(out)]),
-                        Writer(lambda i, out: ["eval", "--parity", "--drafters", str(i.store.parent / "final"), "--out", str(out)])),
-    ("calibrate", "--out"): (Writer(lambda i, out: ["calibrate", "--drafter", str(i.store.parent / "final"), "--data", str(i.store),
-                                                    "--out", str(out)]),
-                             Writer(lambda i, out: ["calibrate", "--drafter", str(out), "--data", str(i.store)])),  # in place
+    ("generate", "--metrics-out"): (
+        Writer(lambda i, out: ["generate", "--prompt", "hi", "--target", str(i.target), "--metrics-out", str(out)], file=True),
+    ),
+    ("eval", "--out"): (
+        Writer(lambda i, out: ["eval", "--drafters", "ngram", "--out", str(out)]),
+        Writer(lambda i, out: ["eval", "--endpoint", "http://127.0.0.1:9", "--drafters", "ngram", "--out", str(out)]),
+        Writer(lambda i, out: ["eval", "--parity", "--drafters", str(i.store.parent / "final"), "--out", str(out)]),
+    ),
+    ("calibrate", "--out"): (
+        Writer(lambda i, out: ["calibrate", "--drafter", str(i.store.parent / "final"), "--data", str(i.store), "--out", str(out)]),
+        Writer(lambda i, out: ["calibrate", "--drafter", str(out), "--data", str(i.store)]),
+    ),  # in place
     ("export-speculators", "--out"): (Writer(lambda i, out: ["export-speculators", "--store", str(i.store), "--out", str(out)]),),
-    ("quickstart", "--out"): (Writer(lambda i, out: ["quickstart", "--out", str(out), "--target", str(i.target), "--samples", "4"],
-                                     foreign_at="data", loads_target=True),),
+    ("quickstart", "--out"): (
+        Writer(
+            lambda i, out: ["quickstart", "--out", str(out), "--target", str(i.target), "--samples", "4"],
+            foreign_at="data",
+            loads_target=True,
+        ),
+    ),
 }
 
 #: Output-named flags that name no output of the command, and why.
@@ -313,7 +358,7 @@ NOT_WRITERS = {
     ("store stop", "--dir"): "names the master to stop; it only removes the pid and state files its start recorded",
     ("store status", "--dir"): "reads the master's state",
     ("serve-hidden-states", "--store"): "a transport shared by design: several producers write it at once, each payload atomically "
-                                        "under its own key, and the trainer reads and deletes them",
+    "under its own key, and the trainer reads and deletes them",
     ("train", "--store"): "online/hybrid training reads (and consumes) what producers write there",
     ("export-speculators", "--store"): "the store it reads (an input: refused as its --out)",
 }
@@ -323,11 +368,18 @@ CASES = [pytest.param(key, n, id=f"{key[0]} {key[1]}" + (f" #{n}" if n else ""))
 
 def test_every_output_flag_is_claimed():
     """Every output-named flag of every command is listed here, so the tests below run it against the rule."""
-    found = {(name, flag) for name, leaf in commands(build_parser()).items() for action in leaf._actions
-             for flag in action.option_strings if OUTPUT_FLAG.match(flag)}
+    found = {
+        (name, flag)
+        for name, leaf in commands(build_parser()).items()
+        for action in leaf._actions
+        for flag in action.option_strings
+        if OUTPUT_FLAG.match(flag)
+    }
     missing = found - set(WRITERS) - set(NOT_WRITERS)
-    assert not missing, (f"{sorted(missing)}: claim the output (utils/lock.claim_output, or claims_output on the command's library "
-                         "entry) and list it in WRITERS, or say in NOT_WRITERS why it is not an output")
+    assert not missing, (
+        f"{sorted(missing)}: claim the output (utils/lock.claim_output, or claims_output on the command's library "
+        "entry) and list it in WRITERS, or say in NOT_WRITERS why it is not an output"
+    )
     assert not (set(WRITERS) | set(NOT_WRITERS)) - found, "listed flags the CLI no longer has"
 
 

@@ -38,29 +38,32 @@ def with_slot(**slot) -> bytes:
     return json.dumps({**body("a", [1, 2]), "slots": [slot]}).encode()
 
 
-@pytest.mark.parametrize("raw, status, message", [
-    (request(with_slot(layer=1.7, side="output")), 400, "slots[0].layer must be an integer, got a number 1.7"),
-    (request(with_slot(layer=True, side="output")), 400, "slots[0].layer must be an integer, got a boolean true"),
-    (request(with_slot(layer="1", side="output")), 400, "slots[0].layer must be an integer, got a string \"1\""),
-    (request(with_slot(layer=1, side="middle")), 400, "slots[0].side must be one of 'input', 'output'"),
-    (request(json.dumps(body("a", [1, 2.0])).encode()), 400, "token_ids[1] must be an integer, got a number 2.0"),
-    (request(json.dumps(body("a", [1, False])).encode()), 400, "token_ids[1] must be an integer, got a boolean false"),
-    (request(json.dumps(body("a", [1], target_fingerprint=7)).encode()), 400, "target_fingerprint must be a string"),
-    (request(json.dumps({**body("a", [1]), "key": ["a"]}).encode()), 400, "key must be a string, got an array"),
-    (request(b"[" * DEEP + b"]" * DEEP), 400, "deeper than 16 levels"),
-    (request(b'{"key": "a", "token_ids": ' + b"[" * DEEP + b"]" * DEEP + b"}"), 400, "deeper than 16 levels"),
-    (request(b'{"key": "[[[[[[[[[[[[[[[[[[[[", "token_ids": [1], "slots": [{"layer": 1, "side": "output"}]}'), 200, ""),
-    (request(b'{"key": "a", "token_ids": [NaN], "slots": []}'), 400, "holds NaN, which is not JSON"),
-    (request(b'{"key": "a", "key": "b", "token_ids": [1], "slots": []}'), 400, "repeats the field 'key'"),
-    (request(b'{"key": "a", "token_ids": [' + b"9" * 5000 + b'], "slots": []}'), 400, "not valid JSON"),
-    (request(b"\xff\xfe{}"), 400, "not valid JSON"),
-    (request(b"", length=None), 411, "Content-Length"),
-    (request(b"", length="-2"), 411, "Content-Length"),
-    (request(b"", length="\u00b2".encode().decode("latin-1")), 411, "Content-Length"),
-    (request(b"", length=str(10**9)), 413, "exceeds this server's limit"),
-    (request(b"{}", method="PUT"), 405, "PUT"),
-    (b"NONSENSE\r\n\r\n", 400, "request"),
-])
+@pytest.mark.parametrize(
+    "raw, status, message",
+    [
+        (request(with_slot(layer=1.7, side="output")), 400, "slots[0].layer must be an integer, got a number 1.7"),
+        (request(with_slot(layer=True, side="output")), 400, "slots[0].layer must be an integer, got a boolean true"),
+        (request(with_slot(layer="1", side="output")), 400, 'slots[0].layer must be an integer, got a string "1"'),
+        (request(with_slot(layer=1, side="middle")), 400, "slots[0].side must be one of 'input', 'output'"),
+        (request(json.dumps(body("a", [1, 2.0])).encode()), 400, "token_ids[1] must be an integer, got a number 2.0"),
+        (request(json.dumps(body("a", [1, False])).encode()), 400, "token_ids[1] must be an integer, got a boolean false"),
+        (request(json.dumps(body("a", [1], target_fingerprint=7)).encode()), 400, "target_fingerprint must be a string"),
+        (request(json.dumps({**body("a", [1]), "key": ["a"]}).encode()), 400, "key must be a string, got an array"),
+        (request(b"[" * DEEP + b"]" * DEEP), 400, "deeper than 16 levels"),
+        (request(b'{"key": "a", "token_ids": ' + b"[" * DEEP + b"]" * DEEP + b"}"), 400, "deeper than 16 levels"),
+        (request(b'{"key": "[[[[[[[[[[[[[[[[[[[[", "token_ids": [1], "slots": [{"layer": 1, "side": "output"}]}'), 200, ""),
+        (request(b'{"key": "a", "token_ids": [NaN], "slots": []}'), 400, "holds NaN, which is not JSON"),
+        (request(b'{"key": "a", "key": "b", "token_ids": [1], "slots": []}'), 400, "repeats the field 'key'"),
+        (request(b'{"key": "a", "token_ids": [' + b"9" * 5000 + b'], "slots": []}'), 400, "not valid JSON"),
+        (request(b"\xff\xfe{}"), 400, "not valid JSON"),
+        (request(b"", length=None), 411, "Content-Length"),
+        (request(b"", length="-2"), 411, "Content-Length"),
+        (request(b"", length="\u00b2".encode().decode("latin-1")), 411, "Content-Length"),
+        (request(b"", length=str(10**9)), 413, "exceeds this server's limit"),
+        (request(b"{}", method="PUT"), 405, "PUT"),
+        (b"NONSENSE\r\n\r\n", 400, "request"),
+    ],
+)
 def test_malformed_requests_get_a_4xx_with_a_json_reason(service, raw, status, message):  # noqa: F811
     got, reply = exchange(service.url, raw)
     assert got == status, reply

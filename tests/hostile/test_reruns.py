@@ -41,15 +41,21 @@ def _prompts(path: Path, texts: list[str]) -> Path:
 
 def test_an_eval_rerun_without_plots_or_with_other_prompts_leaves_no_stale_file(tmp_path, tiny_target):
     out = tmp_path / "eval"
-    config = EvalConfig(out=str(out), prompts=str(_prompts(tmp_path / "p.jsonl", ["Say hi.", "Count: one two three one two three"])),
-                        drafters=["ngram"], max_new_tokens=4, threads=1, forward_path="eager")
+    config = EvalConfig(
+        out=str(out),
+        prompts=str(_prompts(tmp_path / "p.jsonl", ["Say hi.", "Count: one two three one two three"])),
+        drafters=["ngram"],
+        max_new_tokens=4,
+        threads=1,
+        forward_path="eager",
+    )
     run_eval(config, SamplingConfig(), target=tiny_target, progress=False)
     assert (out / "tau_vs_context.png").is_file()  # two prompt lengths
     single = dataclasses.replace(config, prompts=str(_prompts(tmp_path / "one.jsonl", ["Say hi."])))
     run_eval(single, SamplingConfig(), target=tiny_target, progress=False)
     assert not (out / "tau_vs_context.png").exists() and (out / "tau_per_domain.png").is_file()
     run_eval(dataclasses.replace(single, plots=False), SamplingConfig(), target=tiny_target, progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["provenance.json", "report.json", "report.md"]  # no plot of an earlier run
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "one.jsonl", "p.jsonl"]  # no temporary directory left
 
 
@@ -104,8 +110,16 @@ def test_drafters_with_equal_directory_names_are_told_apart(tmp_path, tiny_targe
     a = _save_drafter(tmp_path / "W" / "a" / "final", tiny_target)
     b = tmp_path / "W" / "b" / "final"
     shutil.copytree(a, b)
-    config = EvalConfig(out=str(tmp_path / "eval"), prompts=str(_prompts(tmp_path / "p.jsonl", ["Say hi."])), drafters=[str(a), str(b)],
-                        max_new_tokens=4, threads=1, forward_path="eager", draft_dtype="fp32", plots=False)
+    config = EvalConfig(
+        out=str(tmp_path / "eval"),
+        prompts=str(_prompts(tmp_path / "p.jsonl", ["Say hi."])),
+        drafters=[str(a), str(b)],
+        max_new_tokens=4,
+        threads=1,
+        forward_path="eager",
+        draft_dtype="fp32",
+        plots=False,
+    )
     report = run_eval(config, SamplingConfig(), target=tiny_target, progress=False)
     assert [r["drafter"] for r in report["runs"]] == ["autoregressive", "dspark:a/final", "dspark:b/final"]
     assert report["drafters"]["dspark:b/final"]["drafter_path"] == str(b)
@@ -179,13 +193,35 @@ def test_a_training_resume_on_hidden_states_made_otherwise_is_refused_naming_the
     out = tmp_path / "run"
     train(toy_config(out, max_steps=4), target=ToyTarget(), dataset=store("float32"))
     before = _tree(out)
-    with pytest.raises(SpecdraftError, match=r"the run's hidden_states changed \(hidden_states.target_dtype: checkpoint has \"float32\", "
-                                             r"now \"bfloat16\"\)\. Use a new --out"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"the run's hidden_states changed \(hidden_states.target_dtype: checkpoint has \"float32\", "
+        r"now \"bfloat16\"\)\. Use a new --out",
+    ):
         train(toy_config(out, max_steps=8), target=ToyTarget(), dataset=store("bfloat16"))
     with pytest.raises(SpecdraftError, match=r"model_config changed \(model_config.hidden: checkpoint has 16, now 32\)"):
         train(toy_config(out, max_steps=8, model={"hidden": 32}), target=ToyTarget(), dataset=store("float32"))
     assert _tree(out) == before
     assert train(toy_config(out, max_steps=8), target=ToyTarget(), dataset=store("float32")).step == 8  # the same settings resume
+
+
+def test_a_training_resume_with_another_optimizer_is_refused_before_any_step(tmp_path):
+    """A resume with another --optimizer only warned, then loaded AdamW's state into Muon (KeyError in
+    set_optimizer_state_dict); now refused up front naming the setting, the run directory untouched."""
+    from specdraft.train.trainer import train
+    from test_train_toy import ToyStore, ToyTarget, toy_config
+
+    out = tmp_path / "run"
+    train(toy_config(out, max_steps=4), target=ToyTarget(), dataset=ToyStore())
+    before = _tree(out)
+    with pytest.raises(
+        SpecdraftError,
+        match=r"step-4: its optimizer state was written under --optimizer adamw, and cannot be loaded "
+        r"under --optimizer muon; resume with --optimizer adamw, or train with muon into a new --out",
+    ):
+        train(toy_config(out, max_steps=8, optimizer="muon"), target=ToyTarget(), dataset=ToyStore())
+    assert _tree(out) == before
+    assert train(toy_config(out, max_steps=8), target=ToyTarget(), dataset=ToyStore()).step == 8
 
 
 # ----- the quickstart journal is verified on read ---------------------------------------------------
@@ -197,13 +233,16 @@ def _journal(path: Path):
     return _Journal(path, QuickstartConfig(out=str(path.parent)))
 
 
-@pytest.mark.parametrize("content, problem", [
-    ('{"stages": {"prepare": {"status": "done", "seconds": 1', "not valid JSON"),  # truncated
-    ("[1, 2]", "holds a JSON list, not an object"),
-    ('{"stages": {"prepare": "done"}}', "stage 'prepare' is \"done\", not an object"),
-    ('{"stages": ["prepare"]}', "'stages' is a list, not an object"),
-    ('{"stages": {"prepare": {"status": "done", "seconds": 1.0, "kept": 6}}}', "stage 'prepare' does not match the sha256 it records"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ('{"stages": {"prepare": {"status": "done", "seconds": 1', "not valid JSON"),  # truncated
+        ("[1, 2]", "holds a JSON list, not an object"),
+        ('{"stages": {"prepare": "done"}}', "stage 'prepare' is \"done\", not an object"),
+        ('{"stages": ["prepare"]}', "'stages' is a list, not an object"),
+        ('{"stages": {"prepare": {"status": "done", "seconds": 1.0, "kept": 6}}}', "stage 'prepare' does not match the sha256 it records"),
+    ],
+)
 def test_a_bad_quickstart_journal_is_one_warning_and_its_stages_are_redone(tmp_path, caplog, content, problem):
     path = tmp_path / "quickstart.json"
     path.write_text(content)
@@ -241,8 +280,14 @@ def test_a_finished_data_stage_is_reused_when_the_journal_lost_it(tiny_target, t
     from specdraft.quickstart import _prepared_earlier
 
     rows = [{"sample_id": "a", "source": "t", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}]
-    data = write_prepared(tmp_path / "data", rows, target_info=tiny_target.describe(), config={}, stats={"kept": 1, "tokens": 3},
-                          vocab_size=tiny_target.vocab_size)
+    data = write_prepared(
+        tmp_path / "data",
+        rows,
+        target_info=tiny_target.describe(),
+        config={},
+        stats={"kept": 1, "tokens": 3},
+        vocab_size=tiny_target.vocab_size,
+    )
     assert _prepared_earlier(data, tiny_target) == {"kept": 1, "tokens": 3}
     assert _prepared_earlier(tmp_path / "missing", tiny_target) is None
     assert _prepared_earlier(data, dataclasses.replace(tiny_target, fingerprint="0" * 16)) is None  # another target's: prepared again

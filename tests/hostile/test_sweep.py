@@ -20,11 +20,14 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from sweep_cases import CASES, TRAIN, Pipeline, build_pipeline, judge, run_in_process, tree_digest
 
-SWEEP = settings(deadline=None, derandomize=True, database=None,
-                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+SWEEP = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,23 +56,73 @@ def test_hostile_case(pipe, case):
 
 #: Per command: its arguments on the pipeline (a small, valid run writing to ``out``) and what ``out`` holds.
 BASE = {
-    "prepare": (lambda p, out: ["prepare", *p.T, "--data", str(p.jsonl), "--out", str(out), "--threads", "1", "--max-samples", "4"], "prepared"),
-    "extract": (lambda p, out: ["extract", *p.T, "--dataset", str(p.data), "--out", str(out), "--method", "dspark", "--threads", "1",
-                                "--max-samples", "4"], "store"),
-    "train": (lambda p, out: ["train", *p.T, *TRAIN, "--data", str(p.hs), "--out", str(out), "--max-steps", "2",
-                              "--checkpoint-interval", "0"], "run"),
-    "calibrate": (lambda p, out: ["calibrate", "--drafter", str(p.final), "--data", str(p.hs), "--out", str(out), *p.T, "--max-samples", "4"],
-                  "drafter"),
+    "prepare": (
+        lambda p, out: ["prepare", *p.T, "--data", str(p.jsonl), "--out", str(out), "--threads", "1", "--max-samples", "4"],
+        "prepared",
+    ),
+    "extract": (
+        lambda p, out: [
+            "extract",
+            *p.T,
+            "--dataset",
+            str(p.data),
+            "--out",
+            str(out),
+            "--method",
+            "dspark",
+            "--threads",
+            "1",
+            "--max-samples",
+            "4",
+        ],
+        "store",
+    ),
+    "train": (
+        lambda p, out: ["train", *p.T, *TRAIN, "--data", str(p.hs), "--out", str(out), "--max-steps", "2", "--checkpoint-interval", "0"],
+        "run",
+    ),
+    "calibrate": (
+        lambda p, out: ["calibrate", "--drafter", str(p.final), "--data", str(p.hs), "--out", str(out), *p.T, "--max-samples", "4"],
+        "drafter",
+    ),
     "generate": (lambda p, out: [*p.generate(p.final), "--metrics-out", str(out)], "json"),
-    "eval": (lambda p, out: ["eval", *p.T, "--drafters", "ngram", "--prompts", str(p.work / "prompts.jsonl"), "--max-new-tokens", "4",
-                             "--threads", "1", "--no-plots", "--out", str(out)], "report"),
-    "serve-hidden-states": (lambda p, out: ["serve-hidden-states", *p.T, "--backend", "file", "--store", str(out), "--port", "0",
-                                            "--num-threads", "1"], None),
+    "eval": (
+        lambda p, out: [
+            "eval",
+            *p.T,
+            "--drafters",
+            "ngram",
+            "--prompts",
+            str(p.work / "prompts.jsonl"),
+            "--max-new-tokens",
+            "4",
+            "--threads",
+            "1",
+            "--no-plots",
+            "--out",
+            str(out),
+        ],
+        "report",
+    ),
+    "serve-hidden-states": (
+        lambda p, out: ["serve-hidden-states", *p.T, "--backend", "file", "--store", str(out), "--port", "0", "--num-threads", "1"],
+        None,
+    ),
     "store": (lambda p, out: ["store", "start", "--dir", str(out), "--port", "0", "--wait-s", "20"], None),
 }
 
 #: Flags the sweep leaves alone: they start a vLLM server or name one (no vLLM here), or stop at once by design.
-SKIP = {"--help", "--vllm-python", "--vllm-args", "--vllm-url", "--endpoint", "--parity", "--print-server-command", "--engine", "--parallel"}
+SKIP = {
+    "--help",
+    "--vllm-python",
+    "--vllm-args",
+    "--vllm-url",
+    "--endpoint",
+    "--parity",
+    "--print-server-command",
+    "--engine",
+    "--parallel",
+}
 
 
 def _flags(command: str) -> list[tuple[str, str]]:
@@ -99,8 +152,16 @@ def _flags(command: str) -> list[tuple[str, str]]:
 
 def _paths(p: Pipeline) -> list[str]:
     """Paths of the wrong kind for almost any flag: missing, a file, a dataset, a store, a run, a drafter, a long name."""
-    return ["/nonexistent/x", str(p.jsonl), str(p.data), str(p.hs), str(p.run), str(p.final), str(p.work / ("n" * 300)),
-            str(p.target / "config.json")]
+    return [
+        "/nonexistent/x",
+        str(p.jsonl),
+        str(p.data),
+        str(p.hs),
+        str(p.run),
+        str(p.final),
+        str(p.work / ("n" * 300)),
+        str(p.target / "config.json"),
+    ]
 
 
 VALUES = {
@@ -125,8 +186,11 @@ def _args(p: Pipeline, command: str) -> st.SearchStrategy:
             return st.sampled_from([[flag], ["--no-" + flag[2:]]])
         return _value(p, kind).map(lambda v: [flag, v])
 
-    return st.lists(st.sampled_from(flags), min_size=1, max_size=2, unique=True).flatmap(
-        lambda chosen: st.tuples(*[pair(fk) for fk in chosen])).map(lambda parts: [x for part in parts for x in part])
+    return (
+        st.lists(st.sampled_from(flags), min_size=1, max_size=2, unique=True)
+        .flatmap(lambda chosen: st.tuples(*[pair(fk) for fk in chosen]))
+        .map(lambda parts: [x for part in parts for x in part])
+    )
 
 
 #: Outputs pointed at another command's files (issue 27's ownership rule): each must be refused with those files
@@ -168,7 +232,7 @@ def _judged(p: Pipeline, command: str, args: list[str], out: Path, kind: str | N
     after = p.inputs()
     if command == "store":
         run_in_process(["store", "stop", "--dir", str(named.get("--dir", out))], timeout=30)
-    outputs = {path: kind for path in {out, *named.values()}} if kind else {}
+    outputs = dict.fromkeys({out, *named.values()}, kind) if kind else {}
     problems = judge(result, inputs_before=before, inputs_after=after, outputs=outputs, outputs_before=existing)
     strays = sorted(x.name for x in cwd.iterdir() if cwd / x.name not in named.values())
     if strays:
@@ -207,12 +271,57 @@ def test_outputs_owned_by_another_command_are_refused(pipe, command, extra):
 
 # ----- config files: a --config recipe, --model key=value ------------------------------------------------
 
-_TRAIN_KEYS = ["lr", "max_steps", "pack_tokens", "grad_clip", "warmup_ratio", "val_fraction", "epochs", "model", "method", "data",
-               "seed", "betas", "max_time", "checkpoint_interval", "dtype", "nonsense_key"]
-_MODEL_KEYS = ["block_size", "num_layers", "markov_rank", "max_anchors", "draft_vocab_size", "confidence_head", "ce_weight",
-               "position_weighting", "anchor_sampling", "no_such_field"]
-_YAML_SCALARS = ["-1", "0", "1.5", ".nan", ".inf", "-.inf", "1e400", "''", "yes", "null", "~", "[]", "{}", "[1, [2, [3]]]",
-                 "{a: {b: {c: 1}}}", "!!binary aGVsbG8=", "99999999999999999999999", "\"\u00fc\u00df\"", "2026-12-03"]
+_TRAIN_KEYS = [
+    "lr",
+    "max_steps",
+    "pack_tokens",
+    "grad_clip",
+    "warmup_ratio",
+    "val_fraction",
+    "epochs",
+    "model",
+    "method",
+    "data",
+    "seed",
+    "betas",
+    "max_time",
+    "checkpoint_interval",
+    "dtype",
+    "nonsense_key",
+]
+_MODEL_KEYS = [
+    "block_size",
+    "num_layers",
+    "markov_rank",
+    "max_anchors",
+    "draft_vocab_size",
+    "confidence_head",
+    "ce_weight",
+    "position_weighting",
+    "anchor_sampling",
+    "no_such_field",
+]
+_YAML_SCALARS = [
+    "-1",
+    "0",
+    "1.5",
+    ".nan",
+    ".inf",
+    "-.inf",
+    "1e400",
+    "''",
+    "yes",
+    "null",
+    "~",
+    "[]",
+    "{}",
+    "[1, [2, [3]]]",
+    "{a: {b: {c: 1}}}",
+    "!!binary aGVsbG8=",
+    "99999999999999999999999",
+    '"\u00fc\u00df"',
+    "2026-12-03",
+]
 
 
 def _yaml_document() -> st.SearchStrategy:
@@ -220,17 +329,35 @@ def _yaml_document() -> st.SearchStrategy:
     or anchors and aliases (a recursive one included)."""
     entry = st.tuples(st.sampled_from(_TRAIN_KEYS), st.sampled_from(_YAML_SCALARS)).map(lambda kv: f"{kv[0]}: {kv[1]}")
     model = st.lists(st.tuples(st.sampled_from(_MODEL_KEYS), st.sampled_from(_YAML_SCALARS)), min_size=1, max_size=3).map(
-        lambda kvs: "model:\n" + "".join(f"  {k}: {v}\n" for k, v in kvs))
+        lambda kvs: "model:\n" + "".join(f"  {k}: {v}\n" for k, v in kvs)
+    )
     mapping = st.tuples(st.lists(entry, min_size=1, max_size=3), model).map(lambda parts: "\n".join(parts[0]) + "\n" + parts[1])
-    odd = st.sampled_from(["", "- 1\n- 2\n", "just a string\n", "lr: [unclosed\n", "a: &x [*x]\nlr: 1\n",
-                           "base: &b {lr: 0.1}\nlr: *b\n", "model: &m {block_size: *m}\n", "\t lr: 1\n", "lr: 1\nlr: 2\n",
-                           "%YAML 9.9\n---\nlr: 1\n", "!!python/object:os.system {}\n"])
+    odd = st.sampled_from(
+        [
+            "",
+            "- 1\n- 2\n",
+            "just a string\n",
+            "lr: [unclosed\n",
+            "a: &x [*x]\nlr: 1\n",
+            "base: &b {lr: 0.1}\nlr: *b\n",
+            "model: &m {block_size: *m}\n",
+            "\t lr: 1\n",
+            "lr: 1\nlr: 2\n",
+            "%YAML 9.9\n---\nlr: 1\n",
+            "!!python/object:os.system {}\n",
+        ]
+    )
     return st.one_of(mapping, odd)
 
 
 @settings(SWEEP, max_examples=30)
-@given(text=_yaml_document(), model=st.none() | st.lists(st.tuples(st.sampled_from(_MODEL_KEYS), st.sampled_from(VALUES["str"] + VALUES["float"])),
-                                                          min_size=1, max_size=2).map(lambda kvs: ",".join(f"{k}={v}" for k, v in kvs)))
+@given(
+    text=_yaml_document(),
+    model=st.none()
+    | st.lists(st.tuples(st.sampled_from(_MODEL_KEYS), st.sampled_from(VALUES["str"] + VALUES["float"])), min_size=1, max_size=2).map(
+        lambda kvs: ",".join(f"{k}={v}" for k, v in kvs)
+    ),
+)
 def test_train_config_files(pipe, text, model):
     recipe = pipe.fresh("recipe.yaml")
     recipe.write_text(text)
@@ -255,8 +382,9 @@ REFUSED_REQUESTS = {
 def producer(tiny_target, tmp_path_factory):
     from specdraft.hidden_states.service import HiddenStateService, ServiceConfig
 
-    config = ServiceConfig(target="tiny", backend="file", store=str(tmp_path_factory.mktemp("produced")), port=0, max_batch=4,
-                           batch_wait_ms=5, max_tokens=64)
+    config = ServiceConfig(
+        target="tiny", backend="file", store=str(tmp_path_factory.mktemp("produced")), port=0, max_batch=4, batch_wait_ms=5, max_tokens=64
+    )
     with HiddenStateService(config, target=tiny_target) as service:
         yield service
 
@@ -283,19 +411,31 @@ def _post(url: str, body: bytes, *, content_type: str | None = "application/json
     return status, reply.partition(b"\r\n\r\n")[2]
 
 
-_JSON_ATOM = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
-                       st.sampled_from(["", "output", "input", "bfloat16", "float32", "\u00fc\U0001f600", "x" * 600, "1"]))
-_JSON = st.recursive(_JSON_ATOM, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-                     max_leaves=8)
-_LAYER = st.one_of(st.integers(-3, 8), st.integers(-2**70, 2**70), st.none(), st.lists(st.integers(), max_size=2),
-                   st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.sampled_from(["one", "", "1.5.2", "1"]))
-_SLOT = st.one_of(st.fixed_dictionaries({"layer": _LAYER, "side": st.sampled_from(["input", "output", "middle", ""]) | _JSON_ATOM}),
-                  _JSON)
+_JSON_ATOM = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(["", "output", "input", "bfloat16", "float32", "\u00fc\U0001f600", "x" * 600, "1"]),
+)
+_JSON = st.recursive(
+    _JSON_ATOM, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8
+)
+_LAYER = st.one_of(
+    st.integers(-3, 8),
+    st.integers(-(2**70), 2**70),
+    st.none(),
+    st.lists(st.integers(), max_size=2),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.sampled_from(["one", "", "1.5.2", "1"]),
+)
+_SLOT = st.one_of(st.fixed_dictionaries({"layer": _LAYER, "side": st.sampled_from(["input", "output", "middle", ""]) | _JSON_ATOM}), _JSON)
 _BODY = st.fixed_dictionaries(
     {},
     optional={
         "key": st.sampled_from(["k", "", "a/b", "..", "../../etc", "\n", "x" * 600]) | _JSON_ATOM,
-        "token_ids": st.lists(st.integers(-5, 49200) | st.integers(-2**70, 2**70), max_size=70) | _JSON,
+        "token_ids": st.lists(st.integers(-5, 49200) | st.integers(-(2**70), 2**70), max_size=70) | _JSON,
         "slots": st.lists(_SLOT, max_size=3) | _JSON_ATOM,
         "dtype": st.sampled_from(["bfloat16", "float32", "float16", "int8", ""]) | _JSON_ATOM,
         "target_fingerprint": _JSON_ATOM,
@@ -318,8 +458,11 @@ def _check_reply(producer, status: int, reply: bytes, key) -> None:
 
 
 @settings(SWEEP, max_examples=120)
-@given(body=_BODY, raw=st.sampled_from(["json", "python-json", "truncated", "no-length", "bad-length"]),
-       content_type=st.sampled_from(["application/json", None, "text/plain", "multipart/form-data; boundary=x"]))
+@given(
+    body=_BODY,
+    raw=st.sampled_from(["json", "python-json", "truncated", "no-length", "bad-length"]),
+    content_type=st.sampled_from(["application/json", None, "text/plain", "multipart/form-data; boundary=x"]),
+)
 def test_extract_request_bodies(producer, body, raw, content_type):
     if isinstance(body.get("key"), str) and body["key"]:
         body["key"] = f"{body['key']}-{abs(hash(json.dumps(body, sort_keys=True, default=str)))}"  # each example its own key
@@ -349,16 +492,27 @@ def test_requests_once_served_or_fatal_are_refused(producer, name):
 
 # ----- input files: prepare --data JSONL ---------------------------------------------------------------------
 
-_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "", "USER"]) | _JSON_ATOM,
-                                  "content": st.text(max_size=20) | _JSON_ATOM})
-_ROW = st.one_of(st.fixed_dictionaries({"messages": st.lists(_MESSAGE, max_size=4) | _JSON_ATOM}, optional={"id": _JSON_ATOM}),
-                 st.fixed_dictionaries({"conversations": st.lists(st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt", "x"]),
-                                                                                          "value": st.text(max_size=20)}), max_size=3)}),
-                 _JSON)
+_MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "system", "tool", "", "USER"]) | _JSON_ATOM,
+        "content": st.text(max_size=20) | _JSON_ATOM,
+    }
+)
+_ROW = st.one_of(
+    st.fixed_dictionaries({"messages": st.lists(_MESSAGE, max_size=4) | _JSON_ATOM}, optional={"id": _JSON_ATOM}),
+    st.fixed_dictionaries(
+        {
+            "conversations": st.lists(
+                st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt", "x"]), "value": st.text(max_size=20)}), max_size=3
+            )
+        }
+    ),
+    _JSON,
+)
 
 
 @settings(SWEEP, max_examples=20)
-@given(rows=st.lists(_ROW, max_size=4), tail=st.sampled_from(["", "\n", "{\"messages\": [", "\n\n  \n", "\ufeff", "null\n"]))
+@given(rows=st.lists(_ROW, max_size=4), tail=st.sampled_from(["", "\n", '{"messages": [', "\n\n  \n", "\ufeff", "null\n"]))
 def test_prepare_input_files(pipe, rows, tail):
     data = pipe.fresh("rows.jsonl")
     data.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from specdraft.cli import summary
 from specdraft.train.calibrate import CalibrateConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("calibrate", help="calibrate a DSpark drafter's confidences on held-out hidden states",
-                                   description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(
+        "calibrate", help="calibrate a DSpark drafter's confidences on held-out hidden states", description=summary(__doc__)
+    )
     add_dataclass_arguments(parser, CalibrateConfig)
     parser.set_defaults(func=run)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from specdraft.cli import summary
 from specdraft.decode.config import SamplingConfig, SchedulerConfig
 from specdraft.eval.config import EvalConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
@@ -11,8 +12,9 @@ from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "eval", help="measure tau, tokens/s and speed-up of drafters against autoregressive decoding",
-        description=__doc__.splitlines()[0],
+        "eval",
+        help="measure tau, tokens/s and speed-up of drafters against autoregressive decoding",
+        description=summary(__doc__),
     )
     for cls in (EvalConfig, SamplingConfig, SchedulerConfig):
         add_dataclass_arguments(parser, cls)

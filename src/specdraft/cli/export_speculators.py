@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from specdraft.cli import summary
 from specdraft.integrations.speculators.data import ExportSpeculatorsConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
 def add_parser(subparsers) -> None:
-    command = subparsers.add_parser("export-speculators", description=__doc__.splitlines()[0],
-                                    help="write a hidden-state store as speculators' training data")
+    command = subparsers.add_parser(
+        "export-speculators", description=summary(__doc__), help="write a hidden-state store as speculators' training data"
+    )
     command.set_defaults(func=run)
     add_dataclass_arguments(command, ExportSpeculatorsConfig)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdraft.hidden_states.config import ExtractConfig
 from specdraft.cli import print_server_command
+from specdraft.hidden_states.config import ExtractConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 

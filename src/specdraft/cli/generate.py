@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
+from specdraft.cli import summary
 from specdraft.decode.config import DecodeConfig, SamplingConfig, SchedulerConfig
 from specdraft.utils.config import add_dataclass_arguments, config_field, dataclass_from_args
 from specdraft.utils.io import FileKind
@@ -22,15 +24,17 @@ class GenerateConfig:
     prompts_file: str = config_field("", help="text file with one user message per line (blank lines skipped)")
     batch_size: int = config_field(1, help="requests decoded together in one batch")
     threads: int = config_field(
-        0, help="torch CPU threads (0 = auto: the count at which plain decoding of the target ran fastest here, measured once "
-        "per machine and target and cached)"
+        0,
+        help="torch CPU threads (0 = auto: the count at which plain decoding of the target ran fastest here, measured once "
+        "per machine and target and cached)",
     )
     metrics_out: str = config_field("", help="write the metrics (and the generated texts) to this JSON file")
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("generate", help="generate with speculative decoding and report tau / tokens per second",
-                                   description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(
+        "generate", help="generate with speculative decoding and report tau / tokens per second", description=summary(__doc__)
+    )
     for cls in (GenerateConfig, DecodeConfig, SamplingConfig, SchedulerConfig):
         add_dataclass_arguments(parser, cls)
     parser.set_defaults(func=run)
@@ -55,7 +59,6 @@ def _generate(args: argparse.Namespace) -> int:
     from specdraft.decode.runtime import decoder_for_target, decoding_settings, resolve_decode_threads, resolve_target_path
     from specdraft.errors import SpecdraftError
     from specdraft.targets import load_target
-    from specdraft.tuning.threads import threads_facts
     from specdraft.utils.io import atomic_write_json
 
     job = dataclass_from_args(GenerateConfig, args)
@@ -74,9 +77,12 @@ def _generate(args: argparse.Namespace) -> int:
     threads = resolve_decode_threads(target, job.threads, rows=job.batch_size)  # first: the later probes run at the count used
     path = resolve_target_path(target, config.forward_path)
     decoder = decoder_for_target(target, config=config, sampling=sampling, scheduler=scheduler, forward_path=path)
-    decoding_settings("generate", decoder, threads_facts(job.threads, threads)).log()
+    decoding_settings("generate", decoder, threads).log()
     tok = target.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for m in messages
+    ]
     texts, metrics = [], None
     for start in range(0, len(prompts), job.batch_size):
         result = decoder.generate(prompts[start : start + job.batch_size])
@@ -92,8 +98,17 @@ def _generate(args: argparse.Namespace) -> int:
         f"tpot={metrics.time_per_output_token_s * 1000:.1f}ms"
     )
     if job.metrics_out:
-        atomic_write_json(job.metrics_out, {"target": target.describe(), "decode": vars(config), "sampling": vars(sampling),
-                                            "scheduler": vars(scheduler), "metrics": summary, "outputs": texts})
+        atomic_write_json(
+            job.metrics_out,
+            {
+                "target": target.describe(),
+                "decode": vars(config),
+                "sampling": vars(sampling),
+                "scheduler": vars(scheduler),
+                "metrics": summary,
+                "outputs": texts,
+            },
+        )
         print(f"wrote {job.metrics_out}")
     return 0
 

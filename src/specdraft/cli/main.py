@@ -13,7 +13,8 @@ import importlib
 import logging
 import signal
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from specdraft.errors import CommandSettings, SpecdraftError, command_settings, os_error_message
 from specdraft.utils.allocator import tune_malloc
@@ -27,10 +28,14 @@ COMMAND_MODULES = [
     "specdraft.cli.generate",
     "specdraft.cli.serve",
     "specdraft.cli.eval",
+    "specdraft.cli.bench_serve",
     "specdraft.cli.calibrate",
     "specdraft.cli.export_speculators",
     "specdraft.cli.quickstart",
+    "specdraft.cli.env",
 ]
+#: What ``specdraft --help`` opens with (the module docstring is for readers of the code).
+DESCRIPTION = "Train, package, evaluate and serve speculative-decoding drafters (DSpark, DFlash, EAGLE-3)."
 
 
 def load_plugins() -> None:
@@ -43,12 +48,28 @@ def load_plugins() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     load_plugins()  # before the flags: their choices list what registered
-    parser = argparse.ArgumentParser(prog="specdraft", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="specdraft", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("--version", action=VersionAction, help="print the version (and the git commit in a source checkout) and exit")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)
     return parser
+
+
+class VersionAction(argparse.Action):
+    """``--version``: argparse's own action takes the text when the parser is built; this one asks git only when given."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, default: Any = argparse.SUPPRESS, help: str | None = None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
+    ) -> None:
+        from specdraft.utils.environment import version_line
+
+        print(version_line())
+        parser.exit()
 
 
 def commands(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, argparse.ArgumentParser]:
@@ -62,8 +83,11 @@ def commands(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, arg
 def command_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
     """Config field -> how a command's ``parser`` takes it (``--val-fraction``, or the metavar of a positional), plus the
     settings of other stages its own flags set under another name (its ``renamed_settings`` default: field -> own field)."""
-    flags = {a.dest: next((o for o in a.option_strings if o.startswith("--")), None) or (a.metavar or a.dest.upper())
-             for a in parser._actions if a.dest not in (argparse.SUPPRESS, "help") and not isinstance(a, argparse._SubParsersAction)}
+    flags = {
+        a.dest: next((o for o in a.option_strings if o.startswith("--")), None) or (a.metavar or a.dest.upper())
+        for a in parser._actions
+        if a.dest not in (argparse.SUPPRESS, "help") and not isinstance(a, argparse._SubParsersAction)
+    }
     flags.update({field: flags[own] for field, own in (parser.get_default("renamed_settings") or {}).items()})
     return flags
 
@@ -121,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specdraft {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        print(f"specdraft {args.command}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}; rerun the same command "
-              "to resume", file=sys.stderr)
+        print(
+            f"specdraft {args.command}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}; rerun the same command to resume",
+            file=sys.stderr,
+        )
         return 128 + getattr(exc, "signum", signal.SIGINT)
     return int(result or 0)
 

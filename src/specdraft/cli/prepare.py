@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from specdraft.cli import summary
 from specdraft.data.prepare import PrepareConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
@@ -12,7 +13,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "prepare",
         help="build a prepared dataset (token ids + assistant loss mask) for a target",
-        description=__doc__.splitlines()[0],
+        description=summary(__doc__),
     )
     add_dataclass_arguments(parser, PrepareConfig)
     parser.set_defaults(func=run)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from specdraft.cli import summary
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
 def add_parser(subparsers) -> None:
     from specdraft.quickstart import RENAMED_SETTINGS, QuickstartConfig
 
-    parser = subparsers.add_parser("quickstart", help="the whole pipeline on one target within a time budget (rerun to resume)",
-                                   description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(
+        "quickstart", help="the whole pipeline on one target within a time budget (rerun to resume)", description=summary(__doc__)
+    )
     add_dataclass_arguments(parser, QuickstartConfig)
     parser.set_defaults(func=run, renamed_settings=RENAMED_SETTINGS)
 

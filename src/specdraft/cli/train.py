@@ -23,7 +23,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "specdraft.cli.main train ..."
         ),
     )
-    parser.add_argument("--config", default=None, help="recipe: a packaged name (dspark, dflash, dflash2, eagle3) or a YAML file of TrainConfig fields (flags given here win)")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="recipe: a packaged name (dspark, dflash, dflash2, eagle3) or a YAML file of TrainConfig fields (flags given here win)",
+    )
     add_dataclass_arguments(parser, TrainConfig)
     parser.set_defaults(func=run)
 
@@ -35,8 +39,14 @@ def run(args: argparse.Namespace) -> int:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = resolve_config(args.config, {k: v for k, v in vars(args).items() if k in names})
     result = train(cfg)
-    summary = {"out": str(result.out), "step": result.step, "total_steps": result.total_steps, "completed": result.completed,
-               "stopped_by": result.stopped_by, "final": str(result.final) if result.final else None}
+    summary = {
+        "out": str(result.out),
+        "step": result.step,
+        "total_steps": result.total_steps,
+        "completed": result.completed,
+        "stopped_by": result.stopped_by,
+        "final": str(result.final) if result.final else None,
+    }
     print(json.dumps(summary))
     if result.stopped_by == "signal":
         print(f"specdraft train: interrupted at step {result.step}; rerun the same command to resume", file=sys.stderr)

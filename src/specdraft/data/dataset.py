@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,9 +40,42 @@ COUNTS_FILE = "token_counts.safetensors"
 MANIFEST_FILE = "manifest.json"
 WORK_DIR = ".work"  # regeneration work kept by `specdraft prepare` until the dataset replaces the directory
 PREPARED_DIR = DirKind(
-    "prepared dataset", MANIFEST_FILE, json_field_is("format", FORMAT_NAME),
-    frozenset({DATA_FILE, COUNTS_FILE, MANIFEST_FILE, WORK_DIR}), scratch=frozenset({WORK_DIR}),
+    "prepared dataset",
+    MANIFEST_FILE,
+    json_field_is("format", FORMAT_NAME),
+    frozenset({DATA_FILE, COUNTS_FILE, MANIFEST_FILE, WORK_DIR}),
+    scratch=frozenset({WORK_DIR}),
 )
+# The JSON type of each manifest field ``write_prepared`` writes; checked once where the manifest is read, so a
+# damaged field is one clear error there instead of a traceback wherever it is first used. Absent fields pass
+# (datasets written before a field existed lack it).
+MANIFEST_TYPES: dict[str, type] = {
+    "format": str,
+    "format_version": int,
+    "target": dict,
+    "config": dict,
+    "stats": dict,
+    "num_samples": int,
+    "num_tokens": int,
+    "num_loss_tokens": int,
+    "vocab_size": int,
+    "created": str,
+    "checksums": dict,
+}
+_JSON_NAMES = {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+def manifest_problem(manifest: object) -> str | None:
+    """Why ``manifest`` is not what ``write_prepared`` writes (a JSON object whose fields have ``MANIFEST_TYPES``), or None."""
+    if not isinstance(manifest, dict):
+        return f"it holds a JSON {_JSON_NAMES.get(type(manifest), 'null')}, not an object"
+    for name, kind in MANIFEST_TYPES.items():
+        value = manifest.get(name)
+        if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            return f"its {name!r} is a JSON {_JSON_NAMES[type(value)]} ({json.dumps(value)[:60]}), not a JSON {_JSON_NAMES[kind]}"
+    if isinstance(manifest.get("vocab_size"), int) and manifest["vocab_size"] <= 0:
+        return f"its 'vocab_size' is {manifest['vocab_size']}, not a positive number"
+    return None
 
 
 def _schema():
@@ -75,6 +109,7 @@ def write_prepared(
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     directory = Path(directory)
     columns: dict[str, list] = {"sample_id": [], "source": [], "input_ids": [], "loss_mask": []}
     counts = np.zeros(int(vocab_size), dtype=np.int64)
@@ -139,11 +174,17 @@ class PreparedDataset:
             raise SpecdraftError(f"prepared dataset {self.directory} does not exist; run `specdraft prepare --out {self.directory}`")
         manifest_path = self.directory / MANIFEST_FILE
         try:
-            self.manifest: dict = json.loads(manifest_path.read_text())
+            manifest = json.loads(manifest_path.read_text())
         except FileNotFoundError:
-            raise SpecdraftError(f"{manifest_path} is missing: {self.directory} is not a prepared dataset (rerun `specdraft prepare`)") from None
+            raise SpecdraftError(
+                f"{manifest_path} is missing: {self.directory} is not a prepared dataset (rerun `specdraft prepare`)"
+            ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise SpecdraftError(f"{manifest_path} is corrupt ({exc}); rerun `specdraft prepare`") from None
+        problem = manifest_problem(manifest)
+        if problem:
+            raise SpecdraftError(f"{manifest_path} is damaged ({problem}); rerun `specdraft prepare`")
+        self.manifest: dict = manifest
         if self.manifest.get("format") != FORMAT_NAME or self.manifest.get("format_version") != FORMAT_VERSION:
             raise SpecdraftError(
                 f"{manifest_path}: format {self.manifest.get('format')!r} version {self.manifest.get('format_version')!r} "
@@ -168,7 +209,23 @@ class PreparedDataset:
         self._mask, self._mask_offsets = _flatten(table.column("loss_mask"), np.bool_)
         if not np.array_equal(np.diff(self._offsets), np.diff(self._mask_offsets)):
             raise SpecdraftError(f"{data_path}: input_ids and loss_mask lengths differ; rerun `specdraft prepare`")
+        self._check_token_ids(data_path)
         self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
+
+    def _check_token_ids(self, data_path: Path) -> None:
+        """Refuse ids outside the vocabulary the manifest records (one vectorised pass): every later stage indexes
+        embeddings and counts with them, and would fail far from the cause (an IndexError in the target's embedding)."""
+        vocab = self.manifest.get("vocab_size")
+        ids = self._ids[self._offsets[0] : self._offsets[-1]]
+        if vocab is None or not ids.size or (ids.min() >= 0 and ids.max() < vocab):
+            return
+        at = int(np.flatnonzero((ids < 0) | (ids >= vocab))[0])
+        row = int(np.searchsorted(self._offsets, self._offsets[0] + at, side="right")) - 1
+        position = int(self._offsets[0] + at - self._offsets[row])
+        raise SpecdraftError(
+            f"{data_path}: row {row} (sample_id {self.sample_ids[row]!r}) holds token id {int(ids[at])} at position "
+            f"{position}, outside the vocabulary of {vocab} ({MANIFEST_FILE} vocab_size); rerun `specdraft prepare`"
+        )
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -222,42 +279,53 @@ class PreparedDataset:
             raise SpecdraftError(f"{path} is missing; rerun `specdraft prepare`")
         recorded = (self.manifest.get("checksums") or {}).get(COUNTS_FILE)
         if recorded is not None and sha256_file(path) != recorded:
-            raise SpecdraftError(f"{path} is corrupt: its sha256 is not the {str(recorded)[:16]}... {MANIFEST_FILE} records; "
-                                 "rerun `specdraft prepare`")
+            raise SpecdraftError(
+                f"{path} is corrupt: its sha256 is not the {str(recorded)[:16]}... {MANIFEST_FILE} records; rerun `specdraft prepare`"
+            )
         try:
             counts = load_file(str(path))["counts"]
         except (SafetensorError, KeyError, OSError) as exc:
             raise SpecdraftError(f"{path} is corrupt ({exc}); rerun `specdraft prepare`") from None
         vocab = self.manifest.get("vocab_size")
         if counts.dim() != 1 or (vocab is not None and counts.numel() != vocab):
-            raise SpecdraftError(f"{path} holds counts of shape {list(counts.shape)}, not one per id of the vocabulary of "
-                                 f"{vocab} ({MANIFEST_FILE}); rerun `specdraft prepare`")
+            raise SpecdraftError(
+                f"{path} holds counts of shape {list(counts.shape)}, not one per id of the vocabulary of "
+                f"{vocab} ({MANIFEST_FILE}); rerun `specdraft prepare`"
+            )
         bad = counts < 0
         if counts.is_floating_point():
             bad |= ~torch.isfinite(counts) | (counts != counts.round())
         if bad.any():
             first = int(bad.nonzero()[0, 0])
-            raise SpecdraftError(f"{path} holds {int(bad.sum())} count(s) that are not non-negative integers (token id {first}: "
-                                 f"{counts[first].item()}); rerun `specdraft prepare`")
+            raise SpecdraftError(
+                f"{path} holds {int(bad.sum())} count(s) that are not non-negative integers (token id {first}: "
+                f"{counts[first].item()}); rerun `specdraft prepare`"
+            )
         return counts.to(torch.int64)
 
     def check_target(self, target: Target) -> None:
         """Refuse a target other than the one this data was prepared for (tokens would mean other words)."""
         recorded = self.target_info
-        problems = [f"{key} {recorded.get(key)} then, {getattr(target, key)} now" for key in ("fingerprint", "tokenizer_hash")
-                    if recorded.get(key) != getattr(target, key)]
+        problems = [
+            f"{key} {recorded.get(key)} then, {getattr(target, key)} now"
+            for key in ("fingerprint", "tokenizer_hash")
+            if recorded.get(key) != getattr(target, key)
+        ]
         if not problems:
             return
         if (recorded.get("name"), str(recorded.get("path"))) == (target.name, str(target.path)):
             what = f"target {target.name!r} ({target.path}) has changed since {self.directory} was prepared for it"
         else:
-            what = (f"{self.directory} was prepared for target {recorded.get('name')!r} ({recorded.get('path')}), "
-                    f"not {target.name!r} ({target.path})")
-        raise SpecdraftError(f"{what}: {'; '.join(problems)}. Rerun `specdraft prepare --target {target.name}`, or use the original "
-                             "target.")
+            what = (
+                f"{self.directory} was prepared for target {recorded.get('name')!r} ({recorded.get('path')}), "
+                f"not {target.name!r} ({target.path})"
+            )
+        raise SpecdraftError(
+            f"{what}: {'; '.join(problems)}. Rerun `specdraft prepare --target {target.name}`, or use the original target."
+        )
 
 
-def _flatten(column, dtype) -> tuple[np.ndarray, np.ndarray]:
+def _flatten(column: Any, dtype: type[np.generic]) -> tuple[np.ndarray, np.ndarray]:
     """A list<...> column as (flat values, offsets[N+1]) numpy arrays, without per-row Python objects.
 
     ``offsets`` index straight into ``values`` (a sliced list array keeps its parent's child array).

@@ -21,8 +21,8 @@ import hashlib
 import random
 import re
 import sysconfig
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 #: share of stdlib modules on the held-out side (the long-context eval suite's documents)
 HELD_OUT_SHARE = 0.5
@@ -84,20 +84,26 @@ def _pick(rng: random.Random, names: list[str], fallback: str) -> str:
 
 
 def _code_task(name: str, code: str, rng: random.Random) -> tuple[dict, ...]:
-    return user(f"Here is the start of `{name}` from the Python standard library.\n\n```python\n{code}\n```\n\n"
-                "Continue the code from exactly where it stops.")
+    return user(
+        f"Here is the start of `{name}` from the Python standard library.\n\n```python\n{code}\n```\n\n"
+        "Continue the code from exactly where it stops."
+    )
 
 
 def _docs_task(name: str, text: str, rng: random.Random) -> tuple[dict, ...]:
     entry = _pick(rng, _ENTRY.findall(text), name)
-    return user(f"Below is reference documentation from the Python standard library.\n\n{text}\n\n"
-                f"Using only the documentation above, explain what `{entry}` does and when one would use it.")
+    return user(
+        f"Below is reference documentation from the Python standard library.\n\n{text}\n\n"
+        f"Using only the documentation above, explain what `{entry}` does and when one would use it."
+    )
 
 
 def _source_task(name: str, code: str, rng: random.Random) -> tuple[dict, ...]:
     definition = _pick(rng, _DEFINITION.findall(code), "the first function")
-    return user(f"Below is source code of specdraft, a speculative decoding library.\n\n```python\n{code}\n```\n\n"
-                f"Explain what `{definition}` in the code above does and which other parts of the code use it.")
+    return user(
+        f"Below is source code of specdraft, a speculative decoding library.\n\n```python\n{code}\n```\n\n"
+        f"Explain what `{definition}` in the code above does and which other parts of the code use it."
+    )
 
 
 DOCUMENT_TASKS: dict[str, Task] = {"stdlib-code": _code_task, "stdlib-docs": _docs_task, "specdraft-source": _source_task}

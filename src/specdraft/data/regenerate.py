@@ -24,10 +24,10 @@ within the budget on this machine: it times one batch of real prompts with HF an
 environment exists, with a vLLM server, whose start-up is timed too (it can take minutes, so with
 a small budget HF can win although vLLM generates faster). Each engine generates 1 and then
 ``PROBE_TOKENS`` new tokens per prompt, which separates its first token (the prefill) from its later
-ones, so its rate is predicted at ``--max-new-tokens`` (:func:`generation_rate`) rather than read off
-a probe that the prefill dominates. The figures are cached per machine and settings
-(``tuning/measured.py``); the decision is remade from them for each budget and answer length. A server
-the probe started is kept for the regeneration when vLLM wins.
+ones, so its rate is predicted at ``--max-new-tokens`` rather than read off a probe that the prefill
+dominates. Tuning decides (``tuning/engines.py``): it caches the figures per machine and settings and remakes the
+decision from them for each budget and answer length. A server the probe started is kept for the regeneration when
+vLLM wins.
 """
 
 from __future__ import annotations
@@ -38,13 +38,16 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, ContextManager
 
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
 from specdraft.targets.base import Target
+from specdraft.tuning.engines import PROBE_TOKENS, decide_engine, first_and_step
+from specdraft.tuning.settings import Choice, MachineSettings, TimedWork, resolve_choices
 from specdraft.utils.io import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -125,7 +128,9 @@ def cut_at_eos(tokens: list[int], eos_ids: set[int] | frozenset[int]) -> list[in
     return tokens[:cut]
 
 
-def generate_batch(model: Any, prompts: list[list[int]], *, pad_id: int, eos_ids: set[int], settings: GenerationSettings, seed: int) -> list[list[int]]:
+def generate_batch(
+    model: Any, prompts: list[list[int]], *, pad_id: int, eos_ids: set[int], settings: GenerationSettings, seed: int
+) -> list[list[int]]:
     """Completions (each cut after its first end-of-turn token) for left-padded prompts."""
     import torch
     from transformers import GenerationConfig
@@ -157,15 +162,16 @@ def generate_batch(model: Any, prompts: list[list[int]], *, pad_id: int, eos_ids
 def _hf_engine(request: EngineRequest, batches: list[Batch]) -> Iterator[Iterator[Batch]]:
     s = request.settings
     yield (
-        (index, generate_batch(request.target.model, prompts, pad_id=request.pad_id, eos_ids=set(request.eos_ids), settings=s, seed=s.seed + index))
+        (
+            index,
+            generate_batch(
+                request.target.model, prompts, pad_id=request.pad_id, eos_ids=set(request.eos_ids), settings=s, seed=s.seed + index
+            ),
+        )
         for index, prompts in batches
     )
 
 
-#: New tokens per reply in the engine probe's longer generate (its shorter one makes 1): enough steps to time the
-#: step beside the prefill, few enough to stay cheap. A 16-token probe read as one rate is prefill-bound, well below
-#: the rate a whole regeneration reaches (``docs/results/machine_tuning.md``).
-PROBE_TOKENS = 16
 #: The generate that the forward-path and thread-count probes of HF regeneration time: each probe prompt cut to its
 #: last ``STEP_PROBE_PROMPT_TOKENS`` tokens, then ``STEP_PROBE_TOKENS`` new ones. Decoding steps, what regeneration
 #: spends its time on, weigh most, and short prompts keep the probe of every path a small share of a quickstart's
@@ -180,50 +186,21 @@ class EngineChoice:
     server: Any = None  # the probe's vLLM server when vllm won (the caller stops it)
     facts: dict[str, Any] = field(default_factory=dict)  # what decided it, for the prepared dataset's summary
 
+    def settings(self) -> MachineSettings:
+        """The regeneration's machine settings (``tuning/settings.py``): the engine and, where HF generates here, its
+        forward path and thread count; ``prepare`` logs them in one block."""
+        return MachineSettings(
+            "prepare",
+            forward_path=Choice.from_facts(self.facts, "forward_path"),
+            threads=Choice.from_facts(self.facts, "threads"),
+            engine=Choice(self.engine, str(self.facts.get("engine_source"))),
+        )
+
 
 def probe_prompts(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
     """One batch of prompts spread over the length range (batches are cut by length, so the first is the shortest)."""
     ordered = sorted(prompts, key=len)
     return ordered[:: max(1, len(ordered) // batch_size)][:batch_size]
-
-
-def engine_plan(figures: dict[str, float], *, work_tokens: int, budget_s: float | None, server_running: bool) -> dict[str, dict]:
-    """Per engine: the start-up still to pay, the seconds it would take for all ``work_tokens`` and the tokens it
-    would generate within ``budget_s`` (None: no limit, all of them)."""
-    plan = {}
-    for name, start in (("hf", 0.0), ("vllm", 0.0 if server_running else figures["vllm_start_s"])):
-        rate = max(figures[f"{name}_tokens_per_s"], 1e-9)
-        tokens = work_tokens if budget_s is None else min(work_tokens, max(0.0, budget_s - start) * rate)
-        plan[name] = {"start_s": round(start, 1), "seconds": round(start + work_tokens / rate, 1), "tokens": int(tokens)}
-    return plan
-
-
-def choose_engine(figures: dict[str, float], *, work_tokens: int, budget_s: float | None, server_running: bool,
-                  margin: float = 0.1) -> tuple[str, dict[str, dict]]:
-    """``(engine, plan)``: hf (in this process, nothing to start) unless vLLM regenerates clearly more of the data
-    within the budget or, where both would finish it, finishes clearly sooner."""
-    plan = engine_plan(figures, work_tokens=work_tokens, budget_s=budget_s, server_running=server_running)
-    hf, vllm = plan["hf"], plan["vllm"]
-    more = vllm["tokens"] > (1 + margin) * hf["tokens"]
-    sooner = vllm["tokens"] >= hf["tokens"] and vllm["seconds"] < (1 - margin) * hf["seconds"]
-    return ("vllm" if more or sooner else "hf"), plan
-
-
-def generation_rate(first_s: float, step_s: float, *, rows: int, tokens: int) -> float:
-    """Tokens/s of ``rows`` replies of ``tokens`` tokens generated together, where the first token of all costs
-    ``first_s`` (with the prefill) and each later one ``step_s``: the probe's two generates fitted."""
-    return rows * tokens / max(first_s + step_s * (tokens - 1), 1e-9)
-
-
-def _first_and_step(seconds: Callable[[int], float], *, caches_prefixes: bool = False) -> tuple[float, float]:
-    """(seconds of a 1-token generate, seconds per further token) from ``seconds(1)`` and ``seconds(PROBE_TOKENS)``.
-    An engine that ``caches_prefixes`` (a vLLM server) serves the second generate of the same prompts without their
-    prefill, so the step is taken between two generates that both found them cached (a third, 1-token one): taken
-    against the first, uncached one it reads several times too fast (``docs/results/machine_tuning.md``)."""
-    first = seconds(1)
-    longer = seconds(PROBE_TOKENS)
-    shorter = seconds(1) if caches_prefixes else first
-    return first, max(0.0, (longer - shorter) / (PROBE_TOKENS - 1))
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -234,20 +211,25 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 def _hf_generate(request: EngineRequest, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     settings = dataclasses.replace(request.settings, max_new_tokens=tokens)
-    return generate_batch(request.target.model, prompts, pad_id=request.pad_id, eos_ids=set(request.eos_ids), settings=settings, seed=settings.seed)
+    return generate_batch(
+        request.target.model, prompts, pad_id=request.pad_id, eos_ids=set(request.eos_ids), settings=settings, seed=settings.seed
+    )
 
 
 def _place_hf(request: EngineRequest, probe: list[list[int]], *, threads: int, cache_dir: Path | None) -> tuple[dict[str, Any], str]:
     """Put HF generation on its forward path (``request.forward_path``; ``auto``: the fastest decoding steps of the probe
     prompts here, cached) and then its thread count (``threads``; 0: measured the same way, on that path). Returns the
     facts for the summary and the path's version (the engine probe's HF figures are taken on it)."""
-    from specdraft.tuning.forward_path import path_version, resolve_path
-    from specdraft.tuning.threads import default_threads_for_probes, resolve_threads, threads_facts
+    from specdraft.tuning.forward_path import PathChoice, path_version
 
-    default_threads_for_probes(threads)
     short = [p[-STEP_PROBE_PROMPT_TOKENS:] for p in probe]
-    context = {"work": "hf-generate", "target": request.target.fingerprint, "rows": len(short), "prompt_tokens": max(map(len, short)),
-               "tokens": STEP_PROBE_TOKENS}
+    context = {
+        "work": "hf-generate",
+        "target": request.target.fingerprint,
+        "rows": len(short),
+        "prompt_tokens": max(map(len, short)),
+        "tokens": STEP_PROBE_TOKENS,
+    }
 
     def steps() -> float:  # seconds per generated token
         started = time.perf_counter()
@@ -256,27 +238,30 @@ def _place_hf(request: EngineRequest, probe: list[list[int]], *, threads: int, c
 
     warm: list[float] = []
 
-    def path_seconds() -> float:
+    def path_seconds(_dtype: str) -> float:
         if not warm:  # the process's first generate pays one-off set-up: not on the first path's account
             warm.append(steps())
         return steps()
 
-    path = resolve_path(request.target.model, request.forward_path, "regenerate", context, path_seconds)
-    log.info("regeneration forward path: %s (%s%s)", path.name, path.source,
-             f"; ms per token of a {STEP_PROBE_TOKENS}-token generate of {len(short)} prompts: "
-             + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in path.seconds.items()) if path.seconds else "")
-    version = context["forward_path"] = path_version(path.name)
-    measured = resolve_threads(threads, "regenerate-threads", context, steps, device=next(request.target.model.parameters()).device,
-                               cache_dir=cache_dir)
-    return {**path.to_json(), **threads_facts(threads, measured)}, version
+    work = TimedWork(
+        "regenerate",
+        context,
+        seconds_in=path_seconds,
+        run=lambda _dtype: steps(),
+        model=request.target.model,
+        device=next(request.target.model.parameters()).device,
+    )
+    choices = resolve_choices("prepare", work, forward_path=request.forward_path, threads=threads, cache_dir=cache_dir)
+    path = choices.chosen("forward_path")
+    facts = {**PathChoice(path.value, path.source, dict(path.seconds)).to_json(), **choices.chosen("threads").facts("threads")}
+    return facts, path_version(path.value)
 
 
-def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requested: str, threads: int,
-                   deadline: float | None, cache_dir: Path | None = None) -> EngineChoice:
+def resolve_engine(
+    request: EngineRequest, prompts: list[list[int]], *, requested: str, threads: int, deadline: float | None, cache_dir: Path | None = None
+) -> EngineChoice:
     """The engine of ``--engine`` (``auto``: measured, see the module docstring) and, where HF generates in this
     process, its forward path and CPU thread count (``_place_hf``; the model is left on that path)."""
-    from specdraft.tuning.measured import measured_figures
-
     settings = request.settings
     probe = probe_prompts(prompts, settings.batch_size)
     facts, hf_path = _place_hf(request, probe, threads=threads, cache_dir=cache_dir) if requested in ("hf", "auto") else ({}, "")
@@ -294,10 +279,14 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
     started: list[Any] = []
 
     def on_vllm(tokens: int) -> float:
-        return _timed(lambda: vllm.probe(started[0], dataclasses.replace(request, settings=dataclasses.replace(settings, max_new_tokens=tokens)), probe))
+        return _timed(
+            lambda: vllm.probe(
+                started[0], dataclasses.replace(request, settings=dataclasses.replace(settings, max_new_tokens=tokens)), probe
+            )
+        )
 
     def measure() -> dict[str, float]:
-        hf_first, hf_step = _first_and_step(lambda tokens: _timed(lambda: _hf_generate(request, probe, tokens)))
+        hf_first, hf_step = first_and_step(lambda tokens: _timed(lambda: _hf_generate(request, probe, tokens)))
         t0 = time.perf_counter()
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
@@ -305,16 +294,32 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
         try:
             started.append(vllm.start(request, [(0, prompts)], startup_timeout=left or 600.0))
             start_s = time.perf_counter() - t0
-            vllm_first, vllm_step = _first_and_step(on_vllm, caches_prefixes=True)
+            vllm_first, vllm_step = first_and_step(on_vllm, caches_prefixes=True)
         except SpecdraftError as exc:  # vLLM is broken here: HF regenerates
             raise _NoVllm(str(exc).splitlines()[0]) from None
         return {"hf_first_s": hf_first, "hf_step_s": hf_step, "vllm_first_s": vllm_first, "vllm_step_s": vllm_step, "vllm_start_s": start_s}
 
-    context = {"target": request.target.fingerprint, "rows": len(probe), "tokens": [1, PROBE_TOKENS], "temperature": settings.temperature,
-               "vllm": vllm.version(python), "vllm_args": request.vllm_args, "hf_forward_path": hf_path}
+    context = {
+        "target": request.target.fingerprint,
+        "rows": len(probe),
+        "tokens": [1, PROBE_TOKENS],
+        "temperature": settings.temperature,
+        "vllm": vllm.version(python),
+        "vllm_args": request.vllm_args,
+        "hf_forward_path": hf_path,
+    }
     try:
-        figures, cached, path = measured_figures("regen-engine", context, measure, device=next(request.target.model.parameters()).device,
-                                                 cache_dir=cache_dir)
+        decision = decide_engine(
+            context,
+            measure,
+            rows=len(probe),
+            max_new_tokens=settings.max_new_tokens,
+            prompts=len(prompts),
+            budget_left=lambda: None if deadline is None else max(0.0, deadline - time.monotonic()),
+            server_running=lambda: bool(started),
+            device=next(request.target.model.parameters()).device,
+            cache_dir=cache_dir,
+        )
     except BaseException as exc:
         for server in started:  # a probe that failed (or was interrupted) after the start leaves no server behind
             server.stop()
@@ -323,20 +328,19 @@ def resolve_engine(request: EngineRequest, prompts: list[list[int]], *, requeste
         # not cached: a later run with more budget (or a fixed environment) measures again
         log.warning("--engine auto: regenerating with hf, vLLM could not be measured: %s", exc)
         return EngineChoice("hf", facts={**facts, "engine_source": f"hf: vLLM not measured ({exc})"})
-    rates = {f"{name}_tokens_per_s": generation_rate(figures[f"{name}_first_s"], figures[f"{name}_step_s"], rows=len(probe),
-                                                     tokens=settings.max_new_tokens) for name in ("hf", "vllm")}
-    rates["vllm_start_s"] = figures["vllm_start_s"]
-    work = len(prompts) * settings.max_new_tokens
-    budget = None if deadline is None else max(0.0, deadline - time.monotonic())
-    engine, plan = choose_engine(rates, work_tokens=work, budget_s=budget, server_running=bool(started))
-    server = started[0] if started and engine == "vllm" else None
+    server = started[0] if started and decision.engine == "vllm" else None
     if started and server is None:
         started[0].stop()
-    log.info("--engine auto: %s (%s; tokens/s at %d new tokens a reply: hf %.1f, vllm %.1f, vLLM start %.0f s; for %d tokens%s: %s; "
-             "figures %s)", engine, "cached" if cached else "measured", settings.max_new_tokens, rates["hf_tokens_per_s"],
-             rates["vllm_tokens_per_s"], rates["vllm_start_s"], work, "" if budget is None else f" in {budget:.0f} s", plan, path)
-    return EngineChoice(engine, server, {**facts, "engine_source": "cached" if cached else "measured", "engine_figures": {**figures, **rates},
-                                         "engine_plan": plan})
+    return EngineChoice(
+        decision.engine,
+        server,
+        {
+            **facts,
+            "engine_source": "cached" if decision.cached else "measured",
+            "engine_figures": decision.figures,
+            "engine_plan": decision.plan,
+        },
+    )
 
 
 class _NoVllm(Exception):
@@ -413,20 +417,23 @@ def _load_batch(path: Path, sample_ids: list[str], vocab_size: int) -> list[list
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:  # ValueError: not JSON, or bytes that are not UTF-8
-        return _damaged(path, f"it cannot be read ({exc})")
+        _damaged(path, f"it cannot be read ({exc})")
+        return None
     if not isinstance(saved, dict):
-        return _damaged(path, f"it holds a JSON {type(saved).__name__}, not an object")
+        _damaged(path, f"it holds a JSON {type(saved).__name__}, not an object")
+        return None
     if saved.get("sample_ids") != sample_ids:
         return None  # another batching of the prompts (a changed --batch-size): not this batch's work
     completions = saved.get("completions")
     if not isinstance(completions, list) or len(completions) != len(sample_ids):
-        return _damaged(path, f"it does not hold one completion per sample ({len(sample_ids)})")
+        _damaged(path, f"it does not hold one completion per sample ({len(sample_ids)})")
+        return None
     for reply in completions:
         if not isinstance(reply, list) or not all(type(t) is int and 0 <= t < vocab_size for t in reply):
-            return _damaged(path, f"a completion is not a list of token ids below the vocabulary size {vocab_size}")
+            _damaged(path, f"a completion is not a list of token ids below the vocabulary size {vocab_size}")
+            return None
     return completions
 
 
 def _damaged(path: Path, why: str) -> None:
     log.warning("regeneration work %s is damaged: %s; generating that batch again", path, why)
-    return None

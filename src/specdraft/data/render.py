@@ -54,4 +54,3 @@ def render_with_mask(tokenizer: Any, messages: list[dict], eot_ids: set[int]) ->
             mask[i] = 1
             in_span_after_eot = ids[i] in eot_ids
     return ids, mask
-

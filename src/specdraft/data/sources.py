@@ -24,9 +24,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from specdraft.errors import SpecdraftError, setting
 from specdraft.registry import Registry
@@ -78,8 +79,16 @@ class RowFormat:
 
 ROW_FORMATS: Registry[RowFormat] = Registry("row format")
 
-_SHAREGPT_ROLES = {"human": USER, "user": USER, "gpt": ASSISTANT, "chatgpt": ASSISTANT, "bing": ASSISTANT, "bard": ASSISTANT,
-                   "assistant": ASSISTANT, "system": SYSTEM}
+_SHAREGPT_ROLES = {
+    "human": USER,
+    "user": USER,
+    "gpt": ASSISTANT,
+    "chatgpt": ASSISTANT,
+    "bing": ASSISTANT,
+    "bard": ASSISTANT,
+    "assistant": ASSISTANT,
+    "system": SYSTEM,
+}
 _OPENAI_ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT}
 
 
@@ -118,9 +127,13 @@ ROW_FORMATS.register("openai")(
 
 def _parse_tokenized(row: dict, where: str) -> dict:
     ids, mask = row["input_ids"], row.get("loss_mask")
-    ok = isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask)
-    ok = ok and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids) and all(m in (0, 1) for m in mask)
-    if not ok:
+    if not (
+        isinstance(ids, list)
+        and isinstance(mask, list)
+        and len(ids) == len(mask)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+        and all(m in (0, 1) for m in mask)
+    ):
         raise SpecdraftError(f"{where}: pre-tokenized rows need 'input_ids' (non-negative ints) and an equally long 'loss_mask' of 0/1")
     return {"input_ids": list(ids), "loss_mask": [int(m) for m in mask]}
 
@@ -160,16 +173,18 @@ def iter_json_values(path: Path, *, allow_truncated_tail: bool = False) -> Itera
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise SpecdraftError(f"{path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {column}, byte offset {exc.start}); "
-                             "re-encode the file as UTF-8") from None
+        raise SpecdraftError(
+            f"{path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {column}, byte offset {exc.start}); "
+            "re-encode the file as UTF-8"
+        ) from None
     del raw
     decoder = json.JSONDecoder()
     start = _skip_ws(text, 0)
     if path.suffix == ".jsonl" or text[start : start + 1] != "[":
-        for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit inside strings
-            if line.strip():
+        for lineno, record in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit inside strings
+            if record.strip():
                 try:
-                    yield json.loads(line), f"{path}:{lineno}"
+                    yield json.loads(record), f"{path}:{lineno}"
                 except json.JSONDecodeError as exc:
                     raise SpecdraftError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
         return
@@ -271,15 +286,17 @@ def split_sources(data: str) -> list[str]:
     one source named twice, however spelled (``D,./D``, a symlink to ``D``): it would hold every sample twice."""
     parts = [part.strip() for part in data.split(",")]
     if not all(parts):
-        raise SpecdraftError(f"{setting('data')} {data!r} has an empty source; join sources with single commas, e.g. "
-                             f"{setting('data')} OLD_DIR,NEW_DIR")
+        raise SpecdraftError(
+            f"{setting('data')} {data!r} has an empty source; join sources with single commas, e.g. {setting('data')} OLD_DIR,NEW_DIR"
+        )
     seen: dict[Any, str] = {}
     for part in parts:
         identity = _source_identity(part)
         if identity in seen:
             same = "" if seen[identity] == part else f" (as {seen[identity]!r})"
-            raise SpecdraftError(f"{setting('data')} {data!r} names the source {part!r} twice{same}: every sample would be held twice; "
-                                 "name each source once")
+            raise SpecdraftError(
+                f"{setting('data')} {data!r} names the source {part!r} twice{same}: every sample would be held twice; name each source once"
+            )
         seen[identity] = part
     return parts
 
@@ -304,7 +321,7 @@ def prepared_sources(data: str) -> list[str]:
 def _source_rows(source: str) -> Iterator[RawRow]:
     label = source
     if source in GENERATED_SOURCES:
-        values = ((value, f"{source}:{index}") for index, value in enumerate(GENERATED_SOURCES.get(source)()))
+        values: Iterator[tuple[Any, str]] = ((value, f"{source}:{index}") for index, value in enumerate(GENERATED_SOURCES.get(source)()))
     elif source in EMBEDDED_DATASETS:
         spec = EMBEDDED_DATASETS.get(source)
         values = iter_json_values(spec.path(), allow_truncated_tail=spec.allow_truncated_tail)
@@ -333,5 +350,11 @@ def _prepared_rows(directory: Path) -> Iterator[RawRow]:
     dataset = PreparedDataset(directory)
     for i in range(len(dataset)):
         item = dataset[i]
-        yield RawRow(sample_id=item["sample_id"], fmt="prepared", where=f"{directory}:{item['sample_id']}", source=item["source"],
-                     input_ids=item["input_ids"].tolist(), loss_mask=[int(m) for m in item["loss_mask"].tolist()])
+        yield RawRow(
+            sample_id=item["sample_id"],
+            fmt="prepared",
+            where=f"{directory}:{item['sample_id']}",
+            source=item["source"],
+            input_ids=item["input_ids"].tolist(),
+            loss_mask=[int(m) for m in item["loss_mask"].tolist()],
+        )

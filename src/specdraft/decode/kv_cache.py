@@ -18,13 +18,15 @@ window at its own last accepted token -- vLLM's design (one state per draft posi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer, LinearAttentionLayer
 
 from specdraft.errors import SpecdraftError
+
+_Layer = TypeVar("_Layer", bound=DynamicLayer)
 
 #: Columns a layer's buffer holds beyond what it needs when it (re)allocates: the verify blocks of a few rounds.
 SPARE_COLUMNS = 64
@@ -37,34 +39,52 @@ class GrowingLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self._key_buffer = self._value_buffer = None
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
         self._start = 0
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
-        if self._key_buffer is None or self._start + length + key_states.shape[-2] > self._key_buffer.shape[-2] or not self._holds_views():
-            self._key_buffer = _regrow(self.keys, key_states, length, length + key_states.shape[-2])
-            self._value_buffer = _regrow(self.values, value_states, length, length + key_states.shape[-2])
+        key_buffer, value_buffer = self._key_buffer, self._value_buffer
+        if (
+            key_buffer is None
+            or value_buffer is None
+            or self._start + length + key_states.shape[-2] > key_buffer.shape[-2]
+            or not self._holds_views(key_buffer, value_buffer)
+        ):
+            keys, values = self._filled()
+            key_buffer = self._key_buffer = _regrow(keys, key_states, length, length + key_states.shape[-2])
+            value_buffer = self._value_buffer = _regrow(values, value_states, length, length + key_states.shape[-2])
             self._start = 0
         begin, end = self._start + length, self._start + length + key_states.shape[-2]
-        self._key_buffer[..., begin:end, :] = key_states
-        self._value_buffer[..., begin:end, :] = value_states
-        self.keys = self._key_buffer[..., self._start : end, :]
-        self.values = self._value_buffer[..., self._start : end, :]
+        key_buffer[..., begin:end, :] = key_states
+        value_buffer[..., begin:end, :] = value_states
+        self.keys = key_buffer[..., self._start : end, :]
+        self.values = value_buffer[..., self._start : end, :]
         return self.keys, self.values
 
     def drop_front(self, columns: int) -> None:
         """Forget the first ``columns`` columns (every row's), keeping the rest in place."""
         if columns:
-            self.keys, self.values = self.keys[..., columns:, :], self.values[..., columns:, :]
+            keys, values = self._filled()
+            self.keys, self.values = keys[..., columns:, :], values[..., columns:, :]
             self._start += columns
 
-    def _holds_views(self) -> bool:
+    def _filled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values, which HF types as optional: they are None only before ``lazy_initialization``."""
+        if self.keys is None or self.values is None:
+            raise SpecdraftError("GrowingLayer read before its first update: it holds no keys/values yet")
+        return self.keys, self.values
+
+    def _holds_views(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> bool:
         """Whether keys/values are still views of the buffers (a crop keeps them; other HF code may have replaced them)."""
-        return all(t.numel() == 0 or t.data_ptr() == buffer[..., self._start :, :].data_ptr()
-                   for t, buffer in ((self.keys, self._key_buffer), (self.values, self._value_buffer)))
+        keys, values = self._filled()
+        return all(
+            t.numel() == 0 or t.data_ptr() == buffer[..., self._start :, :].data_ptr()
+            for t, buffer in ((keys, key_buffer), (values, value_buffer))
+        )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)  # copies the kept rows out; the next update moves them into a new buffer
@@ -85,7 +105,8 @@ class RecurrentLayer(LinearAttentionLayer):
     """HF's linear-attention cache layer, plus batch selection and a per-row rollback after a recorded forward."""
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.reorder_cache(indices)
+        # HF annotates torch.LongTensor, a legacy class no tensor is an instance of; any int64 index tensor is what it takes
+        self.reorder_cache(indices)  # type: ignore[arg-type]
 
     def state_bytes(self) -> int:
         """Bytes of this layer's conv windows and recurrent states (all rows), as held between forwards."""
@@ -100,12 +121,19 @@ class RecurrentLayer(LinearAttentionLayer):
         for i in range(self.number_of_states):
             if self.is_conv_states_initialized[i]:
                 full, width = self.conv_states[i], self.conv_kernel_size[i]  # [R, C, width + new]
+                if full is None or width is None:
+                    raise SpecdraftError(f"linear-attention layer marks conv state {i} initialized but holds no state or kernel size")
                 if full.shape[-1] != width + new:
-                    raise SpecdraftError(f"linear-attention conv state holds {full.shape[-1]} columns, expected {width} + {new} after a recorded forward")
+                    raise SpecdraftError(
+                        f"linear-attention conv state holds {full.shape[-1]} columns, expected {width} + {new} after a recorded forward"
+                    )
                 index = (kept.to(full.device)[:, None] + torch.arange(width, device=full.device)[None])[:, None, :]
                 self.conv_states[i] = full.gather(-1, index.expand(full.shape[0], full.shape[1], width)).contiguous()
             if self.is_recurrent_states_initialized[i]:
-                history = [*self.recurrent_states_history[i], self.recurrent_states[i]]  # the state before the forward, then after each column
+                last = self.recurrent_states[i]
+                if last is None:
+                    raise SpecdraftError(f"linear-attention layer marks recurrent state {i} initialized but holds none")
+                history = [*self.recurrent_states_history[i], last]  # the state before the forward, then after each column
                 if len(history) != new + 1:
                     raise SpecdraftError(f"linear-attention layer recorded {len(history) - 1} states for a {new}-column forward")
                 self.recurrent_states[i] = torch.stack(history)[kept.to(history[0].device), rows.to(history[0].device)]
@@ -143,15 +171,24 @@ class GrowingCache(DynamicCache):
     def drop_front(self, layers: list[int], columns: int) -> None:
         """Forget the first ``columns`` columns of attention ``layers`` (sliding-window ones no query reaches back to)."""
         for i in layers:
-            if columns and i < len(self.layers) and self.layers[i].is_initialized:  # a layer that shares another's K/V holds none
-                self.layers[i].drop_front(columns)
+            if columns and i < len(self.layers):
+                layer = _layer_as(GrowingLayer, self.layers[i], i)
+                if layer.is_initialized:  # a layer that shares another's K/V holds none
+                    layer.drop_front(columns)
 
     def rollback(self, kept: torch.Tensor, new: int) -> None:
         """Keep the first ``kept[r]`` of the last forward's ``new`` columns in row ``r``: attention layers drop the
         columns no row kept (the rest of a shorter row's are masked holes), recurrent layers go back per row."""
         longest = int(kept.max())
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if isinstance(layer, RecurrentLayer):
                 layer.rollback(kept, new)
             elif longest < new:
-                layer.crop(longest - new)
+                _layer_as(DynamicLayer, layer, i).crop(longest - new)
+
+
+def _layer_as(kind: type[_Layer], layer: object, index: int) -> _Layer:
+    """``layer`` (HF types a cache's layers as a union) as the ``kind`` of attention layer ``GrowingCache`` built there."""
+    if not isinstance(layer, kind):
+        raise SpecdraftError(f"target cache layer {index} is a {type(layer).__name__}, not a {kind.__name__}")
+    return layer

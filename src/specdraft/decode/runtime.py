@@ -24,10 +24,12 @@ features of skipped rounds accumulate and reach the proposer at the next draftin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,8 +44,8 @@ from specdraft.hidden_states.layers import LayerSlot
 from specdraft.targets.attention import SLIDING, WindowTrim
 from specdraft.targets.base import Target
 from specdraft.targets.families import family_of
-from specdraft.tuning.forward_path import PathChoice, current_path, path_version, resolve_path
-from specdraft.tuning.settings import Choice, MachineSettings
+from specdraft.tuning.forward_path import PathChoice, current_path, path_version
+from specdraft.tuning.settings import Choice, MachineSettings, TimedWork, resolve_choices
 
 if TYPE_CHECKING:  # generate() imports it when decoding starts: it loads transformers
     from specdraft.decode.kv_cache import GrowingCache
@@ -136,7 +138,7 @@ class DecodeMetrics:
         later_per_stream = (self.output_tokens - self.requests) * self.batches / max(self.requests, 1)
         return (self.wall_s - self.ttft_s) / later_per_stream if later_per_stream > 0 else 0.0
 
-    def merge(self, other: "DecodeMetrics") -> "DecodeMetrics":
+    def merge(self, other: DecodeMetrics) -> DecodeMetrics:
         """Counters and times of two ``generate`` calls added together (e.g. consecutive batches)."""
         merged = DecodeMetrics()
         for spec in fields(self):
@@ -167,7 +169,16 @@ class DecodeMetrics:
                     counts[j] += 1
 
     def to_json(self) -> dict[str, Any]:
-        derived = ("tau", "request_tau", "acceptance_rate", "drafting_fraction", "position_acceptance", "tokens_per_s", "mean_ttft_s", "time_per_output_token_s")
+        derived = (
+            "tau",
+            "request_tau",
+            "acceptance_rate",
+            "drafting_fraction",
+            "position_acceptance",
+            "tokens_per_s",
+            "mean_ttft_s",
+            "time_per_output_token_s",
+        )
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
 
@@ -201,12 +212,16 @@ def check_policy_fits(scheduler: SchedulerConfig, proposer: Proposer, config: De
 
 
 def decoder_for_target(
-    target: Target, *, config: DecodeConfig, sampling: SamplingConfig, scheduler: SchedulerConfig = SchedulerConfig(),
+    target: Target,
+    *,
+    config: DecodeConfig,
+    sampling: SamplingConfig,
+    scheduler: SchedulerConfig = SchedulerConfig(),
     forward_path: PathChoice | None = None,
-) -> "SpeculativeDecoder":
+) -> SpeculativeDecoder:
     """A decoder for a loaded ``Target``: on ``forward_path`` where the stage resolved it already (else on
-    ``config.forward_path``, resolved here), with the proposer and, when the verify policy needs it, the target's SPS
-    profile on that path (measured once per target, device and path, then cached)."""
+    ``config.forward_path``, resolved by tuning now: :func:`resolve_target_path`), with the proposer and, when the verify
+    policy needs it, the target's SPS profile on that path (measured once per target, device and path, then cached)."""
     if forward_path is None:  # first: proposers that price verify widths read SPS on it
         forward_path = resolve_target_path(target, config.forward_path)
     proposer = build_proposer(config, target)
@@ -216,8 +231,9 @@ def decoder_for_target(
 
         sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint, forward_path=forward_path.name)
     eos = sorted(target.end_of_turn_ids) if target.tokenizer is not None else None  # decoding stops at the template's turn end
-    return SpeculativeDecoder(target.model, proposer, config=config, sampling=sampling, scheduler=scheduler, sps=sps,
-                              eos_token_ids=eos, forward_path=forward_path)
+    return SpeculativeDecoder(
+        target.model, proposer, config=config, sampling=sampling, scheduler=scheduler, sps=sps, eos_token_ids=eos, forward_path=forward_path
+    )
 
 
 #: Verify width the target-path probe times beside the 1-token step: an anchor plus a DSpark/DFlash block of 8.
@@ -230,8 +246,8 @@ PROBE_CONTEXTS = (128, 2048)
 def resolve_target_path(target: Target, requested: str) -> PathChoice:
     """Put the target on ``requested`` (``--forward-path``), or for ``auto`` on the path whose plain step plus
     verify step (1 and ``PROBE_VERIFY_TOKENS`` tokens, the two forwards decoding pays) after each of
-    ``PROBE_CONTEXTS`` cached tokens (capped at the target's context) ran fastest here, measured once per machine
-    and target, then cached (``tuning/forward_path.py``)."""
+    ``PROBE_CONTEXTS`` cached tokens (capped at the target's context) ran fastest here: ``tuning.resolve_choices``
+    times that work once per machine and target, then caches it (``tuning/forward_path.py``)."""
     from specdraft.decode.sps import measure_sps
 
     param = next(target.model.parameters())
@@ -245,34 +261,54 @@ def resolve_target_path(target: Target, requested: str) -> PathChoice:
             total += 1.0 / table(1) + 1.0 / table(PROBE_VERIFY_TOKENS)
         return total
 
-    context = {"work": "plain+verify-step", "target": target.fingerprint, "dtype": str(param.dtype), "verify_tokens": PROBE_VERIFY_TOKENS,
-               "contexts": contexts}
-    return resolve_path(target.model, requested, "target", context, work_seconds)  # a measurement logs its figures
+    context = {
+        "work": "plain+verify-step",
+        "target": target.fingerprint,
+        "dtype": str(param.dtype),
+        "verify_tokens": PROBE_VERIFY_TOKENS,
+        "contexts": contexts,
+    }
+    work = TimedWork("target", context, seconds_in=lambda _dtype: work_seconds(), model=target.model, device=param.device)
+    path = resolve_choices("decode", work, forward_path=requested).chosen("forward_path")  # a measurement logs its figures
+    return PathChoice(path.value, path.source, dict(path.seconds))
 
 
-def resolve_decode_threads(target: Target, requested: int, *, rows: int = 1, tokens: int = 8) -> Any:
+def resolve_decode_threads(target: Target, requested: int, *, rows: int = 1, tokens: int = 8) -> Choice:
     """Set the CPU thread count of decoding: ``requested`` when > 0, else the count at which plain
     decoding of ``rows`` x ``tokens`` (the target step every speculative round also pays) ran fastest
-    here, measured once per machine and target (``tuning/threads.py``). Returns the measurement or None."""
-    from specdraft.tuning.threads import resolve_threads
-
+    here, measured once per machine and target by ``tuning.resolve_choices`` (``tuning/threads.py``)."""
     param = next(target.model.parameters())
     config = DecodeConfig(drafter="none", max_new_tokens=tokens)
     decoder = SpeculativeDecoder(target.model, build_proposer(config, target), config=config, sampling=SamplingConfig())
     prompt = [int(t) % int(target.vocab_size) for t in range(100, 132)]
-    context = {"work": "plain-decode", "target": target.fingerprint, "dtype": str(param.dtype), "rows": rows, "tokens": tokens,
-               "forward_path": path_version(current_path(target.model))}
-    return resolve_threads(requested, "decode-threads", context, lambda: decoder.generate([prompt] * rows), device=param.device)
+    context = {
+        "work": "plain-decode",
+        "target": target.fingerprint,
+        "dtype": str(param.dtype),
+        "rows": rows,
+        "tokens": tokens,
+        "forward_path": path_version(current_path(target.model)),
+    }
+    work = TimedWork("decode", context, run=lambda _dtype: decoder.generate([prompt] * rows), device=param.device)
+    return resolve_choices("decode", work, threads=requested).chosen("threads")
 
 
-def decoding_settings(stage: str, decoder: "SpeculativeDecoder", threads: dict[str, Any]) -> MachineSettings:
-    """What a decoding stage runs with (``tuning/settings.py``): the target's path, the thread count (``threads_facts``)
-    and the drafter's own path and dtype where it has them; the stage logs it in one block."""
-    drafter = decoder.proposer
-    return MachineSettings(stage, forward_path=Choice(decoder.forward_path.name, decoder.forward_path.source, decoder.forward_path.seconds),
-                           threads=Choice.from_facts(threads, "threads"),
-                           draft_forward_path=Choice.from_facts(getattr(drafter, "path_facts", None), "forward_path"),
-                           draft_dtype=Choice.from_facts(getattr(drafter, "dtype_facts", None), "draft_dtype"))
+def decoding_settings(stage: str, decoder: SpeculativeDecoder, threads: Choice) -> MachineSettings:
+    """What a decoding stage runs with (``tuning/settings.py``): the target's path, the thread count
+    (:func:`resolve_decode_threads`) and the drafter's own path and dtype where it has them; the stage logs it in one block."""
+    path = decoder.forward_path
+    return dataclasses.replace(
+        drafter_settings(stage, decoder.proposer), forward_path=Choice(path.name, path.source, path.seconds), threads=threads
+    )
+
+
+def drafter_settings(label: str, proposer: Proposer) -> MachineSettings:
+    """A drafter's own forward path and draft dtype, where it has them (a trained drafter: ``DrafterProposer.use_choices``)."""
+    return MachineSettings(
+        label,
+        draft_forward_path=Choice.from_facts(getattr(proposer, "path_facts", None), "forward_path"),
+        draft_dtype=Choice.from_facts(getattr(proposer, "dtype_facts", None), "draft_dtype"),
+    )
 
 
 class SpeculativeDecoder:
@@ -332,19 +368,19 @@ class SpeculativeDecoder:
         """Decode every prompt (token ids) to completion as one batch."""
         from specdraft.decode.kv_cache import GrowingCache
 
-        prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
-        self._check_prompts(prompts)
+        prompt_ids: list[list[int]] = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
+        self._check_prompts(prompt_ids)
         device = self.device
         generator = torch.Generator(device=device).manual_seed(self.config.seed)
-        metrics = DecodeMetrics(requests=len(prompts))
+        metrics = DecodeMetrics(requests=len(prompt_ids))
         start = self.clock()
 
         # Prefill, left-padded so that every row's last prompt token is the last column.
-        rows = len(prompts)
-        width = max(len(p) for p in prompts)
+        rows = len(prompt_ids)
+        width = max(len(p) for p in prompt_ids)
         ids = torch.zeros((rows, width), dtype=torch.long)
         valid = torch.zeros((rows, width), dtype=torch.bool)
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(prompt_ids):
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             valid[i, width - len(p) :] = True
         ids, valid = ids.to(device), valid.to(device)
@@ -358,17 +394,21 @@ class SpeculativeDecoder:
         first, _ = sample_from_logits(logits, self.sampling, generator)
         metrics.ttft_s = self.clock() - start
 
-        limits = [min(self.config.max_new_tokens, self.context_length - len(p)) if self.context_length else self.config.max_new_tokens for p in prompts]
+        limits = [
+            min(self.config.max_new_tokens, self.context_length - len(p)) if self.context_length else self.config.max_new_tokens
+            for p in prompt_ids
+        ]
         active = _Rows(
             row_ids=list(range(rows)),
-            tokens=[list(p) for p in prompts],
+            tokens=[list(p) for p in prompt_ids],
             generated=[0] * rows,
-            next_pos=torch.tensor([len(p) for p in prompts], device=device),
-            new_hidden=[[captured[i, width - len(p) :]] for i, p in enumerate(prompts)] if captured is not None else None,
+            next_pos=torch.tensor([len(p) for p in prompt_ids], device=device),
+            new_hidden=[[captured[i, width - len(p) :]] for i, p in enumerate(prompt_ids)] if captured is not None else None,
             new_start=[0] * rows,
         )
-        batch = _Batch(active=active, valid=valid, cache=cache, trim=trim, limits=limits, outputs=[None] * rows,
-                       generator=generator, metrics=metrics)
+        batch = _Batch(
+            active=active, valid=valid, cache=cache, trim=trim, limits=limits, outputs=[None] * rows, generator=generator, metrics=metrics
+        )
         self._drop(batch, self._commit(batch, [[int(t)] for t in first.tolist()]))
 
         batch.gate = self._gate(len(active.row_ids))
@@ -424,15 +464,17 @@ class SpeculativeDecoder:
         remaining = torch.tensor([batch.limits[rid] - active.generated[i] for i, rid in enumerate(active.row_ids)], device=device)
         max_draft = (remaining - 1).clamp(min=0, max=self.proposer.block_length or self.config.num_draft_tokens)
         unseen = active.new_hidden  # per row, the feature chunks the proposer has not seen yet
-        draft = self.proposer.propose(ProposalInput(
-            row_ids=list(active.row_ids),
-            tokens=[torch.tensor(t, dtype=torch.long, device=device) for t in active.tokens],
-            new_hidden=None if unseen is None else [torch.cat(chunks) if len(chunks) > 1 else chunks[0] for chunks in unseen],
-            new_start=list(active.new_start),
-            max_draft=max_draft,
-            sampling=self.sampling,
-            generator=batch.generator,
-        ))
+        draft = self.proposer.propose(
+            ProposalInput(
+                row_ids=list(active.row_ids),
+                tokens=[torch.tensor(t, dtype=torch.long, device=device) for t in active.tokens],
+                new_hidden=None if unseen is None else [torch.cat(chunks) if len(chunks) > 1 else chunks[0] for chunks in unseen],
+                new_start=list(active.new_start),
+                max_draft=max_draft,
+                sampling=self.sampling,
+                generator=batch.generator,
+            )
+        )
         lengths = self._draft_lengths(draft, max_draft)
         sps = with_draft_cost(self.sps, self.clock() - started) if self.sps is not None else None
         lengths = choose_verify_lengths(confidences=draft.confidences, lengths=lengths, config=self.scheduler, sps=sps)
@@ -466,6 +508,7 @@ class SpeculativeDecoder:
             if drafted:
                 active.new_hidden, active.new_start = [[f] for f in fresh], active.next_pos.tolist()
             else:  # the proposer has not seen the earlier chunks yet: keep them, joined only when it drafts
+                assert active.new_hidden is not None  # set at prefill whenever the target's features are captured
                 for chunks, f in zip(active.new_hidden, fresh):
                     chunks.append(f)
         elif drafted:
@@ -477,7 +520,8 @@ class SpeculativeDecoder:
         rows = max_draft.shape[0]
         if draft.tokens.dim() != 2 or draft.tokens.shape[0] != rows or draft.lengths.shape != (rows,):
             raise SpecdraftError(
-                f"drafter {self.config.drafter!r} returned tokens {list(draft.tokens.shape)} / lengths {list(draft.lengths.shape)} for {rows} rows"
+                f"drafter {self.config.drafter!r} returned tokens {list(draft.tokens.shape)} / lengths {list(draft.lengths.shape)} "
+                f"for {rows} rows"
             )
         return draft.lengths.to(max_draft.device).clamp(min=0, max=draft.tokens.shape[1]).minimum(max_draft)
 
@@ -488,7 +532,9 @@ class SpeculativeDecoder:
         target_probs = sampling_probs(logits, self.sampling)
         if draft_probs is not None:
             draft_probs = draft_probs[:, : drafts.shape[1]]
-        return verify_rejection(draft_tokens=drafts, draft_lengths=lengths, draft_probs=draft_probs, target_probs=target_probs, generator=generator)
+        return verify_rejection(
+            draft_tokens=drafts, draft_lengths=lengths, draft_probs=draft_probs, target_probs=target_probs, generator=generator
+        )
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
@@ -529,33 +575,49 @@ class SpeculativeDecoder:
             if batch.trim is not None:
                 batch.trim.select(index)
 
-    def _trim(self, trim: WindowTrim | None, valid: torch.Tensor, next_positions: torch.Tensor, cache: Any) -> None:
+    def _trim(self, trim: WindowTrim | None, valid: torch.Tensor, next_positions: torch.Tensor, cache: GrowingCache) -> None:
         """Sliding-window layers forget the leading columns that no query from ``next_positions`` on can attend: their
         cache stays about a window long however long the context grows (full-attention layers keep every column)."""
-        if trim is not None:
-            cache.drop_front(self.attention.sliding_layers, trim.advance(valid, next_positions, self.attention.windows[SLIDING]))
+        window = self.attention.windows.get(SLIDING)
+        if trim is not None and window is not None:  # a trim exists only with sliding-window layers, which have a window
+            cache.drop_front(self.attention.sliding_layers, trim.advance(valid, next_positions, window))
 
-    def _prefill(self, ids, valid, positions, cache, trim: WindowTrim | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _prefill(
+        self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, cache: GrowingCache, trim: WindowTrim | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompts' forward in chunks of at most ``PREFILL_CHUNK`` columns, each attending to the cache of the
         chunks before it (as a round attends to the prompt): the masks (and SDPA's scores) stay R x chunk x C, not
         R x W x W. Returns the last column's logits [R, V] and, if the proposer reads features, [R, W, S, D]."""
-        chunks = []
+        chunks: list[torch.Tensor] = []  # stays empty when the proposer reads no features
+        logits: torch.Tensor | None = None
         for start in range(0, ids.shape[1], PREFILL_CHUNK):
             end = start + PREFILL_CHUNK
             logits, captured = self._forward(ids[:, start:end], valid[:, :end], positions[:, start:end], cache, trim, logits_to_keep=1)
-            chunks.append(captured)
+            if captured is not None:
+                chunks.append(captured)
             if end < ids.shape[1]:
                 self._trim(trim, valid[:, :end], positions[:, end], cache)
-        features = None if captured is None else chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+        assert logits is not None  # prompts are never empty (_check_prompts)
+        features = None if not chunks else chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
         return logits[:, -1], features
 
-    def _forward(self, ids, valid, positions, cache, trim: WindowTrim | None, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        valid: torch.Tensor,
+        positions: torch.Tensor,
+        cache: GrowingCache,
+        trim: WindowTrim | None,
+        logits_to_keep: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target logits [R, T', V] and, if the proposer reads features, its slots [R, T, S, D].
         ``valid`` [R, C] covers the cache and the new columns; ``positions`` [R, T] are the new tokens'."""
         seen: dict[LayerSlot, torch.Tensor] = {}
         masks = self.attention.masks(valid, positions, self.model.dtype, trim)
         with record_slots(self.layers, self.slots, seen):
-            out = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
+            out = self.model(
+                input_ids=ids, attention_mask=masks, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=logits_to_keep
+            )
         hidden = torch.stack([seen[s] for s in self.slots], dim=2) if self.slots else None
         return out.logits, hidden
 

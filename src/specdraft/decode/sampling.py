@@ -46,7 +46,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def sample_from_logits(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_from_logits(
+    logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [...], the distribution they were drawn from [..., V]); argmax when greedy."""
     probs = sampling_probs(logits, config)
     tokens = probs.argmax(-1) if config.greedy else sample(probs, generator)

@@ -49,8 +49,9 @@ Worked example (one request, c = [0.9, 0.8, 0.2], SPS flat up to 3 tokens then h
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -58,8 +59,15 @@ from specdraft.errors import SpecdraftError, setting
 from specdraft.registry import Registry
 
 __all__ = [
-    "VERIFY_POLICIES", "DraftGate", "PolicySettings", "StepRate", "VerifyPolicy", "choose_verify_lengths", "prefix_survival",
-    "schedule_prefix", "with_draft_cost",
+    "VERIFY_POLICIES",
+    "DraftGate",
+    "PolicySettings",
+    "StepRate",
+    "VerifyPolicy",
+    "choose_verify_lengths",
+    "prefix_survival",
+    "schedule_prefix",
+    "with_draft_cost",
 ]
 
 
@@ -103,7 +111,9 @@ class DraftGate:
 
     plain_rate: float
     max_interval: int = 256
-    probe_cost: float = 0.01  # probes add at most ~1% to plain decoding: with a plain step's own <1% (benchmarks/gate_floor.py), inside the 3% floor
+    probe_cost: float = (
+        0.01  # probes add at most ~1% to plain decoding: with a plain step's own <1% (benchmarks/gate_floor.py), inside the 3% floor
+    )
     smoothing: float = 0.5
     draft_rate: float | None = None
     interval: int = 1
@@ -195,13 +205,16 @@ def _verify_all(survival: torch.Tensor | None, lengths: torch.Tensor, config: Po
     return lengths
 
 
-def _verify_above_threshold(survival: torch.Tensor, lengths: torch.Tensor, config: PolicySettings, sps: StepRate | None) -> torch.Tensor:
+def _verify_above_threshold(
+    survival: torch.Tensor | None, lengths: torch.Tensor, config: PolicySettings, sps: StepRate | None
+) -> torch.Tensor:
+    assert survival is not None  # needs_confidences: choose_verify_lengths checked
     # survival is non-increasing along a row, so the positions above the threshold form a prefix
     return (survival >= config.confidence_threshold).sum(dim=1).minimum(lengths)
 
 
-def _verify_scheduled(survival: torch.Tensor, lengths: torch.Tensor, config: PolicySettings, sps: StepRate | None) -> torch.Tensor:
-    assert sps is not None
+def _verify_scheduled(survival: torch.Tensor | None, lengths: torch.Tensor, config: PolicySettings, sps: StepRate | None) -> torch.Tensor:
+    assert survival is not None and sps is not None  # needs_confidences, needs_sps: choose_verify_lengths checked
     return schedule_prefix(survival, lengths, sps)
 
 
@@ -216,8 +229,9 @@ def choose_verify_lengths(
     """Verify lengths [R] for drafts of ``lengths`` [R] with ``confidences`` [R, K] (None if the drafter has none)."""
     policy = VERIFY_POLICIES.get(config.verify_policy)
     if policy.needs_confidences and confidences is None:
-        raise SpecdraftError(f"verify policy {config.verify_policy!r} needs a drafter with a confidence head (DSpark); "
-                             f"use {setting('verify_policy')} full")
+        raise SpecdraftError(
+            f"verify policy {config.verify_policy!r} needs a drafter with a confidence head (DSpark); use {setting('verify_policy')} full"
+        )
     if policy.needs_sps and sps is None:
         raise SpecdraftError(f"verify policy {config.verify_policy!r} needs a target steps/s profile (SPS table)")
     survival = prefix_survival(confidences, lengths) if confidences is not None else None

@@ -68,7 +68,7 @@ class SpsTable:
         return {"tokens": list(self.tokens), "steps_per_second": list(self.steps_per_second)}
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "SpsTable":
+    def from_json(cls, obj: dict[str, Any]) -> SpsTable:
         return cls(tuple(int(t) for t in obj["tokens"]), tuple(float(s) for s in obj["steps_per_second"]))
 
 
@@ -84,13 +84,16 @@ def default_token_counts(max_tokens: int) -> list[int]:
     return counts
 
 
-def sps_cache_path(cache_dir: Path, *, fingerprint: str, device: torch.device, dtype: torch.dtype, context_tokens: int, max_tokens: int,
-                   forward_path: str) -> Path:
+def sps_cache_path(
+    cache_dir: Path, *, fingerprint: str, device: torch.device, dtype: torch.dtype, context_tokens: int, max_tokens: int, forward_path: str
+) -> Path:
     """Keyed by the path's version (``forward_path.path_version``): a profile of an earlier kernel is not reused."""
     from specdraft.tuning.forward_path import path_version
 
     dtype_name = str(dtype).removeprefix("torch.")
-    return cache_dir / "sps" / f"{fingerprint}-{device.type}-{dtype_name}-{path_version(forward_path)}-ctx{context_tokens}-b{max_tokens}.json"
+    return (
+        cache_dir / "sps" / f"{fingerprint}-{device.type}-{dtype_name}-{path_version(forward_path)}-ctx{context_tokens}-b{max_tokens}.json"
+    )
 
 
 @torch.no_grad()
@@ -109,7 +112,7 @@ def measure_sps(model: Any, *, token_counts: list[int], context_tokens: int = 25
     # recurrent layers that record per column as a verify forward does, so the timing includes that cost
     cache = GrowingCache(model.config.get_text_config())
     model(input_ids=context, cache=cache, use_cache=True)
-    step_times = []
+    step_times: list[float] = []
     for b in token_counts:
         block = torch.randint(0, vocab, (1, b), generator=gen).to(device)
         positions = torch.arange(context_tokens, context_tokens + b, device=device)[None]
@@ -140,18 +143,29 @@ def load_or_measure_sps(
 ) -> SpsTable:
     """The cached SPS table for this target + device + dtype + forward path (default: the one the model is
     on now), measuring and caching it on first use."""
-    from specdraft.utils.cache import cached
     from specdraft.tuning.forward_path import current_path, path_version
+    from specdraft.utils.cache import cached
     from specdraft.utils.io import cache_root
 
     param = next(model.parameters())
     forward_path = forward_path or current_path(model)
     path = sps_cache_path(
-        cache_dir or cache_root(), fingerprint=fingerprint, device=param.device, dtype=param.dtype,
-        context_tokens=context_tokens, max_tokens=max_tokens, forward_path=forward_path,
+        cache_dir or cache_root(),
+        fingerprint=fingerprint,
+        device=param.device,
+        dtype=param.dtype,
+        context_tokens=context_tokens,
+        max_tokens=max_tokens,
+        forward_path=forward_path,
     )
-    key = {"fingerprint": fingerprint, "device": param.device.type, "dtype": str(param.dtype).removeprefix("torch."),
-           "forward_path": path_version(forward_path), "context_tokens": context_tokens, "max_tokens": max_tokens}
+    key = {
+        "fingerprint": fingerprint,
+        "device": param.device.type,
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "forward_path": path_version(forward_path),
+        "context_tokens": context_tokens,
+        "max_tokens": max_tokens,
+    }
 
     def measure() -> dict[str, Any]:
         log.info("profiling target steps/s for forwards of 1..%d tokens (once per target and device)", max_tokens)

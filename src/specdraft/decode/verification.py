@@ -104,7 +104,7 @@ def verify_greedy(*, draft_tokens: torch.Tensor, draft_lengths: torch.Tensor, ta
     2. n_r = length of the prefix where x_{j+1} == g_j, capped at l_r.
     3. Commit x_1..x_{n_r} and g_{n_r} (recovered if n_r < l_r, else bonus).
     """
-    r, k = _check_shapes(draft_tokens, draft_lengths, target_logits)
+    _, k = _check_shapes(draft_tokens, draft_lengths, target_logits)
     argmax = target_logits.argmax(-1)  # [R, K+1]
     cols = torch.arange(k, device=draft_tokens.device)
     match = (draft_tokens == argmax[:, :k]) & (cols < draft_lengths[:, None])

@@ -2,53 +2,26 @@
 
 ``specdraft quickstart`` trains in whatever its budget leaves after the comparison, so a reserve fixed
 in minutes is wrong somewhere: too small where decoding is slow (the comparison covers fewer prompts),
-too large where it is fast (training gets minutes that end unused). The estimate bounds every
-decoder from above, as if it accepted nothing (one output token per round):
+too large where it is fast (training gets minutes that end unused). This module runs the decoding work
+the estimate needs (a plain decode, a drafter's rounds); ``tuning/budget_probes.py`` holds the bound
+made from it (every decoder as if it accepted nothing):
 
 * a plain round is the target's 1-token forward (the SPS profile, measured once per machine and
   reused by the comparison's scheduler) plus the runtime's own per-round work, measured by decoding;
 * a drafting round verifies its whole draft (the SPS profile at that width) after drafting it (the
-  drafter's measured round, the probe its ``--draft-dtype auto`` uses and caches);
-* a gated decoder (``@scheduled``) costs at most the gate floor times a plain round;
-* every prompt is prefilled once per decoder, and every decoder first decodes a warm-up.
+  drafter's round on the path and in the dtype tuning resolves for the comparison, measured and cached);
+* a gated decoder (``@scheduled``) costs at most the gate floor times a plain round.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from specdraft.targets.base import Target
+from specdraft.tuning.budget_probes import DecoderCost, overhead_per_round, round_seconds
 
 #: Tokens of the warm-up generation every decoder runs before the comparison (``runner.run_eval``).
 WARMUP_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class DecoderCost:
-    """One decoder of a comparison: seconds of a round that commits a single token (its worst case)."""
-
-    label: str
-    round_s: float
-
-
-def round_seconds(sps: Any, *, overhead_s: float, verify_tokens: int = 1, draft_s: float = 0.0, gated: bool = False) -> float:
-    """Upper bound of one round's seconds: draft, verify ``verify_tokens`` positions, the runtime's work.
-    A gated decoder drafts rarely enough to stay within the gate floor of a plain round."""
-    from specdraft.eval.report import GATE_FLOOR
-
-    plain = 1.0 / sps(1) + overhead_s
-    if gated:
-        return GATE_FLOOR * plain
-    return draft_s + 1.0 / sps(verify_tokens) + overhead_s
-
-
-def estimate_eval_seconds(prompt_lengths: Sequence[int], max_new_tokens: int, costs: Sequence[DecoderCost], sps: Any) -> dict:
-    """Seconds the comparison of ``costs``' decoders takes at most on prompts of ``prompt_lengths``
-    tokens (``max_new_tokens`` each, one prompt per batch), with each decoder's share."""
-    prefill = sum(1.0 / sps(n) for n in prompt_lengths)
-    per_decoder = {c.label: prefill + c.round_s * (len(prompt_lengths) * max_new_tokens + WARMUP_TOKENS) for c in costs}
-    return {"seconds": sum(per_decoder.values()), "per_decoder_s": {k: round(v, 1) for k, v in per_decoder.items()}}
 
 
 def plain_overhead_seconds(target: Target, sps: Any, *, tokens: int = WARMUP_TOKENS) -> float:
@@ -61,14 +34,19 @@ def plain_overhead_seconds(target: Target, sps: Any, *, tokens: int = WARMUP_TOK
     prompt = [int(t) % int(target.vocab_size) for t in range(100, 132)]
     decoder.generate([prompt])  # one-off costs
     m = decoder.generate([prompt]).metrics
-    return max(0.0, (m.wall_s - m.ttft_s) / max(m.output_tokens - m.requests, 1) - 1.0 / sps(1))
+    return overhead_per_round(wall_s=m.wall_s, ttft_s=m.ttft_s, output_tokens=m.output_tokens, requests=m.requests, sps=sps)
 
 
-def drafter_cost(label: str, proposer: Any, sps: Any, *, overhead_s: float, draft_dtype: str = "auto", forward_path: str = "auto") -> DecoderCost:
+def drafter_cost(
+    label: str, proposer: Any, sps: Any, *, overhead_s: float, draft_dtype: str = "auto", forward_path: str = "auto"
+) -> DecoderCost:
     """The bound for a trained drafter's ``proposer`` verifying its whole draft: its round on ``forward_path`` in
-    ``draft_dtype`` (``auto``: the faster here, measured once and cached, as the comparison does)."""
-    proposer.set_forward_path(forward_path)
-    measurement = proposer.set_compute_dtype(draft_dtype)
-    draft_s = min(measurement.seconds.values()) if measurement else proposer.round_seconds(draft_dtype)
+    ``draft_dtype`` (``auto``: what tuning measured fastest here, once and cached, as the comparison resolves it)."""
+    from specdraft.tuning.settings import resolve_choices
+
+    choices = resolve_choices("draft", proposer.timed_work(), forward_path=forward_path, dtype=draft_dtype)
+    proposer.use_choices(choices)
+    dtype = choices.chosen("compute_dtype")
+    draft_s = min(dtype.seconds.values()) if dtype.seconds else proposer.round_seconds(dtype.value)
     width = 1 + (getattr(proposer, "block_length", None) or proposer.num_draft_tokens)
     return DecoderCost(label, round_seconds(sps, overhead_s=overhead_s, verify_tokens=width, draft_s=draft_s))

@@ -10,8 +10,8 @@ tokens, so replaying a known greedy continuation round by round gives the very r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -60,7 +60,12 @@ def summarize(rounds: Sequence[ReplayRound], cost_ms: dict[int, float]) -> Repla
     widest = max(cost_ms)
     spent = sum(cost_ms[min(r.proposed + 1, widest)] for r in rounds)
     drafted = [r for r in rounds if r.proposed]
-    return ReplaySummary(tokens=tokens, rounds=len(rounds), tau=tokens / len(rounds), drafted_share=len(drafted) / len(rounds),
-                         mean_proposed=float(np.mean([r.proposed for r in drafted])) if drafted else 0.0,
-                         accepted_per_proposed=sum(r.accepted for r in drafted) / max(1, sum(r.proposed for r in drafted)),
-                         speedup_est=tokens * cost_ms[1] / spent)
+    return ReplaySummary(
+        tokens=tokens,
+        rounds=len(rounds),
+        tau=tokens / len(rounds),
+        drafted_share=len(drafted) / len(rounds),
+        mean_proposed=float(np.mean([r.proposed for r in drafted])) if drafted else 0.0,
+        accepted_per_proposed=sum(r.accepted for r in drafted) / max(1, sum(r.proposed for r in drafted)),
+        speedup_est=tokens * cost_ms[1] / spent,
+    )

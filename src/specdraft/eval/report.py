@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from specdraft.eval.suites import bucket_label
-from specdraft.utils.lengths import length_bucket
+from specdraft.tracking import TrackedRun, local_files, open_trackers, record_metrics
 from specdraft.utils.io import DirKind, atomic_dir, atomic_path, atomic_write_bytes, atomic_write_json, json_field_is
+from specdraft.utils.lengths import length_bucket
+from specdraft.utils.provenance import PROVENANCE_FILE
 
 # Both are replaced whole (``atomic_dir``): a rerun with fewer drafters or without plots leaves no stale file of the last
 # one. ``.*.tmp`` are the partial files an older release, which wrote into the directory, left when it was killed.
-#: What `specdraft eval` writes: its reports and plots.
-EVAL_DIR = DirKind("specdraft eval run", "report.json", json_field_is("format", "specdraft.eval_report"),
-                   frozenset({"report.json", "report.md"}), patterns=("*.png", ".*.tmp"))
+#: What `specdraft eval` writes: its reports, plots and provenance (``utils/provenance.py``).
+EVAL_DIR = DirKind(
+    "specdraft eval run",
+    "report.json",
+    json_field_is("format", "specdraft.eval_report"),
+    frozenset({"report.json", "report.md", PROVENANCE_FILE}),
+    patterns=("*.png", ".*.tmp", *local_files()),
+)
 #: What `specdraft eval --parity` writes: its comparison and one eval run per side and drafter.
-PARITY_DIR = DirKind("specdraft eval --parity run", "parity.json", json_field_is("format", "specdraft.parity_report"),
-                     frozenset({"parity.json", "parity.md"}), patterns=("builtin-*", "served-*", ".*.tmp"))
+PARITY_DIR = DirKind(
+    "specdraft eval --parity run",
+    "parity.json",
+    json_field_is("format", "specdraft.parity_report"),
+    frozenset({"parity.json", "parity.md"}),
+    patterns=("builtin-*", "served-*", ".*.tmp"),
+)
 
 
 def verify_length_histogram(metrics: dict[str, Any]) -> list[int]:
@@ -32,20 +45,22 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for run in report["runs"]:
         m = run["overall"]
-        rows.append({
-            "drafter": run["drafter"],
-            "concurrency": run["concurrency"],
-            "tau": m["tau"],
-            "accept_rate": m["acceptance_rate"],
-            "verify_len": m["drafted"] / m["rounds"] if m["rounds"] else 0.0,
-            "drafting": m.get("drafting_fraction"),
-            "tok_per_s": m["tokens_per_s"],
-            "speedup": run["speedup"],
-            "ttft_ms": m["mean_ttft_s"] * 1000,
-            "tpot_ms": (run.get("median_tpot_s") or m["time_per_output_token_s"]) * 1000,  # median over batches when recorded
-            "tpot_vs_ar": run.get("tpot_vs_autoregressive"),
-            "identical": run["identical_to_autoregressive"],
-        })
+        rows.append(
+            {
+                "drafter": run["drafter"],
+                "concurrency": run["concurrency"],
+                "tau": m["tau"],
+                "accept_rate": m["acceptance_rate"],
+                "verify_len": m["drafted"] / m["rounds"] if m["rounds"] else 0.0,
+                "drafting": m.get("drafting_fraction"),
+                "tok_per_s": m["tokens_per_s"],
+                "speedup": run["speedup"],
+                "ttft_ms": m["mean_ttft_s"] * 1000,
+                "tpot_ms": (run.get("median_tpot_s") or m["time_per_output_token_s"]) * 1000,  # median over batches when recorded
+                "tpot_vs_ar": run.get("tpot_vs_autoregressive"),
+                "identical": run["identical_to_autoregressive"],
+            }
+        )
     return rows
 
 
@@ -74,7 +89,7 @@ def render_tables(report: dict[str, Any]) -> str:
     lines += [*gate_floor_lines(report), "", compute_line(report)]
     first = report["config"]["concurrency"][0]
     runs = [r for r in report["runs"] if r["concurrency"] == first]
-    plain = next((r for r in runs if r["drafter"] == "autoregressive"), {})
+    plain: dict[str, Any] = next((r for r in runs if r["drafter"] == "autoregressive"), {})
 
     def drafted(r: dict, group: str, key: str) -> dict:
         return m if (m := r.get(group, {}).get(key, {})).get("rounds") else {}
@@ -83,11 +98,15 @@ def render_tables(report: dict[str, Any]) -> str:
         m, base = r.get(group, {}).get(key, {}), plain.get(group, {}).get(key, {})
         return _fmt(m["tokens_per_s"] / base["tokens_per_s"]) + "x" if m and base.get("tokens_per_s") else "-"
 
-    tables = [
+    tables: list[tuple[str, str, Callable[[Any], list], Callable[[dict, str, Any], str]]] = [
         ("tau per domain", "per_domain", sorted, lambda r, g, d: _fmt(drafted(r, g, d).get("tau"))),
         ("speed-up over autoregressive per domain", "per_domain", sorted, speedup),
-        ("mean verify length per drafting round, per domain", "per_domain", sorted,
-         lambda r, g, d: _fmt(m["drafted"] / m["rounds"]) if (m := drafted(r, g, d)) else "-"),
+        (
+            "mean verify length per drafting round, per domain",
+            "per_domain",
+            sorted,
+            lambda r, g, d: _fmt(m["drafted"] / m["rounds"]) if (m := drafted(r, g, d)) else "-",
+        ),
         # buckets keep the runner's order: by length
         ("tau per prompt-length bucket (tokens)", "per_bucket", list, lambda r, g, b: _fmt(drafted(r, g, b).get("tau"))),
         ("speed-up over autoregressive per prompt-length bucket (tokens)", "per_bucket", list, speedup),
@@ -95,24 +114,43 @@ def render_tables(report: dict[str, Any]) -> str:
     for title, group, order, cell in tables:
         keys = order(dict.fromkeys(k for r in runs for k in r.get(group, {})))
         if keys:
-            lines += ["", f"{title} (concurrency {first}):", "", "| drafter | " + " | ".join(keys) + " |", "| --- |" + " ---: |" * len(keys)]
-            lines += [f"| {r['drafter']} | " + " | ".join(cell(r, group, k) for k in keys) + " |" for r in runs if r["drafter"] != "autoregressive"]
+            lines += [
+                "",
+                f"{title} (concurrency {first}):",
+                "",
+                "| drafter | " + " | ".join(keys) + " |",
+                "| --- |" + " ---: |" * len(keys),
+            ]
+            lines += [
+                f"| {r['drafter']} | " + " | ".join(cell(r, group, k) for k in keys) + " |"
+                for r in runs
+                if r["drafter"] != "autoregressive"
+            ]
     distributions = [r for r in runs if r["drafter"] != "autoregressive" and r.get("tau_distribution")]
     if distributions:
-        lines += ["", f"tau per request (concurrency {first}; top-10% floor: the lowest tau among the best tenth of requests):", "",
-                  "| drafter | mean tau | macro tau over domains | median | p90 | top-10% floor | requests |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            f"tau per request (concurrency {first}; top-10% floor: the lowest tau among the best tenth of requests):",
+            "",
+            "| drafter | mean tau | macro tau over domains | median | p90 | top-10% floor | requests |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in distributions:
             d = r["tau_distribution"]
-            lines.append(f"| {r['drafter']} | {_fmt(r['overall']['tau'])} | {_fmt(r.get('macro_tau'))} | {_fmt(d['median'])} "
-                         f"| {_fmt(d['p90'])} | {_fmt(d['top10_floor'])} | {d['requests']} |")
+            lines.append(
+                f"| {r['drafter']} | {_fmt(r['overall']['tau'])} | {_fmt(r.get('macro_tau'))} | {_fmt(d['median'])} "
+                f"| {_fmt(d['p90'])} | {_fmt(d['top10_floor'])} | {d['requests']} |"
+            )
     lines += ["", f"verify lengths chosen per round (concurrency {first}; rounds that verified exactly l drafts):", ""]
     for r in runs:
         if r["drafter"] != "autoregressive":
             hist = verify_length_histogram(r["overall"])
             skipped = r["overall"].get("plain_steps", 0)
-            lines.append(f"- {r['drafter']}: " + ", ".join(f"l={l}: {n}" for l, n in enumerate(hist) if n)
-                         + (f"; {skipped} steps decoded without drafting (draft gate)" if skipped else ""))
+            lines.append(
+                f"- {r['drafter']}: "
+                + ", ".join(f"l={l}: {n}" for l, n in enumerate(hist) if n)
+                + (f"; {skipped} steps decoded without drafting (draft gate)" if skipped else "")
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -127,7 +165,12 @@ def tau_distribution(taus: list[float | None]) -> dict[str, Any]:
     if not values:
         return {"requests": 0, "median": None, "p90": None, "top10_floor": None}
     p90 = statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
-    return {"requests": len(values), "median": statistics.median(values), "p90": p90, "top10_floor": values[math.ceil(len(values) / 10) - 1]}
+    return {
+        "requests": len(values),
+        "median": statistics.median(values),
+        "p90": p90,
+        "top10_floor": values[math.ceil(len(values) / 10) - 1],
+    }
 
 
 def macro_tau(per_domain: dict[str, dict[str, Any]]) -> float | None:
@@ -162,8 +205,10 @@ def gate_floor_lines(report: dict[str, Any]) -> list[str]:
             if len(ratios) >= 4:
                 low, _, high = statistics.quantiles(ratios, n=4)
                 spread = f"; middle half of {len(ratios)} batches {low - 1:+.1%} to {high - 1:+.1%}"
-            lines.append(f"- draft gate floor, {r['drafter']} (c={r['concurrency']}): drafted in {r['drafting']:.0%} of steps, median TPOT "
-                         f"{r['tpot_vs_ar'] - 1:+.1%} vs autoregressive ({within} the {GATE_FLOOR - 1:.0%} floor{spread})")
+            lines.append(
+                f"- draft gate floor, {r['drafter']} (c={r['concurrency']}): drafted in {r['drafting']:.0%} of steps, median TPOT "
+                f"{r['tpot_vs_ar'] - 1:+.1%} vs autoregressive ({within} the {GATE_FLOOR - 1:.0%} floor{spread})"
+            )
     return ["", *lines] if lines else []
 
 
@@ -177,31 +222,61 @@ def compute_line(report: dict[str, Any]) -> str:
 
     parts = []
     if "threads" in report:
-        parts.append(f"{report['threads']} CPU threads ({why(report.get('threads_source', '?'), report.get('threads_seconds'), 1e3, 'ms')})")
+        parts.append(
+            f"{report['threads']} CPU threads ({why(report.get('threads_source', '?'), report.get('threads_seconds'), 1e3, 'ms')})"
+        )
     target_path = report.get("target_forward_path")
     if target_path:
-        parts.append(f"target forward {target_path['forward_path']} "
-                     f"({why(target_path['forward_path_source'], target_path.get('forward_path_seconds'), 1e3, 'ms per plain + verify step, short and long context')})")
+        parts.append(
+            f"target forward {target_path['forward_path']} "
+            f"({why(target_path['forward_path_source'], target_path.get('forward_path_seconds'), 1e3, 'ms per plain + verify step, short and long context')})"
+        )
     for label, drafter in report.get("drafters", {}).items():
         if drafter.get("draft_dtype"):
-            path = (f"; forward path {drafter['draft_forward_path']} "
-                    f"({why(drafter['draft_forward_path_source'], drafter.get('draft_forward_path_seconds'), 1e3, 'ms/round')})"
-                    if drafter.get("draft_forward_path") else "")
-            parts.append(f"{label} drafts in {drafter['draft_dtype']} "
-                         f"({why(drafter.get('draft_dtype_source', '?'), drafter.get('draft_dtype_seconds'), 1e3, 'ms/round')}{path})")
+            path = (
+                f"; forward path {drafter['draft_forward_path']} "
+                f"({why(drafter['draft_forward_path_source'], drafter.get('draft_forward_path_seconds'), 1e3, 'ms/round')})"
+                if drafter.get("draft_forward_path")
+                else ""
+            )
+            parts.append(
+                f"{label} drafts in {drafter['draft_dtype']} "
+                f"({why(drafter.get('draft_dtype_source', '?'), drafter.get('draft_dtype_seconds'), 1e3, 'ms/round')}{path})"
+            )
     return "compute: " + ("; ".join(parts) if parts else "-")
 
 
 def write_report(report: dict[str, Any], out: Path, *, plots: bool = True) -> list[Path]:
     """Write report.json, report.md and (optionally) plots into a fresh directory that then replaces ``out`` whole
-    (``EVAL_DIR``), and print the tables. Returns the paths written."""
+    (``EVAL_DIR``), print the tables and mirror the summary to the ``--report-to`` trackers. Returns the paths written."""
     tables = render_tables(report)
     with atomic_dir(out, EVAL_DIR) as tmp:
         atomic_write_json(tmp / "report.json", report)
         atomic_write_bytes(tmp / "report.md", tables.encode())
         written = [tmp / "report.json", tmp / "report.md", *(write_plots(report, tmp) if plots else [])]
     print(tables)
+    mirror_summary(report, out)
     return [out / path.name for path in written]
+
+
+def summary_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """The summary table as the numbers a tracker plots: ``eval/DRAFTER/cN/NAME`` per row (tau, accept_rate,
+    tok_per_s, speedup, ...), and the prompts and wall time of the run."""
+    rows = {
+        f"{row['drafter']}/c{row['concurrency']}": {k: v for k, v in row.items() if k not in ("drafter", "concurrency")}
+        for row in summary_rows(report)
+    }
+    return record_metrics({"split": "eval", **rows, "num_prompts": report["num_prompts"], "wall_s": report["wall_s"]})
+
+
+def mirror_summary(report: dict[str, Any], out: Path) -> None:
+    """Mirror the summary, once, to the trackers the run's ``--report-to`` names; their local files go into ``out``
+    after it is swapped in (``EVAL_DIR`` knows them), and a rerun replaces them with the report."""
+    names = report["config"].get("report_to") or []
+    if names:
+        config = {**report["config"], **{key: report[key] for key in ("sampling", "scheduler") if key in report}}
+        with open_trackers(names, TrackedRun(out, job="eval", config=config)) as trackers:
+            trackers.log(summary_metrics(report), step=0)
 
 
 def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
@@ -263,13 +338,20 @@ def _tau_vs_context(report: dict[str, Any], concurrency: int, path: Path) -> Pat
     fig, ax = plt.subplots(figsize=(7, 4))
     for j, r in enumerate(r for r in report["runs"] if r["concurrency"] == concurrency and r["drafter"] != "autoregressive"):
         color = f"C{j}"
-        points = [(p["prompt_tokens"], out["tau"]) for p in report["prompts"]
-                  if (out := p["outputs"].get(r["drafter"], {}).get(str(concurrency))) and out.get("tau") is not None]
+        points = [
+            (p["prompt_tokens"], out["tau"])
+            for p in report["prompts"]
+            if (out := p["outputs"].get(r["drafter"], {}).get(str(concurrency))) and out.get("tau") is not None
+        ]
         ax.scatter([x for x, _ in points], [y for _, y in points], s=12, alpha=0.4, color=color)
         lengths: dict[str, list[int]] = {}  # bucket -> its requests' prompt lengths
         for x, _ in points:
             lengths.setdefault(bucket_label(length_bucket(x)), []).append(x)
-        line = sorted((statistics.median(xs), r["per_bucket"][b]["tau"]) for b, xs in lengths.items() if r.get("per_bucket", {}).get(b, {}).get("rounds"))
+        line = sorted(
+            (statistics.median(xs), r["per_bucket"][b]["tau"])
+            for b, xs in lengths.items()
+            if r.get("per_bucket", {}).get(b, {}).get("rounds")
+        )
         ax.plot([x for x, _ in line], [y for _, y in line], marker="o", color=color, label=r["drafter"])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")

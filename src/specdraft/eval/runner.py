@@ -34,6 +34,7 @@ from specdraft.eval.config import EvalConfig
 from specdraft.eval.report import EVAL_DIR
 from specdraft.eval.suites import EvalPrompt, bucket_label, load_prompts
 from specdraft.targets.base import Target
+from specdraft.tuning.settings import Choice
 from specdraft.utils.lengths import length_bucket
 from specdraft.utils.lock import claims_output
 
@@ -67,8 +68,17 @@ def drafter_label(decode: DecodeConfig, policy: str | None, depth: int = 1) -> s
     return name + (f"@{policy}" if policy else "")
 
 
-def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, seed: int, target: str = "",
-                    draft_dtype: str = "auto", forward_path: str = "auto", lookup_corpus: str = "") -> DrafterSpec:
+def resolve_drafter(
+    text: str,
+    *,
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    seed: int,
+    target: str = "",
+    draft_dtype: str = "auto",
+    forward_path: str = "auto",
+    lookup_corpus: str = "",
+) -> DrafterSpec:
     """'ngram' / 'suffix' / 'none', 'reference' (the drafter shipped for the embedded ``target``), or a checkpoint
     directory whose config.json names its method, optionally followed by '+ngram' or '+suffix' (the hybrid of
     that drafter with prompt lookup, or with suffix drafting from ``lookup_corpus``) and by '@POLICY' to pick
@@ -78,8 +88,14 @@ def resolve_drafter(text: str, *, num_draft_tokens: int, max_new_tokens: int, se
     from specdraft.decode.scheduler import VERIFY_POLICIES
     from specdraft.reference import reference_drafter
 
-    common = {"num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "seed": seed, "draft_dtype": draft_dtype,
-              "forward_path": forward_path, "lookup_corpus": lookup_corpus}
+    common: dict[str, Any] = {
+        "num_draft_tokens": num_draft_tokens,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "draft_dtype": draft_dtype,
+        "forward_path": forward_path,
+        "lookup_corpus": lookup_corpus,
+    }
     name, _, policy = text.partition("@")
     if policy:
         VERIFY_POLICIES.get(policy)
@@ -110,8 +126,9 @@ def split_label(item: str) -> tuple[str, str]:
     if not sep or "/" in label:
         return "", item
     if not label or not text:
-        raise SpecdraftError(f"{setting('drafters')} item {item!r}: a labelled drafter is LABEL=DRAFTER, both non-empty "
-                             "(e.g. a=runs/a/final)")
+        raise SpecdraftError(
+            f"{setting('drafters')} item {item!r}: a labelled drafter is LABEL=DRAFTER, both non-empty (e.g. a=runs/a/final)"
+        )
     return label, text
 
 
@@ -147,8 +164,9 @@ def resolve_drafters(items: list[str], **options: Any) -> list[DrafterSpec]:
     for i, label in enumerate(labels):
         if label == AUTOREGRESSIVE or labels.index(label) != i:
             other = "the baseline (autoregressive decoding)" if label == AUTOREGRESSIVE else repr(items[labels.index(label)])
-            raise SpecdraftError(f"{setting('drafters')}: {items[i]!r} is labelled {label!r}, as is {other}; "
-                                 "give it another label (LABEL=DRAFTER)")
+            raise SpecdraftError(
+                f"{setting('drafters')}: {items[i]!r} is labelled {label!r}, as is {other}; give it another label (LABEL=DRAFTER)"
+            )
     return [dataclasses.replace(spec, label=label) for spec, label in zip(specs, labels)]
 
 
@@ -205,6 +223,7 @@ def run_eval(
 ) -> dict[str, Any]:
     """Run the comparison and write ``report.json`` (+ ``report.md`` and plots) under ``config.out``."""
     from specdraft.eval.report import write_report
+    from specdraft.utils.provenance import write_provenance
 
     setup_started = time.perf_counter()  # the thread probe, decoder builds and warm-ups count against --max-time too
     setup = _set_up(config, sampling, scheduler, target)
@@ -215,6 +234,13 @@ def run_eval(
         log.warning("--max-time %.0f s: evaluated %d of %d prompts", config.max_time, len(per_prompt), len(setup.prompts))
     report = _report(config, sampling, scheduler, setup, sweep, budget, per_prompt)
     write_report(report, Path(config.out), plots=config.plots)
+    write_provenance(
+        config.out,
+        config={"eval": config, "sampling": sampling, "scheduler": scheduler},
+        target=report["target"],
+        inputs=[config.prompts, config.lookup_corpus, *(s.decode.drafter_path for s in setup.specs)],
+        measured=report,
+    )
     return report
 
 
@@ -225,7 +251,7 @@ class _Setup:
 
     prompts: list[EvalPrompt]
     target: Target
-    threads: Any  # the thread measurement (``resolve_decode_threads``)
+    threads: Choice  # the thread count and why (``resolve_decode_threads``)
     specs: list[DrafterSpec]
     decoders: dict[str, SpeculativeDecoder]
     token_ids: list[list[int]]
@@ -234,23 +260,34 @@ class _Setup:
 
 def _set_up(config: EvalConfig, sampling: SamplingConfig, scheduler: SchedulerConfig, target: Target | None) -> _Setup:
     """Load the prompts and the target, resolve the threads, then build and warm up every decoder."""
-    from specdraft.decode.runtime import decoder_for_target, resolve_decode_threads
+    from specdraft.decode.runtime import decoder_for_target, decoding_settings, drafter_settings, resolve_decode_threads
     from specdraft.targets import load_target
 
-    prompts = load_prompts(
-        None if config.prompts else config.suite, config.prompts or None, config.limit_per_domain or None
-    )
+    prompts = load_prompts(None if config.prompts else config.suite, config.prompts or None, config.limit_per_domain or None)
     if target is None:
         target = load_target(config.target, dtype=config.dtype, device=config.device)
     # before any decoder is built: the SPS profile and the draft-dtype probe are measured at the count used
     threads = resolve_decode_threads(target, config.threads)
-    specs = [resolve_drafter("none", num_draft_tokens=0, max_new_tokens=config.max_new_tokens, seed=config.seed,
-                             forward_path=config.forward_path)]  # one target: every decoder runs it on the same path
-    specs += resolve_drafters(config.drafters, num_draft_tokens=config.num_draft_tokens, max_new_tokens=config.max_new_tokens,
-                              seed=config.seed, target=config.target, draft_dtype=config.draft_dtype, forward_path=config.forward_path,
-                              lookup_corpus=config.lookup_corpus)
-    decoders = {s.label: decoder_for_target(target, config=s.decode, sampling=sampling, scheduler=_scheduler_for(s, scheduler))
-                for s in specs}
+    specs = [
+        resolve_drafter(
+            "none", num_draft_tokens=0, max_new_tokens=config.max_new_tokens, seed=config.seed, forward_path=config.forward_path
+        )
+    ]  # one target: every decoder runs it on the same path
+    specs += resolve_drafters(
+        config.drafters,
+        num_draft_tokens=config.num_draft_tokens,
+        max_new_tokens=config.max_new_tokens,
+        seed=config.seed,
+        target=config.target,
+        draft_dtype=config.draft_dtype,
+        forward_path=config.forward_path,
+        lookup_corpus=config.lookup_corpus,
+    )
+    decoders = {
+        s.label: decoder_for_target(target, config=s.decode, sampling=sampling, scheduler=_scheduler_for(s, scheduler)) for s in specs
+    }
+    drafters = {label: drafter_settings(label, d.proposer) for label, d in decoders.items() if label != AUTOREGRESSIVE}
+    dataclasses.replace(decoding_settings("eval", decoders[AUTOREGRESSIVE], threads), drafters=drafters).log()
     token_ids = [p.token_ids(target.tokenizer) for p in prompts]
     groups = [(p.domain, length_bucket(len(ids))) for p, ids in zip(prompts, token_ids)]
     warmup = token_ids[0][-16:]
@@ -270,7 +307,7 @@ class _Budget:
     cut: bool = False  # a batch was left out for time
 
     @classmethod
-    def after_setup(cls, max_time: float, setup_started: float) -> "_Budget":
+    def after_setup(cls, max_time: float, setup_started: float) -> _Budget:
         started = time.perf_counter()
         return cls(started, max(max_time - (started - setup_started), 1e-9) if max_time else 0.0)
 
@@ -293,14 +330,19 @@ class _Level:
     tpots: dict[str, list[float]]
 
     @classmethod
-    def empty(cls, labels: list[str]) -> "_Level":
-        return cls({label: None for label in labels}, {label: {} for label in labels}, {label: {} for label in labels},
-                   {label: [] for label in labels})
+    def empty(cls, labels: list[str]) -> _Level:
+        return cls(
+            dict.fromkeys(labels),
+            {label: {} for label in labels},
+            {label: {} for label in labels},
+            {label: [] for label in labels},
+        )
 
     def add(self, label: str, domain: str, bucket: int, metrics: Any) -> None:
         self.tpots[label].append(metrics.time_per_output_token_s)
         self.merged[label] = metrics if self.merged[label] is None else self.merged[label].merge(metrics)
-        for grouped, key in ((self.by_domain, domain), (self.by_bucket, bucket)):
+        groups: tuple[tuple[dict[str, dict[Any, Any]], str | int], ...] = ((self.by_domain, domain), (self.by_bucket, bucket))
+        for grouped, key in groups:
             previous = grouped[label].get(key)
             grouped[label][key] = metrics if previous is None else previous.merge(metrics)
 
@@ -329,8 +371,7 @@ def _decode(config: EvalConfig, setup: _Setup, budget: _Budget, *, greedy: bool,
     return sweep
 
 
-def _decode_level(setup: _Setup, concurrency: int, budget: _Budget, outputs: dict[str, dict[int, dict[str, Any]]],
-                  bar: Any) -> _Level:
+def _decode_level(setup: _Setup, concurrency: int, budget: _Budget, outputs: dict[str, dict[int, dict[str, Any]]], bar: Any) -> _Level:
     """Each batch of ``concurrency`` prompts by every decoder, in an order rotated per batch; fills ``outputs``."""
     order = list(setup.decoders)
     level = _Level.empty(order)
@@ -361,20 +402,22 @@ def _level_records(level: _Level, concurrency: int, outputs: dict[str, dict[int,
         if greedy:
             same = sum(out["tokens"] == outputs[AUTOREGRESSIVE][i]["tokens"] for i, out in outputs[label].items())
         per_domain = {d: m.to_json() for d, m in sorted(level.by_domain[label].items())}
-        records.append(RunRecord(
-            drafter=label,
-            concurrency=concurrency,
-            overall=metrics.to_json(),
-            per_domain=per_domain,
-            per_bucket={bucket_label(b): m.to_json() for b, m in sorted(level.by_bucket[label].items())},
-            tau_distribution=tau_distribution([out["tau"] for out in outputs[label].values()]),
-            macro_tau=macro_tau(per_domain),
-            speedup=metrics.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else None,
-            median_tpot_s=statistics.median(level.tpots[label]),
-            tpot_vs_autoregressive=statistics.median(ratios) if ratios else None,
-            batch_tpot_s=level.tpots[label],
-            identical_to_autoregressive=same,
-        ))
+        records.append(
+            RunRecord(
+                drafter=label,
+                concurrency=concurrency,
+                overall=metrics.to_json(),
+                per_domain=per_domain,
+                per_bucket={bucket_label(b): m.to_json() for b, m in sorted(level.by_bucket[label].items())},
+                tau_distribution=tau_distribution([out["tau"] for out in outputs[label].values()]),
+                macro_tau=macro_tau(per_domain),
+                speedup=metrics.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else None,
+                median_tpot_s=statistics.median(level.tpots[label]),
+                tpot_vs_autoregressive=statistics.median(ratios) if ratios else None,
+                batch_tpot_s=level.tpots[label],
+                identical_to_autoregressive=same,
+            )
+        )
     return records
 
 
@@ -394,11 +437,16 @@ def _per_prompt(setup: _Setup, sweep: _Sweep, concurrencies: list[int]) -> list[
     return per_prompt
 
 
-def _report(config: EvalConfig, sampling: SamplingConfig, scheduler: SchedulerConfig, setup: _Setup, sweep: _Sweep,
-            budget: _Budget, per_prompt: list[dict[str, Any]]) -> dict[str, Any]:
+def _report(
+    config: EvalConfig,
+    sampling: SamplingConfig,
+    scheduler: SchedulerConfig,
+    setup: _Setup,
+    sweep: _Sweep,
+    budget: _Budget,
+    per_prompt: list[dict[str, Any]],
+) -> dict[str, Any]:
     """``report.json``: the settings, each decoder's resolved facts, the records and the per-prompt outputs."""
-    from specdraft.tuning.threads import threads_facts
-
     return {
         "format": "specdraft.eval_report",
         "format_version": 1,
@@ -407,7 +455,7 @@ def _report(config: EvalConfig, sampling: SamplingConfig, scheduler: SchedulerCo
         "sampling": asdict(sampling),
         "scheduler": asdict(scheduler),
         "drafters": {s.label: {**asdict(s.decode), **_dtype_facts(s, setup.decoders[s.label].proposer)} for s in setup.specs},
-        **threads_facts(config.threads, setup.threads),
+        **setup.threads.facts("threads"),
         "target_forward_path": setup.decoders[AUTOREGRESSIVE].forward_path.to_json(),
         "num_prompts": len(per_prompt),
         "prompts_planned": len(setup.prompts),

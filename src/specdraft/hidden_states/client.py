@@ -15,8 +15,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Set
 from pathlib import Path
-from typing import AbstractSet, Iterable
 from urllib.parse import urlsplit
 
 from specdraft.errors import SpecdraftError, setting
@@ -65,14 +65,23 @@ class ProducerClient:
     requests (those in flight finish), so producers can be added and retired while training runs.
     """
 
-    def __init__(self, urls: Iterable[str], *, token: str | None = None, timeout_s: float = 120.0, down_s: float = 30.0,
-                 membership: str | Path | None = None, refresh_s: float = MEMBERSHIP_REFRESH_S):
+    def __init__(
+        self,
+        urls: Iterable[str],
+        *,
+        token: str | None = None,
+        timeout_s: float = 120.0,
+        down_s: float = 30.0,
+        membership: str | Path | None = None,
+        refresh_s: float = MEMBERSHIP_REFRESH_S,
+    ):
         self.membership = Path(membership) if membership else None
         self.urls = read_producer_list(self.membership) if self.membership else _check_urls(urls, setting("producers"))
         if not self.urls:
             where = f"the producer list {self.membership}" if self.membership else setting("producers")
-            raise SpecdraftError(f"no producer URLs given in {where}; pass {setting('producers')} "
-                                 f"http://HOST:PORT[,http://HOST:PORT...] or @FILE")
+            raise SpecdraftError(
+                f"no producer URLs given in {where}; pass {setting('producers')} http://HOST:PORT[,http://HOST:PORT...] or @FILE"
+            )
         self.token = token
         self.timeout_s = timeout_s
         self.down_s = down_s
@@ -81,7 +90,7 @@ class ProducerClient:
         self._refreshing = threading.Lock()
         self._last_refresh = time.monotonic()
         self._fingerprint: str | None = None
-        self._inflight = {u: 0 for u in self.urls}
+        self._inflight = dict.fromkeys(self.urls, 0)
         self._down: dict[str, tuple[float, str]] = {}  # url -> (since, reason)
         self._order = itertools.count()
 
@@ -130,7 +139,11 @@ class ProducerClient:
 
     def refresh(self) -> None:
         """Reread the membership file (at most every ``refresh_s``); admit new producers, retire unlisted ones."""
-        if self.membership is None or time.monotonic() < self._last_refresh + self.refresh_s or not self._refreshing.acquire(blocking=False):
+        if (
+            self.membership is None
+            or time.monotonic() < self._last_refresh + self.refresh_s
+            or not self._refreshing.acquire(blocking=False)
+        ):
             return
         try:
             self._last_refresh = time.monotonic()
@@ -151,8 +164,13 @@ class ProducerClient:
                     log.warning("producer %s listed in %s does not answer its health check (%s); not used yet", url, self.membership, exc)
                     continue
                 if self._fingerprint is not None and fingerprint != self._fingerprint:
-                    log.error("producer %s listed in %s serves another target (fingerprint %s, not %s); not used", url,
-                              self.membership, fingerprint, self._fingerprint)
+                    log.error(
+                        "producer %s listed in %s serves another target (fingerprint %s, not %s); not used",
+                        url,
+                        self.membership,
+                        fingerprint,
+                        self._fingerprint,
+                    )
                     continue
                 admitted.append(url)
             left = [u for u in current if u not in wanted]
@@ -199,7 +217,7 @@ class ProducerClient:
             self._inflight[url] += 1
             return url
 
-    def extract(self, body: dict, *, avoid: AbstractSet[str] = frozenset()) -> tuple[str, dict]:
+    def extract(self, body: dict, *, avoid: Set[str] = frozenset()) -> tuple[str, dict]:
         """Send one request to a live producer (preferring ones not in ``avoid``); returns (url, reply).
 
         ``ProducerUnavailable`` marks that producer down; the caller retries with a new key.

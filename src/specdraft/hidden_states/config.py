@@ -23,9 +23,7 @@ ENGINE_NAMES = ("hf", "vllm")
 class ExtractConfig(VllmAttachOptions):
     dataset: str = config_field(help="prepared dataset directory (written by `specdraft prepare`)")
     out: str = config_field(help="hidden-state store to create or resume (a directory for the file backend)")
-    target: str | None = config_field(
-        None, help="target name or HF model directory; default: the target recorded in the dataset manifest"
-    )
+    target: str | None = config_field(None, help="target name or HF model directory; default: the target recorded in the dataset manifest")
     method: str | None = config_field(
         None,
         help=f"layer preset of a drafter method; default: {DEFAULT_PRESET} unless --layers is given",
@@ -34,21 +32,25 @@ class ExtractConfig(VllmAttachOptions):
     layers: str | None = config_field(
         None, help="explicit layer slots instead of a preset, e.g. 'output:1,input:2' (a bare number = output)"
     )
-    dtype: str = config_field("bfloat16", help="storage dtype of hidden states (float32 keeps them exact)", metadata={"choices": list(STORAGE_DTYPE_NAMES)})
+    dtype: str = config_field(
+        "bfloat16", help="storage dtype of hidden states (float32 keeps them exact)", metadata={"choices": list(STORAGE_DTYPE_NAMES)}
+    )
     target_dtype: str = config_field("float32", help="dtype the target runs in", metadata={"choices": list(TARGET_DTYPES)})
     device: str = config_field("cpu", help="device the target runs on (cpu, cuda, cuda:1, ...)")
     batch_size: int = config_field(8, help="samples per forward pass (length-sorted, right-padded)")
     max_samples: int | None = config_field(None, help="extract only the first N samples of the dataset")
     restart: bool = config_field(
-        False, help="delete the samples an existing store at --out holds and extract from scratch (e.g. after the dataset "
-        "was re-prepared with other rows, which a resume refuses)"
+        False,
+        help="delete the samples an existing store at --out holds and extract from scratch (e.g. after the dataset "
+        "was re-prepared with other rows, which a resume refuses)",
     )
     backend: str = config_field("file", help="storage backend (registered name)")
     queue_size: int = config_field(8, help="payloads that may wait for the writer before capture blocks")
     writer_threads: int = config_field(1, help="background threads serialising and writing payloads")
     threads: int = config_field(
-        0, help="--engine hf: torch CPU threads of the target's forward passes (0 = auto: the count that ran one batch-sized "
-        "forward fastest here, measured once per machine and cached)"
+        0,
+        help="--engine hf: torch CPU threads of the target's forward passes (0 = auto: the count that ran one batch-sized "
+        "forward fastest here, measured once per machine and cached)",
     )
     engine: str = config_field(
         "hf",

@@ -12,9 +12,10 @@ Each opener takes ``SourceOptions`` and returns a sample source with the item in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from specdraft.errors import SpecdraftError, setting
@@ -54,7 +55,9 @@ def open_offline(options: SourceOptions) -> Any:
     path = Path(options.data)
     if not path.is_dir():
         raise SpecdraftError(f"{setting('data')} {path} does not exist; point it at a hidden-state store written by `specdraft extract`")
-    return HiddenStateDataset(path, options.dataset, verify=options.verify)  # --dataset overrides the path the manifest recorded (a moved run)
+    return HiddenStateDataset(
+        path, options.dataset, verify=options.verify
+    )  # --dataset overrides the path the manifest recorded (a moved run)
 
 
 @DATA_MODES.register("online")
@@ -87,8 +90,9 @@ def open_streaming(options: SourceOptions, *, cache: Any) -> StreamingSource:
     if not options.dataset:
         raise SpecdraftError(f"online/hybrid data needs {setting('dataset')}: the prepared dataset whose samples are requested")
     if not options.store:
-        raise SpecdraftError(f"online/hybrid data needs {setting('store')}: where producers write (a shared directory "
-                             f"or mooncake://HOST:PORT/NS)")
+        raise SpecdraftError(
+            f"online/hybrid data needs {setting('store')}: where producers write (a shared directory or mooncake://HOST:PORT/NS)"
+        )
     if options.slots is None:
         raise SpecdraftError("online/hybrid data needs the layer slots to request")
     prepared = PreparedDataset(options.dataset)
@@ -103,8 +107,17 @@ def open_streaming(options: SourceOptions, *, cache: Any) -> StreamingSource:
         )
     slots = options.slots(int(target_info["num_layers"]))
     transport = open_backend(backend_name(options.store), options.store)
-    source = StreamingSource(prepared=prepared, client=client, transport=transport, target_info=target_info, slots=slots,
-                             dtype=options.dtype, prefetch=options.prefetch, cache=cache, delivery_log=options.delivery_log,
-                             owner=options.owner)
+    source = StreamingSource(
+        prepared=prepared,
+        client=client,
+        transport=transport,
+        target_info=target_info,
+        slots=slots,
+        dtype=options.dtype,
+        prefetch=options.prefetch,
+        cache=cache,
+        delivery_log=options.delivery_log,
+        owner=options.owner,
+    )
     source.sweep()
     return source

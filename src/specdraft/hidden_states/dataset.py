@@ -107,7 +107,7 @@ class HiddenStateDataset(torch.utils.data.Dataset, SampleSource):
             where = self.backend.location
             raise SpecdraftError(
                 f"{where}: {len(problems)} bad sample(s): {shown}{more}; rerun `specdraft extract --dataset {self.prepared.directory} "
-                f"--out {where}` with the options in the manifest's \"config\" to redo them (intact samples are kept)"
+                f'--out {where}` with the options in the manifest\'s "config" to redo them (intact samples are kept)'
             )
 
     def _missing(self) -> dict[str, str]:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.backends.base import (
@@ -110,7 +110,8 @@ def extract_hidden_states(config: ExtractConfig, *, target: Target | None = None
         stored_keys = set(backend.keys())
         checking = tqdm(selected, desc="verify stored", unit="sample", disable=not progress or not stored_keys)
         pending = [
-            i for i in checking
+            i
+            for i in checking
             if dataset.sample_ids[i] not in stored_keys or not _is_intact(backend, dataset[i], target_info, slots, config.dtype)
         ]
         skipped = len(selected) - len(pending)
@@ -159,7 +160,8 @@ def _extract(job: ExtractJob) -> tuple[int, int]:
     """Capture ``pending`` rows (longest first, so padding is small and OOM shows up at once)."""
     from tqdm import tqdm
 
-    from specdraft.tuning.threads import resolve_forward_threads
+    from specdraft.tuning.settings import Choice, MachineSettings
+    from specdraft.tuning.threads import resolve_forward_threads, threads_facts
 
     config, dataset, target = job.config, job.dataset, job.target
 
@@ -167,13 +169,20 @@ def _extract(job: ExtractJob) -> tuple[int, int]:
     lengths = dataset.lengths()
     order = sorted(job.pending, key=lambda i: -int(lengths[i]))
     if order:  # the probe's batch: as many rows as a batch, of the median length
-        resolve_forward_threads(config.threads, target.model, fingerprint=target.fingerprint, rows=min(config.batch_size, len(order)),
-                                tokens=int(lengths[order[len(order) // 2]]))
+        measured = resolve_forward_threads(
+            config.threads,
+            target.model,
+            fingerprint=target.fingerprint,
+            rows=min(config.batch_size, len(order)),
+            tokens=int(lengths[order[len(order) // 2]]),
+        )
+        MachineSettings("extract", threads=Choice.from_facts(threads_facts(config.threads, measured), "threads")).log()
     tokens = 0
     start = time.perf_counter()
-    with AsyncWriter(job.backend, max_pending=config.queue_size, num_threads=config.writer_threads) as writer, tqdm(
-        total=len(order), unit="sample", desc="extract", disable=not job.progress
-    ) as bar:
+    with (
+        AsyncWriter(job.backend, max_pending=config.queue_size, num_threads=config.writer_threads) as writer,
+        tqdm(total=len(order), unit="sample", desc="extract", disable=not job.progress) as bar,
+    ):
         for lo in range(0, len(order), config.batch_size):
             rows = [dataset[i] for i in order[lo : lo + config.batch_size]]
             for row, (hidden, last) in zip(rows, capture([r["input_ids"] for r in rows])):
@@ -203,17 +212,28 @@ def _open_store_manifest(
         raise SpecdraftError(f"{backend.location} holds hidden-state files but no manifest; choose an empty {setting('out')} directory")
     if existing is not None and config.restart:
         if existing.get("format") != STORE_FORMAT_NAME:  # only a store's own samples are deleted
-            raise SpecdraftError(f"{backend.location}: manifest format {existing.get('format')!r} is not "
-                                 f"{STORE_FORMAT_NAME!r}; choose another {setting('out')}")
+            raise SpecdraftError(
+                f"{backend.location}: manifest format {existing.get('format')!r} is not "
+                f"{STORE_FORMAT_NAME!r}; choose another {setting('out')}"
+            )
         stale = backend.keys()
         for key in stale:
             backend.delete(key)
         log.warning("%s: --restart deleted the %d sample(s) stored there", backend.location, len(stale))
     elif existing is not None:  # a resume: every setting that determines the stored values must be the store's
-        choices = (f"Rerun with the store's settings, extract into a new {setting('out')}, or add {setting('restart')} to delete "
-                   "the stored samples and start over")
-        check_store_manifest(existing, location=backend.location, target_info=target_info, slots=slots_json, dtype=config.dtype,
-                             target_dtype=config.target_dtype, choices=choices)
+        choices = (
+            f"Rerun with the store's settings, extract into a new {setting('out')}, or add {setting('restart')} to delete "
+            "the stored samples and start over"
+        )
+        check_store_manifest(
+            existing,
+            location=backend.location,
+            target_info=target_info,
+            slots=slots_json,
+            dtype=config.dtype,
+            target_dtype=config.target_dtype,
+            choices=choices,
+        )
         check_store_dataset(existing, dataset, set(backend.keys()), location=backend.location, choices=choices)
     manifest = {
         "format": STORE_FORMAT_NAME,

@@ -13,8 +13,9 @@ Worked example for a 30-layer target (SmolLM2-135M):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
@@ -46,7 +47,7 @@ class LayerSlot:
         return {"layer": self.layer, "side": self.side}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "LayerSlot":
+    def from_json(cls, obj: dict) -> LayerSlot:
         return cls(int(obj["layer"]), obj["side"])
 
     def __str__(self) -> str:

@@ -86,7 +86,7 @@ class HiddenStatePayload:
         hidden_states: torch.Tensor,
         last_hidden: torch.Tensor,
         dtype: str = "bfloat16",
-    ) -> "HiddenStatePayload":
+    ) -> HiddenStatePayload:
         """Cast to the storage dtype, move to CPU and record shapes, dtypes and checksums."""
         store = storage_dtype(dtype)
         tensors = {
@@ -151,7 +151,7 @@ class HiddenStatePayload:
         return save(tensors, metadata={METADATA_KEY: json.dumps(self.manifest, sort_keys=True)})
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, source: str) -> "HiddenStatePayload":
+    def from_bytes(cls, data: bytes, *, source: str) -> HiddenStatePayload:
         """Parse and verify; ``source`` (a path or key) names the object in every error."""
         from safetensors import SafetensorError
         from safetensors.torch import load
@@ -159,7 +159,9 @@ class HiddenStatePayload:
         try:
             tensors = load(data)
         except (SafetensorError, ValueError, RuntimeError) as exc:
-            raise SpecdraftError(f"{source}: not a readable safetensors payload ({exc}); it is truncated or corrupt, re-extract it") from None
+            raise SpecdraftError(
+                f"{source}: not a readable safetensors payload ({exc}); it is truncated or corrupt, re-extract it"
+            ) from None
         # safetensors.torch.load drops metadata; read the header directly (8-byte length + JSON).
         try:
             header_len = int.from_bytes(data[:8], "little")
@@ -223,7 +225,9 @@ class HiddenStatePayload:
             bad = (~finite | constant).nonzero().flatten()
             if bad.numel():
                 t = int(bad[0])
-                what = "non-finite values" if not finite[t] else ("all zeros" if not rows[t].any() else f"the constant {rows[t, 0].item():g}")
+                what = (
+                    "non-finite values" if not finite[t] else ("all zeros" if not rows[t].any() else f"the constant {rows[t, 0].item():g}")
+                )
                 raise SpecdraftError(
                     f"sample {self.sample_id!r}: {name} holds {what} at token {t} "
                     f"({bad.numel()} of {rows.shape[0]} rows degenerate); a real activation never does, so the capture "
@@ -245,4 +249,6 @@ class HiddenStatePayload:
                     f"{source}: tensor {key!r} has shape {list(got)}, expected {list(shape)} for T={t} tokens, S={s} slots, D={d}"
                 )
         if self.hidden_states.dtype != self.last_hidden.dtype or self.hidden_states.dtype not in _DTYPE_NAMES:
-            raise SpecdraftError(f"{source}: hidden_states/last_hidden dtypes {self.hidden_states.dtype}/{self.last_hidden.dtype} differ or are unsupported")
+            raise SpecdraftError(
+                f"{source}: hidden_states/last_hidden dtypes {self.hidden_states.dtype}/{self.last_hidden.dtype} differ or are unsupported"
+            )

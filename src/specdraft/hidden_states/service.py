@@ -45,9 +45,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Protocol, cast
+from typing import Any, Protocol, cast
 
 from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.config import ENGINE_NAMES, STORAGE_DTYPE_NAMES
@@ -87,8 +88,9 @@ class ServiceConfig(VllmAttachOptions):
     target_dtype: str = config_field("float32", help="dtype the target runs in", metadata={"choices": list(TARGET_DTYPES)})
     device: str = config_field("cpu", help="device the target runs on (cpu, cuda, cuda:1, ...); --engine hf only")
     num_threads: int = config_field(
-        0, help="--engine hf: torch CPU threads (0 = auto: the count that ran a --max-batch x 256-token forward fastest here, "
-        "measured once per machine and cached)"
+        0,
+        help="--engine hf: torch CPU threads (0 = auto: the count that ran a --max-batch x 256-token forward fastest here, "
+        "measured once per machine and cached)",
     )
     engine: str = config_field(
         "hf",
@@ -114,8 +116,10 @@ class ServiceConfig(VllmAttachOptions):
         require_token_beyond_loopback(self.host, self.token)
         self.check_vllm_options(self.engine)
         if self.layers is not None and self.engine != "vllm":
-            raise SpecdraftError(f"{setting('layers')} chooses what a vLLM server captures: it needs "
-                                 f"{setting('engine')} vllm (the hf engine serves any slots)")
+            raise SpecdraftError(
+                f"{setting('layers')} chooses what a vLLM server captures: it needs "
+                f"{setting('engine')} vllm (the hf engine serves any slots)"
+            )
 
 
 #: The shape of a ``POST /extract`` body (``check_schema``); ranges and meanings are checked in ``_parse``.
@@ -178,8 +182,13 @@ class HFProducer:
             target = load_target(config.target, dtype=config.target_dtype, device=config.device)
         # The probe only ranks thread counts: a forward of PROBE_ROWS rows ranks them as a larger batch would, and a
         # huge --max-batch (a bound on batching, not a batch that will ever exist) must not become one.
-        resolve_forward_threads(config.num_threads, target.model, fingerprint=target.fingerprint, rows=min(config.max_batch, PROBE_ROWS),
-                                tokens=min(256, config.max_tokens))
+        resolve_forward_threads(
+            config.num_threads,
+            target.model,
+            fingerprint=target.fingerprint,
+            rows=min(config.max_batch, PROBE_ROWS),
+            tokens=min(256, config.max_tokens),
+        )
         self.target = target
         self.target_info = target.describe()
         self.max_tokens = config.max_tokens
@@ -194,7 +203,7 @@ class HFProducer:
 
         try:
             outputs = HiddenStateCapture(self.target.model, slots)([j.token_ids for j in jobs])
-        except Exception as exc:  # noqa: BLE001 - reported to every waiting client
+        except Exception as exc:  # reported to every waiting client
             log.exception("extraction of %d request(s) failed", len(jobs))
             for job in jobs:
                 job.finish(error=RequestError(500, f"extraction failed on the producer: {type(exc).__name__}: {exc}"))
@@ -202,8 +211,13 @@ class HFProducer:
         for job, (hidden, last) in zip(jobs, outputs):
             try:
                 payload = HiddenStatePayload.create(
-                    sample_id=job.key, target_info=self.target_info, slots=slots, token_ids=job.token_ids,
-                    hidden_states=hidden, last_hidden=last, dtype=dtype,
+                    sample_id=job.key,
+                    target_info=self.target_info,
+                    slots=slots,
+                    token_ids=job.token_ids,
+                    hidden_states=hidden,
+                    last_hidden=last,
+                    dtype=dtype,
                 )
                 nbytes = self.backend.put(job.key, payload)
                 job.finish(result={"key": job.key, "bytes": nbytes, "num_tokens": payload.num_tokens})
@@ -239,8 +253,10 @@ class HiddenStateService:
         try:
             self._server = ThreadingHTTPServer((config.host, config.port), _handler_class(self))
         except OSError as exc:
-            raise SpecdraftError(f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}); choose another "
-                                 f"{setting('port')} (0 = any free port)") from None
+            raise SpecdraftError(
+                f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}); choose another "
+                f"{setting('port')} (0 = any free port)"
+            ) from None
         self._server.daemon_threads = True
         with contextlib.ExitStack() as undo:  # released only if a later step fails
             undo.callback(self._server.server_close)
@@ -260,10 +276,16 @@ class HiddenStateService:
     def health(self) -> dict:
         with self._stats_lock:
             stats = dict(self._stats)
-        return {"status": "ok", "target": self.target_info, "engine": self.config.engine, "backend": self.config.backend,
-                "max_batch": self.config.max_batch, **stats}
+        return {
+            "status": "ok",
+            "target": self.target_info,
+            "engine": self.config.engine,
+            "backend": self.config.backend,
+            "max_batch": self.config.max_batch,
+            **stats,
+        }
 
-    def start(self) -> "HiddenStateService":
+    def start(self) -> HiddenStateService:
         self._threads = [
             threading.Thread(target=self._worker, name="specdraft-producer-worker", daemon=True),
             threading.Thread(target=self._server.serve_forever, name="specdraft-producer-http", daemon=True),
@@ -286,7 +308,7 @@ class HiddenStateService:
         self.engine.close()
         self.backend.close()
 
-    def __enter__(self) -> "HiddenStateService":
+    def __enter__(self) -> HiddenStateService:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -299,8 +321,11 @@ class HiddenStateService:
             return
         scheme, _, given = (header or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.config.token.encode()):
-            raise RequestError(401, "missing or wrong bearer token: send 'Authorization: Bearer TOKEN' with the producer's token "
-                               "(`specdraft serve-hidden-states --token`)")
+            raise RequestError(
+                401,
+                "missing or wrong bearer token: send 'Authorization: Bearer TOKEN' with the producer's token "
+                "(`specdraft serve-hidden-states --token`)",
+            )
 
     def submit(self, body: Any) -> dict:
         """Validate one request, queue it and wait until its payload is stored."""
@@ -332,14 +357,17 @@ class HiddenStateService:
         if not ids:
             raise RequestError(400, "'token_ids' must be a non-empty list of integers")
         if len(ids) > self.max_tokens:
-            raise RequestError(400, f"{len(ids)} tokens exceed this producer's limit of {self.max_tokens} "
-                               "(`specdraft serve-hidden-states --max-tokens`, and a vLLM "
-                               "server's max model length - 1)")
+            raise RequestError(
+                400,
+                f"{len(ids)} tokens exceed this producer's limit of {self.max_tokens} "
+                "(`specdraft serve-hidden-states --max-tokens`, and a vLLM "
+                "server's max model length - 1)",
+            )
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(400, f"token id {bad} is outside the target's vocabulary (0..{vocab - 1})")
         if not body["slots"]:
-            raise RequestError(400, "'slots' must be a non-empty list of {\"layer\": int, \"side\": \"input\"|\"output\"}")
+            raise RequestError(400, '\'slots\' must be a non-empty list of {"layer": int, "side": "input"|"output"}')
         slots = []
         for i, obj in enumerate(body["slots"]):
             try:
@@ -397,7 +425,7 @@ def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
         timeout = REQUEST_TIMEOUT_S  # a client that announces a body and stalls must not hold a thread forever
         default_request_version = "HTTP/1.1"  # so a refusal of a garbled request line still carries a status line
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        def log_message(self, format: str, *args: Any) -> None:  # `format`: the stdlib signature
             log.debug("%s %s", self.address_string(), format % args)
 
         def _send(self, status: int, obj: dict) -> None:
@@ -423,15 +451,15 @@ def _handler_class(service: HiddenStateService) -> type[BaseHTTPRequestHandler]:
             except RequestError as exc:
                 self.close_connection = True
                 self._send(exc.status, {"error": str(exc)})
-            except Exception as exc:  # noqa: BLE001 - a bug must still answer, not leave the client an empty reply
+            except Exception as exc:  # a bug must still answer, not leave the client an empty reply
                 log.exception("request %s %s failed", self.command, self.path)
                 self.close_connection = True
                 self._send(500, {"error": f"the producer failed on this request: {type(exc).__name__}: {exc}"})
 
-        def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        def do_GET(self) -> None:  # the stdlib handler name
             self._route("/health", service.health)
 
-        def do_POST(self) -> None:  # noqa: N802 - stdlib name
+        def do_POST(self) -> None:  # the stdlib handler name
             self._route("/extract", self._extract)
 
         def _route(self, path: str, fn: Callable[[], dict]) -> None:

@@ -30,8 +30,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.client import ProducerClient, ProducerUnavailable
@@ -56,9 +57,20 @@ class StreamingSource(SampleSource):
     prepared: PreparedDataset
     slots: list[LayerSlot]
 
-    def __init__(self, *, prepared: PreparedDataset, client: ProducerClient, transport: Any, target_info: dict, slots: list[LayerSlot],
-                 dtype: str = "bfloat16", prefetch: int = 8, cache: Any = None, delivery_log: str | None = None,
-                 owner: str | None = None):
+    def __init__(
+        self,
+        *,
+        prepared: PreparedDataset,
+        client: ProducerClient,
+        transport: Any,
+        target_info: dict,
+        slots: list[LayerSlot],
+        dtype: str = "bfloat16",
+        prefetch: int = 8,
+        cache: Any = None,
+        delivery_log: str | None = None,
+        owner: str | None = None,
+    ):
         if prefetch < 1:
             raise SpecdraftError(f"prefetch must be >= 1, got {prefetch}")
         self.prepared = prepared
@@ -116,7 +128,7 @@ class StreamingSource(SampleSource):
         if self._delivery_log is not None:
             if self._log_file is None:
                 self._delivery_log.parent.mkdir(parents=True, exist_ok=True)
-                self._log_file = open(self._delivery_log, "a")
+                self._log_file = open(self._delivery_log, "a")  # noqa: SIM115 - appended to on every delivery, closed with the stream
             record = {"sample_id": item["sample_id"], "wait_s": round(waited, 6), "at": round(time.time(), 6)}
             self._log_file.write(json.dumps(record) + "\n")
             self._log_file.flush()
@@ -141,8 +153,13 @@ class StreamingSource(SampleSource):
 
     def stats(self) -> dict:
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
-        return {"delivered": len(self.delivered), "wait_s": self._wait_s, "elapsed_s": elapsed,
-                "fetch_fraction": self._wait_s / elapsed if elapsed > 0 else 0.0, **dict(self.counters)}
+        return {
+            "delivered": len(self.delivered),
+            "wait_s": self._wait_s,
+            "elapsed_s": elapsed,
+            "fetch_fraction": self._wait_s / elapsed if elapsed > 0 else 0.0,
+            **dict(self.counters),
+        }
 
     # -- one sample -------------------------------------------------------------------------------
 
@@ -182,8 +199,12 @@ class StreamingSource(SampleSource):
                 return self._item(sid, row, payload)
             except SpecdraftError as exc:
                 log.warning("%s; requesting it from a producer instead", exc)
-        body = {"token_ids": row["input_ids"].tolist(), "slots": [s.to_json() for s in self.slots], "dtype": self.dtype,
-                "target_fingerprint": self._target_info["fingerprint"]}
+        body = {
+            "token_ids": row["input_ids"].tolist(),
+            "slots": [s.to_json() for s in self.slots],
+            "dtype": self.dtype,
+            "target_fingerprint": self._target_info["fingerprint"],
+        }
         corrupt: str | None = None
         while True:
             key, url = self._request(body, sid)
@@ -200,8 +221,12 @@ class StreamingSource(SampleSource):
                 continue
             self._try_drop(key)
             break
-        payload = HiddenStatePayload(manifest={**payload.manifest, "sample_id": sid}, hidden_states=payload.hidden_states,
-                                     token_ids=payload.token_ids, last_hidden=payload.last_hidden)
+        payload = HiddenStatePayload(
+            manifest={**payload.manifest, "sample_id": sid},
+            hidden_states=payload.hidden_states,
+            token_ids=payload.token_ids,
+            last_hidden=payload.last_hidden,
+        )
         if self.cache is not None:
             self.cache.put(sid, payload)
         return self._item(sid, row, payload)
@@ -221,38 +246,60 @@ class StreamingSource(SampleSource):
                 log.warning("%s; sending sample %r to another producer", exc, sid)
 
     def _check(self, payload: Any, row: dict, *, where: str) -> None:
-        problems = payload.mismatches(fingerprint=self._target_info["fingerprint"], slots=self.slots, dtype=self.dtype,
-                                      token_ids=row["input_ids"])
+        problems = payload.mismatches(
+            fingerprint=self._target_info["fingerprint"], slots=self.slots, dtype=self.dtype, token_ids=row["input_ids"]
+        )
         if problems:
             raise SpecdraftError(f"{where} is not the requested sample: {'; '.join(problems)}")
 
     @staticmethod
     def _item(sid: str, row: dict, payload: Any) -> dict:
-        return {"sample_id": sid, "token_ids": payload.token_ids, "loss_mask": row["loss_mask"],
-                "hidden_states": payload.hidden_states, "last_hidden": payload.last_hidden}
+        return {
+            "sample_id": sid,
+            "token_ids": payload.token_ids,
+            "loss_mask": row["loss_mask"],
+            "hidden_states": payload.hidden_states,
+            "last_hidden": payload.last_hidden,
+        }
 
     # -- cache and cleanup ------------------------------------------------------------------------
 
     def _init_cache(self) -> None:
         """Make the local cache a valid store for later offline training (refuse one made for other settings)."""
         from specdraft.hidden_states.backends.base import (
-            STORE_FORMAT_NAME, STORE_FORMAT_VERSION, check_store_dataset, check_store_manifest, dataset_record,
+            STORE_FORMAT_NAME,
+            STORE_FORMAT_VERSION,
+            check_store_dataset,
+            check_store_manifest,
+            dataset_record,
         )
 
         slots_json = [s.to_json() for s in self.slots]
         existing = self.cache.read_manifest()
         if existing is not None:
             check_store_manifest(existing, location=self.cache.location, target_info=self._target_info, slots=slots_json, dtype=self.dtype)
-            check_store_dataset(existing, self.prepared, set(self.cache.keys()), location=self.cache.location,
-                                choices=f"Give hybrid training a new {setting('data')} cache directory, or delete this one")
+            check_store_dataset(
+                existing,
+                self.prepared,
+                set(self.cache.keys()),
+                location=self.cache.location,
+                choices=f"Give hybrid training a new {setting('data')} cache directory, or delete this one",
+            )
             existing["dataset"] = dataset_record(self.prepared)  # the same rows, perhaps with more appended
             self.cache.write_manifest(existing)
             return
-        self.cache.write_manifest({
-            "format": STORE_FORMAT_NAME, "format_version": STORE_FORMAT_VERSION, "target": self._target_info,
-            "slots": slots_json, "dtype": self.dtype, "count": 0, "complete": False,
-            "dataset": dataset_record(self.prepared),
-        })
+        self.cache.write_manifest(
+            {
+                "format": STORE_FORMAT_NAME,
+                "format_version": STORE_FORMAT_VERSION,
+                "target": self._target_info,
+                "slots": slots_json,
+                "dtype": self.dtype,
+                "count": 0,
+                "complete": False,
+                "dataset": dataset_record(self.prepared),
+            }
+        )
 
     def sweep(self) -> int:
         """Delete keys that an earlier run of this ``owner`` left in the transport; returns how many.
@@ -265,7 +312,7 @@ class StreamingSource(SampleSource):
             return 0
         mark, ours = f"#{self.owner}.", f"#{self.owner}.{self._nonce}-"
         try:
-            stale = [k for k in self.transport.keys() if mark in k and ours not in k]
+            stale = [k for k in self.transport.keys() if mark in k and ours not in k]  # noqa: SIM118 - a transport, not a dict
         except SpecdraftError as exc:
             log.warning("cannot look for samples an earlier run of this consumer left behind (%s)", exc)
             return 0
@@ -275,8 +322,9 @@ class StreamingSource(SampleSource):
             except SpecdraftError as exc:
                 log.warning("%s; it stays in %s", exc, self.transport.location)
         if stale:
-            log.warning("deleted %d sample(s) that an earlier run of this consumer (%s) left in %s", len(stale), self.owner,
-                        self.transport.location)
+            log.warning(
+                "deleted %d sample(s) that an earlier run of this consumer (%s) left in %s", len(stale), self.owner, self.transport.location
+            )
         return len(stale)
 
     def close(self) -> None:
@@ -301,8 +349,13 @@ class StreamingSource(SampleSource):
                     failed[key] = exc
             leftover = sorted(failed)
             if leftover and time.monotonic() >= deadline:
-                log.warning("%d key(s) could not be deleted from %s within %g s, e.g. %s", len(leftover), self.transport.location,
-                            self.cleanup_wait_s, failed[leftover[0]])
+                log.warning(
+                    "%d key(s) could not be deleted from %s within %g s, e.g. %s",
+                    len(leftover),
+                    self.transport.location,
+                    self.cleanup_wait_s,
+                    failed[leftover[0]],
+                )
                 break
             if leftover:
                 time.sleep(1.0)
@@ -315,7 +368,7 @@ class StreamingSource(SampleSource):
         if self._log_file is not None:
             self._log_file.close()
 
-    def __enter__(self) -> "StreamingSource":
+    def __enter__(self) -> StreamingSource:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -8,6 +8,7 @@ already queued, so an interrupted run keeps every complete sample for the resume
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Any
@@ -63,17 +64,15 @@ class AsyncWriter:
                 t.join()
         self._raise_if_failed()
 
-    def __enter__(self) -> "AsyncWriter":
+    def __enter__(self) -> AsyncWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.close()
             return
-        try:  # the producer failed: still flush complete samples, but its error wins
+        with contextlib.suppress(Exception):  # the producer failed: still flush complete samples, but its error wins
             self.close()
-        except Exception:
-            pass
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -23,9 +23,10 @@ terms and the higher layers read it:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -59,7 +60,7 @@ class DrafterBatch:
     aux_hidden: torch.Tensor
     last_hidden: torch.Tensor
 
-    def to(self, device: torch.device | str) -> "DrafterBatch":
+    def to(self, device: torch.device | str) -> DrafterBatch:
         return DrafterBatch(**{k: v.to(device) for k, v in vars(self).items()})
 
 
@@ -97,7 +98,7 @@ class DrafterModel(nn.Module, ABC):
 
     @classmethod
     @abstractmethod
-    def from_pretrained(cls, directory: str | Path, **kwargs: Any) -> "DrafterModel":
+    def from_pretrained(cls, directory: str | Path, **kwargs: Any) -> DrafterModel:
         """Load a checkpoint written by us or by the ``speculators`` package."""
 
 

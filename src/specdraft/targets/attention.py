@@ -44,7 +44,7 @@ class WindowTrim:
         """How many more leading columns no future query reaches: queries come at positions >= ``next_positions`` [R]
         and attend keys at positions > query - ``window``, so a column is done in a row when it is a hole or padding,
         or its position is <= next - window; the run of columns done in every row is dropped. Returns that count."""
-        held = valid[:, self.start:]
+        held = valid[:, self.start :]
         positions = held.long().cumsum(1) - 1 + self.offset[:, None]
         done = ~held | (positions <= (next_positions - window)[:, None])
         columns = int(done.all(0).long().cumprod(0).sum())  # leading run only: later columns may still be needed
@@ -66,11 +66,11 @@ class AttentionLayout:
     boolean: bool = False  # the model's attention takes boolean masks (HF sdpa), else additive float masks
 
     @classmethod
-    def from_config(cls, text_config: Any) -> "AttentionLayout":
+    def from_config(cls, text_config: Any) -> AttentionLayout:
         """Read ``layer_types`` + ``sliding_window`` (Gemma 3, Qwen3, ...) or, without ``layer_types``, one
         window for every layer when ``sliding_window`` is set (Mistral, Qwen3-MoE), else full attention."""
         layers = int(text_config.num_hidden_layers)
-        window = getattr(text_config, "sliding_window", None)
+        window: Any = getattr(text_config, "sliding_window", None)  # an int > 0 wherever a layer slides (checked below)
         types = getattr(text_config, "layer_types", None)
         if types is None:
             types = [SLIDING if window is not None else FULL] * layers
@@ -94,8 +94,9 @@ class AttentionLayout:
     def window(self, layer: int) -> int | None:
         return self.windows[self.layer_types[layer]]
 
-    def masks(self, valid: torch.Tensor, query_positions: torch.Tensor, dtype: torch.dtype,
-              trimmed: "WindowTrim | None" = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    def masks(
+        self, valid: torch.Tensor, query_positions: torch.Tensor, dtype: torch.dtype, trimmed: WindowTrim | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """4-D masks [R, 1, Q, C] for queries at ``query_positions`` [R, Q] over cache columns ``valid`` [R, C] (the
         queries' own columns last): boolean (``self.boolean``) or additive in ``dtype``. One tensor when every layer
         has the same type (models such as Llama/Mistral take only that), else HF's per-layer-type dict (Gemma 3, Qwen3).
@@ -108,13 +109,13 @@ class AttentionLayout:
         out = {}
         for kind, window in self.windows.items():
             if kind == LINEAR:
-                out[kind] = valid[:, -query_positions.shape[1]:]
+                out[kind] = valid[:, -query_positions.shape[1] :]
                 continue
             start = trimmed.start if trimmed is not None and kind == SLIDING else 0
             if start not in seen:
                 held = valid[:, start:]
                 keys = (held.long().cumsum(1) - 1)[:, None, :]  # [R, 1, C] position of each valid column
-                if start:
+                if start and trimmed is not None:  # start > 0 only for a trimmed sliding layer
                     keys = keys + trimmed.offset[:, None, None]  # valid columns before the ones held
                 seen[start] = keys, held[:, None, :] & (keys <= queries)  # [R, Q, C], without a [R, Q, C] integer tensor
             keys, allowed = seen[start]

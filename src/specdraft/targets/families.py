@@ -55,7 +55,7 @@ class Family:
         import torch
 
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-        parts = {
+        parts: dict[str, Any] = {
             "get_decoder().layers": getattr(decoder, "layers", None),
             "get_decoder().norm": getattr(decoder, "norm", None),
             "get_input_embeddings()": model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
@@ -129,18 +129,28 @@ for _family in (
     Family("gemma4_text"),
     # GLM-5 sparse attention: its indexer masks its scores with the runtime's mask, so holes are never among the top-k
     # columns it picks; the indexer's keys are cached and cropped beside the K/V (decode/kv_cache.py)
-    Family("glm_moe_dsa", vllm_cpu_refusal="vLLM 0.32's sparse-attention (DSA) layers have no CPU implementation (\"Sparse Attention is not supported on CPU\")"),
+    Family(
+        "glm_moe_dsa",
+        vllm_cpu_refusal="vLLM 0.32's sparse-attention (DSA) layers have no CPU implementation "
+        '("Sparse Attention is not supported on CPU")',
+    ),
     # linear-attention hybrids: the recurrent state rolls back per row (decode/kv_cache.py), attention layers keep holes
-    Family("qwen3_next", vllm_cpu_draft_refusal=(
-        "vLLM 0.32 copies a hybrid's recurrent states between draft positions with a Triton kernel "
-        "(mamba_utils.precopy_mamba_align_fused_kernel), which the CPU build lacks"
-    )),
+    Family(
+        "qwen3_next",
+        vllm_cpu_draft_refusal=(
+            "vLLM 0.32 copies a hybrid's recurrent states between draft positions with a Triton kernel "
+            "(mamba_utils.precopy_mamba_align_fused_kernel), which the CPU build lacks"
+        ),
+    ),
     Family("qwen3_5_text", vllm_cpu_refusal=_QWEN3_5_VLLM_CPU),
     Family("qwen3_5_moe_text", vllm_cpu_refusal=_QWEN3_5_VLLM_CPU),
-    Family("kimi_linear", vllm_cpu_refusal=(
-        "vLLM 0.32 has KimiLinearForCausalLM only in its GPU packages (vllm.models.kimi_k3.nvidia / .amd), and on CPU its "
-        "engine config is rejected (\"--mamba-block-size can only be set with --enable-prefix-caching\", with prefix caching too)"
-    )),
+    Family(
+        "kimi_linear",
+        vllm_cpu_refusal=(
+            "vLLM 0.32 has KimiLinearForCausalLM only in its GPU packages (vllm.models.kimi_k3.nvidia / .amd), and on CPU its "
+            'engine config is rejected ("--mamba-block-size can only be set with --enable-prefix-caching", with prefix caching too)'
+        ),
+    ),
 ):
     FAMILIES.register(_family.name)(_family)
 
@@ -153,7 +163,7 @@ def text_config(model_or_config: Any) -> Any:
 def family_of(model_or_config: Any) -> Family:
     """The registered family of a model or config (its decoder config's ``model_type``)."""
     model_type = getattr(text_config(model_or_config), "model_type", None)
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise SpecdraftError(
             f"target {type(model_or_config).__name__} (model_type {model_type!r}) is not a supported family "
             f"(supported: {', '.join(FAMILIES.names())}); "

@@ -69,11 +69,17 @@ def file_digest(path: str | os.PathLike) -> str:
     stat = path.stat()
     if stat.st_size < _CACHE_MIN_BYTES:
         return sha256_file(path)
-    key = {"path": str(path.resolve()), "size": stat.st_size, "inode": stat.st_ino, "mtime_ns": stat.st_mtime_ns,
-           "ctime_ns": stat.st_ctime_ns}
+    key = {
+        "path": str(path.resolve()),
+        "size": stat.st_size,
+        "inode": stat.st_ino,
+        "mtime_ns": stat.st_mtime_ns,
+        "ctime_ns": stat.st_ctime_ns,
+    }
     sidecar = cache_root() / "fingerprints" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32] + ".json")
-    digest, _ = cached(sidecar, lambda: {"sha256": sha256_file(path)}, format=DIGEST_FORMAT, key=key, what=f"digest of {path}",
-                       parse=_sha256_hex)
+    digest, _ = cached(
+        sidecar, lambda: {"sha256": sha256_file(path)}, format=DIGEST_FORMAT, key=key, what=f"digest of {path}", parse=_sha256_hex
+    )
     return digest
 
 

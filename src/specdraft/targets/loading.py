@@ -7,8 +7,8 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError
 from specdraft.targets.base import Target
-from specdraft.targets.families import family_of
 from specdraft.targets.embedded import DEFAULT_TARGET, EMBEDDED_TARGETS, ensure_embedded
+from specdraft.targets.families import family_of
 from specdraft.targets.identity import fingerprint, tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -31,13 +31,15 @@ def resolve_target_dir(name_or_path: str = DEFAULT_TARGET) -> Path:
             f"pass an embedded name or the path of a Hugging Face model directory (config.json + *.safetensors + tokenizer)"
         )
     if not (path / "config.json").is_file():
-        raise SpecdraftError(f"target directory {path} has no config.json; it must be a Hugging Face causal-LM directory (embedded targets: {embedded})")
+        raise SpecdraftError(
+            f"target directory {path} has no config.json; it must be a Hugging Face causal-LM directory (embedded targets: {embedded})"
+        )
     if not any((path / name).is_file() for name in SAFETENSORS_WEIGHTS):
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         found = f"; it holds pickle weights ({', '.join(pickles)})" if pickles else ""
         raise SpecdraftError(
             f"target directory {path} has no {' or '.join(SAFETENSORS_WEIGHTS)}{found}. specdraft never loads pickled weights; "
-            "convert them once: python -c \"from transformers import AutoModelForCausalLM as M; "
+            'convert them once: python -c "from transformers import AutoModelForCausalLM as M; '
             f"M.from_pretrained('{path}').save_pretrained('{path}-safetensors')\" (in a trusted environment), then pass that directory"
         )
     return path
@@ -52,7 +54,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: str = "float32", d
 
     if dtype not in DTYPES:
         raise SpecdraftError(f"dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
-    device = parse_device(device)  # before minutes of loading, not after
+    target_device = parse_device(device)  # before minutes of loading, not after
     path = resolve_target_dir(name_or_path)
     try:
         family_of(AutoConfig.from_pretrained(path))  # an unsupported family fails here, before any work
@@ -70,7 +72,8 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: str = "float32", d
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
     except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a truncated or damaged weights file
         raise SpecdraftError(f"cannot load target model {path}: {exc}") from None
-    model.to(device).eval()
+    # transformers wraps PreTrainedModel.to with functools.wraps(nn.Module.to), whose type takes the model as the first argument
+    model.to(target_device).eval()  # type: ignore[arg-type]
     model.requires_grad_(False)
     return Target(
         name=name_or_path,

@@ -25,8 +25,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -71,9 +72,17 @@ def open_sample_source(cfg: TrainConfig, *, rank: int | None = None, world: int 
         env = Dist.from_env()
         rank, world = env.rank, env.world
     options = SourceOptions(
-        data=cfg.data, dataset=cfg.dataset, producers=list(cfg.producers), store=cfg.store,
-        slots=functools.partial(METHODS.get(cfg.method).run_slots, cfg.model or {}), dtype=cfg.stream_dtype, prefetch=cfg.prefetch, token=cfg.producer_token, timeout_s=cfg.request_timeout,
-        delivery_log=str(Path(cfg.out) / delivery_log_name(rank, world)) if cfg.out else None, verify=cfg.verify,
+        data=cfg.data,
+        dataset=cfg.dataset,
+        producers=list(cfg.producers),
+        store=cfg.store,
+        slots=functools.partial(METHODS.get(cfg.required("method")).run_slots, cfg.model or {}),
+        dtype=cfg.stream_dtype,
+        prefetch=cfg.prefetch,
+        token=cfg.producer_token,
+        timeout_s=cfg.request_timeout,
+        delivery_log=str(Path(cfg.out) / delivery_log_name(rank, world)) if cfg.out else None,
+        verify=cfg.verify,
         owner=f"{hashlib.sha256(str(Path(cfg.out).resolve()).encode()).hexdigest()[:8]}r{rank}" if cfg.out else None,
     )
     return DATA_MODES.get(cfg.data_mode)(options)
@@ -88,7 +97,7 @@ def delivery_log_name(rank: int, world_size: int) -> str:
     return DELIVERY_LOG if world_size == 1 else f"delivered-rank{rank}.jsonl"
 
 
-def training_order(plan: "DataPlan", start_step: int, total_steps: int) -> Iterator[int]:
+def training_order(plan: DataPlan, start_step: int, total_steps: int) -> Iterator[int]:
     """Sample indices in the order training steps ``start_step..total_steps-1`` read them (for prefetching)."""
     for step in range(start_step, total_steps):
         for row in plan.train_rows(step):
@@ -155,8 +164,19 @@ class DataPlan:
     _counts: dict[int, int] = field(default_factory=dict, repr=False)  # batches per epoch, all seen epochs
 
     @classmethod
-    def build(cls, sample_ids: Sequence[str], lengths: Sequence[int], *, split: Split, pack_tokens: int,
-              batch_rows: int, seed: int, world_size: int = 1, rank: int = 0, max_sample_tokens: int = 0) -> "DataPlan":
+    def build(
+        cls,
+        sample_ids: Sequence[str],
+        lengths: Sequence[int],
+        *,
+        split: Split,
+        pack_tokens: int,
+        batch_rows: int,
+        seed: int,
+        world_size: int = 1,
+        rank: int = 0,
+        max_sample_tokens: int = 0,
+    ) -> DataPlan:
         """``split``: the validation split (``train.split``) of exactly these samples."""
         if len(sample_ids) != len(lengths):
             raise ValueError("sample_ids and lengths differ in length")
@@ -165,8 +185,18 @@ class DataPlan:
         train, val = list(split.train), list(split.val)
         if sorted(train + val) != list(range(len(sample_ids))):
             raise ValueError("the split does not cover these samples exactly once")
-        plan = cls(list(map(str, sample_ids)), [int(n) for n in lengths], train, val, pack_tokens, batch_rows, seed, world_size, rank,
-                   max_sample_tokens)
+        plan = cls(
+            list(map(str, sample_ids)),
+            [int(n) for n in lengths],
+            train,
+            val,
+            pack_tokens,
+            batch_rows,
+            seed,
+            world_size,
+            rank,
+            max_sample_tokens,
+        )
         if plan.steps_in_epoch(0) == 0:
             raise SpecdraftError(
                 f"the training split ({len(train)} samples, {sum(plan.lengths[i] for i in train)} tokens) does not fill one step "
@@ -175,11 +205,17 @@ class DataPlan:
             )
         truncated = sum(1 for n in plan.lengths if n > plan.sample_tokens)
         if truncated:
-            log.warning("%d sample(s) are longer than %d tokens and will be truncated (their replies, at the end, lost): raise "
-                        "--max-sample-tokens to train on them whole", truncated, plan.sample_tokens)
+            log.warning(
+                "%d sample(s) are longer than %d tokens and will be truncated (their replies, at the end, lost): raise "
+                "--max-sample-tokens to train on them whole",
+                truncated,
+                plan.sample_tokens,
+            )
         own_rows = sum(1 for n in plan.lengths if n > pack_tokens) if max_sample_tokens > pack_tokens else 0
         if own_rows:
-            log.info("%d sample(s) longer than pack_tokens=%d get rows of their own (up to %d tokens)", own_rows, pack_tokens, plan.sample_tokens)
+            log.info(
+                "%d sample(s) longer than pack_tokens=%d get rows of their own (up to %d tokens)", own_rows, pack_tokens, plan.sample_tokens
+            )
         return plan
 
     @property
@@ -261,15 +297,23 @@ def padded_width(tokens: int) -> int:
     return -(-int(tokens) // step) * step
 
 
-def collate(rows: Sequence[Sequence[dict[str, Any]]], *, sample_tokens: int, round_width: bool = False,
-            slot_index: Sequence[int] | None = None, where: str = "the hidden-state store") -> DrafterBatch:
+def collate(
+    rows: Sequence[Sequence[dict[str, Any]]],
+    *,
+    sample_tokens: int,
+    round_width: bool = False,
+    slot_index: Sequence[int] | None = None,
+    where: str = "the hidden-state store",
+    agree: Callable[[bool], bool] | None = None,
+) -> DrafterBatch:
     """Pack per-sample dicts into one padded ``DrafterBatch`` (see the module docstring for the layout), each
     sample truncated to ``sample_tokens`` (the plan's ``sample_tokens``). ``round_width`` pads the batch to
     ``padded_width``: for runs with long samples (``TrainConfig.round_row_widths``), whose row lengths range widely;
     other runs keep exact widths, so they train (and resume, ``scripts/resume_across.py``) bit for bit as before.
 
     Hidden states are cast to float32 (autocast lowers them again where it pays off). NaN or inf among them is
-    refused, naming ``where`` (the store), the sample and the tensor (``check_finite_hidden``).
+    refused, naming ``where`` (the store), the sample and the tensor (``check_finite_hidden``); ``agree``: with
+    several processes, ``Dist.any``, so that every one refuses when any batch holds them.
     """
     first = rows[0][0]
     S = len(slot_index) if slot_index is not None else first["hidden_states"].shape[1]
@@ -295,17 +339,26 @@ def collate(rows: Sequence[Sequence[dict[str, Any]]], *, sample_tokens: int, rou
             aux_hidden[b, span] = (hs[:, list(slot_index)] if slot_index is not None else hs).float()
             last_hidden[b, span] = item["last_hidden"][:n].float()
             start += n
-    check_finite_hidden(rows, {"hidden_states": aux_hidden, "last_hidden": last_hidden}, segment_ids, where=where)
+    check_finite_hidden(rows, {"hidden_states": aux_hidden, "last_hidden": last_hidden}, segment_ids, where=where, agree=agree)
     return DrafterBatch(token_ids, loss_mask, segment_ids, position_ids, aux_hidden, last_hidden)
 
 
-def check_finite_hidden(rows: Sequence[Sequence[dict[str, Any]]], tensors: dict[str, torch.Tensor], segment_ids: torch.Tensor, *,
-                        where: str) -> None:
+def check_finite_hidden(
+    rows: Sequence[Sequence[dict[str, Any]]],
+    tensors: dict[str, torch.Tensor],
+    segment_ids: torch.Tensor,
+    *,
+    where: str,
+    agree: Callable[[bool], bool] | None = None,
+) -> None:
     """Refuse a batch whose hidden states hold NaN or inf, naming the store, the sample, the tensor and the token.
     A store's checksums prove only that it holds what was written: a target that overflowed while extracting
     writes non-finite states that verify, and they would train a NaN loss or, in validation, report a tau that
     means nothing. One pass over the collated batch, a fraction of a step's cost; the culprit is looked up only
-    when there is one."""
+    when there is one. ``agree`` (``Dist.any``, called by every process for every batch) makes every process refuse
+    when any one's batch holds them: a process that refused alone would leave the others waiting in the step's
+    collectives for ever."""
+    problem = None
     for name, tensor in tensors.items():
         finite = torch.isfinite(tensor).flatten(2).all(-1)  # [B, T]
         if bool(finite.all()):
@@ -314,7 +367,12 @@ def check_finite_hidden(rows: Sequence[Sequence[dict[str, Any]]], tensors: dict[
         segment = int(segment_ids[b, t])
         token = t - int((segment_ids[b] == segment).nonzero()[0])
         sample = rows[b][segment].get("sample_id", f"row {b}, segment {segment}")
+        problem = f"sample {sample!r} holds non-finite values (NaN or inf) in its {name} at token {token}"
+        break
+    if agree is not None and agree(problem is not None) and problem is None:
+        problem = "another process's batch holds non-finite values (NaN or inf; its error names the sample)"
+    if problem is not None:
         raise SpecdraftError(
-            f"{where}: sample {sample!r} holds non-finite values (NaN or inf) in its {name} at token {token}; the store "
-            "verifies, so they were written so: extract the store again (`specdraft extract` into a new --out) or leave that sample out"
+            f"{where}: {problem}; the store verifies, so they were written so: extract the store again "
+            "(`specdraft extract` into a new --out) or leave that sample out"
         )

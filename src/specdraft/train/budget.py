@@ -2,13 +2,13 @@
 
 The LR schedule (warm-up + cosine) is planned in steps, so a run meant to take T seconds must be
 given T / (seconds per step) steps: stopping a longer schedule at T would end at a high learning
-rate. ``probe_steps`` times a few real steps of the exact configuration to get that figure.
+rate. ``probe_steps`` times a few real steps of the exact configuration here; tuning reads the step
+time off the probe's log and plans the steps (``tuning/budget_probes.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import shutil
 import tempfile
@@ -18,22 +18,9 @@ from typing import Any
 
 from specdraft.errors import SpecdraftError, setting
 from specdraft.targets.base import Target
+from specdraft.tuning.budget_probes import median_record, seconds_per_step, steps_in_budget
 
 log = logging.getLogger(__name__)
-
-
-def seconds_per_step(metrics_path: Path) -> float:
-    """Median wall seconds of the training steps logged in a metrics.jsonl (the first step, which
-    pays one-off costs, is left out when there are others)."""
-    seconds = []
-    for line in Path(metrics_path).read_text().splitlines():
-        record = json.loads(line)
-        if record.get("split", "train") == "train" and "seconds" in record:
-            seconds.append(record["seconds"] / max(record.get("steps", 1), 1))
-    if not seconds:
-        raise SpecdraftError(f"no training steps were logged to {metrics_path}; cannot time the run")
-    seconds = sorted(seconds[1:] or seconds)
-    return seconds[len(seconds) // 2]
 
 
 def epoch_steps(cfg: Any) -> int:
@@ -44,20 +31,27 @@ def epoch_steps(cfg: Any) -> int:
 
     dataset = open_sample_source(cfg)
     split = dataset_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed)
-    plan = DataPlan.build(list(dataset.sample_ids), dataset.lengths(), split=split,
-                          pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=cfg.seed, max_sample_tokens=cfg.max_sample_tokens)
+    plan = DataPlan.build(
+        list(dataset.sample_ids),
+        dataset.lengths(),
+        split=split,
+        pack_tokens=cfg.pack_tokens,
+        batch_rows=cfg.batch_rows,
+        seed=cfg.seed,
+        max_sample_tokens=cfg.max_sample_tokens,
+    )
     return plan.total_steps(cfg.epochs)
 
 
-def median_record(metrics_path: Path, key: str) -> float | None:
-    """Median of ``key`` over the training records of a metrics.jsonl (None when none has it)."""
-    values = sorted(r[key] for r in map(json.loads, Path(metrics_path).read_text().splitlines())
-                    if r.get("split", "train") == "train" and isinstance(r.get(key), (int, float)))
-    return values[len(values) // 2] if values else None
-
-
-def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Target | None = None, probe_steps: int = 4, headroom: float = 0.9,
-                     cap_at_epochs: bool = False) -> dict:
+def steps_for_budget(
+    cfg: Any,
+    budget_seconds: float,
+    *,
+    target: Target | None = None,
+    probe_steps: int = 4,
+    headroom: float = 0.9,
+    cap_at_epochs: bool = False,
+) -> dict:
     """Steps that fill ``budget_seconds`` of training with ``cfg`` (a TrainConfig), timed by a short
     probe run in a scratch directory (evaluation and checkpoints off, nothing kept).
 
@@ -72,26 +66,41 @@ def steps_for_budget(cfg: Any, budget_seconds: float, *, target: Target | None =
     from specdraft.train.trainer import train
 
     if budget_seconds <= 0:
-        raise SpecdraftError(f"no time left for training ({budget_seconds:.0f} s of the budget after the stages before it); "
-                             f"raise {setting('budget')} (a rerun keeps the finished stages)")
+        raise SpecdraftError(
+            f"no time left for training ({budget_seconds:.0f} s of the budget after the stages before it); "
+            f"raise {setting('budget')} (a rerun keeps the finished stages)"
+        )
     scratch = Path(tempfile.mkdtemp(prefix="specdraft-probe-"))
     started = time.monotonic()
     try:
-        probe = dataclasses.replace(cfg, out=str(scratch / "run"), max_steps=probe_steps, max_time=0, eval_interval=0,
-                                    checkpoint_interval=0, log_interval=1)
+        probe = dataclasses.replace(
+            cfg, out=str(scratch / "run"), max_steps=probe_steps, max_time=0, eval_interval=0, checkpoint_interval=0, log_interval=1
+        )
         result = train(probe, target=target)
         per_step = seconds_per_step(scratch / "run" / "metrics.jsonl")
         anchors_per_s = median_record(scratch / "run" / "metrics.jsonl", "anchors_per_s")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     train_seconds = budget_seconds - (time.monotonic() - started)
-    steps = int(headroom * train_seconds / per_step)
+    steps = steps_in_budget(train_seconds, per_step, headroom=headroom)
     if steps < 1:
-        log.warning("a training step takes %.1f s in %s but only %.0f s are left for training: planning 1 step; raise the budget "
-                    "or lower --pack-tokens", per_step, result.compute_dtype, max(train_seconds, 0.0))
-    facts = {"seconds_per_step": per_step, "train_seconds": train_seconds, "steps": max(steps, 1), "budget_short": steps < 1,
-             "dtype": result.compute_dtype,
-             "dtype_probe": result.dtype_probe, "anchors_per_s": anchors_per_s, "steps_per_epoch": epoch_steps(dataclasses.replace(cfg, epochs=1))}
+        log.warning(
+            "a training step takes %.1f s in %s but only %.0f s are left for training: planning 1 step; raise the budget "
+            "or lower --pack-tokens",
+            per_step,
+            result.compute_dtype,
+            max(train_seconds, 0.0),
+        )
+    facts = {
+        "seconds_per_step": per_step,
+        "train_seconds": train_seconds,
+        "steps": max(steps, 1),
+        "budget_short": steps < 1,
+        "dtype": result.compute_dtype,
+        "dtype_probe": result.dtype_probe,
+        "anchors_per_s": anchors_per_s,
+        "steps_per_epoch": epoch_steps(dataclasses.replace(cfg, epochs=1)),
+    }
     if cap_at_epochs:
         facts["epoch_steps"] = epoch_steps(cfg)
         facts["steps"] = min(facts["steps"], facts["epoch_steps"])

@@ -18,6 +18,7 @@ from pathlib import Path
 from specdraft.errors import SpecdraftError, setting
 from specdraft.targets.base import Target
 from specdraft.utils.config import config_field, require_finite
+from specdraft.utils.io import DirKind
 from specdraft.utils.lock import claims_output
 
 ACCEPT_MODES = {"greedy": "greedy_accept", "sampling": "soft_accept"}
@@ -27,13 +28,18 @@ ACCEPT_MODES = {"greedy": "greedy_accept", "sampling": "soft_accept"}
 class CalibrateConfig:
     drafter: str = config_field(help="DSpark checkpoint directory to calibrate (rewritten in place unless --out is given)")
     data: str = config_field(help="hidden-state store written by `specdraft extract` (its validation split is used)")
-    out: str = config_field("", help="write the calibrated checkpoint here instead of overwriting --drafter (an existing one must hold a drafter checkpoint)")
+    out: str = config_field(
+        "", help="write the calibrated checkpoint here instead of overwriting --drafter (an existing one must hold a drafter checkpoint)"
+    )
     target: str = config_field("", help="target model (default: the one recorded in the hidden-state store)")
     mode: str = config_field(
-        "greedy", help="acceptance to calibrate for: greedy (argmax match) or sampling (1 - 0.5*L1 at T=1)",
+        "greedy",
+        help="acceptance to calibrate for: greedy (argmax match) or sampling (1 - 0.5*L1 at T=1)",
         metadata={"choices": sorted(ACCEPT_MODES)},
     )
-    val_fraction: float = config_field(0.05, help="share of conversations held out, as `specdraft train --val-fraction` (when no split.json is found)")
+    val_fraction: float = config_field(
+        0.05, help="share of conversations held out, as `specdraft train --val-fraction` (when no split.json is found)"
+    )
     split_seed: int = config_field(0, help="seed of the validation split, as `specdraft train --split-seed` (when no split.json is found)")
     split: str = config_field("", help="a training run's split.json (default: the one beside --drafter when it is a run's final/)")
     max_samples: int = config_field(256, help="use at most this many held-out samples")
@@ -50,15 +56,20 @@ class CalibrateConfig:
             raise SpecdraftError(f"{setting('max_samples', of='calibrate')} must be >= 1 and {setting('pack_tokens', of='calibrate')} >= 2")
 
 
-def _drafter_dir():
+def _drafter_dir() -> DirKind:
     from specdraft.models.common.checkpoint import DRAFTER_DIR  # beside torch: imported only when calibrating
 
     return DRAFTER_DIR
 
 
 # --out defaults to --drafter itself: the documented in-place rewrite (the new checkpoint replaces the old whole, once complete)
-@claims_output(_drafter_dir, out=lambda config: config.out or config.drafter, inputs=lambda config: [config.drafter, config.data],
-               in_place_ok=True, what=lambda config: setting("out") if config.out else setting("drafter"))
+@claims_output(
+    _drafter_dir,
+    out=lambda config: config.out or config.drafter,
+    inputs=lambda config: [config.drafter, config.data],
+    in_place_ok=True,
+    what=lambda config: setting("out") if config.out else setting("drafter"),
+)
 def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress: bool = True) -> dict:
     """Fit and store the temperatures; returns the statistics written to ``calibration.json``."""
     import dataclasses
@@ -69,6 +80,7 @@ def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.models.common.checkpoint import CALIBRATION_FILE, DRAFTER_DIR, MODEL_CARD_FILE
     from specdraft.models.common.drafter import load_drafter
+    from specdraft.models.dspark.model import DSparkDrafter
     from specdraft.models.dspark.temperature_scaling import sequential_temperature_scaling
     from specdraft.targets import load_target
     from specdraft.train.batches import collate, pack_rows, select_slots
@@ -81,7 +93,7 @@ def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress
     if target is None:
         target = load_target(config.target or dataset.target_info["name"])
     drafter = load_drafter(config.drafter, target=target).eval()
-    if not hasattr(drafter, "confidence_records"):
+    if not isinstance(drafter, DSparkDrafter):  # the one family with a confidence head
         raise SpecdraftError(f"{config.drafter}: a {drafter.method} drafter has no confidence head; only dspark drafters are calibrated")
     slot_index = select_slots(dataset.slots, drafter.config.slots(), where=config.data)
     recorded = Path(config.split) if config.split else Path(config.drafter).resolve().parent / SPLIT_FILE

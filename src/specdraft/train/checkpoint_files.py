@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from specdraft.errors import SpecdraftError, os_error_message
+from specdraft.models.base import DrafterModel
 from specdraft.models.common.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from specdraft.utils.io import DirKind, atomic_dir, atomic_write_json, json_field_is, save_safetensors, sha256_bytes, sha256_file
 
@@ -51,7 +52,9 @@ RESOLVED_CONFIG = "config.resolved.yaml"
 METRICS = "metrics.jsonl"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 CHECKPOINT_DIR = DirKind(
-    "training checkpoint", STATE_JSON, json_field_is("format", STATE_FORMAT),
+    "training checkpoint",
+    STATE_JSON,
+    json_field_is("format", STATE_FORMAT),
     frozenset({CONFIG_FILE, WEIGHTS_FILE, STATE_JSON, STATE_TENSORS}),
 )
 
@@ -73,8 +76,14 @@ def list_checkpoints(out: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(out: str | os.PathLike) -> Path | None:
-    found = list_checkpoints(out)
-    return found[-1][1] if found else None
+    """The newest ``OUT/checkpoints/step-N``, complete or not: the one a resume starts from. An incomplete one (no
+    write of ours leaves one: each is renamed into place whole) is not skipped for an older one, since the resumed
+    run would reach step N again and could not replace it; ``read_state`` refuses it, naming it."""
+    root = Path(out) / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    steps = sorted((int(m.group(1)), child) for child in root.iterdir() if (m := _STEP_DIR.match(child.name)))
+    return steps[-1][1] if steps else None
 
 
 _DELETE_HINT = "delete that checkpoint directory to resume from an older one"
@@ -88,6 +97,8 @@ def read_state(directory: str | os.PathLike) -> dict:
     """``trainer_state.json``, its own checksum and those of the checkpoint's other files verified."""
     directory = Path(directory)
     path = directory / STATE_JSON
+    if not path.exists():
+        raise SpecdraftError(f"{directory} is not a complete checkpoint: its {STATE_JSON}, written last, is missing; {_DELETE_HINT}")
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as exc:  # ValueError: bad JSON or bytes that are not UTF-8
@@ -127,12 +138,18 @@ def check_identity(saved: dict, current: dict, *, where: Path) -> None:
     keys, lines = [], []
     for key in (k for k in IDENTITY_KEYS if k in saved):
         was, now = _jsonable(saved[key]), _jsonable(current.get(key))
-        pairs = ([(f"{key}.{k}", was[k], now[k]) for k in sorted(was.keys() & now.keys()) if was[k] != now[k]]
-                 if isinstance(was, dict) and isinstance(now, dict) else [(key, was, now)] if was != now else [])
+        pairs = (
+            [(f"{key}.{k}", was[k], now[k]) for k in sorted(was.keys() & now.keys()) if was[k] != now[k]]
+            if isinstance(was, dict) and isinstance(now, dict)
+            else [(key, was, now)]
+            if was != now
+            else []
+        )
         if pairs:
             keys.append(key)
-            lines += [f"{name}: checkpoint has {json.dumps(a, sort_keys=True)}, now {json.dumps(b, sort_keys=True)}"
-                      for name, a, b in pairs]
+            lines += [
+                f"{name}: checkpoint has {json.dumps(a, sort_keys=True)}, now {json.dumps(b, sort_keys=True)}" for name, a, b in pairs
+            ]
     if keys:
         raise SpecdraftError(
             f"cannot resume from {where}: the run's {', '.join(keys)} changed ({'; '.join(lines)}). "
@@ -147,7 +164,7 @@ def _jsonable(obj: Any) -> Any:
 def save_checkpoint(
     directory: Path,
     *,
-    drafter: torch.nn.Module,
+    drafter: DrafterModel,
     model_state: dict[str, torch.Tensor],
     optim_state: dict,
     scheduler_state: dict,
@@ -165,15 +182,17 @@ def save_checkpoint(
     with atomic_dir(directory, CHECKPOINT_DIR) as tmp:
         drafter.save_pretrained(tmp)
         save_safetensors(tensors, tmp / STATE_TENSORS)
-        state = _jsonable({
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            **meta,
-            "optimizer": {"param_groups": groups},
-            "scheduler": scheduler_state,
-            "rng": {"scheme": "every random draw of step N on rank r is seeded from (seed, r, N)", "seed": meta["config"]["seed"]},
-            "checksums": {name: sha256_file(tmp / name) for name in (STATE_TENSORS, CONFIG_FILE, WEIGHTS_FILE)},
-        })
+        state = _jsonable(
+            {
+                "format": STATE_FORMAT,
+                "version": STATE_VERSION,
+                **meta,
+                "optimizer": {"param_groups": groups},
+                "scheduler": scheduler_state,
+                "rng": {"scheme": "every random draw of step N on rank r is seeded from (seed, r, N)", "seed": meta["config"]["seed"]},
+                "checksums": {name: sha256_file(tmp / name) for name in (STATE_TENSORS, CONFIG_FILE, WEIGHTS_FILE)},
+            }
+        )
         atomic_write_json(tmp / STATE_JSON, {**state, "content_sha256": _content_sha256(state)})
 
 
@@ -186,11 +205,11 @@ def load_tensors(directory: Path, state: dict) -> tuple[dict[str, torch.Tensor],
         tensors = load_file(str(directory / STATE_TENSORS))
     except Exception as exc:  # safetensors raises its own error types
         raise SpecdraftError(f"cannot read {directory / STATE_TENSORS}: {exc}; {_DELETE_HINT}") from None
-    model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    model = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
     optim_state: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in tensors.items():
         if k.startswith("optim."):
-            name, _, key = k[len("optim."):].rpartition(".")
+            name, _, key = k[len("optim.") :].rpartition(".")
             optim_state.setdefault(name, {})[key] = v
     groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in state["optimizer"]["param_groups"]]
     return model, {"state": optim_state, "param_groups": groups}

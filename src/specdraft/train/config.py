@@ -18,6 +18,7 @@ from typing import Any
 from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES, VERIFY_LEVELS
 from specdraft.hidden_states.data_modes import DATA_MODES
+from specdraft.tracking import check_report_to
 from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
 from specdraft.train.warm_start import FC_INITS, MARKOV_INITS
 from specdraft.tuning.paths import path_choices
@@ -43,43 +44,56 @@ class TrainConfig:
         metadata={"choices": DATA_MODES.names()},
     )
     verify: str = config_field(
-        "quick", help="offline: how the --data store is checked before the first step: quick (every sample present and "
+        "quick",
+        help="offline: how the --data store is checked before the first step: quick (every sample present and "
         "whole, by size) or full (also every sample read and checked against its recorded sha256)",
         metadata={"choices": list(VERIFY_LEVELS)},
     )
     dataset: str | None = config_field(
-        None, help="the prepared dataset: online/hybrid, whose samples are requested; offline, default the one the store recorded "
-        "(pass it when the run was moved)"
+        None,
+        help="the prepared dataset: online/hybrid, whose samples are requested; offline, default the one the store recorded "
+        "(pass it when the run was moved)",
     )
     producers: list[str] = config_field(
-        [], help="online/hybrid: producer URLs 'http://HOST:PORT,...' (`specdraft serve-hidden-states`), or @FILE: one URL per "
-        "line, reread every 2 s, so producers can join and leave while training runs"
+        [],
+        help="online/hybrid: producer URLs 'http://HOST:PORT,...' (`specdraft serve-hidden-states`), or @FILE: one URL per "
+        "line, reread every 2 s, so producers can join and leave while training runs",
     )
     producer_token: str | None = config_field(None, help="online/hybrid: the bearer token the producers were started with")
     store: str | None = config_field(
-        None, help="online/hybrid: where producers write, a shared directory or mooncake://HOST:PORT/NS?admin=HOST:PORT (trainers hold the memory)"
+        None,
+        help="online/hybrid: where producers write, a shared directory or mooncake://HOST:PORT/NS?admin=HOST:PORT (trainers hold the memory)",
     )
-    stream_dtype: str = config_field("bfloat16", help="online/hybrid: storage dtype requested from the producers", metadata={"choices": list(STORAGE_DTYPE_NAMES)})
+    stream_dtype: str = config_field(
+        "bfloat16", help="online/hybrid: storage dtype requested from the producers", metadata={"choices": list(STORAGE_DTYPE_NAMES)}
+    )
     prefetch: int = config_field(8, help="online/hybrid: sample requests kept in flight ahead of training")
     request_timeout: float = config_field(120.0, help="online/hybrid: seconds before an unanswered request goes to another producer")
     out: str | None = config_field(None, help="run directory: checkpoints, metrics.jsonl, final/ (rerun to resume)")
     model: dict = config_field(
         {}, help="method config overrides, 'key=value,key=value' (values parsed as YAML) or a YAML mapping in the recipe"
     )
-    optimizer: str = config_field("adamw", help="adamw, or muon (Muon on hidden weight matrices, AdamW on the rest; train/optimizers.py)",
-                                  metadata={"choices": ["adamw", "muon"]})
+    optimizer: str = config_field(
+        "adamw",
+        help="adamw, or muon (Muon on hidden weight matrices, AdamW on the rest; train/optimizers.py)",
+        metadata={"choices": ["adamw", "muon"]},
+    )
     lr: float = config_field(6e-4, help="peak learning rate (AdamW; Muon's steps are scaled to AdamW's update size)")
     weight_decay: float = config_field(0.0, help="decoupled weight decay (matrices only; norms and biases never decay)")
     betas: list[float] = config_field([0.9, 0.95], help="AdamW betas, 'b1,b2'")
     warmup_ratio: float = config_field(0.04, help="fraction of total steps with linear warm-up, then cosine decay")
     min_lr_ratio: float = config_field(0.0, help="cosine floor as a fraction of the peak learning rate")
     grad_clip: float = config_field(1.0, help="clip the global gradient norm to this value (0 = off)")
-    pack_tokens: int = config_field(2048, help="tokens per packed row; samples are packed whole, longer ones are truncated "
-                                    "(unless --max-sample-tokens gives them rows of their own)")
+    pack_tokens: int = config_field(
+        2048,
+        help="tokens per packed row; samples are packed whole, longer ones are truncated "
+        "(unless --max-sample-tokens gives them rows of their own)",
+    )
     max_sample_tokens: int = config_field(
-        0, help="long samples, not long packs: a sample longer than --pack-tokens gets a row of its own of up to this many "
+        0,
+        help="long samples, not long packs: a sample longer than --pack-tokens gets a row of its own of up to this many "
         "tokens (longer ones are truncated to it), so short samples still pack as before; memory grows with it and with "
-        "the anchors per sample, and each log record carries the process's peak RSS (0 = --pack-tokens: truncate)"
+        "the anchors per sample, and each log record carries the process's peak RSS (0 = --pack-tokens: truncate)",
     )
     batch_rows: int = config_field(1, help="packed rows per optimizer step on each process")
     epochs: int = config_field(1, help="passes over the training split (ignored when --max-steps is set)")
@@ -87,13 +101,18 @@ class TrainConfig:
     max_time: float = config_field(0.0, help="stop (checkpoint + final) after this many seconds of training (0 = no limit)")
     seed: int = config_field(0, help="seed for initialisation, data order and every per-step random draw")
     val_fraction: float = config_field(
-        DEFAULT_VAL_FRACTION, help="share of conversations held out for validation (whole conversations; a prompt shared with a training "
-        "conversation stays in training; train/split.py); the split is recorded in OUT/split.json and reused on resume"
+        DEFAULT_VAL_FRACTION,
+        help="share of conversations held out for validation (whole conversations; a prompt shared with a training "
+        "conversation stays in training; train/split.py); the split is recorded in OUT/split.json and reused on resume",
     )
-    split_seed: int = config_field(DEFAULT_SPLIT_SEED, help="seed of the validation split (independent of --seed, so reruns with other seeds validate on the same samples)")
+    split_seed: int = config_field(
+        DEFAULT_SPLIT_SEED,
+        help="seed of the validation split (independent of --seed, so reruns with other seeds validate on the same samples)",
+    )
     decode_prompts: int = config_field(
-        3, help="at each validation also decode this many validation prompts greedily with the built-in runtime and log "
-        "their tau (decoded) beside the teacher-forced estimate (0 = off)"
+        3,
+        help="at each validation also decode this many validation prompts greedily with the built-in runtime and log "
+        "their tau (decoded) beside the teacher-forced estimate (0 = off)",
     )
     decode_tokens: int = config_field(32, help="tokens generated per prompt for the decoded tau")
     val_max_batches: int = config_field(8, help="validation batches per evaluation (0 = the whole split)")
@@ -101,34 +120,50 @@ class TrainConfig:
     checkpoint_interval: int = config_field(200, help="checkpoint every N steps and at the end (0 = only at the end)")
     keep_checkpoints: int = config_field(2, help="keep only the newest N step checkpoints (0 = keep all)")
     log_interval: int = config_field(1, help="append a metrics.jsonl record every N steps")
+    report_to: list[str] = config_field(
+        [],
+        help="trackers mirroring metrics.jsonl and the config, a comma list: tensorboard (OUT/tensorboard), mlflow "
+        "(OUT/mlflow.db unless MLFLOW_TRACKING_URI), wandb (offline under OUT/wandb unless WANDB_MODE), trackio (its local "
+        "store), or none; each is an extra: pip install 'specdraft[NAME]'",
+    )
     dtype: str = config_field(
-        "auto", help="compute dtype: bf16 autocast, fp32, or auto (times this run's step in both once per machine, "
-        "cached under the specdraft cache, and picks the faster)", metadata={"choices": DTYPE_CHOICES}
+        "auto",
+        help="compute dtype: bf16 autocast, fp32, or auto (times this run's step in both once per machine, "
+        "cached under the specdraft cache, and picks the faster)",
+        metadata={"choices": DTYPE_CHOICES},
     )
     forward_path: str = config_field(
-        "auto", help="how the step's modules execute: eager, prepacked (frozen linears through oneDNN-prepacked weights; CPU, fp32; "
+        "auto",
+        help="how the step's modules execute: eager, prepacked (frozen linears through oneDNN-prepacked weights; CPU, fp32; "
         "gqa applies to targets only, so prepacked+gqa trains as prepacked), or auto (times this run's fp32 step on each once per machine, cached, and picks the faster)",
         metadata={"choices": path_choices()},
     )
     device: str = config_field("auto", help="torch device: auto (the local CUDA device if any, else cpu), cpu, cuda")
     parallel: str = config_field(
-        "auto", help="multi-process strategy under torchrun: ddp, fsdp (FSDP2 fully_shard; meant for GPUs) or auto (= ddp)", metadata={"choices": PARALLEL_CHOICES}
+        "auto",
+        help="multi-process strategy under torchrun: ddp, fsdp (FSDP2 fully_shard; meant for GPUs) or auto (= ddp)",
+        metadata={"choices": PARALLEL_CHOICES},
     )
     num_threads: int = config_field(
-        0, help="torch CPU threads per process (0 = auto: the count that ran this run's step fastest here, measured once per "
-        "machine and cached)"
+        0,
+        help="torch CPU threads per process (0 = auto: the count that ran this run's step fastest here, measured once per "
+        "machine and cached)",
     )
     dry_run: bool = config_field(False, help="build the drafter, write an initialised checkpoint and exit")
     init_from_target: bool = config_field(
-        False, help="fresh runs: start draft layer i from target layer L-N+i (the last N) where tensor shapes match (models/common/warm_start.py)"
+        False,
+        help="fresh runs: start draft layer i from target layer L-N+i (the last N) where tensor shapes match (models/common/warm_start.py)",
     )
     fc_init: str = config_field(
-        "random", help="fresh runs: the fc fusing the captured slots starts random or as the identity on the slot nearest the "
-        "first copied target layer's input", metadata={"choices": list(FC_INITS)}
+        "random",
+        help="fresh runs: the fc fusing the captured slots starts random or as the identity on the slot nearest the "
+        "first copied target layer's input",
+        metadata={"choices": list(FC_INITS)},
     )
     markov_init: str = config_field(
-        "random", help="dspark, fresh runs: Markov head W1/W2 start random or from a rank-r SVD of the training split's bigram "
-        "log-odds", metadata={"choices": list(MARKOV_INITS)}
+        "random",
+        help="dspark, fresh runs: Markov head W1/W2 start random or from a rank-r SVD of the training split's bigram log-odds",
+        metadata={"choices": list(MARKOV_INITS)},
     )
 
     def __post_init__(self) -> None:
@@ -143,12 +178,22 @@ class TrainConfig:
         if self.verify not in VERIFY_LEVELS:
             raise SpecdraftError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, got {self.verify!r}")
         self.producers = [p.strip() for p in self.producers if p.strip()]
+        self.report_to = check_report_to(self.report_to)
         if self.request_timeout <= 0:
             raise SpecdraftError(f"request_timeout must be > 0, got {self.request_timeout}")
         for name in ("pack_tokens", "batch_rows", "epochs", "log_interval", "prefetch", "decode_tokens"):
             if getattr(self, name) < 1:
                 raise SpecdraftError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "max_sample_tokens", "val_max_batches", "decode_prompts", "eval_interval", "checkpoint_interval", "keep_checkpoints", "num_threads"):
+        for name in (
+            "max_steps",
+            "max_sample_tokens",
+            "val_max_batches",
+            "decode_prompts",
+            "eval_interval",
+            "checkpoint_interval",
+            "keep_checkpoints",
+            "num_threads",
+        ):
             if getattr(self, name) < 0:
                 raise SpecdraftError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -162,8 +207,10 @@ class TrainConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise SpecdraftError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.fc_init not in FC_INITS or self.markov_init not in MARKOV_INITS:
-            raise SpecdraftError(f"fc_init must be one of {', '.join(FC_INITS)} and markov_init one of {', '.join(MARKOV_INITS)}, "
-                                 f"got {self.fc_init!r} and {self.markov_init!r}")
+            raise SpecdraftError(
+                f"fc_init must be one of {', '.join(FC_INITS)} and markov_init one of {', '.join(MARKOV_INITS)}, "
+                f"got {self.fc_init!r} and {self.markov_init!r}"
+            )
         if self.parallel not in PARALLEL_CHOICES:
             raise SpecdraftError(f"parallel must be one of {', '.join(PARALLEL_CHOICES)}, got {self.parallel!r}")
         if self.max_time < 0 or self.weight_decay < 0 or self.grad_clip < 0:
@@ -174,6 +221,11 @@ class TrainConfig:
         for name in names:
             if getattr(self, name) in (None, ""):
                 raise SpecdraftError(f"{setting(name)} is required (or set `{name}:` in the {setting('config')} recipe)")
+
+    def required(self, name: str) -> str:
+        """The string field ``name``, refused as :meth:`require` refuses it when unset (typed ``str``, not optional)."""
+        self.require(name)
+        return str(getattr(self, name))
 
     @property
     def round_row_widths(self) -> bool:
@@ -206,8 +258,9 @@ def parse_overrides(text: str) -> dict:
     for part in text.split(","):
         key, sep, raw = part.partition("=")
         if not sep or not key.strip():
-            raise SpecdraftError(f"cannot parse model override {part!r}: expected key=value (e.g. {setting('model')} "
-                                 f"num_layers=2,block_size=8)")
+            raise SpecdraftError(
+                f"cannot parse model override {part!r}: expected key=value (e.g. {setting('model')} num_layers=2,block_size=8)"
+            )
         out[key.strip()] = yaml.safe_load(raw.strip()) if raw.strip() else None
     return out
 

@@ -28,7 +28,7 @@ class Dist:
     local_rank: int = 0
 
     @classmethod
-    def from_env(cls) -> "Dist":
+    def from_env(cls) -> Dist:
         """This process's place in a ``torchrun`` launch (rank 0 of 1 without one)."""
         return cls(*torchrun_place())
 

@@ -9,12 +9,13 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from specdraft.train.strategies import TrainState
-from specdraft.train.metrics import MetricSums, MetricsLog
+from specdraft.train.metrics import MetricsLog, MetricSums
 from specdraft.train.step import StepOutput
+from specdraft.train.strategies import TrainState
 from specdraft.utils.memory import peak_rss_mb
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ def fit(state: TrainState, total_steps: int, hooks: FitHooks, *, desc: str, show
             bar.update(1)
             record = hooks.log(state, done)
             if record:
-                bar.set_postfix(loss=f"{record['loss']:.4f}", tau=f"{record.get('accept_len', 0):.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.set_postfix(
+                    loss=f"{record['loss']:.4f}", tau=f"{record.get('accept_len', 0):.2f}", tok_s=f"{record['tokens_per_s']:.0f}"
+                )
             hooks.validate(state)
             stopped_by = hooks.stop(state, flag.signal)
             if stopped_by:
@@ -75,8 +78,9 @@ class TrainLog:
     with throughput, the longest row since the last record and the process's peak resident memory so far (what
     long samples cost), also shown on the progress bar."""
 
-    def __init__(self, metrics: MetricsLog, *, interval: int, total_steps: int, locate: Callable[[int], tuple[int, int]],
-                 context: dict, main: bool):
+    def __init__(
+        self, metrics: MetricsLog, *, interval: int, total_steps: int, locate: Callable[[int], tuple[int, int]], context: dict, main: bool
+    ):
         """``context`` goes into every record after step and epoch (compute dtype, threads)."""
         self.metrics, self.interval, self.total_steps, self.locate = metrics, interval, total_steps, locate
         self.context, self.main = context, main
@@ -94,10 +98,21 @@ class TrainLog:
         self.sums.all_reduce()
         epoch, _ = self.locate(step - 1)
         seconds = max(self.seconds, 1e-9)
-        record = {"split": "train", "step": step, "epoch": epoch, **self.context, "lr": done.lr, "grad_norm": done.result.grad_norm,
-                  **self.sums.summary(), "tokens": self.sums.tokens, "tokens_per_s": self.sums.tokens / seconds,
-                  "seconds": self.seconds, "fetch_fraction": self.fetch_seconds / seconds, "row_tokens": self.row_tokens,
-                  "peak_rss_mb": round(peak_rss_mb())}
+        record = {
+            "split": "train",
+            "step": step,
+            "epoch": epoch,
+            **self.context,
+            "lr": done.lr,
+            "grad_norm": done.result.grad_norm,
+            **self.sums.summary(),
+            "tokens": self.sums.tokens,
+            "tokens_per_s": self.sums.tokens / seconds,
+            "seconds": self.seconds,
+            "fetch_fraction": self.fetch_seconds / seconds,
+            "row_tokens": self.row_tokens,
+            "peak_rss_mb": round(peak_rss_mb()),
+        }
         if "anchors" in record:
             record["anchors_per_s"] = record["anchors"] / seconds
         if self.main:
@@ -113,7 +128,7 @@ class _StopFlag:
         self.signal: int | None = None
         self._old: dict[int, Any] = {}
 
-    def __enter__(self) -> "_StopFlag":
+    def __enter__(self) -> _StopFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)

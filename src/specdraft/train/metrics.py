@@ -12,6 +12,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import TrainOutput
+from specdraft.tracking import Trackers
 from specdraft.utils.io import atomic_write_bytes
 
 
@@ -56,12 +57,21 @@ class MetricSums:
         for k, v in out.metrics.items():
             self.terms[k] = self.terms.get(k, 0.0) + float(v)
         if out.position_acc is not None:
-            count = out.position_count.detach().double().cpu() if out.position_count is not None else torch.ones(len(out.position_acc), dtype=torch.float64)
+            count = (
+                out.position_count.detach().double().cpu()
+                if out.position_count is not None
+                else torch.ones(len(out.position_acc), dtype=torch.float64)
+            )
             acc = out.position_acc.detach().double().cpu() * count
-            cond = (out.position_cond_acc.detach().double().cpu() if out.position_cond_acc is not None else out.position_acc.detach().double().cpu()) * count
+            cond = (
+                out.position_cond_acc.detach().double().cpu()
+                if out.position_cond_acc is not None
+                else out.position_acc.detach().double().cpu()
+            ) * count
             if self.count is None:
                 self.acc, self.cond, self.count = acc, cond, count
             else:
+                assert self.acc is not None and self.cond is not None  # set together with count
                 self.acc, self.cond, self.count = self.acc + acc, self.cond + cond, self.count + count
 
     def all_reduce(self) -> None:
@@ -74,6 +84,7 @@ class MetricSums:
         k = 0 if self.count is None else len(self.count)
         flat = torch.tensor([self.batches, self.tokens, self.loss, *(self.terms[n] for n in keys)], dtype=torch.float64)
         if k:
+            assert self.acc is not None and self.cond is not None and self.count is not None  # set together (k > 0)
             flat = torch.cat([flat, self.acc, self.cond, self.count])
         backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         flat = flat.to(backend_device)
@@ -98,6 +109,7 @@ class MetricSums:
             # and NaN is no JSON number: the record says null rather than a tau
             return {**{k: (v if math.isfinite(v) else None) for k, v in out.items()}, "loss": None, "non_finite_loss": True}
         if self.count is not None:
+            assert self.acc is not None and self.cond is not None  # set together with count
             denom = self.count.clamp_min(1.0)
             cond = (self.cond / denom).tolist()
             out["position_acc"] = [round(x, 6) for x in (self.acc / denom).tolist()]
@@ -118,16 +130,27 @@ def trained_labels(path: str | os.PathLike) -> int | None:
 
 
 class MetricsLog:
-    """``OUT/metrics.jsonl``: one JSON object per line, appended and flushed per record."""
+    """``OUT/metrics.jsonl``: one JSON object per line, appended and flushed per record. ``mirror`` (the run's
+    ``--report-to`` trackers) gets each record once it is on disk, and is closed with the log (as a context manager)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, mirror: Trackers | None = None):
         self.path = Path(path)
+        self.mirror = mirror
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if self.mirror is not None:
+            self.mirror.close(failed=exc_type is not None)
 
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` (left by a run that died after its last checkpoint) before resuming.
 
         A run stopped by a full disk or a hard kill mid-append leaves its last line torn: that line is
-        dropped too (it is past the checkpoint). A torn line anywhere else is damage, and refused.
+        dropped too (it is past the checkpoint). A torn line anywhere else is damage, and refused, as is a
+        line that is JSON but no record (not an object, or a ``step`` that is not an integer): the run's
+        readers of this log would fail on it with a traceback.
         """
         if not self.path.is_file():
             return
@@ -140,7 +163,13 @@ class MetricsLog:
                 if number == len(lines):
                     break
                 raise SpecdraftError(f"{self.path} line {number} is not a JSON record; delete or repair that line to resume") from None
-            if record.get("step", 0) <= step:
+            at = record.get("step", 0) if isinstance(record, dict) else None
+            if not isinstance(at, int) or isinstance(at, bool):
+                raise SpecdraftError(
+                    f"{self.path} line {number} ({line[:60]}) is not a record (a JSON object whose 'step' is an "
+                    "integer); delete or repair that line to resume"
+                )
+            if at <= step:
                 kept.append(line)
         atomic_write_bytes(self.path, ("\n".join(kept) + "\n" if kept else "").encode())
 
@@ -149,3 +178,5 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
             f.flush()
+        if self.mirror is not None:
+            self.mirror.write(record)

@@ -19,7 +19,7 @@ state-dict helpers treat them alike.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -59,10 +59,26 @@ def orthogonalise(update: torch.Tensor, steps: int = 5) -> torch.Tensor:
 class MuonAdamW(torch.optim.Optimizer):
     """Muon on the parameter groups marked ``muon: True``, AdamW on the others (see module doc)."""
 
-    def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], weight_decay: float,
-                 momentum: float = 0.95, ns_steps: int = 5, eps: float = 1e-8):
-        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "momentum": momentum, "ns_steps": ns_steps, "eps": eps,
-                    "muon": False}
+    def __init__(
+        self,
+        groups: list[dict],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        eps: float = 1e-8,
+    ):
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "ns_steps": ns_steps,
+            "eps": eps,
+            "muon": False,
+        }
         super().__init__(groups, defaults)
 
     @torch.no_grad()
@@ -80,8 +96,10 @@ class MuonAdamW(torch.optim.Optimizer):
         if not state:
             state["momentum_buffer"] = torch.zeros_like(p)
         buf = state["momentum_buffer"]
-        buf.mul_(group["momentum"]).add_(p.grad)
-        update = orthogonalise(p.grad.add(buf, alpha=group["momentum"]), group["ns_steps"])  # Nesterov
+        grad = p.grad
+        assert grad is not None  # step() skips parameters without a gradient
+        buf.mul_(group["momentum"]).add_(grad)
+        update = orthogonalise(grad.add(buf, alpha=group["momentum"]), group["ns_steps"])  # Nesterov
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(update.to(p.dtype), alpha=-group["lr"] * 0.2 * math.sqrt(max(p.shape)))
 
@@ -109,17 +127,25 @@ def _trainable(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 @OPTIMIZERS.register("adamw")
-def build_adamw(module: nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float, fused_loops: bool) -> torch.optim.Optimizer:
+def build_adamw(
+    module: nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float, fused_loops: bool
+) -> torch.optim.Optimizer:
     named = _trainable(module)
-    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, foreach=fused_loops)
 
 
 @OPTIMIZERS.register("muon")
-def build_muon(module: nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float, fused_loops: bool) -> torch.optim.Optimizer:
+def build_muon(
+    module: nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float, fused_loops: bool
+) -> torch.optim.Optimizer:
     named = _trainable(module)
-    groups = [{"params": [p for n, p in named if muon_eligible(n, p)], "muon": True, "weight_decay": weight_decay},
-              {"params": [p for n, p in named if not muon_eligible(n, p) and p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in named if muon_eligible(n, p)], "muon": True, "weight_decay": weight_decay},
+        {"params": [p for n, p in named if not muon_eligible(n, p) and p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return MuonAdamW([g for g in groups if g["params"]], lr=lr, betas=betas, weight_decay=weight_decay)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.layers import LayerSlot
@@ -58,24 +59,47 @@ class RunPlan:
     warm_starts: Mapping[str, WarmStart]  # the switched-on pieces (``warm_start.check_warm_start``), for a fresh run
 
 
-def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: DrafterModel, target: Target,
-             dataset: SampleSource, rank: int, world: int, warm_starts: Mapping[str, WarmStart] = MappingProxyType({})) -> RunPlan:
+def plan_run(
+    cfg: TrainConfig,
+    *,
+    spec: MethodSpec,
+    model_cfg: Any,
+    drafter: DrafterModel,
+    target: Target,
+    dataset: SampleSource,
+    rank: int,
+    world: int,
+    warm_starts: Mapping[str, WarmStart] = MappingProxyType({}),
+) -> RunPlan:
     """The plan of rank ``rank`` of ``world`` for training the built ``drafter``, to be warm-started with ``warm_starts``."""
-    out, where = Path(cfg.out), str(cfg.data or "(in-memory dataset)")
+    out, where = Path(cfg.required("out")), str(cfg.data or "(in-memory dataset)")
     check_block_fits(cfg.pack_tokens, drafter, spec.name)
     slots = spec.run_slots(cfg.model, target.num_layers)
-    slot_index = select_slots(dataset.slots, slots, where=where)
+    slot_index: list[int] | None = select_slots(dataset.slots, slots, where=where)
     slot_index = None if slot_index == list(range(len(dataset.slots))) else slot_index
     split = resolve_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed, recorded=out / SPLIT_FILE)
-    data = DataPlan.build(list(dataset.sample_ids), dataset.lengths(), split=split, pack_tokens=cfg.pack_tokens,
-                          batch_rows=cfg.batch_rows, seed=cfg.seed, world_size=world, rank=rank, max_sample_tokens=cfg.max_sample_tokens)
+    data = DataPlan.build(
+        list(dataset.sample_ids),
+        dataset.lengths(),
+        split=split,
+        pack_tokens=cfg.pack_tokens,
+        batch_rows=cfg.batch_rows,
+        seed=cfg.seed,
+        world_size=world,
+        rank=rank,
+        max_sample_tokens=cfg.max_sample_tokens,
+    )
     require_labels(dataset, data.train_indices, sample_tokens=cfg.sample_tokens, where=where)
     probe, probe_skipped = None, None
     if cfg.decode_prompts and data.val_indices:
         probe_skipped = unavailable_reason(spec.name, target)
         if probe_skipped is None:
-            probe = DecodeProbe.from_split(token_rows(dataset, data.val_indices), [dataset.sample_ids[i] for i in data.val_indices],
-                                           count=cfg.decode_prompts, tokens=cfg.decode_tokens)
+            probe = DecodeProbe.from_split(
+                token_rows(dataset, data.val_indices),
+                [dataset.sample_ids[i] for i in data.val_indices],
+                count=cfg.decode_prompts,
+                tokens=cfg.decode_tokens,
+            )
         else:
             log.warning("decoded tau is not measured: %s", probe_skipped)
     total_steps = cfg.max_steps or data.total_steps(cfg.epochs)
@@ -87,30 +111,63 @@ def plan_run(cfg: TrainConfig, *, spec: MethodSpec, model_cfg: Any, drafter: Dra
         "hidden_states": dataset.made_with,
     }
     return RunPlan(
-        method=spec.name, out=out, where=where, slots=slots, slot_index=slot_index, split=split, data=data,
-        total_steps=total_steps, warmup_steps=max(1, round(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio > 0 else 0,
-        identity=identity, resolved={**cfg.to_dict(), "model": identity["model_config"], "target": cfg.target or target.name, "data": cfg.data},
+        method=spec.name,
+        out=out,
+        where=where,
+        slots=slots,
+        slot_index=slot_index,
+        split=split,
+        data=data,
+        total_steps=total_steps,
+        warmup_steps=max(1, round(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio > 0 else 0,
+        identity=identity,
+        resolved={**cfg.to_dict(), "model": identity["model_config"], "target": cfg.target or target.name, "data": cfg.data},
         resume=check_resume(cfg, identity, data_fingerprint=data.fingerprint(), world=world),
-        probe=probe, probe_skipped=probe_skipped, warm_starts=warm_starts,
+        probe=probe,
+        probe_skipped=probe_skipped,
+        warm_starts=warm_starts,
     )
 
 
+#: Settings that choose the layout of part of a checkpoint's state, which then loads under no other value (AdamW's moment
+#: estimates are no Muon momentum): a resume that changes one is refused before any step, naming it, where other settings
+#: are only warned about.
+STATE_SETTINGS: Mapping[str, str] = MappingProxyType({"optimizer": "its optimizer state"})
+
+
 def check_resume(cfg: TrainConfig, identity: dict, *, data_fingerprint: str, world: int) -> Resume | None:
-    """The latest checkpoint of ``cfg.out`` to resume from (None: a fresh run); refused when the run identity
-    changed, and warned about when the split, settings or process count did."""
-    directory = ckpt.latest_checkpoint(cfg.out)
+    """The latest checkpoint of ``cfg.out`` to resume from (None: a fresh run); refused when the run identity or a
+    ``STATE_SETTINGS`` setting changed, and warned about when the split, other settings or process count did."""
+    directory = ckpt.latest_checkpoint(cfg.required("out"))
     if directory is None:
         return None
     saved = ckpt.read_state(directory)
     ckpt.check_identity(saved["identity"], identity, where=directory)
+    for name, part in STATE_SETTINGS.items():
+        was, now = saved["config"].get(name), getattr(cfg, name)
+        if was is not None and was != now:
+            raise SpecdraftError(
+                f"cannot resume from {directory}: {part} was written under {setting(name)} {was}, and cannot be loaded under "
+                f"{setting(name)} {now}; resume with {setting(name)} {was}, or train with {now} into a new {setting('out')}"
+            )
     if saved.get("data_fingerprint") != data_fingerprint:
         log.warning("the training split differs from the one %s was trained on; resuming anyway", directory)
-    changed = sorted(k for k, v in ckpt._jsonable(cfg.to_dict()).items()
-                     if k not in ("out", "dry_run", "target", "model") and saved["config"].get(k) != v)
+    changed = sorted(
+        k
+        for k, v in ckpt._jsonable(cfg.to_dict()).items()
+        if k not in ("out", "dry_run", "target", "model") and saved["config"].get(k) != v
+    )
     if changed:
-        log.warning("resuming with changed settings: %s", ", ".join(f"{k} {saved['config'].get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
+        log.warning(
+            "resuming with changed settings: %s", ", ".join(f"{k} {saved['config'].get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
+        )
     if saved.get("world_size") != world:
-        log.warning("resuming a %s-process run with %d process(es): the data order after step %d differs", saved.get("world_size"), world, saved["step"])
+        log.warning(
+            "resuming a %s-process run with %d process(es): the data order after step %d differs",
+            saved.get("world_size"),
+            world,
+            saved["step"],
+        )
     return Resume(directory, saved)
 
 
@@ -119,7 +176,8 @@ def check_block_fits(pack_tokens: int, drafter: DrafterModel, method: str) -> No
     K = 1 for a drafter without it: a token and the next). Draft position k is supervised only where k tokens of
     the same sample follow the anchor, so rows of ``pack_tokens`` leave positions ``pack_tokens``..K unlearned:
     at ``--pack-tokens 1`` every one, a run at loss 0.0 that learned nothing."""
-    drafts = drafter.speculative_tokens() if callable(getattr(drafter, "speculative_tokens", None)) else 1
+    speculative_tokens = getattr(drafter, "speculative_tokens", None)
+    drafts = speculative_tokens() if callable(speculative_tokens) else 1
     if pack_tokens < drafts + 1:
         positions = f"{pack_tokens}-{drafts}" if pack_tokens < drafts else str(drafts)
         raise SpecdraftError(
@@ -154,4 +212,6 @@ def build_method_config(spec: MethodSpec, overrides: dict) -> Any:
 
 
 def config_dict(model_cfg: Any) -> dict:
-    return dataclasses.asdict(model_cfg) if dataclasses.is_dataclass(model_cfg) else dict(vars(model_cfg))
+    if dataclasses.is_dataclass(model_cfg) and not isinstance(model_cfg, type):
+        return dataclasses.asdict(model_cfg)
+    return dict(vars(model_cfg))

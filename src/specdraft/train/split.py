@@ -33,9 +33,10 @@ import hashlib
 import json
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from specdraft.errors import SpecdraftError, os_error_message, setting
 
@@ -147,12 +148,20 @@ def _record(sample_ids: Sequence[str], keys: Sequence[SplitKey], val: list[int],
     val_groups = sorted({keys[i].group for i in val})
     linked_out = len({g for g in groups if draw(g, seed) < val_fraction} - set(val_groups))
     return {
-        "format": SPLIT_FORMAT, "version": 1, "rule": RULE, "val_fraction": val_fraction, "seed": seed,
-        "samples": len(sample_ids), "train_samples": len(sample_ids) - len(val), "validation_samples": len(val),
-        "groups": len(groups), "validation_groups_count": len(val_groups),
+        "format": SPLIT_FORMAT,
+        "version": 1,
+        "rule": RULE,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "samples": len(sample_ids),
+        "train_samples": len(sample_ids) - len(val),
+        "validation_samples": len(val),
+        "groups": len(groups),
+        "validation_groups_count": len(val_groups),
         "drawn_groups_kept_in_training": linked_out,  # drawn, but linked by a prompt to a training group
         "hash": h.hexdigest()[:16],
-        "validation_groups": val_groups, "validation_ids": sorted(str(sample_ids[i]) for i in val),
+        "validation_groups": val_groups,
+        "validation_ids": sorted(str(sample_ids[i]) for i in val),
     }
 
 
@@ -188,9 +197,16 @@ def _closest_component(keys: Sequence[SplitKey], val_fraction: float, seed: int)
             f"or set {setting('val_fraction')} 0 to train on all of them without validation"
         )
     chosen = min(candidates, key=lambda root: (draws[root], root))
-    log.warning("%s %s drew none of the %d conversation(s) (%d samples) for validation; holding out the %d sample(s) a larger "
-                "fraction would draw first (1 of %d linked components), so the run is measured; set it to 0 for no validation",
-                setting("val_fraction"), val_fraction, groups, len(keys), sizes[chosen], len(draws))
+    log.warning(
+        "%s %s drew none of the %d conversation(s) (%d samples) for validation; holding out the %d sample(s) a larger "
+        "fraction would draw first (1 of %d linked components), so the run is measured; set it to 0 for no validation",
+        setting("val_fraction"),
+        val_fraction,
+        groups,
+        len(keys),
+        sizes[chosen],
+        len(draws),
+    )
     return [root == chosen for root in roots]
 
 
@@ -199,15 +215,42 @@ def dataset_split(dataset: SampleSource, *, val_fraction: float, seed: int) -> S
     return compute_split(list(map(str, dataset.sample_ids)), sample_keys(dataset), val_fraction=val_fraction, seed=seed)
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+#: The fields of split.json a resume reads (``resolve_split``): what each must be, whether records may lack it (written
+#: before it was recorded), and its check. Checked once where the record is read, so a damaged one is one clear error.
+_RECORD_FIELDS: dict[str, tuple[str, bool, Any]] = {
+    "val_fraction": ("a number in [0, 1)", True, lambda v: _number(v) and 0 <= v < 1),
+    "seed": ("an integer", True, lambda v: _number(v) and isinstance(v, int)),
+    "validation_ids": ("a list of sample ids", True, _strings),
+    "validation_groups": ("a list of conversation groups", False, _strings),
+    "hash": ("a string", False, lambda v: isinstance(v, str)),
+}
+
+
 def read_split(path: Path) -> dict:
+    """A run's split.json, refused (naming the file and field) unless every field a resume reads is what it must be."""
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         if os_error_message(exc):
             raise  # a denied read is no reason to delete the split: the CLI says what it is
         raise SpecdraftError(f"{path} is unreadable ({exc}); delete it to recompute the split (validation may then change)") from None
-    if not isinstance(record, dict) or record.get("format") != SPLIT_FORMAT or not isinstance(record.get("validation_ids"), list):
-        raise SpecdraftError(f"{path} is not a {SPLIT_FORMAT} record; delete it to recompute the split (validation may then change)")
+    redo = "delete it to recompute the split (validation may then change)"
+    if not isinstance(record, dict) or record.get("format") != SPLIT_FORMAT:
+        raise SpecdraftError(f"{path} is not a {SPLIT_FORMAT} record; {redo}")
+    for name, (what, required, fits) in _RECORD_FIELDS.items():
+        value = record.get(name)
+        if value is None and required:
+            raise SpecdraftError(f"{path} has no {name!r}; {redo}")
+        if value is not None and not fits(value):
+            raise SpecdraftError(f"{path} has {name!r} {json.dumps(value)[:60]}, not {what}; {redo}")
     return record
 
 
@@ -226,14 +269,27 @@ def resolve_split(dataset: SampleSource, *, val_fraction: float, seed: int, reco
     fresh = compute_split(sample_ids, keys, val_fraction=record["val_fraction"], seed=record["seed"])
     if fresh.hash == record.get("hash"):
         if (record["val_fraction"], record["seed"]) != (val_fraction, seed):
-            log.warning("%s: keeping the recorded split (val_fraction %s, seed %s), not val_fraction %s, seed %s",
-                        recorded, record["val_fraction"], record["seed"], val_fraction, seed)
+            log.warning(
+                "%s: keeping the recorded split (val_fraction %s, seed %s), not val_fraction %s, seed %s",
+                recorded,
+                record["val_fraction"],
+                record["seed"],
+                val_fraction,
+                seed,
+            )
         return fresh
     ids, groups = set(record["validation_ids"]), set(record.get("validation_groups") or ())
     val = [i for i, sid in enumerate(sample_ids) if sid in ids or keys[i].group in groups]
-    log.warning("%s: the data differ from the recorded split's (hash %s, now %s); keeping its validation side "
-                "(%d of %d recorded ids present, %d samples held out)", recorded, record.get("hash"), fresh.hash,
-                len(ids & set(sample_ids)), len(ids), len(val))
+    log.warning(
+        "%s: the data differ from the recorded split's (hash %s, now %s); keeping its validation side "
+        "(%d of %d recorded ids present, %d samples held out)",
+        recorded,
+        record.get("hash"),
+        fresh.hash,
+        len(ids & set(sample_ids)),
+        len(ids),
+        len(val),
+    )
     val_set = set(val)
     train = [i for i in range(len(sample_ids)) if i not in val_set]
     return Split(train, val, _record(sample_ids, keys, val, record["val_fraction"], record["seed"]))

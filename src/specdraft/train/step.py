@@ -9,9 +9,10 @@ resumed run draw exactly what an uninterrupted one draws.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,9 +42,16 @@ class StepOutput:
     grad_norm: float | None  # before clipping; None when clipping is off
 
 
-def train_step(module: nn.Module, batch: DrafterBatch, *, dtype: str, device: torch.device,
-               optimizer: torch.optim.Optimizer | None = None, grad_clip: float = 0.0,
-               check: Callable[[float, float | None], None] | None = None) -> StepOutput:
+def train_step(
+    module: nn.Module,
+    batch: DrafterBatch,
+    *,
+    dtype: str,
+    device: torch.device,
+    optimizer: torch.optim.Optimizer | None = None,
+    grad_clip: float = 0.0,
+    check: Callable[[float, float | None], None] | None = None,
+) -> StepOutput:
     """Forward ``batch`` through ``module`` (a ``StepModule``, possibly wrapped) under ``dtype``, backward,
     clip to ``grad_clip`` (0 = off) and, given an ``optimizer``, update. ``check(loss, grad_norm)`` runs
     before the update and may raise (the trainer refuses non-finite steps there, so nothing bad is applied).
@@ -77,8 +85,9 @@ def clip_gradients(module: nn.Module, max_norm: float) -> float | None:
     return float(norm)
 
 
-def build_optimizer(module: nn.Module, *, name: str, lr: float, betas: Sequence[float], weight_decay: float,
-                    device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    module: nn.Module, *, name: str, lr: float, betas: Sequence[float], weight_decay: float, device: torch.device
+) -> torch.optim.Optimizer:
     """The optimizer ``name`` (``train/optimizers.py``) over ``module``'s trainable parameters."""
     from specdraft.train.optimizers import OPTIMIZERS
 
@@ -108,10 +117,16 @@ def synthetic_batch(*, rows: int, tokens: int, slots: int, hidden: int, vocab: i
     )
 
 
-def measure_train_dtype(module: nn.Module, batch: DrafterBatch, *, device: torch.device, context: dict[str, Any],
-                        cache_dir: Path | None = None) -> Measurement:
+def measure_train_dtype(
+    module: nn.Module, batch: DrafterBatch, *, device: torch.device, context: dict[str, Any], cache_dir: Path | None = None
+) -> Measurement:
     """The compute dtype whose :func:`train_step` of ``module`` (the step module, in training mode, no optimizer) on
     ``batch`` ran fastest here (``tuning/dtype.py``)."""
     batch = batch.to(device)
-    return measure_dtype("train-dtype", context, lambda dtype: fastest_time(lambda: train_step(module, batch, dtype=dtype, device=device)),
-                         device=device, cache_dir=cache_dir)
+    return measure_dtype(
+        "train-dtype",
+        context,
+        lambda dtype: fastest_time(lambda: train_step(module, batch, dtype=dtype, device=device)),
+        device=device,
+        cache_dir=cache_dir,
+    )

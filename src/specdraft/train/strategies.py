@@ -12,9 +12,10 @@ strategy's wrapping with its checkpointer.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,8 +63,9 @@ class TrainState:
 class Checkpointer:
     """Saves a run whose every rank holds the whole drafter (one process, DDP): rank 0 writes it."""
 
-    def __init__(self, drafter: DrafterModel, *, out: Path, keep: int, dist: Dist, device: torch.device, last_saved: int,
-                 meta: Callable[[int], dict]):
+    def __init__(
+        self, drafter: DrafterModel, *, out: Path, keep: int, dist: Dist, device: torch.device, last_saved: int, meta: Callable[[int], dict]
+    ):
         """Made before the step module is wrapped; ``last_saved`` is the resumed checkpoint's step (-1: none),
         ``meta(step)`` the run facts stored beside the tensors (called after the states are gathered)."""
         self.drafter, self.out, self.keep, self.dist, self.device = drafter, out, keep, dist, device
@@ -75,8 +77,11 @@ class Checkpointer:
 
     def failure(self, what: str, at_step: int) -> SpecdraftError:
         """The error that stops a run whose step went non-finite, naming the checkpoint a rerun resumes from."""
-        kept = (f"the last good checkpoint, {self.out / ckpt.CHECKPOINTS / f'step-{self.last_saved}'}, is kept (a rerun resumes from it)"
-                if self.last_saved >= 0 else "no checkpoint had been written yet")
+        kept = (
+            f"the last good checkpoint, {self.out / ckpt.CHECKPOINTS / f'step-{self.last_saved}'}, is kept (a rerun resumes from it)"
+            if self.last_saved >= 0
+            else "no checkpoint had been written yet"
+        )
         return SpecdraftError(
             f"training stopped at step {at_step}: {what}; nothing from this step on was saved and {kept}. "
             f"Lower {setting('lr')}, check {setting('grad_clip')} and {setting('weight_decay')}, or look for broken samples in the data"
@@ -96,13 +101,19 @@ class Checkpointer:
         model_state, optim_state = state.full_states()
         meta = self.meta(state.step)
         if self.dist.main:
-            ckpt.save_checkpoint(path, drafter=self._savable(model_state), model_state=model_state, optim_state=optim_state,
-                                 scheduler_state=state.scheduler.state_dict(), meta=meta)
+            ckpt.save_checkpoint(
+                path,
+                drafter=self._savable(model_state),
+                model_state=model_state,
+                optim_state=optim_state,
+                scheduler_state=state.scheduler.state_dict(),
+                meta=meta,
+            )
             ckpt.prune_checkpoints(self.out, self.keep)
         self.dist.barrier()
         return path
 
-    def save_final(self, state: TrainState, extra: Callable[[Path], None]) -> Path:
+    def save_final(self, state: TrainState, extra: Callable[[Path], object]) -> Path:
         """Write ``OUT/final``: the drafter, and what ``extra(directory)`` adds (the model card)."""
         final = self.out / ckpt.FINAL
         self.check_weights(state)
@@ -121,7 +132,7 @@ class Checkpointer:
 class ShardedCheckpointer(Checkpointer):
     """Saves an FSDP2 run through an unsharded CPU replica on rank 0, loaded with the gathered full state."""
 
-    def __init__(self, drafter: DrafterModel, **kwargs) -> None:
+    def __init__(self, drafter: DrafterModel, **kwargs: Any) -> None:
         super().__init__(drafter, **kwargs)
         self.replica = copy.deepcopy(drafter).cpu() if self.dist.main else None
 
@@ -132,7 +143,7 @@ class ShardedCheckpointer(Checkpointer):
         if self.replica is None:
             return self.drafter
         prefix = "drafter."
-        self.replica.load_state_dict({k[len(prefix):]: v for k, v in model_state.items() if k.startswith(prefix)}, strict=False)
+        self.replica.load_state_dict({k[len(prefix) :]: v for k, v in model_state.items() if k.startswith(prefix)}, strict=False)
         return self.replica
 
 

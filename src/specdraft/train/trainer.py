@@ -35,9 +35,10 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,6 +47,7 @@ from specdraft.errors import SpecdraftError, setting
 from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, TrainOutput
 from specdraft.models.common.checkpoint import DRAFTER_DIR
 from specdraft.targets.base import Target
+from specdraft.tracking import TrackedRun, open_trackers
 from specdraft.train import checkpoint_files as ckpt
 from specdraft.train.batches import (
     DELIVERY_LOG,
@@ -60,11 +62,11 @@ from specdraft.train.batches import (
 from specdraft.train.config import TrainConfig
 from specdraft.train.distributed import Dist, init_distributed, process_group_scope
 from specdraft.train.fit import FitHooks, StepDone, TrainLog, fit
-from specdraft.train.metrics import MetricSums, MetricsLog, lr_factor, trained_labels
+from specdraft.train.metrics import MetricsLog, MetricSums, lr_factor, trained_labels
 from specdraft.train.model_card import TEACHER_FORCED_ANCHORS, last_validation, model_card
 from specdraft.train.plan import RunPlan, build_method_config, plan_run
 from specdraft.train.split import SPLIT_FILE, write_split
-from specdraft.train.step import StepModule, build_optimizer, measure_train_dtype, reseed, synthetic_batch, train_step
+from specdraft.train.step import StepModule, build_optimizer, reseed, synthetic_batch, train_step
 from specdraft.train.strategies import STRATEGIES, Checkpointer, TrainState, strategy_name
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
 from specdraft.tuning.measured import fastest_time
@@ -72,6 +74,7 @@ from specdraft.tuning.settings import Choice, MachineSettings
 from specdraft.utils.compute import COMPUTE_DTYPES, autocast
 from specdraft.utils.io import check_replaceable
 from specdraft.utils.lock import claims_output
+from specdraft.utils.provenance import write_provenance
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +111,15 @@ class Compute:
     def settings(self, dtype_source: str) -> MachineSettings:
         """The train stage's machine settings (``tuning/settings.py``), for its one log block."""
         probe = self.dtype_probe or {}
-        dtype = Choice(self.dtype, ("cached" if probe.get("cached") else "measured") if probe else dtype_source, dict(probe.get("seconds") or {}))
-        return MachineSettings("train", forward_path=Choice.from_facts(self.forward_path, "forward_path"),
-                               threads=Choice.from_facts(self.threads, "threads"), compute_dtype=dtype)
+        dtype = Choice(
+            self.dtype, ("cached" if probe.get("cached") else "measured") if probe else dtype_source, dict(probe.get("seconds") or {})
+        )
+        return MachineSettings(
+            "train",
+            forward_path=Choice.from_facts(self.forward_path, "forward_path"),
+            threads=Choice.from_facts(self.threads, "threads"),
+            compute_dtype=dtype,
+        )
 
 
 @claims_output(None)  # one writer per run (rank 0 holds the job's lock); _check_out_dir checks ownership
@@ -127,26 +136,56 @@ def train(cfg: TrainConfig, *, target: Target | None = None, dataset: SampleSour
             dataset = open_sample_source(cfg, rank=dist_.rank, world=dist_.world)
             if isinstance(dataset, PrefetchingSource):
                 cleanup.callback(dataset.close)  # streaming sources delete what they still hold in the store
-        return _train(cfg, target, dataset, dist_)
+        return _train(cfg, target, dataset, dist_, cleanup)
 
 
-def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_: Dist) -> TrainResult:
+def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_: Dist, cleanup: contextlib.ExitStack) -> TrainResult:
     """The staircase: plan, then the parts (process group, run directory, warm start, state), ``fit``, finish."""
     run, drafter, target = _plan(cfg, target, dataset, dist_)
     device = init_distributed(cfg.device, dist_)
-    metrics_log = _prepare_out(run, dist_)
+    metrics_log = cleanup.enter_context(_prepare_out(run, dist_, report_to=[] if cfg.dry_run else cfg.report_to))
     if run.resume is None:
-        apply_warm_start(drafter, run.warm_starts, WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, run.data.train_indices)))
+        apply_warm_start(
+            drafter,
+            run.warm_starts,
+            WarmStartInputs(target=target, cfg=cfg, token_rows=lambda: token_rows(dataset, run.data.train_indices)),
+        )
     state, checkpointer, compute = _build_state(cfg, run, drafter, target, dist_, device)
-    result = functools.partial(TrainResult, run.out, total_steps=run.total_steps, drafter=drafter, compute_dtype=compute.dtype,
-                               dtype_probe=compute.dtype_probe, threads=compute.threads, forward_path=compute.forward_path)
+    if dist_.main:
+        write_provenance(
+            run.out,
+            config=run.resolved,
+            target=dataset.target_info,
+            inputs=[cfg.data, cfg.dataset],
+            measured=compute.settings("dry run" if cfg.dry_run else "flag"),
+        )
+    result = functools.partial(
+        TrainResult,
+        run.out,
+        total_steps=run.total_steps,
+        drafter=drafter,
+        compute_dtype=compute.dtype,
+        dtype_probe=compute.dtype_probe,
+        threads=compute.threads,
+        forward_path=compute.forward_path,
+    )
     if cfg.dry_run:
         if run.resume is None:
             log.info("dry run: wrote %s", checkpointer.save(state))
         return result(step=state.step, completed=False, stopped_by=None, final=None)
 
-    validate = _Validation(run, dataset, target, checkpointer, metrics_log, compute, max_batches=cfg.val_max_batches,
-                           sample_tokens=cfg.sample_tokens, round_width=cfg.round_row_widths, seed=cfg.seed)
+    validate = _Validation(
+        run,
+        dataset,
+        target,
+        checkpointer,
+        metrics_log,
+        compute,
+        max_batches=cfg.val_max_batches,
+        sample_tokens=cfg.sample_tokens,
+        round_width=cfg.round_row_widths,
+        seed=cfg.seed,
+    )
     already_done = run.resume is not None and state.step >= run.total_steps
     if isinstance(dataset, PrefetchingSource):
         dataset.start(training_order(run.data, state.step, run.total_steps))
@@ -160,10 +199,10 @@ def _plan(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_:
     """Check the method, ``OUT`` and the target against the store, build the drafter (seeded) and plan the run."""
     import specdraft.models  # noqa: F401  (registers the built-in methods)
 
-    spec = METHODS.get(cfg.method)
+    spec = METHODS.get(cfg.required("method"))
     model_cfg = build_method_config(spec, cfg.model)
     warm_starts = check_warm_start(cfg, spec.name)
-    _check_out_dir(Path(cfg.out))
+    _check_out_dir(Path(cfg.required("out")))
     if cfg.num_threads:
         from specdraft.tuning.threads import set_threads
 
@@ -173,13 +212,29 @@ def _plan(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_:
     drafter = spec.build(model_cfg, target, counts=dataset.token_counts())
     if not isinstance(drafter, DrafterModel):
         raise TypeError(f"METHODS[{spec.name!r}].build returned {type(drafter).__name__}, not a DrafterModel")
-    run = plan_run(cfg, spec=spec, model_cfg=model_cfg, drafter=drafter, target=target, dataset=dataset, rank=dist_.rank, world=dist_.world,
-                   warm_starts=warm_starts)
+    run = plan_run(
+        cfg,
+        spec=spec,
+        model_cfg=model_cfg,
+        drafter=drafter,
+        target=target,
+        dataset=dataset,
+        rank=dist_.rank,
+        world=dist_.world,
+        warm_starts=warm_starts,
+    )
     return run, drafter, target
 
 
-def _hooks(cfg: TrainConfig, run: RunPlan, dataset: SampleSource, checkpointer: Checkpointer, compute: Compute,
-           validate: "_Validation", metrics_log: MetricsLog) -> FitHooks:
+def _hooks(
+    cfg: TrainConfig,
+    run: RunPlan,
+    dataset: SampleSource,
+    checkpointer: Checkpointer,
+    compute: Compute,
+    validate: _Validation,
+    metrics_log: MetricsLog,
+) -> FitHooks:
     """The fit loop's parts: read, step, and the logging, validation, stop and checkpoint hooks on their intervals."""
 
     def due(interval: int, state: TrainState) -> bool:
@@ -187,18 +242,33 @@ def _hooks(cfg: TrainConfig, run: RunPlan, dataset: SampleSource, checkpointer: 
 
     return FitHooks(
         read=lambda step: [[dataset[i] for i in row] for row in run.data.train_rows(step)],
-        step=functools.partial(_step, sample_tokens=cfg.sample_tokens, round_width=cfg.round_row_widths, seed=cfg.seed, grad_clip=cfg.grad_clip, run=run, compute=compute,
-                               checkpointer=checkpointer),
-        log=TrainLog(metrics_log, interval=cfg.log_interval, total_steps=run.total_steps, locate=run.data.locate,
-                     context={"dtype": compute.dtype, "threads": compute.threads["threads"]}, main=checkpointer.dist.main),
+        step=functools.partial(
+            _step,
+            sample_tokens=cfg.sample_tokens,
+            round_width=cfg.round_row_widths,
+            seed=cfg.seed,
+            grad_clip=cfg.grad_clip,
+            run=run,
+            compute=compute,
+            checkpointer=checkpointer,
+        ),
+        log=TrainLog(
+            metrics_log,
+            interval=cfg.log_interval,
+            total_steps=run.total_steps,
+            locate=run.data.locate,
+            context={"dtype": compute.dtype, "threads": compute.threads["threads"]},
+            main=checkpointer.dist.main,
+        ),
         validate=lambda state: validate(state) if due(cfg.eval_interval, state) else None,
         stop=_stopping(cfg.max_time, run.total_steps, checkpointer),
         checkpoint=lambda state: checkpointer.save(state) if due(cfg.checkpoint_interval, state) else None,
     )
 
 
-def _finish(state: TrainState, run: RunPlan, checkpointer: Checkpointer, validate: "_Validation", *, stopped_by: str | None,
-            already_done: bool) -> Path | None:
+def _finish(
+    state: TrainState, run: RunPlan, checkpointer: Checkpointer, validate: _Validation, *, stopped_by: str | None, already_done: bool
+) -> Path | None:
     """After the loop: a last validation and checkpoint when the schedule ran out here, and ``OUT/final``
     unless a signal stopped the run (``max_time`` still writes it)."""
     if stopped_by is None and not already_done:
@@ -208,8 +278,18 @@ def _finish(state: TrainState, run: RunPlan, checkpointer: Checkpointer, validat
     final = None
     if stopped_by != "signal":
         _require_learning(state, run, checkpointer)
-        final = checkpointer.save_final(state, lambda directory: (directory / MODEL_CARD).write_text(model_card(
-            method=run.method, step=state.step, data=run.where, split=run.split.record, validation=last_validation(run.out / ckpt.METRICS))))
+        final = checkpointer.save_final(
+            state,
+            lambda directory: (directory / MODEL_CARD).write_text(
+                model_card(
+                    method=run.method,
+                    step=state.step,
+                    data=run.where,
+                    split=run.split.record,
+                    validation=last_validation(run.out / ckpt.METRICS),
+                )
+            ),
+        )
     if stopped_by:
         log.warning("stopped by %s at step %d of %d; rerun the same command to resume", stopped_by, state.step, run.total_steps)
     return final
@@ -244,8 +324,9 @@ def _store_target(target: Target | None, dataset: SampleSource, *, requested: st
     return target
 
 
-def _prepare_out(run: RunPlan, dist_: Dist) -> MetricsLog:
-    """Write what the run directory records before the first step (rank 0), cut back to the resumed step."""
+def _prepare_out(run: RunPlan, dist_: Dist, *, report_to: list[str]) -> MetricsLog:
+    """Write what the run directory records before the first step (rank 0), cut back to the resumed step, and open
+    the ``--report-to`` trackers that mirror its log (rank 0)."""
     metrics_log = MetricsLog(run.out / ckpt.METRICS)
     if dist_.main:
         run.out.mkdir(parents=True, exist_ok=True)
@@ -254,28 +335,51 @@ def _prepare_out(run: RunPlan, dist_: Dist) -> MetricsLog:
         write_split(run.out / SPLIT_FILE, run.split, decode_prompts=list(run.probe.sample_ids) if run.probe else [])
         metrics_log.truncate_after(run.resume.step if run.resume else 0)
         _truncate_delivery_log(run.out / DELIVERY_LOG, run.resume.state if run.resume else None)
+        if report_to:
+            tracked = TrackedRun(run.out, job="train", config=run.resolved, start_step=run.resume.step if run.resume else 0)
+            metrics_log.mirror = open_trackers(report_to, tracked)
     return metrics_log
 
 
-def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: Target, dist_: Dist,
-                 device: torch.device) -> tuple[TrainState, Checkpointer, Compute]:
+def _build_state(
+    cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: Target, dist_: Dist, device: torch.device
+) -> tuple[TrainState, Checkpointer, Compute]:
     """The resumable state (the checkpoint's, when resuming), its strategy's checkpointer, and the measured compute settings."""
     step_module = StepModule(drafter)
     frozen = frozenset(n for n, p in step_module.named_parameters(remove_duplicate=False) if not p.requires_grad)
-    optim_state = None
+    optim_state: dict[str, Any] = {}  # the checkpoint's, read only when resuming
     if run.resume is not None:
         model_state, optim_state = ckpt.load_tensors(run.resume.directory, run.resume.state)
         missing = set(step_module.state_dict()) - frozen - set(model_state)
         if missing:
-            raise SpecdraftError(f"{run.resume.directory / ckpt.STATE_TENSORS} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[0]}; delete that checkpoint")
+            raise SpecdraftError(
+                f"{run.resume.directory / ckpt.STATE_TENSORS} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[0]}; delete that checkpoint"
+            )
         step_module.load_state_dict({k: v for k, v in model_state.items() if k not in frozen}, strict=False)
     strategy = STRATEGIES.get(strategy_name(cfg.parallel, dist_.world))
-    checkpointer = strategy.checkpointer(drafter, out=run.out, keep=cfg.keep_checkpoints, dist=dist_, device=device,
-                                         last_saved=run.resume.step if run.resume else -1,
-                                         meta=functools.partial(_checkpoint_meta, run, dist_.world))
+    checkpointer = strategy.checkpointer(
+        drafter,
+        out=run.out,
+        keep=cfg.keep_checkpoints,
+        dist=dist_,
+        device=device,
+        last_saved=run.resume.step if run.resume else -1,
+        meta=functools.partial(_checkpoint_meta, run, dist_.world),
+    )
     step_module.to(device)
-    compute = _measured_settings(step_module, target, run.identity, dist_, device, dtype=cfg.dtype, num_threads=cfg.num_threads,
-                                 batch_rows=cfg.batch_rows, pack_tokens=cfg.pack_tokens, dry_run=cfg.dry_run, forward_path=cfg.forward_path)
+    compute = _measured_settings(
+        step_module,
+        target,
+        run.identity,
+        dist_,
+        device,
+        dtype=cfg.dtype,
+        num_threads=cfg.num_threads,
+        batch_rows=cfg.batch_rows,
+        pack_tokens=cfg.pack_tokens,
+        dry_run=cfg.dry_run,
+        forward_path=cfg.forward_path,
+    )
     if dist_.main:
         compute.settings("dry run" if cfg.dry_run else "flag").log()
     wrapped = strategy.wrap(step_module, device)
@@ -288,8 +392,18 @@ def _build_state(cfg: TrainConfig, run: RunPlan, drafter: DrafterModel, target: 
         state.restore(run.resume.state, optim_state)
         log.info("resuming from %s (step %d of %d)", run.resume.directory, state.step, run.total_steps)
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    log.info("%s drafter: %.2fM trainable parameters, %d steps, %s on %s x%d, %s, %d CPU threads (%s)", run.method, n_train / 1e6,
-             run.total_steps, strategy_name(cfg.parallel, dist_.world), device, dist_.world, compute.dtype, compute.threads["threads"], compute.threads["threads_source"])
+    log.info(
+        "%s drafter: %.2fM trainable parameters, %d steps, %s on %s x%d, %s, %d CPU threads (%s)",
+        run.method,
+        n_train / 1e6,
+        run.total_steps,
+        strategy_name(cfg.parallel, dist_.world),
+        device,
+        dist_.world,
+        compute.dtype,
+        compute.threads["threads"],
+        compute.threads["threads_source"],
+    )
     return state, checkpointer, compute
 
 
@@ -297,27 +411,50 @@ def _checkpoint_meta(run: RunPlan, world: int, at_step: int) -> dict:
     """The run facts a checkpoint stores beside its tensors (read after every rank flushed its deliveries)."""
     epoch, in_epoch = run.data.locate(at_step)
     return {
-        "step": at_step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": run.total_steps,
-        "world_size": world, "identity": run.identity, "data_fingerprint": run.data.fingerprint(), "config": run.resolved,
+        "step": at_step,
+        "epoch": epoch,
+        "step_in_epoch": in_epoch,
+        "total_steps": run.total_steps,
+        "world_size": world,
+        "identity": run.identity,
+        "data_fingerprint": run.data.fingerprint(),
+        "config": run.resolved,
         "delivered_bytes": _file_size(run.out / DELIVERY_LOG),
     }
 
 
-def _step(state: TrainState, items: list, *, sample_tokens: int, round_width: bool, seed: int, grad_clip: float, run: RunPlan, compute: Compute,
-          checkpointer: Checkpointer) -> StepDone:
+def _step(
+    state: TrainState,
+    items: list,
+    *,
+    sample_tokens: int,
+    round_width: bool,
+    seed: int,
+    grad_clip: float,
+    run: RunPlan,
+    compute: Compute,
+    checkpointer: Checkpointer,
+) -> StepDone:
     """The fit loop's step: collate, reseed from (seed, rank, step), ``train_step`` (refusing a non-finite
     loss or gradient on any rank before the update), advance the schedule."""
-    batch = collate(items, sample_tokens=sample_tokens, round_width=round_width, slot_index=run.slot_index,
-                    where=run.where).to(compute.device)
+    batch = collate(
+        items,
+        sample_tokens=sample_tokens,
+        round_width=round_width,
+        slot_index=run.slot_index,
+        where=run.where,
+        agree=functools.partial(checkpointer.dist.any, device=compute.device),
+    ).to(compute.device)
     reseed(step_seed(seed, checkpointer.dist.rank, state.step))
-    lr = state.scheduler.get_last_lr()[0]
+    lr = float(state.scheduler.get_last_lr()[0])
 
     def check(loss: float, grad_norm: float | None) -> None:
         if checkpointer.dist.any(not all(map(math.isfinite, (loss, grad_norm or 0.0))), compute.device):
             raise checkpointer.failure(f"the loss is {loss} (gradient norm {grad_norm})", state.step + 1)
 
-    result = train_step(state.module, batch, dtype=compute.dtype, device=compute.device, optimizer=state.optimizer,
-                        grad_clip=grad_clip, check=check)
+    result = train_step(
+        state.module, batch, dtype=compute.dtype, device=compute.device, optimizer=state.optimizer, grad_clip=grad_clip, check=check
+    )
     state.scheduler.step()
     state.step += 1
     return StepDone(result, tokens=int((batch.segment_ids >= 0).sum()), lr=lr, row_tokens=int((batch.segment_ids >= 0).sum(1).max()))
@@ -342,17 +479,46 @@ class _Validation:
     """The validation hook: the teacher-forced pass over the validation batches and, with a decode probe,
     the decoded tau (rank 0), written to ``metrics.jsonl``."""
 
-    def __init__(self, run: RunPlan, dataset: SampleSource, target: Target, checkpointer: Checkpointer, metrics_log: MetricsLog,
-                 compute: Compute, *, max_batches: int, sample_tokens: int, round_width: bool, seed: int):
-        self.run, self.dataset, self.target, self.checkpointer, self.metrics_log, self.compute = run, dataset, target, checkpointer, metrics_log, compute
+    def __init__(
+        self,
+        run: RunPlan,
+        dataset: SampleSource,
+        target: Target,
+        checkpointer: Checkpointer,
+        metrics_log: MetricsLog,
+        compute: Compute,
+        *,
+        max_batches: int,
+        sample_tokens: int,
+        round_width: bool,
+        seed: int,
+    ):
+        self.run, self.dataset, self.target, self.checkpointer, self.metrics_log, self.compute = (
+            run,
+            dataset,
+            target,
+            checkpointer,
+            metrics_log,
+            compute,
+        )
         self.batches, self.sample_tokens, self.round_width, self.seed = run.data.val_batches(max_batches), sample_tokens, round_width, seed
 
     def __call__(self, state: TrainState) -> dict | None:
         dist_ = self.checkpointer.dist
         state.module.eval()
-        sums = teacher_forced(state.module, self.dataset, self.batches, sample_tokens=self.sample_tokens, round_width=self.round_width, slot_index=self.run.slot_index,
-                              device=self.compute.device, compute_dtype=self.compute.dtype, where=self.run.where,
-                              seed=step_seed(self.seed, dist_.rank, state.step, EVAL_SEED_KIND))
+        sums = teacher_forced(
+            state.module,
+            self.dataset,
+            self.batches,
+            sample_tokens=self.sample_tokens,
+            round_width=self.round_width,
+            slot_index=self.run.slot_index,
+            device=self.compute.device,
+            compute_dtype=self.compute.dtype,
+            where=self.run.where,
+            seed=step_seed(self.seed, dist_.rank, state.step, EVAL_SEED_KIND),
+            agree=functools.partial(dist_.any, device=self.compute.device),
+        )
         sums.all_reduce()
         if not sums.batches:
             state.module.train()
@@ -373,56 +539,95 @@ class _Validation:
         return record
 
 
-def teacher_forced(forward: Callable[[DrafterBatch], TrainOutput], dataset: SampleSource, batches: list[list[list[int]]], *,
-                   sample_tokens: int, slot_index: list[int] | None, device: torch.device | str, compute_dtype: str,
-                   seed: int, round_width: bool = False, where: str = "the hidden-state store") -> MetricSums:
+def teacher_forced(
+    forward: Callable[[DrafterBatch], TrainOutput],
+    dataset: SampleSource,
+    batches: list[list[list[int]]],
+    *,
+    sample_tokens: int,
+    slot_index: list[int] | None,
+    device: torch.device | str,
+    compute_dtype: str,
+    seed: int,
+    round_width: bool = False,
+    where: str = "the hidden-state store",
+    agree: Callable[[bool], bool] | None = None,
+) -> MetricSums:
     """The validation pass's teacher-forced sums (``accept_len`` = ``tau_teacher_forced``) over ``batches``
     (``DataPlan.val_batches``), every RNG seeded with ``seed`` first. ``forward`` is the step module or a
     drafter's ``training_forward``, already in eval mode (uniform anchors); the benchmarks score other
-    held-out sets through this same pass. The caller all-reduces across processes."""
+    held-out sets through this same pass. The caller all-reduces across processes; ``agree`` (``Dist.any``) lets every
+    process refuse a batch with non-finite hidden states when any one holds one (``collate``)."""
     sums = MetricSums()
     reseed(seed)
     with torch.no_grad():
         for rows in batches:
-            batch = collate([[dataset[i] for i in row] for row in rows], sample_tokens=sample_tokens, round_width=round_width,
-                            slot_index=slot_index, where=where).to(device)
+            batch = collate(
+                [[dataset[i] for i in row] for row in rows],
+                sample_tokens=sample_tokens,
+                round_width=round_width,
+                slot_index=slot_index,
+                where=where,
+                agree=agree,
+            ).to(device)
             with autocast(compute_dtype, device):
                 sums.add(forward(batch), int((batch.segment_ids >= 0).sum()))
     return sums
 
 
-def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_: Dist, device: torch.device, *, dtype: str,
-                       num_threads: int, batch_rows: int, pack_tokens: int, dry_run: bool, forward_path: str) -> Compute:
+def _measured_settings(
+    module: nn.Module,
+    target: Target,
+    identity: dict,
+    dist_: Dist,
+    device: torch.device,
+    *,
+    dtype: str,
+    num_threads: int,
+    batch_rows: int,
+    pack_tokens: int,
+    dry_run: bool,
+    forward_path: str,
+) -> Compute:
     """The forward path, compute dtype and CPU thread count of the steps: ``forward_path`` / ``dtype`` /
-    ``num_threads``, or for ``auto`` / 0 what ran this step fastest here -- first the path (in fp32), then
-    the dtype on it, then the thread count --, timed on rank 0 (before the module is wrapped) and sent to
-    every rank so they all compute alike. A dry run computes nothing."""
-    from specdraft.tuning.forward_path import EAGER, FORWARD_PATHS, PathChoice, path_version, resolve_path, use_path
-    from specdraft.tuning.threads import default_threads_for_probes, resolve_threads, threads_facts
+    ``num_threads``, or for ``auto`` / 0 what tuning measured fastest for this step here (``tuning.resolve_choices``:
+    first the path, in fp32, then the dtype on it, then the thread count), timed on rank 0 (before the module is
+    wrapped) and sent to every rank so they all compute alike. A dry run computes nothing."""
+    from specdraft.tuning.forward_path import EAGER, FORWARD_PATHS, PathChoice, use_path
+    from specdraft.tuning.settings import TimedWork, resolve_choices
+    from specdraft.tuning.threads import threads_facts
 
     if dry_run:
-        return Compute(device, "fp32" if dtype == "auto" else dtype, None, threads_facts(num_threads, None), PathChoice(EAGER, "dry run", {}).to_json())
+        return Compute(
+            device, "fp32" if dtype == "auto" else dtype, None, threads_facts(num_threads, None), PathChoice(EAGER, "dry run", {}).to_json()
+        )
     names, paths = list(COMPUTE_DTYPES), FORWARD_PATHS.names()
     chosen_dtype, probe, threads = ("fp32" if dtype == "auto" else dtype), None, None
     path = PathChoice(forward_path, "flag", {})
     if dist_.main:
-        batch = synthetic_batch(rows=batch_rows, tokens=pack_tokens, slots=len(identity["slots"]),
-                                hidden=int(target.hidden_size), vocab=int(target.vocab_size)).to(device)
+        batch = synthetic_batch(
+            rows=batch_rows, tokens=pack_tokens, slots=len(identity["slots"]), hidden=int(target.hidden_size), vocab=int(target.vocab_size)
+        ).to(device)
         context = {k: identity[k] for k in ("method", "model_config", "slots")} | {"pack_tokens": pack_tokens, "batch_rows": batch_rows}
+        work = TimedWork(
+            "train",
+            context,
+            seconds_in=lambda d: fastest_time(lambda: train_step(module, batch, dtype=d, device=device)),
+            run=lambda d: train_step(module, batch, dtype=d, device=device),
+            model=module,
+            device=device,
+        )
         was_training = module.training
         module.train()
-        default_threads_for_probes(num_threads)
         try:
-            path = resolve_path(module, forward_path, "train", context,
-                                lambda: fastest_time(lambda: train_step(module, batch, dtype="fp32", device=device)))
-            context["forward_path"] = path_version(path.name)
-            if dtype == "auto":
-                probe = measure_train_dtype(module, batch, device=device, context=context)  # logs its figures
-                chosen_dtype = probe.choice
-            threads = resolve_threads(num_threads, "train-threads", {**context, "dtype": chosen_dtype},
-                                      lambda: train_step(module, batch, dtype=chosen_dtype, device=device), device=device)
+            choices = resolve_choices("train", work, forward_path=forward_path, dtype=dtype, threads=num_threads)
         finally:
             module.train(was_training)
+        path_choice, dtype_choice = choices.chosen("forward_path"), choices.chosen("compute_dtype")
+        path = PathChoice(path_choice.value, path_choice.source, dict(path_choice.seconds))
+        chosen_dtype, threads = dtype_choice.value, choices.chosen("threads").facts("threads")
+        if dtype == "auto":  # the figures that decided it, as reports record them
+            probe = {"choice": chosen_dtype, "seconds": dict(dtype_choice.seconds), "cached": dtype_choice.source == "cached"}
     chosen = torch.tensor([names.index(chosen_dtype), torch.get_num_threads(), paths.index(path.name) if dist_.main else 0], device=device)
     if dist_.world > 1:
         torch.distributed.broadcast(chosen, src=0)
@@ -431,7 +636,7 @@ def _measured_settings(module: nn.Module, target: Target, identity: dict, dist_:
         if not dist_.main:
             path = PathChoice(paths[int(chosen[2].item())], "rank 0", {})
             use_path(module, path.name)
-    return Compute(device, names[int(chosen[0].item())], probe.to_json() if probe else None, threads_facts(num_threads, threads), path.to_json())
+    return Compute(device, names[int(chosen[0].item())], probe, threads or threads_facts(num_threads, None), path.to_json())
 
 
 def _check_out_dir(out: Path) -> None:

@@ -16,8 +16,9 @@ and asking for it is an error naming the switch to turn off.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,7 +88,8 @@ def check_warm_start(cfg: Any, method: str) -> dict[str, WarmStart]:
         if piece.name not in surgery:
             raise SpecdraftError(
                 f"{piece.name} does not apply to method {method!r} (it applies to: {', '.join(piece.methods())}); "
-                f"set `{piece.switch}: {str(piece.off).lower()}` in the recipe" + (f" or pass {piece.off_flag()}" if piece.off_flag() else "")
+                f"set `{piece.switch}: {str(piece.off).lower()}` in the recipe"
+                + (f" or pass {piece.off_flag()}" if piece.off_flag() else "")
             )
         chosen[piece.name] = surgery[piece.name]
     return chosen

@@ -7,8 +7,12 @@ and logs it in one block, each choice marked measured now, read from the cache, 
 - ``paths`` (torch-free, for configs and ``--help``) and ``forward_path``: the exact forward paths and their probe;
   ``streamed`` and ``native/``: the C++ kernel part ``streamed`` runs.
 - ``threads``: the CPU thread count; ``dtype``: the compute dtype (training step, drafter round).
-- ``settings``: the typed settings object a stage resolves and logs.
+- ``settings``: the one entry point, ``resolve_choices`` (path, then dtype, then threads for a caller's work), and the
+  typed settings object a stage resolves and logs.
+- ``engines``: the regeneration engine (``prepare --engine auto``); ``budget_probes``: the plans made from timing
+  probes (a training run's steps, a comparison's reserve).
 
-The probes here time work a caller hands them (a training step, a decoding round), so this package sits below every
-layer that has work to time and imports none of them. Measured figures live in ``docs/results/machine_tuning.md``.
+The probes here time work a caller hands them (a training step, a decoding round, a generate), so this package sits
+below every layer that has work to time and imports none of them. Measured figures live in
+``docs/results/machine_tuning.md``.
 """

@@ -8,8 +8,10 @@ when it is clearly faster. fp32 is the exact one and the preferred.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -25,9 +27,10 @@ def candidates(device: torch.device) -> list[str]:
     return list(COMPUTE_DTYPES)
 
 
-def measure_dtype(name: str, context: dict[str, Any], seconds_in: Callable[[str], float], *, device: torch.device,
-                  cache_dir: Path | None = None) -> Measurement:
+def measure_dtype(
+    name: str, context: dict[str, Any], seconds_in: Callable[[str], float], *, device: torch.device, cache_dir: Path | None = None
+) -> Measurement:
     """The dtype whose ``seconds_in(dtype)`` (seconds of the caller's work in that dtype) was fastest on ``device``,
     fp32 unless bf16 is clearly faster; measured once per machine and ``context``, then cached."""
-    timers = {dtype: (lambda dtype=dtype: seconds_in(dtype)) for dtype in candidates(device)}
+    timers: dict[str, Callable[[], float]] = {dtype: functools.partial(seconds_in, dtype) for dtype in candidates(device)}
     return measured_choice(name, context, timers, preferred="fp32", device=device, cache_dir=cache_dir)

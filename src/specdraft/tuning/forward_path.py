@@ -16,12 +16,14 @@ the machine and the model, so ``auto`` times decode-shaped work on each applicab
 A path changes how modules compute, never their parameters or state_dict, and every path is exact up to float
 reassociation (logits within ``LOGIT_TOLERANCE`` of eager, tested).
 """
+
 from __future__ import annotations
 
 import contextvars
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -67,7 +69,7 @@ def path_applies(path: ForwardPath, model: nn.Module) -> bool:
 def path_version(name: str) -> str:
     """``name`` plus the versions of its parts that carry code of their own (``prepacked+streamed@1a2b...``): what
     caches of timings on a path (the path probes, SPS profiles) are keyed by, so a changed kernel is measured again."""
-    versions = [PATH_PARTS.get(part).version() for part in FORWARD_PATHS.get(name).parts if PATH_PARTS.get(part).version]
+    versions = [version() for part in FORWARD_PATHS.get(name).parts if (version := PATH_PARTS.get(part).version) is not None]
     return f"{name}@{'.'.join(versions)}" if versions else name
 
 
@@ -89,8 +91,12 @@ class PrepackedLinear(nn.Linear):
     def serves(self, x: torch.Tensor) -> bool:
         """Whether the inference-only ops may compute ``self(x)``: not where autograd tracks the weight or the input,
         under autocast, or for another dtype or device."""
-        return not (x.dtype != self.weight.dtype or x.device.type != "cpu" or torch.is_autocast_enabled("cpu")
-                    or (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)))
+        return not (
+            x.dtype != self.weight.dtype
+            or x.device.type != "cpu"
+            or torch.is_autocast_enabled("cpu")
+            or (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.serves(x):
@@ -118,25 +124,39 @@ class StreamedLinear(PrepackedLinear):
         return super().inference(x)
 
 
+_Module = TypeVar("_Module", bound=nn.Module)
+
+
+def _set_class(module: nn.Module, cls: type[_Module]) -> _Module:
+    """``module`` turned into a ``cls`` in place (same parameters and state, ``cls``'s forward): how each part installs
+    and uninstalls itself without copying weights."""
+    module.__class__ = cls
+    return cast(_Module, module)  # the assignment made it one; a type checker cannot follow a class swap
+
+
 def _install_prepacked(model: nn.Module) -> None:
     for module in model.modules():
         if type(module) is nn.Linear:  # subclasses may compute differently: left alone
-            module.__class__ = PrepackedLinear
-            module.pack()
+            _set_class(module, PrepackedLinear).pack()
 
 
 def _uninstall_prepacked(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, PrepackedLinear):  # a StreamedLinear too: the part it refines goes with it
-            module.__class__ = nn.Linear
+            _set_class(module, nn.Linear)
             for name in ("_packed", "_packed_version", "_stream_rows"):
                 module.__dict__.pop(name, None)
 
 
 def _prepacked_fits(model: nn.Module) -> bool:
     param = next(model.parameters(), None)
-    return (param is not None and param.device.type == "cpu" and param.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (
+        param is not None
+        and param.device.type == "cpu"
+        and param.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 #: Row counts part ``streamed`` is measured at (a verify forward of a 7-token block plus its anchor is 8 rows).
@@ -176,28 +196,40 @@ def stream_rows(model: nn.Module) -> int:
         with torch.no_grad():
             for rows in range(1, STREAM_PROBE_ROWS + 1):
                 inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in linears}}
-                passes = {"streamed": lambda: [streamed.streamed_linear(inputs[m.in_features], m.weight, m.bias) for m in linears],
-                          "prepacked": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[m.in_features], m._packed, m.bias, "none", [], "")
-                                                for m in linears]}
+                # timed within this iteration, so the closures' late binding of `inputs` is the intent
+                passes = {
+                    "streamed": lambda: [streamed.streamed_linear(inputs[m.in_features], m.weight, m.bias) for m in linears],  # noqa: B023
+                    "prepacked": lambda: [
+                        torch.ops.mkldnn._linear_pointwise(inputs[m.in_features], m._packed, m.bias, "none", [], "")  # noqa: B023
+                        for m in linears
+                    ],
+                }
                 for kernel, one_pass in passes.items():
                     figures[f"{kernel}/{rows}"] = fastest_time(one_pass, repeats=3)
         return figures
 
     def split(figures: dict[str, float]) -> tuple[dict[int, float], dict[int, float]]:
-        by = {"streamed": {}, "prepacked": {}}
+        by: dict[str, dict[int, float]] = {"streamed": {}, "prepacked": {}}
         for key, seconds in figures.items():
             kernel, _, rows = key.partition("/")
             by[kernel][int(rows)] = seconds
         return by["streamed"], by["prepacked"]
 
-    figures, cached, path = measured_figures("stream-rows", {"linears": shapes, "rows": STREAM_PROBE_ROWS,
-                                                                "kernel": streamed.kernel_version()}, measure,
-                                             decide=lambda f: stream_cap(*split(f)))
+    figures, cached, path = measured_figures(
+        "stream-rows",
+        {"linears": shapes, "rows": STREAM_PROBE_ROWS, "kernel": streamed.kernel_version()},
+        measure,
+        decide=lambda f: stream_cap(*split(f)),
+    )
     by_streamed, by_prepacked = split(figures)
     cap = stream_cap(by_streamed, by_prepacked)
-    log.info("streamed linears up to %d row(s) (%s in %s; ms per pass streamed/prepacked by rows: %s)", cap,
-             "cached" if cached else "measured", path,
-             ", ".join(f"{r} {by_streamed[r] * 1e3:.1f}/{by_prepacked[r] * 1e3:.1f}" for r in sorted(by_streamed)))
+    log.info(
+        "streamed linears up to %d row(s) (%s in %s; ms per pass streamed/prepacked by rows: %s)",
+        cap,
+        "cached" if cached else "measured",
+        path,
+        ", ".join(f"{r} {by_streamed[r] * 1e3:.1f}/{by_prepacked[r] * 1e3:.1f}" for r in sorted(by_streamed)),
+    )
     return cap
 
 
@@ -211,15 +243,13 @@ def _install_streamed(model: nn.Module) -> None:
     cap = stream_rows(model)
     for module in model.modules():
         if type(module) is PrepackedLinear:
-            module.__class__ = StreamedLinear
-            module._stream_rows = cap
+            _set_class(module, StreamedLinear)._stream_rows = cap
 
 
 def _uninstall_streamed(model: nn.Module) -> None:
     for module in model.modules():
         if type(module) is StreamedLinear:
-            module.__class__ = PrepackedLinear
-            del module._stream_rows
+            del _set_class(module, PrepackedLinear)._stream_rows
 
 
 def _streamed_installed(model: nn.Module) -> bool:
@@ -265,10 +295,11 @@ class _GqaForward:
 
 def _gqa_fits(model: nn.Module) -> bool:
     """An HF model on ``sdpa`` attention whose attention groups query heads over shared K/V heads."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return (getattr(text, "_attn_implementation", None) == "sdpa"
-            and any(getattr(module, "num_key_value_groups", 1) > 1 for module in model.modules()))
+    return getattr(text, "_attn_implementation", None) == "sdpa" and any(
+        getattr(module, "num_key_value_groups", 1) > 1 for module in model.modules()
+    )
 
 
 def _install_gqa(model: nn.Module) -> None:
@@ -286,13 +317,38 @@ def _gqa_installed(model: nn.Module) -> bool:
     return isinstance(model.__dict__.get("forward"), _GqaForward)
 
 
-PATH_PARTS.register("prepacked")(PathPart("prepacked", "CPU fp32 with oneDNN", _prepacked_fits, _install_prepacked, _uninstall_prepacked,
-                                          lambda model: any(isinstance(m, PrepackedLinear) for m in model.modules())))
-PATH_PARTS.register("streamed")(PathPart("streamed", "CPU fp32 with oneDNN and a C++ compiler that builds specdraft's streamed linear "
-                                         "(the log says why it did not)", _streamed_fits, _install_streamed, _uninstall_streamed,
-                                         _streamed_installed, version=lambda: streamed.kernel_version()))
-PATH_PARTS.register("gqa")(PathPart("gqa", "a Hugging Face model on sdpa attention with grouped K/V heads", _gqa_fits, _install_gqa,
-                                    _uninstall_gqa, _gqa_installed, optional=True))
+PATH_PARTS.register("prepacked")(
+    PathPart(
+        "prepacked",
+        "CPU fp32 with oneDNN",
+        _prepacked_fits,
+        _install_prepacked,
+        _uninstall_prepacked,
+        lambda model: any(isinstance(m, PrepackedLinear) for m in model.modules()),
+    )
+)
+PATH_PARTS.register("streamed")(
+    PathPart(
+        "streamed",
+        "CPU fp32 with oneDNN and a C++ compiler that builds specdraft's streamed linear (the log says why it did not)",
+        _streamed_fits,
+        _install_streamed,
+        _uninstall_streamed,
+        _streamed_installed,
+        version=lambda: streamed.kernel_version(),
+    )
+)
+PATH_PARTS.register("gqa")(
+    PathPart(
+        "gqa",
+        "a Hugging Face model on sdpa attention with grouped K/V heads",
+        _gqa_fits,
+        _install_gqa,
+        _uninstall_gqa,
+        _gqa_installed,
+        optional=True,
+    )
+)
 
 
 def applicable_paths(model: nn.Module) -> list[str]:
@@ -312,8 +368,11 @@ def use_path(model: nn.Module, name: str) -> str:
     missing = [PATH_PARTS.get(part).needs for part in parts if not PATH_PARTS.get(part).fits(model) and not PATH_PARTS.get(part).optional]
     if missing:
         param = next(model.parameters())
-        raise SpecdraftError(f"{setting('forward_path')} {name} does not apply to a {str(param.dtype).removeprefix('torch.')} model on "
-                             f"{param.device.type} here (it needs {'; '.join(missing)}); use one of {', '.join([AUTO, *applicable_paths(model)])}")
+        raise SpecdraftError(
+            f"{setting('forward_path')} {name} does not apply to a {str(param.dtype).removeprefix('torch.')} model on "
+            f"{param.device.type} here (it needs {'; '.join(missing)}); "
+            f"use one of {', '.join([AUTO, *applicable_paths(model)])}"
+        )
     kept = [part for part in parts if PATH_PARTS.get(part).fits(model)]
     for part in PATH_PARTS.names():
         if part not in kept:
@@ -351,8 +410,9 @@ def resolve_path(model: nn.Module, requested: str, what: str, context: dict[str,
         return run
 
     context = {**context, "paths": [path_version(n) for n in names]}
-    measurement: Measurement = measured_choice(f"forward-path-{what}", context, {n: timer(n) for n in names}, preferred=EAGER,
-                                               device=param.device)
+    measurement: Measurement = measured_choice(
+        f"forward-path-{what}", context, {n: timer(n) for n in names}, preferred=EAGER, device=param.device
+    )
     use_path(model, measurement.choice)
     source = "only" if len(names) == 1 else ("cached" if measurement.cached else "measured")
     return PathChoice(measurement.choice, source, dict(measurement.seconds))

@@ -25,9 +25,10 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class Measurement:
         return {"choice": self.choice, "seconds": dict(self.seconds), "cached": self.cached}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu() -> tuple[str, str]:
     """(CPU model name, hash of its feature flags) from /proc/cpuinfo, else what ``platform`` knows."""
     model, flags = "", ""
@@ -117,9 +118,16 @@ def fastest_time(fn: Callable[[], Any], *, repeats: int = 2, sync: Callable[[], 
     return best
 
 
-def measured_figures(name: str, context: dict[str, Any], measure: Callable[[], dict[str, float]], *, device: Any = "cpu",
-                     machine: dict[str, Any] | None = None, cache_dir: Path | None = None,
-                     decide: Callable[[dict[str, float]], Any] | None = None) -> tuple[dict[str, float], bool, Path]:
+def measured_figures(
+    name: str,
+    context: dict[str, Any],
+    measure: Callable[[], dict[str, float]],
+    *,
+    device: Any = "cpu",
+    machine: dict[str, Any] | None = None,
+    cache_dir: Path | None = None,
+    decide: Callable[[dict[str, float]], Any] | None = None,
+) -> tuple[dict[str, float], bool, Path]:
     """``(figures, cached, cache file)``: ``measure()``'s figures, taken once per machine (``machine``,
     default :func:`machine_identity`) and ``context``, then read back from the cache (which also
     records ``decide(figures)``, the choice they gave, for whoever reads the file)."""
@@ -146,17 +154,32 @@ def _figures(value: dict[str, Any]) -> dict[str, float]:
     return figures
 
 
-def measured_choice(name: str, context: dict[str, Any], timers: dict[str, Callable[[], float]], *, preferred: str,
-                    margin: float = 0.1, device: Any = "cpu", machine: dict[str, Any] | None = None,
-                    cache_dir: Path | None = None) -> Measurement:
+def measured_choice(
+    name: str,
+    context: dict[str, Any],
+    timers: dict[str, Callable[[], float]],
+    *,
+    preferred: str,
+    margin: float = 0.1,
+    device: Any = "cpu",
+    machine: dict[str, Any] | None = None,
+    cache_dir: Path | None = None,
+) -> Measurement:
     """Time each candidate (``timers[c]()`` returns seconds per unit of work) once per machine and
     ``context``, cache the figures, log them and return the choice."""
     if len(timers) == 1:  # nothing to choose between: nothing to time
         return Measurement(name, {}, next(iter(timers)))
     context = {**context, "candidates": sorted(timers)}
     decide = functools.partial(choose, preferred=preferred, margin=margin)
-    seconds, cached, path = measured_figures(name, context, lambda: {c: timer() for c, timer in timers.items()}, device=device,
-                                             machine=machine, cache_dir=cache_dir, decide=decide)
+    seconds, cached, path = measured_figures(
+        name,
+        context,
+        lambda: {c: timer() for c, timer in timers.items()},
+        device=device,
+        machine=machine,
+        cache_dir=cache_dir,
+        decide=decide,
+    )
     result = Measurement(name, seconds, decide(seconds), cached=cached, path=str(path))
     log.info("%s", result.describe())
     return result

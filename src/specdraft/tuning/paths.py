@@ -23,9 +23,14 @@ class ForwardPath:
 
 
 FORWARD_PATHS: Registry[ForwardPath] = Registry("forward path")
-for _path in (ForwardPath(EAGER, ()), ForwardPath("prepacked", ("prepacked",)), ForwardPath("gqa", ("gqa",)),
-              ForwardPath("prepacked+gqa", ("prepacked", "gqa")), ForwardPath("prepacked+streamed", ("prepacked", "streamed")),
-              ForwardPath("prepacked+streamed+gqa", ("prepacked", "streamed", "gqa"))):
+for _path in (
+    ForwardPath(EAGER, ()),
+    ForwardPath("prepacked", ("prepacked",)),
+    ForwardPath("gqa", ("gqa",)),
+    ForwardPath("prepacked+gqa", ("prepacked", "gqa")),
+    ForwardPath("prepacked+streamed", ("prepacked", "streamed")),
+    ForwardPath("prepacked+streamed+gqa", ("prepacked", "streamed", "gqa")),
+):
     FORWARD_PATHS.register(_path.name)(_path)
 
 

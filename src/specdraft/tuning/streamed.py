@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from specdraft.errors import SpecdraftError
 from specdraft.utils.cache import build_lock, holder_of, read_entry, write_entry
 from specdraft.utils.io import sha256_file
 
@@ -54,13 +55,13 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_version() -> str:
     """The kernel's source and build flags, hashed: measurements taken with another kernel are not reused."""
     return hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def extension_name() -> str:
     """The extension's name, which names its build directory: tagged with the CPU's feature flags and the build flags."""
     from specdraft.tuning.measured import machine_identity
@@ -69,11 +70,12 @@ def extension_name() -> str:
     return f"specdraft_streamed_{tag}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def streamed_ops() -> Any | None:
     """The built extension (``streamed_linear(x, weight, bias)``), or None where it cannot be built here."""
     if _compiler() is None:
-        return _failed("no C++ compiler found (set CXX, or install g++)")
+        _failed("no C++ compiler found (set CXX, or install g++)")
+        return None
     try:
         import ninja  # the build tool torch's loader drives; the wheel's binary may be off PATH outside an activated venv
 
@@ -87,26 +89,39 @@ def streamed_ops() -> Any | None:
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # torch's choice, $TORCH_EXTENSIONS_DIR first
         with build_lock(build_dir / BUILD_LOCK, timeout=BUILD_WAIT_S, what="the build of specdraft's streamed kernel") as held:
             if not held:
-                return _failed(f"process {holder_of(build_dir / BUILD_LOCK)} has been building it in {build_dir} for over "
-                               f"{BUILD_WAIT_S:g} s")
+                _failed(f"process {holder_of(build_dir / BUILD_LOCK)} has been building it in {build_dir} for over {BUILD_WAIT_S:g} s")
+                return None
             _take_over_stale_lock(build_dir)
             if not _stamped_build(build_dir, name):
                 log.info("building specdraft's streamed kernel in %s (once per machine and CPU)", build_dir)
-            ops = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir), extra_cflags=CFLAGS,
-                                     extra_ldflags=["-fopenmp"], verbose=False)
-            write_entry(build_dir / STAMP_FILE, {"library": Path(ops.__file__).name, "sha256": sha256_file(ops.__file__)},
-                        format=STAMP_FORMAT, key=_stamp_key(name), what="streamed kernel build stamp")
+            ops = cpp_extension.load(
+                name=name,
+                sources=[str(SOURCE)],
+                build_directory=str(build_dir),
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+            write_entry(
+                build_dir / STAMP_FILE,
+                {"library": Path(ops.__file__).name, "sha256": sha256_file(ops.__file__)},
+                format=STAMP_FORMAT,
+                key=_stamp_key(name),
+                what="streamed kernel build stamp",
+            )
             return ops
-    except Exception as exc:  # a compiler error, a missing tool: the path does not apply, other paths still run
-        return _failed(f"building {SOURCE.name} failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}")
+    except Exception as exc:  # noqa: BLE001 - a compiler error, a missing tool: the path does not apply, other paths still run
+        _failed(f"building {SOURCE.name} failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}")
+        return None
 
 
 def _take_over_stale_lock(build_dir: Path) -> None:
     """Remove torch's build ``lock`` that a killed build left (called holding ``BUILD_LOCK``, so no live build owns it)."""
     baton = build_dir / TORCH_LOCK
     if baton.exists():
-        log.warning("taking over the stale build lock %s: the build that made it is gone (no live process holds %s)", baton,
-                    build_dir / BUILD_LOCK)
+        log.warning(
+            "taking over the stale build lock %s: the build that made it is gone (no live process holds %s)", baton, build_dir / BUILD_LOCK
+        )
         baton.unlink()
 
 
@@ -126,8 +141,11 @@ def _stamped_build(build_dir: Path, name: str) -> bool:
     stamp = read_entry(build_dir / STAMP_FILE, format=STAMP_FORMAT, key=_stamp_key(name), what="streamed kernel build stamp")
     if stamp is not None and stamp.get("library") == library.name and stamp.get("sha256") == sha256_file(library):
         return True
-    why = "no build stamp that verifies (built by an earlier specdraft, or its build was cut short)" if stamp is None else \
-        "another sha256 than its build stamp records (damaged)"
+    why = (
+        "no build stamp that verifies (built by an earlier specdraft, or its build was cut short)"
+        if stamp is None
+        else "another sha256 than its build stamp records (damaged)"
+    )
     log.warning("rebuilding specdraft's streamed kernel: %s has %s", library, why)
     for entry in build_dir.iterdir():
         if entry.name == BUILD_LOCK:
@@ -142,7 +160,6 @@ def _stamped_build(build_dir: Path, name: str) -> bool:
 def _failed(reason: str) -> None:
     _failure.append(reason)
     log.warning("forward path part 'streamed' is unavailable: %s", reason)
-    return None
 
 
 def build_failure() -> str | None:
@@ -152,4 +169,7 @@ def build_failure() -> str | None:
 
 def streamed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 contiguous, weight [N, K] contiguous -> [M, N] (no autograd: inference only)."""
-    return streamed_ops().streamed_linear(x, weight, bias)
+    ops = streamed_ops()
+    if ops is None:
+        raise SpecdraftError(f"the streamed kernel is unavailable here: {build_failure()}")
+    return ops.streamed_linear(x, weight, bias)

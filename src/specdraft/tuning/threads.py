@@ -13,8 +13,9 @@ always wins and is never measured; GPU work keeps torch's default (its CPU threa
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from specdraft.tuning.measured import Measurement, available_cores, fastest_time, machine_identity, measured_choice
 from specdraft.utils.lengths import power_of_two_at_least
@@ -40,9 +41,11 @@ def set_threads(count: int) -> None:
 
     most = 4 * max(available_cores(), 1)
     if not 1 <= count <= most:
-        raise SpecdraftError(f"thread count {count} ({setting('threads', 'num_threads')}) must be 0 (auto) or 1..{most} "
-                             f"(4x the {available_cores()} "
-                             "cores available here)")
+        raise SpecdraftError(
+            f"thread count {count} ({setting('threads', 'num_threads')}) must be 0 (auto) or 1..{most} "
+            f"(4x the {available_cores()} "
+            "cores available here)"
+        )
     torch.set_num_threads(count)
 
 
@@ -55,8 +58,16 @@ def default_threads_for_probes(requested: int) -> None:
         set_threads(available_cores())
 
 
-def resolve_threads(requested: int, name: str, context: dict[str, Any], work: Callable[[], Any], *, device: Any = "cpu",
-                    repeats: int = 1, cache_dir: Path | None = None) -> Measurement | None:
+def resolve_threads(
+    requested: int,
+    name: str,
+    context: dict[str, Any],
+    work: Callable[[], Any],
+    *,
+    device: Any = "cpu",
+    repeats: int = 1,
+    cache_dir: Path | None = None,
+) -> Measurement | None:
     """Set torch's thread count: ``requested`` when > 0, else the candidate whose ``work()`` was fastest
     (measured once per machine and ``context``); returns the measurement (None when nothing was measured)."""
     import torch
@@ -67,7 +78,7 @@ def resolve_threads(requested: int, name: str, context: dict[str, Any], work: Ca
     if torch.device(device).type != "cpu":
         return None
     cores = available_cores()
-    warm = []
+    warm: list[Any] = []
 
     def timer(count: int) -> Callable[[], float]:
         def run() -> float:
@@ -79,8 +90,15 @@ def resolve_threads(requested: int, name: str, context: dict[str, Any], work: Ca
         return run
 
     timers = {str(n): timer(n) for n in thread_candidates(cores)}
-    measurement = measured_choice(name, context, timers, preferred=str(cores), device=device,
-                                  machine={**machine_identity(device, threads=False), "cores": cores}, cache_dir=cache_dir)
+    measurement = measured_choice(
+        name,
+        context,
+        timers,
+        preferred=str(cores),
+        device=device,
+        machine={**machine_identity(device, threads=False), "cores": cores},
+        cache_dir=cache_dir,
+    )
     torch.set_num_threads(int(measurement.choice))
     return measurement
 
@@ -92,8 +110,11 @@ def threads_facts(requested: int, measurement: Measurement | None) -> dict[str, 
 
     if measurement is None:
         return {"threads": torch.get_num_threads(), "threads_source": "flag" if requested else "default"}
-    return {"threads": int(measurement.choice), "threads_source": "cached" if measurement.cached else "measured",
-            "threads_seconds": measurement.seconds}
+    return {
+        "threads": int(measurement.choice),
+        "threads_source": "cached" if measurement.cached else "measured",
+        "threads_seconds": measurement.seconds,
+    }
 
 
 def resolve_forward_threads(requested: int, model: Any, *, fingerprint: str, rows: int, tokens: int) -> Measurement | None:
@@ -103,11 +124,12 @@ def resolve_forward_threads(requested: int, model: Any, *, fingerprint: str, row
 
     param = next(model.parameters())
     tokens = power_of_two_at_least(tokens)
-    ids = []  # drawn on the first timed forward: a fixed --threads N never pays for (or overflows on) the probe's batch
+    ids: list[torch.Tensor] = []  # drawn on the first timed forward: a fixed --threads N never pays for (or overflows on) the probe's batch
 
     def forward() -> None:
         if not ids:
-            ids.append(torch.randint(0, int(model.config.vocab_size), (rows, tokens), generator=torch.Generator().manual_seed(0)).to(param.device))
+            generator = torch.Generator().manual_seed(0)
+            ids.append(torch.randint(0, int(model.config.vocab_size), (rows, tokens), generator=generator).to(param.device))
         with torch.no_grad():
             model(input_ids=ids[0])
 

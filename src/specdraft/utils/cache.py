@@ -26,8 +26,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar, overload
 
 from specdraft.errors import SpecdraftError
 from specdraft.utils.io import atomic_write_json, sha256_bytes
@@ -51,11 +52,17 @@ def _checksum(entry: dict[str, Any]) -> str:
 
 def _miss(path: Path, what: str, reason: str, level: int = logging.WARNING) -> None:
     log.log(level, "not using the cached %s %s: %s; making it again", what, path, reason)
-    return None
 
 
-def read_entry(path: str | os.PathLike, *, format: str, key: dict[str, Any], what: str,
-               parse: Callable[[dict[str, Any]], T] = lambda value: value) -> T | None:
+@overload
+def read_entry(path: str | os.PathLike, *, format: str, key: dict[str, Any], what: str) -> dict[str, Any] | None: ...
+@overload
+def read_entry(
+    path: str | os.PathLike, *, format: str, key: dict[str, Any], what: str, parse: Callable[[dict[str, Any]], T]
+) -> T | None: ...
+def read_entry(
+    path: str | os.PathLike, *, format: str, key: dict[str, Any], what: str, parse: Callable[[dict[str, Any]], Any] = lambda value: value
+) -> Any:
     """The value cached at ``path`` for ``key``, passed through ``parse`` (which raises on a value it rejects and
     never returns None), or None where there is none that verifies (logged, see the module docstring)."""
     path = Path(path)
@@ -66,24 +73,31 @@ def read_entry(path: str | os.PathLike, *, format: str, key: dict[str, Any], wha
         except FileNotFoundError:
             return None
         except OSError as exc:  # a directory in the way, a denied read
-            return _miss(path, what, f"it cannot be read ({exc.strerror or exc})")
+            _miss(path, what, f"it cannot be read ({exc.strerror or exc})")
+            return None
         except ValueError as exc:
-            return _miss(path, what, f"it is not JSON ({exc})")
+            _miss(path, what, f"it is not JSON ({exc})")
+            return None
     if not isinstance(entry, dict):
-        return _miss(path, what, f"it holds a JSON {type(entry).__name__}, not an object")
+        _miss(path, what, f"it holds a JSON {type(entry).__name__}, not an object")
+        return None
     if entry.get("format") != format:
-        return _miss(path, what, f"its format is {entry.get('format')!r}, not {format!r} (another specdraft version)", logging.INFO)
+        _miss(path, what, f"its format is {entry.get('format')!r}, not {format!r} (another specdraft version)", logging.INFO)
+        return None
     if entry.get(CHECKSUM) != _checksum(entry):
-        return _miss(path, what, f"its content does not match its {CHECKSUM} (edited or damaged)")
+        _miss(path, what, f"its content does not match its {CHECKSUM} (edited or damaged)")
+        return None
     key = _canonical(key)
     differs = sorted(name for name, value in key.items() if entry.get(name) != value)
     if differs:
-        return _miss(path, what, f"it was made for another {', '.join(differs)}", logging.INFO)
+        _miss(path, what, f"it was made for another {', '.join(differs)}", logging.INFO)
+        return None
     value = {name: v for name, v in entry.items() if name not in key and name not in ("format", CHECKSUM)}
     try:
         return parse(value)
     except (KeyError, ValueError, TypeError, AttributeError, SpecdraftError) as exc:
-        return _miss(path, what, f"its value is invalid ({type(exc).__name__}: {exc})")
+        _miss(path, what, f"its value is invalid ({type(exc).__name__}: {exc})")
+        return None
 
 
 def write_entry(path: str | os.PathLike, value: dict[str, Any], *, format: str, key: dict[str, Any], what: str) -> bool:
@@ -96,15 +110,42 @@ def write_entry(path: str | os.PathLike, value: dict[str, Any], *, format: str, 
         atomic_write_json(path, entry)
     except OSError as exc:
         _memory[str(path)] = entry
-        log.warning("cannot write the cached %s %s (%s); it is kept in memory for this process only, and the next one makes it "
-                    "again: make %s writable (or remove what is in the way)", what, path, exc.strerror or exc, path.parent)
+        log.warning(
+            "cannot write the cached %s %s (%s); it is kept in memory for this process only, and the next one makes it "
+            "again: make %s writable (or remove what is in the way)",
+            what,
+            path,
+            exc.strerror or exc,
+            path.parent,
+        )
         return False
     _memory.pop(str(path), None)
     return True
 
 
-def cached(path: str | os.PathLike, build: Callable[[], dict[str, Any]], *, format: str, key: dict[str, Any], what: str,
-           parse: Callable[[dict[str, Any]], T] = lambda value: value) -> tuple[T, bool]:
+@overload
+def cached(
+    path: str | os.PathLike, build: Callable[[], dict[str, Any]], *, format: str, key: dict[str, Any], what: str
+) -> tuple[dict[str, Any], bool]: ...
+@overload
+def cached(
+    path: str | os.PathLike,
+    build: Callable[[], dict[str, Any]],
+    *,
+    format: str,
+    key: dict[str, Any],
+    what: str,
+    parse: Callable[[dict[str, Any]], T],
+) -> tuple[T, bool]: ...
+def cached(
+    path: str | os.PathLike,
+    build: Callable[[], dict[str, Any]],
+    *,
+    format: str,
+    key: dict[str, Any],
+    what: str,
+    parse: Callable[[dict[str, Any]], Any] = lambda value: value,
+) -> tuple[Any, bool]:
     """``(parse(value), was cached)``: the entry at ``path`` for ``key`` where one verifies, else ``build()``'s value,
     cached for the next caller."""
     hit = read_entry(path, format=format, key=key, what=what, parse=parse)

@@ -4,7 +4,6 @@ whose choice between them is measured (``tuning/dtype.py``), never fixed."""
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
 
 import torch
 
@@ -30,8 +29,7 @@ def parse_device(name: str) -> torch.device:
     return device
 
 
-def autocast(name: str, device: torch.device | str) -> ContextManager:
+def autocast(name: str, device: torch.device | str) -> contextlib.AbstractContextManager:
     """The context a step runs in for compute dtype ``name``."""
     dtype = COMPUTE_DTYPES[name]
     return torch.autocast(torch.device(device).type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-

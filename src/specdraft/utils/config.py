@@ -17,9 +17,13 @@ import enum
 import math
 import types
 import typing
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-C = TypeVar("C")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 
 def check_forward_path(value: str, flag: str = "forward_path") -> None:
@@ -60,8 +64,8 @@ def _type_problem(tp: Any, value: Any) -> str | None:
     if tp is type(None):
         return None if value is None else "null"
     if origin in (typing.Union, types.UnionType):
-        problems = [_type_problem(arm, value) for arm in args]
-        return None if None in problems else " or ".join(dict.fromkeys(problems))
+        problems = [problem for arm in args if (problem := _type_problem(arm, value)) is not None]
+        return None if len(problems) < len(args) else " or ".join(dict.fromkeys(problems))
     if value is None:
         return None if optional else "set (not null)"
     if tp in _SCALARS:
@@ -87,7 +91,7 @@ def _type_problem(tp: Any, value: Any) -> str | None:
             if problem := _type_problem(value_type, item):
                 return f"a mapping whose values are each {problem}"
         return None
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return None if isinstance(value, tp) else f"a {tp.__name__}"
     return None
 
@@ -125,17 +129,21 @@ def check_fields(cls: type, values: Any, where: str, prefix: str = "") -> None:
     from specdraft.errors import SpecdraftError
 
     if not isinstance(values, collections.abc.Mapping):
-        raise SpecdraftError(f"{where}: {prefix.removesuffix('.') or 'the file'} must be a mapping of {cls.__name__} fields, "
-                             f"got {values!r} ({type(values).__name__})")
+        raise SpecdraftError(
+            f"{where}: {prefix.removesuffix('.') or 'the file'} must be a mapping of {cls.__name__} fields, "
+            f"got {values!r} ({type(values).__name__})"
+        )
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     unknown = sorted(str(key) for key in values if key not in names)
     if unknown:
-        raise SpecdraftError(f"{where}: unknown field(s) {', '.join(prefix + k for k in unknown)}; "
-                             f"valid fields{' of ' + prefix.removesuffix('.') if prefix else ''}: {', '.join(sorted(names))}")
+        raise SpecdraftError(
+            f"{where}: unknown field(s) {', '.join(prefix + k for k in unknown)}; "
+            f"valid fields{' of ' + prefix.removesuffix('.') if prefix else ''}: {', '.join(sorted(names))}"
+        )
     for key, value in values.items():
         tp, _ = _unwrap_optional(hints.get(key, Any))
-        if dataclasses.is_dataclass(tp) and isinstance(value, collections.abc.Mapping):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(value, collections.abc.Mapping):
             check_fields(tp, value, where, f"{prefix}{key}.")
             continue
         problem = _type_problem(hints.get(key, Any), value)
@@ -159,13 +167,14 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, exclude: tuple[str, ...] = ()) -> None:
     """Add one ``--kebab-case`` flag per field of ``cls`` (bools become ``--flag/--no-flag``)."""
     hints = typing.get_type_hints(cls)
-    for f in sorted(dataclasses.fields(cls), key=lambda f: f.kw_only):  # inherited keyword-only option groups last
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.kw_only is True):  # inherited keyword-only option groups last
         if f.name in exclude or not f.init:
             continue
         tp, _ = _unwrap_optional(hints[f.name])
         help_text = f.metadata.get("help", "")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        default = None if required else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        factory = f.default_factory
+        default = f.default if f.default is not dataclasses.MISSING else None if factory is dataclasses.MISSING else factory()
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text + ("" if required else f" (default: {default})")}
         if required:
             kwargs["required"] = True
@@ -192,13 +201,13 @@ def _non_empty(text: str) -> str:
     return text
 
 
-def _list_parser(item: type):
+def _list_parser(item: type) -> Callable[[str], list]:
     def parse(text: str) -> list:
         parts = [p for p in text.split(",") if p.strip()]
         try:
             return [item(p.strip()) for p in parts]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {item.__name__}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {item.__name__}, got {text!r}") from None
 
     return parse
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from email.message import Message
 from io import BufferedIOBase
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO
 
 #: Deepest nesting of arrays/objects a body may have (the schemas here need 3).
 MAX_DEPTH = 16
@@ -61,7 +62,7 @@ def read_json_body(
     except RequestError:
         raise
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, an integer of too many digits
-        raise RequestError(400, f"the request body is not valid JSON ({str(exc):.200})") from None
+        raise RequestError(400, f"the request body is not valid JSON ({exc!s:.200})") from None
 
 
 def nesting_depth(raw: bytes, limit: int) -> int:
@@ -112,8 +113,15 @@ _NAMES = {int: "an integer", str: "a string", float: "a number", bool: "true or 
 
 
 def _describe(value: Any) -> str:
-    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array", dict: "an object",
-            type(None): "null"}.get(type(value), type(value).__name__)
+    kind = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
     return kind if isinstance(value, (list, dict)) else f"{kind} {json.dumps(value)[:60]}"
 
 
@@ -125,6 +133,8 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise RequestError(400, f"the request body repeats the field {dup!r}; send each field once")
+        for key, _ in pairs:
+            if key in seen:
+                raise RequestError(400, f"the request body repeats the field {key!r}; send each field once")
+            seen.add(key)
     return obj

@@ -10,9 +10,10 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 
 def cache_root() -> Path:
@@ -92,8 +93,9 @@ def json_field_is(key: str, value: Any) -> Callable[[Path], bool]:
     return recognise
 
 
-def check_replaceable(path: str | os.PathLike, kind: DirKind | FileKind, *, inputs: Iterable[str | os.PathLike] = (),
-                      in_place_ok: bool = False) -> None:
+def check_replaceable(
+    path: str | os.PathLike, kind: DirKind | FileKind, *, inputs: Iterable[str | os.PathLike] = (), in_place_ok: bool = False
+) -> None:
     """Refuse (``SpecdraftError``) to replace ``path`` unless it is absent, empty or holds only a ``kind`` (for a
     ``FileKind``: unless it is absent or such a file).
 
@@ -111,8 +113,10 @@ def check_replaceable(path: str | os.PathLike, kind: DirKind | FileKind, *, inpu
         if path.is_dir():
             raise SpecdraftError(f"{path} is a directory; give a file path, e.g. {path / kind.example}")
         if not kind.recognise(path):
-            raise SpecdraftError(f"{path} exists and is not a {kind.name}; it would be replaced, so nothing was done. Choose "
-                                 "another path or move that file away")
+            raise SpecdraftError(
+                f"{path} exists and is not a {kind.name}; it would be replaced, so nothing was done. Choose "
+                "another path or move that file away"
+            )
         return
     if path.is_symlink() or not path.is_dir():
         what = "a symbolic link (the link, not its target, would be replaced)" if path.is_symlink() else "not a directory"
@@ -169,8 +173,9 @@ def recover_swap(path: str | os.PathLike) -> None:
     previous = [p for p in leftovers if p.name.endswith(".old")]
     if previous and not path.exists() and not path.is_symlink():
         os.replace(previous[0], path)
-        log.warning("%s: put back its previous content from %s, left by a writer killed while swapping in a new one", path,
-                    previous[0].name)
+        log.warning(
+            "%s: put back its previous content from %s, left by a writer killed while swapping in a new one", path, previous[0].name
+        )
         leftovers.remove(previous[0])
     for leftover in leftovers:
         shutil.rmtree(leftover, ignore_errors=True)
@@ -179,8 +184,9 @@ def recover_swap(path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str | os.PathLike] = (),
-               in_place_ok: bool = False) -> Iterator[Path]:
+def atomic_dir(
+    path: str | os.PathLike, kind: DirKind, *, inputs: Iterable[str | os.PathLike] = (), in_place_ok: bool = False
+) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces ``path`` whole (old content removed).
 
     ``path`` is replaced only when ``check_replaceable`` allows it, checked before the caller writes

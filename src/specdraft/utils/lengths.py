@@ -4,7 +4,6 @@ and the eval's per-bucket tables."""
 from __future__ import annotations
 
 
-
 def power_of_two_at_least(n: int) -> int:
     """``n`` rounded up to a power of two: length buckets, and probe shapes (and cache keys) that many datasets share."""
     return 1 << max(int(n) - 1, 1).bit_length()

@@ -53,6 +53,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shlex
 import socket
 import stat
@@ -60,8 +61,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from specdraft.errors import OS_ERROR_FIXES, SpecdraftError, setting
 from specdraft.utils.io import LOCK_GLOB
@@ -75,6 +77,8 @@ STALE_AFTER_S = 300.0  # ten missed heartbeats
 # lock): looked at again this many times, this long apart, before it counts as held by someone unknown.
 EMPTY_RETRIES = 25
 EMPTY_WAIT_S = 0.02
+COMMAND_CHARS = 300  # of a holder's command line in a refusal: enough for its subcommand, paths and --out
+
 
 def lock_path(out: str | os.PathLike) -> Path:
     """Where the lock of output ``out`` lives: ``.NAME.lock`` beside it (see the module docstring), found through its
@@ -162,10 +166,30 @@ def stale_reason(holder: dict, *, host: str, now: float, stale_after: float = ST
 def describe_holder(holder: dict) -> str:
     started = holder.get("started")
     since = _now_text(started) if isinstance(started, (int, float)) else "an unknown time"
+    return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} ({holder_command(holder)}), since {since}"
+
+
+_CLI_WORD = re.compile(r"[a-z][a-z-]*")  # how the CLI's subcommands are spelled (``train``, ``export-speculators``)
+
+
+def holder_command(holder: dict, limit: int = COMMAND_CHARS) -> str:
+    """What the holder runs, as a quoted command: `specdraft train --out R ...` when it is the CLI (its ``argv`` goes on
+    with a subcommand), else its command and program. Quoted, so that the flags in it read as the holder's, not as
+    advice to the refused command (``tests/hostile/test_advice.py``); cut after ``limit`` characters at an argument,
+    inside the quote, which stays closed (a long path is cut within, a flag never: a cut one would name no flag)."""
+    command = str(holder.get("command") or "a specdraft command")
     argv = holder.get("argv")
-    shown = [Path(str(argv[0])).name, *map(str, argv[1:])] if isinstance(argv, list) and argv else []
-    command = str(holder.get("command", "?")) + (f": {shlex.join(shown)[:200]}" if shown else "")
-    return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} ({command}), since {since}"
+    argv = [str(a) for a in argv] if isinstance(argv, list) else []
+    if len(argv) < 2 or not _CLI_WORD.fullmatch(argv[1]):
+        return f"{command}, run by `{Path(argv[0]).name}`" if argv else command
+    shown = "specdraft"
+    for i, word in enumerate(map(shlex.quote, argv[1:]), 1):
+        if len(shown) + 1 + len(word) > limit:
+            room = limit - len(shown) - 1
+            cut = f" {word[:room]}..." if room > 0 and not word.startswith("-") else " ..."
+            return f"`{shown}{cut}` ({len(argv) - i} argument(s) cut)"
+        shown += " " + word
+    return f"`{shown}`"
 
 
 def _read_holder(fd: int) -> dict | None:
@@ -208,8 +232,12 @@ def held_by_other(path: Path, *, host: str, now: float, stale_after: float = STA
             if holder and holder.get("pid") == os.getpid() and same_machine(holder, host):
                 return None  # this process's own: a nested claim
             if not locked:  # only another host's fresh heartbeat still holds it (flock may not reach across hosts)
-                fresh = (holder and not same_machine(holder, host) and isinstance(holder.get("heartbeat"), (int, float))
-                         and stale_reason(holder, host=host, now=now, stale_after=stale_after) is None)
+                fresh = (
+                    holder
+                    and not same_machine(holder, host)
+                    and isinstance(holder.get("heartbeat"), (int, float))
+                    and stale_reason(holder, host=host, now=now, stale_after=stale_after) is None
+                )
                 return holder if fresh else None
             if holder:
                 return None if stale_reason(holder, host=host, now=now, stale_after=stale_after) else holder
@@ -224,8 +252,9 @@ def tree_conflict(out: str | os.PathLike, *, host: str, now: float, stale_after:
     or ``None``: the tree rule of the module docstring. Descendants are found by walking ``out`` (links not followed)."""
     root = Path(out).expanduser().resolve()
     ancestors = (parent.parent / f".{parent.name}.lock" for parent in root.parents if parent.name)
-    descendants = (Path(directory) / name for directory, _, names in os.walk(root) for name in names
-                   if fnmatch.fnmatchcase(name, LOCK_GLOB))
+    descendants = (
+        Path(directory) / name for directory, _, names in os.walk(root) for name in names if fnmatch.fnmatchcase(name, LOCK_GLOB)
+    )
     for lock in (*ancestors, *descendants):
         holder = held_by_other(lock, host=host, now=now, stale_after=stale_after)
         if holder is not None:
@@ -239,8 +268,17 @@ class OutputLock:
     ``host`` and ``clock`` default to this machine's name and ``time.time``; tests inject others.
     """
 
-    def __init__(self, out: str | os.PathLike, *, command: str = "", what: str = "", host: str | None = None,
-                 clock: Callable[[], float] = time.time, heartbeat_s: float = HEARTBEAT_S, stale_after: float = STALE_AFTER_S):
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        *,
+        command: str = "",
+        what: str = "",
+        host: str | None = None,
+        clock: Callable[[], float] = time.time,
+        heartbeat_s: float = HEARTBEAT_S,
+        stale_after: float = STALE_AFTER_S,
+    ):
         self.out = Path(out)
         self.path = lock_path(self.out)
         self.command = command or "specdraft"
@@ -257,6 +295,7 @@ class OutputLock:
     # -- the lock file ------------------------------------------------------------------------------
 
     def _write(self) -> None:
+        assert self._fd is not None  # called only while the lock is held
         data = json.dumps(self._info, sort_keys=True).encode()
         os.pwrite(self._fd, data, 0)
         os.ftruncate(self._fd, len(data))
@@ -276,7 +315,7 @@ class OutputLock:
 
     def _refuse_nested(self, lock: Path, holder: dict) -> SpecdraftError:
         other = _output_of(lock)
-        where = (f"{self.out} lies inside {other}" if other in self.out.expanduser().resolve().parents else f"{self.out} holds {other}")
+        where = f"{self.out} lies inside {other}" if other in self.out.expanduser().resolve().parents else f"{self.out} holds {other}"
         return SpecdraftError(
             f"{where}, which is being written by {describe_holder(holder)}; lock {lock}. A writer's lock covers its whole "
             f"directory tree: wait for it to finish, stop it, or choose another {self.what}; nothing was done"
@@ -325,11 +364,22 @@ class OutputLock:
                     if holder and not same_machine(holder, self.host) and reason is None:
                         os.close(fd)  # flock does not reach across hosts on this file system; the heartbeat does
                         raise self._refuse(holder)
-                    log.warning("%s: took over the lock of %s, which ended without releasing it (%s)",
-                                self.out, describe_holder(holder) if holder else "an unknown process", reason or "it has ended")
+                    log.warning(
+                        "%s: took over the lock of %s, which ended without releasing it (%s)",
+                        self.out,
+                        describe_holder(holder) if holder else "an unknown process",
+                        reason or "it has ended",
+                    )
                 self._fd = fd
-                self._info = {"pid": os.getpid(), "host": self.host, "command": self.command, "argv": sys.argv, "pidns": _pid_namespace(),
-                              "started": now, "heartbeat": now}
+                self._info = {
+                    "pid": os.getpid(),
+                    "host": self.host,
+                    "command": self.command,
+                    "argv": sys.argv,
+                    "pidns": _pid_namespace(),
+                    "started": now,
+                    "heartbeat": now,
+                }
                 try:
                     self._write()
                 except OSError as exc:
@@ -352,7 +402,7 @@ class OutputLock:
                 os.close(fd)
                 raise self._refuse(holder or {})
             if self._same_file(fd):  # still the stale file, not one a contender created after removing it
-                log.warning("%s: removing the stale lock of %s (%s)", self.out, describe_holder(holder), reason)
+                log.warning("%s: removing the stale lock of %s (%s)", self.out, describe_holder(holder or {}), reason)
                 self.path.unlink(missing_ok=True)
             os.close(fd)
             contended += 1
@@ -383,8 +433,9 @@ class OutputLock:
             while not self._stop.wait(self.heartbeat_s):
                 try:
                     if not self.refresh():
-                        log.error("%s: the lock %s was removed by another process; two writers may now share this output",
-                                  self.out, self.path)
+                        log.error(
+                            "%s: the lock %s was removed by another process; two writers may now share this output", self.out, self.path
+                        )
                         return
                 except OSError as exc:
                     log.warning("%s: cannot refresh the lock heartbeat (%s)", self.path, exc)
@@ -393,7 +444,7 @@ class OutputLock:
         self._thread = threading.Thread(target=beat, name=f"specdraft-lock-{self.out.name}", daemon=True)
         self._thread.start()
 
-    def __enter__(self) -> "OutputLock":
+    def __enter__(self) -> OutputLock:
         self.acquire()
         return self
 
@@ -439,8 +490,15 @@ def _is_extra_rank() -> bool:
 
 
 @contextlib.contextmanager
-def claim_output(out: str | os.PathLike, kind: Any, *, inputs: Iterable[str | os.PathLike] = (), in_place_ok: bool = False,
-                 command: str = "", what: str = "") -> Iterator[Path]:
+def claim_output(
+    out: str | os.PathLike,
+    kind: Any,
+    *,
+    inputs: Iterable[str | os.PathLike] = (),
+    in_place_ok: bool = False,
+    command: str = "",
+    what: str = "",
+) -> Iterator[Path]:
     """Ownership check, writability probe and exclusive lock on ``out`` for the block (module docstring).
 
     ``kind`` is the ``DirKind`` (a ``FileKind`` for a file) the command writes (or a function returning it, for kinds defined
@@ -472,9 +530,15 @@ def claim_output(out: str | os.PathLike, kind: Any, *, inputs: Iterable[str | os
         yield out
 
 
-def claims_output(kind: Any, *, out: Callable[[Any], str | None] = lambda config: config.out,
-                  inputs: Callable[[Any], Iterable[str]] = lambda config: (), in_place_ok: bool = False,
-                  command: str = "", what: str | Callable[[Any], str] = "") -> Callable:
+def claims_output(
+    kind: Any,
+    *,
+    out: Callable[[Any], str | None] = lambda config: config.out,
+    inputs: Callable[[Any], Iterable[str]] = lambda config: (),
+    in_place_ok: bool = False,
+    command: str = "",
+    what: str | Callable[[Any], str] = "",
+) -> Callable:
     """Decorate a command's library entry ``fn(config, ...)`` to run inside ``claim_output(out(config), kind, ...)``:
     one line per command, and the claim cannot be skipped by a caller that bypasses the CLI (the quickstart)."""
 
@@ -484,8 +548,14 @@ def claims_output(kind: Any, *, out: Callable[[Any], str | None] = lambda config
             path = out(config)
             if path is None:  # not a directory here (a Mooncake URL): nothing to claim
                 return fn(config, *args, **kwargs)
-            with claim_output(path, kind, inputs=inputs(config), in_place_ok=in_place_ok,
-                              command=command or f"specdraft {fn.__name__}", what=what(config) if callable(what) else what):
+            with claim_output(
+                path,
+                kind,
+                inputs=inputs(config),
+                in_place_ok=in_place_ok,
+                command=command or f"specdraft {fn.__name__}",
+                what=what(config) if callable(what) else what,
+            ):
                 return fn(config, *args, **kwargs)
 
         return wrapper

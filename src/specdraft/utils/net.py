@@ -95,7 +95,8 @@ def listening_sockets(pid: int | None = None) -> list[tuple[str, int]]:
     found = []
     for table in ("tcp", "tcp6"):
         try:
-            lines = open(f"/proc/net/{table}").read().splitlines()[1:]
+            with open(f"/proc/net/{table}") as listing:
+                lines = listing.read().splitlines()[1:]
         except OSError:
             continue
         for line in lines:

@@ -15,7 +15,11 @@ from specdraft.utils.config import config_field
 
 @dataclass(kw_only=True)
 class VllmServerOptions:
-    vllm_python: str | None = config_field(None, help="python of the vLLM environment (default: .venv-vllm/bin/python)")
+    vllm_python: str | None = config_field(
+        None,
+        help="python of the vLLM environment (default: $SPECDRAFT_VLLM_PYTHON, else "
+        ".venv-vllm/bin/python in the working directory or the source checkout, else a python with vllm)",
+    )
     vllm_args: str = config_field("", help="extra vLLM api_server flags, e.g. --vllm-args='--max-model-len 4096'")
 
 
@@ -37,7 +41,8 @@ class VllmAttachOptions(VllmServerOptions):
     def check_vllm_options(self, engine: str) -> None:
         """``--vllm-url`` and ``--print-server-command`` only mean something to the vLLM engine."""
         if engine != "vllm" and (self.vllm_url or self.print_server_command):
-            raise SpecdraftError(f"{setting('vllm_url')} and {setting('print_server_command')} need {setting('engine')} "
-                                 f"vllm (got {engine})")
+            raise SpecdraftError(
+                f"{setting('vllm_url')} and {setting('print_server_command')} need {setting('engine')} vllm (got {engine})"
+            )
         if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
             raise SpecdraftError(f"{setting('vllm_url')} {self.vllm_url!r} is not an http://HOST:PORT URL")

@@ -11,8 +11,8 @@ drafter can extend its draft KV cache incrementally (reference behaviour in all 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -71,8 +71,10 @@ class Draft:
     confidences: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, rows: int, device: torch.device | str = "cpu") -> "Draft":
-        return cls(tokens=torch.zeros((rows, 0), dtype=torch.long, device=device), lengths=torch.zeros(rows, dtype=torch.long, device=device))
+    def empty(cls, rows: int, device: torch.device | str = "cpu") -> Draft:
+        return cls(
+            tokens=torch.zeros((rows, 0), dtype=torch.long, device=device), lengths=torch.zeros(rows, dtype=torch.long, device=device)
+        )
 
 
 class Proposer(ABC):

@@ -18,9 +18,10 @@ collision can only propose a wrong token, which verification rejects.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -70,11 +71,20 @@ class AnswerCorpus:
 
     The thresholds default to the module's constants; ``benchmarks/lookup_sim.py`` sweeps them."""
 
-    def __init__(self, answers: Iterable[np.ndarray], *, source: str = "", context_lengths: tuple[int, ...] = CONTEXT_LENGTHS,
-                 min_occurrences: int = MIN_OCCURRENCES, min_share: float = MIN_SHARE):
+    def __init__(
+        self,
+        answers: Iterable[np.ndarray],
+        *,
+        source: str = "",
+        context_lengths: tuple[int, ...] = CONTEXT_LENGTHS,
+        min_occurrences: int = MIN_OCCURRENCES,
+        min_share: float = MIN_SHARE,
+    ):
         if not context_lengths or min(context_lengths) < 1 or min_occurrences < 1 or not 0.0 <= min_share <= 1.0:
-            raise SpecdraftError(f"answer corpus: need context lengths >= 1, min_occurrences >= 1 and 0 <= min_share <= 1, got "
-                                 f"{context_lengths}, {min_occurrences}, {min_share}")
+            raise SpecdraftError(
+                f"answer corpus: need context lengths >= 1, min_occurrences >= 1 and 0 <= min_share <= 1, got "
+                f"{context_lengths}, {min_occurrences}, {min_share}"
+            )
         self.source = source
         self.context_lengths = tuple(sorted(context_lengths, reverse=True))
         self.min_share = min_share
@@ -93,7 +103,7 @@ class AnswerCorpus:
             self._tables[n] = _most_frequent(np.concatenate(keys), np.concatenate(nexts), min_occurrences)
 
     @classmethod
-    def from_prepared(cls, directory: str | os.PathLike, *, tokenizer_hash: str | None = None) -> "AnswerCorpus":
+    def from_prepared(cls, directory: str | os.PathLike, *, tokenizer_hash: str | None = None) -> AnswerCorpus:
         """The answers (loss-masked tokens) of a ``specdraft prepare`` output; refused when the dataset was
         tokenized for another tokenizer than the target's (``tokenizer_hash``)."""
         from specdraft.data.dataset import PreparedDataset
@@ -101,9 +111,11 @@ class AnswerCorpus:
         dataset = PreparedDataset(directory)
         recorded = dataset.target_info.get("tokenizer_hash")
         if tokenizer_hash is not None and recorded != tokenizer_hash:
-            raise SpecdraftError(f"{setting('lookup_corpus')} {directory}: prepared with tokenizer {recorded!r}, but "
-                                 f"the target's is {tokenizer_hash!r}; "
-                                 "prepare the corpus for this target")
+            raise SpecdraftError(
+                f"{setting('lookup_corpus')} {directory}: prepared with tokenizer {recorded!r}, but "
+                f"the target's is {tokenizer_hash!r}; "
+                "prepare the corpus for this target"
+            )
         corpus = cls(prepared_answers(dataset, range(len(dataset))), source=str(Path(directory)))
         if not corpus.tokens:
             raise SpecdraftError(f"{setting('lookup_corpus')} {directory}: the dataset holds no answer tokens (loss_mask is all 0)")
@@ -158,7 +170,7 @@ def _most_frequent(keys: np.ndarray, nexts: np.ndarray, min_occurrences: int) ->
     return pair_key[key_start][keep], pair_next[first_best][keep], (best / totals).astype(np.float32)[keep]
 
 
-def prepared_answers(dataset: "PreparedDataset", rows: Iterable[int]) -> list[np.ndarray]:
+def prepared_answers(dataset: PreparedDataset, rows: Iterable[int]) -> list[np.ndarray]:
     """Every answer (run of loss-masked tokens: one per assistant turn) of the prepared ``rows``."""
     answers = []
     for i in rows:

@@ -5,17 +5,18 @@ the injected context K/V), extended every round with the target features of the 
 the previous round verified, exactly as the papers' inference loops do. Requests are drafted
 one after another (the drafter helpers work on one sequence); verification stays batched.
 
-Rounds run in ``DecodeConfig.draft_dtype``; ``auto`` times a typical round (a few new positions
-after a cached context) in fp32 and bf16 autocast once per machine and drafter configuration
-(``tuning/measured.py``) and keeps the faster, after the forward path (``DecodeConfig.forward_path``,
-``tuning/forward_path.py``) was chosen the same way. Drafts stay lossless whatever the dtype or path:
+Rounds run in ``DecodeConfig.draft_dtype`` on ``DecodeConfig.forward_path``; for ``auto`` the proposer hands
+tuning a typical round (a few new positions after a cached context, :meth:`DrafterProposer.timed_work`), and
+``tuning.resolve_choices`` times it on each path in fp32, then in fp32 and bf16 autocast on the path it kept, once per
+machine and drafter configuration, and keeps the faster. Drafts stay lossless whatever the dtype or path:
 the target verifies them against the distribution they were actually drawn from.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -26,12 +27,20 @@ from specdraft.errors import SpecdraftError, setting
 from specdraft.models import METHODS, DrafterModel
 from specdraft.registry import Registry
 from specdraft.targets.base import Target
-from specdraft.tuning.dtype import candidates
+from specdraft.tuning.forward_path import PathChoice, current_path
+from specdraft.tuning.measured import fastest_time
+from specdraft.tuning.settings import MachineSettings, TimedWork, resolve_choices
 from specdraft.utils.compute import autocast
-from specdraft.tuning.forward_path import PathChoice, current_path, path_version, resolve_path
-from specdraft.tuning.measured import Measurement, fastest_time, measured_choice
 
 _PROBE_ROW = -1  # request id of the synthetic rounds that time the drafter
+_NO_FEATURES = "a trained drafter needs target hidden states; the runtime was not asked to capture them"
+
+
+def _row_features(inputs: ProposalInput, row: int) -> tuple[torch.Tensor, int]:
+    """Row ``row``'s new target features [N, S, D] and the position of the first."""
+    if inputs.new_hidden is None:
+        raise SpecdraftError(_NO_FEATURES)
+    return inputs.new_hidden[row], inputs.new_start[row]
 
 
 class DrafterProposer(Proposer):
@@ -54,7 +63,7 @@ class DrafterProposer(Proposer):
     @torch.no_grad()
     def propose(self, inputs: ProposalInput) -> Draft:
         if inputs.new_hidden is None:
-            raise SpecdraftError("a trained drafter needs target hidden states; the runtime was not asked to capture them")
+            raise SpecdraftError(_NO_FEATURES)
         proposals = []
         with autocast(self.compute_dtype, inputs.max_draft.device):
             for i, rid in enumerate(inputs.row_ids):
@@ -66,7 +75,11 @@ class DrafterProposer(Proposer):
         width = max((int(p.tokens.shape[0]) for p in proposals), default=0)
         tokens = torch.zeros((rows, width), dtype=torch.long, device=device)
         # greedy rounds draw argmaxes (probs None: point masses, which verification needs no table for)
-        probs = torch.zeros((rows, width, int(proposals[0].probs.shape[-1])), device=device) if proposals and proposals[0].probs is not None else None
+        probs = (
+            torch.zeros((rows, width, int(proposals[0].probs.shape[-1])), device=device)
+            if proposals and proposals[0].probs is not None
+            else None
+        )
         confidences = torch.zeros((rows, width), device=device) if self.provides_confidences else None
         lengths = torch.zeros(rows, dtype=torch.long, device=device)
         for i, p in enumerate(proposals):
@@ -97,42 +110,51 @@ class DrafterProposer(Proposer):
         def one_round() -> None:  # the first (untimed warm-up) call fills the context
             start = end[0]
             end[0] = start + (step if start else context)
-            self.propose(ProposalInput(row_ids=[_PROBE_ROW], tokens=[tokens[: end[0] + 1]], new_hidden=[features[start : end[0]]],
-                                       new_start=[start], max_draft=max_draft, sampling=SamplingConfig(), generator=g))
+            self.propose(
+                ProposalInput(
+                    row_ids=[_PROBE_ROW],
+                    tokens=[tokens[: end[0] + 1]],
+                    new_hidden=[features[start : end[0]]],
+                    new_start=[start],
+                    max_draft=max_draft,
+                    sampling=SamplingConfig(),
+                    generator=g,
+                )
+            )
 
         saved, self.compute_dtype = self.compute_dtype, dtype
         try:
-            return fastest_time(one_round, repeats=repeats, sync=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None))
+            return fastest_time(
+                one_round, repeats=repeats, sync=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+            )
         finally:
             self.compute_dtype = saved
             self.release([_PROBE_ROW])
 
     def _probe_context(self) -> dict[str, Any]:
-        return {"method": self.drafter.method, "config": self.drafter.config.to_json(), "block": self.block_length,
-                "draft_tokens": getattr(self, "num_draft_tokens", None)}
+        return {
+            "method": self.drafter.method,
+            "config": self.drafter.config.to_json(),
+            "block": self.block_length,
+            "draft_tokens": getattr(self, "num_draft_tokens", None),
+        }
 
-    def set_forward_path(self, requested: str) -> PathChoice:
-        """Run the drafter on ``requested``, or for ``auto`` on the path whose fp32 round was fastest here (measured
-        once, cached). Chosen before the dtype, whose probe then times fp32 on this path against bf16 autocast."""
-        choice = resolve_path(self.drafter, requested, "draft", self._probe_context(), lambda: self.round_seconds("fp32"))
-        self.path_facts = choice.to_json()
-        return choice
+    def timed_work(self) -> TimedWork:
+        """A typical round (:meth:`round_seconds`), which ``tuning.resolve_choices`` times to choose the drafter's forward
+        path (in fp32) and then its draft dtype on that path."""
+        return TimedWork(
+            "draft", self._probe_context(), seconds_in=self.round_seconds, model=self.drafter, device=next(self.drafter.parameters()).device
+        )
 
-    def set_compute_dtype(self, requested: str) -> Measurement | None:
-        """Use ``requested`` (fp32 / bf16), or for ``auto`` the dtype whose round was faster here (measured
-        once, cached); ``dtype_facts`` records the dtype and why (flag, measured or cached, with the figures)."""
-        if requested != "auto":
-            self.compute_dtype = requested
-            self.dtype_facts = {"draft_dtype": requested, "draft_dtype_source": "flag"}
-            return None
-        device = next(self.drafter.parameters()).device
-        context = {**self._probe_context(), "forward_path": path_version(current_path(self.drafter))}
-        timers = {name: (lambda name=name: self.round_seconds(name)) for name in candidates(device)}
-        measurement = measured_choice("draft-dtype", context, timers, preferred="fp32", device=device)
-        self.compute_dtype = measurement.choice
-        self.dtype_facts = {"draft_dtype": measurement.choice, "draft_dtype_source": "cached" if measurement.cached else "measured",
-                            "draft_dtype_seconds": measurement.seconds}
-        return measurement
+    def use_choices(self, settings: MachineSettings) -> None:
+        """Draft in the dtype ``settings`` resolved (``tuning.resolve_choices`` left the drafter on its path); ``path_facts``
+        and ``dtype_facts`` record both and why (flag, measured or cached, with the figures)."""
+        path, dtype = settings.forward_path, settings.compute_dtype
+        if path is not None:
+            self.path_facts = PathChoice(path.value, path.source, dict(path.seconds)).to_json()
+        if dtype is not None:
+            self.compute_dtype = dtype.value
+            self.dtype_facts = dtype.facts("draft_dtype")
 
 
 class BlockDrafterProposer(DrafterProposer):
@@ -143,7 +165,7 @@ class BlockDrafterProposer(DrafterProposer):
         self.block_length = drafter.speculative_tokens()  # the whole block can be verified, not just k
 
     def draft_row(self, cache: Any, inputs: ProposalInput, row: int) -> Any:
-        features, start = inputs.new_hidden[row], inputs.new_start[row]
+        features, start = _row_features(inputs, row)
         tokens = inputs.tokens[row]
         return self.drafter.draft_block(
             cache,
@@ -164,7 +186,7 @@ class Eagle3Proposer(DrafterProposer):
         self.num_draft_tokens = num_draft_tokens
 
     def draft_row(self, cache: Any, inputs: ProposalInput, row: int) -> Any:
-        features, start = inputs.new_hidden[row], inputs.new_start[row]
+        features, start = _row_features(inputs, row)
         count = features.shape[0]
         return self.drafter.draft(
             cache,
@@ -180,8 +202,9 @@ class Eagle3Proposer(DrafterProposer):
 def load_checkpoint(config: DecodeConfig, target: Target | None) -> DrafterModel:
     """The drafter at ``config.drafter_path``, checked to be of the ``config.drafter`` family."""
     if not config.drafter_path:
-        raise SpecdraftError(f"{setting('drafter')} {config.drafter} needs {setting('drafter_path')}: the directory of "
-                             f"a trained {config.drafter} checkpoint")
+        raise SpecdraftError(
+            f"{setting('drafter')} {config.drafter} needs {setting('drafter_path')}: the directory of a trained {config.drafter} checkpoint"
+        )
     if target is None:
         raise SpecdraftError(f"the {config.drafter} drafter needs the loaded target (its embedding, LM head and layer count)")
     device = next(target.model.parameters()).device
@@ -190,9 +213,11 @@ def load_checkpoint(config: DecodeConfig, target: Target | None) -> DrafterModel
 
 #: proposer kind (a family's ``MethodSpec.proposer``) -> fn(drafter, config, **the spec's proposer_options) -> proposer.
 #: The families name a kind rather than register a proposer: decoding is a layer above the models.
-PROPOSER_KINDS: Registry[Callable[..., Proposer]] = Registry("proposer kind")
+PROPOSER_KINDS: Registry[Callable[..., DrafterProposer]] = Registry("proposer kind")
 PROPOSER_KINDS.register("block")(lambda drafter, config, **options: BlockDrafterProposer(drafter, **options))
-PROPOSER_KINDS.register("chain")(lambda drafter, config, **options: Eagle3Proposer(drafter, num_draft_tokens=config.num_draft_tokens, **options))
+PROPOSER_KINDS.register("chain")(
+    lambda drafter, config, **options: Eagle3Proposer(drafter, num_draft_tokens=config.num_draft_tokens, **options)
+)
 
 
 def decodable_methods() -> list[str]:
@@ -200,18 +225,19 @@ def decodable_methods() -> list[str]:
     return [m for m in METHODS.names() if METHODS.get(m).proposer is not None]
 
 
-def drafter_proposer(drafter: DrafterModel, config: DecodeConfig) -> Proposer:
+def drafter_proposer(drafter: DrafterModel, config: DecodeConfig) -> DrafterProposer:
     """The proposer around an already built drafter (a loaded checkpoint, or the model being trained)."""
     spec = METHODS.get(drafter.method)
+    if spec.proposer is None:
+        raise SpecdraftError(f"{drafter.method} drafters cannot decode (no proposer kind); decodable: {', '.join(decodable_methods())}")
     return PROPOSER_KINDS.get(spec.proposer)(drafter, config, **spec.proposer_options(drafter))
 
 
 def _from_checkpoint(config: DecodeConfig, target: Target | None) -> Proposer:
-    """A checkpoint's proposer on ``config.forward_path``, drafting in ``config.draft_dtype`` (``auto``: the faster
-    here, measured once)."""
+    """A checkpoint's proposer on ``config.forward_path``, drafting in ``config.draft_dtype`` (``auto``: what tuning
+    measured fastest here, once)."""
     proposer = drafter_proposer(load_checkpoint(config, target), config)
-    proposer.set_forward_path(config.forward_path)
-    proposer.set_compute_dtype(config.draft_dtype)
+    proposer.use_choices(resolve_choices("draft", proposer.timed_work(), forward_path=config.forward_path, dtype=config.draft_dtype))
     return proposer
 
 

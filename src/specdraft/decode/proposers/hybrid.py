@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -70,10 +71,12 @@ class Branch:
     rate: float
 
 
-def best_prefix(name: str, survival: Sequence[float], *, draft_s: float, step_s: Callable[[int], float], rows: int, min_length: int = 0) -> Branch:
+def best_prefix(
+    name: str, survival: Sequence[float], *, draft_s: float, step_s: Callable[[int], float], rows: int, min_length: int = 0
+) -> Branch:
     """The verify length l in [min_length, len(survival)] with the most expected committed tokens per
     second: (1 + sum_{j<=l} a_j) / (draft_s + step_s(rows (1 + l)) / rows)."""
-    best = None
+    best: Branch | None = None
     tokens = 1.0 + sum(survival[:min_length])
     for l in range(min_length, len(survival) + 1):
         if l > min_length:
@@ -81,11 +84,14 @@ def best_prefix(name: str, survival: Sequence[float], *, draft_s: float, step_s:
         rate = tokens / (draft_s + step_s(rows * (1 + l)) / rows)
         if best is None or rate > best.rate:
             best = Branch(name, l, tokens, rate)
+    if best is None:
+        raise SpecdraftError(f"best_prefix: min_length {min_length} exceeds the {len(survival)} survival values of {name}")
     return best
 
 
-def choose_branch(*, lookup_survival: Sequence[float], drafter_survival: Sequence[float], draft_s: float, step_s: Callable[[int], float],
-                  rows: int = 1) -> Branch:
+def choose_branch(
+    *, lookup_survival: Sequence[float], drafter_survival: Sequence[float], draft_s: float, step_s: Callable[[int], float], rows: int = 1
+) -> Branch:
     """The better of the lookup (its continuation's survival, no drafting cost: a length of 0 is a
     plain step) and the drafter (its block's survival, ``draft_s`` per row, at least one draft).
     Ties go to the lookup, which costs nothing to draft. Inputs are estimates from earlier rounds
@@ -112,8 +118,16 @@ class HybridProposer(Proposer):
     per draft before any is measured; ``clock`` times the drafter's rounds (tests inject one).
     """
 
-    def __init__(self, drafter: Proposer, *, step_rate: StepRate, lookup: Lookup, lookup_prior: float = 0.5,
-                 drafter_prior: float = 0.5, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        drafter: Proposer,
+        *,
+        step_rate: StepRate,
+        lookup: Lookup,
+        lookup_prior: float = 0.5,
+        drafter_prior: float = 0.5,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.drafter = drafter
         self.step_rate = step_rate
         self.lookup = lookup
@@ -155,14 +169,20 @@ class HybridProposer(Proposer):
             continuation, bucket = self.lookup(context, cap)
             stats = self.lookup_scores.stats(bucket)
             width = min(self.block_length or cap, cap)
-            choices.append(choose_branch(
-                lookup_survival=stats.survival(int(continuation.numel())), drafter_survival=self.drafter_stats.survival(width),
-                draft_s=self.draft_s or 0.0, step_s=lambda b: 1.0 / self.step_rate(b), rows=rows,
-            ))
+            choices.append(
+                choose_branch(
+                    lookup_survival=stats.survival(int(continuation.numel())),
+                    drafter_survival=self.drafter_stats.survival(width),
+                    draft_s=self.draft_s or 0.0,
+                    step_s=lambda b: 1.0 / self.step_rate(b),
+                    rows=rows,
+                )
+            )
             found.append(continuation)
             buckets.append(bucket)
-            self.lookup_scores.remember(rid, Proposed(continuation.tolist(), choices[-1].length if choices[-1].name == LOOKUP else 0,
-                                                      int(context.shape[0]), bucket))
+            self.lookup_scores.remember(
+                rid, Proposed(continuation.tolist(), choices[-1].length if choices[-1].name == LOOKUP else 0, int(context.shape[0]), bucket)
+            )
         drafted = self._draft(inputs, [i for i, c in enumerate(choices) if c.name == DRAFTER])
         return self._assemble(inputs, choices, found, buckets, drafted)
 
@@ -174,7 +194,9 @@ class HybridProposer(Proposer):
         sub = ProposalInput(
             row_ids=[inputs.row_ids[i] for i in picked],
             tokens=[inputs.tokens[i] for i in picked],
-            new_hidden=[torch.cat(s.pending) if len(s.pending) > 1 else s.pending[0] for s in states] if inputs.new_hidden is not None else None,
+            new_hidden=[torch.cat(s.pending) if len(s.pending) > 1 else s.pending[0] for s in states]
+            if inputs.new_hidden is not None
+            else None,
             new_start=[s.pending_start if s.pending else inputs.new_start[i] for s, i in zip(states, picked)],
             max_draft=inputs.max_draft[picked],
             sampling=inputs.sampling,
@@ -189,8 +211,9 @@ class HybridProposer(Proposer):
             s.pending, s.drafted = [], True
         return draft
 
-    def _assemble(self, inputs: ProposalInput, choices: list[Branch], found: list[torch.Tensor], buckets: list[Hashable],
-                  drafted: Draft | None) -> Draft:
+    def _assemble(
+        self, inputs: ProposalInput, choices: list[Branch], found: list[torch.Tensor], buckets: list[Hashable], drafted: Draft | None
+    ) -> Draft:
         """One ``Draft`` for all rows: lookup rows with a one-hot ``probs`` and their estimated
         conditional acceptance as confidences, drafter rows as the drafter drew them."""
         rows, device = len(choices), inputs.max_draft.device
@@ -207,15 +230,17 @@ class HybridProposer(Proposer):
         for i, choice in enumerate(choices):
             rid = inputs.row_ids[i]
             if choice.name == DRAFTER:
+                assert drafted is not None  # a row chooses the drafter only when it drafted
                 k = int(drafted.tokens.shape[1])
                 tokens[i, :k] = drafted.tokens[d]
                 lengths[i] = min(int(drafted.lengths[d]), choice.length)
-                if probs is not None:
+                if probs is not None and drafted.probs is not None:  # probs exists only when drafted.probs does
                     probs[i, :k] = drafted.probs[d]
                 if confidences is not None and drafted.confidences is not None:
                     confidences[i, :k] = drafted.confidences[d]
-                self.rows[rid].drafter = Proposed(drafted.tokens[d, : int(drafted.lengths[d])].tolist(), int(lengths[i]),
-                                                   int(inputs.tokens[i].shape[0]), 0)
+                self.rows[rid].drafter = Proposed(
+                    drafted.tokens[d, : int(drafted.lengths[d])].tolist(), int(lengths[i]), int(inputs.tokens[i].shape[0]), 0
+                )
                 d += 1
             else:
                 k = int(found[i].numel())
@@ -251,6 +276,7 @@ def build_hybrid(config: DecodeConfig, target: Target | None) -> Proposer:
     method, _, kind = config.drafter.rpartition("+")
     corpus = answer_corpus(config, target) if kind == "suffix" else None
     drafter = PROPOSERS.get(method)(dataclasses.replace(config, drafter=method), target)
+    assert target is not None  # the drafter's checkpoint loader refused None
     sps = load_or_measure_sps(target.model, fingerprint=target.fingerprint)
     return HybridProposer(drafter, step_rate=sps, lookup=Lookup(config.ngram_max, config.ngram_min, corpus))
 

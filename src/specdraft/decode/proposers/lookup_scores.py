@@ -11,8 +11,8 @@ row's verify length with them and the target's SPS profile); the hybrid prices i
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
 
 import torch
 
@@ -29,8 +29,11 @@ class AcceptanceStats:
 
     def rates(self, length: int) -> list[float]:
         """P(x_j accepted | x_<j accepted) for j = 1..length."""
-        return [((self.accepted[j] if j < len(self.accepted) else 0) + self.prior * self.strength)
-                / ((self.tried[j] if j < len(self.tried) else 0) + self.strength) for j in range(length)]
+        return [
+            ((self.accepted[j] if j < len(self.accepted) else 0) + self.prior * self.strength)
+            / ((self.tried[j] if j < len(self.tried) else 0) + self.strength)
+            for j in range(length)
+        ]
 
     def survival(self, length: int) -> list[float]:
         """a_1..a_length: the chance that the first j drafts are all accepted."""

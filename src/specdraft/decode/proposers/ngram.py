@@ -13,8 +13,8 @@ costs say pays, where the default verifies every proposed token.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 import torch
 
@@ -22,8 +22,8 @@ from specdraft.decode.config import DecodeConfig
 from specdraft.decode.proposers.base import PROPOSERS, Draft, ProposalInput, Proposer
 from specdraft.decode.proposers.corpus import AnswerCorpus
 from specdraft.decode.proposers.lookup_scores import LookupScores, Proposed
-from specdraft.errors import SpecdraftError, setting
 from specdraft.decode.verification import PAD
+from specdraft.errors import SpecdraftError, setting
 from specdraft.targets.base import Target
 
 
@@ -66,7 +66,11 @@ def lookup(context: torch.Tensor, *, max_ngram: int, min_ngram: int, max_tokens:
         full = hits[length - (hits + n) >= max_tokens]
         hit = int(full[-1] if full.numel() else hits[0])
         matched = n
-        while matched < MATCH_CAP and hit - (matched - n) - 1 >= 0 and int(context[hit - (matched - n) - 1]) == int(context[length - matched - 1]):
+        while (
+            matched < MATCH_CAP
+            and hit - (matched - n) - 1 >= 0
+            and int(context[hit - (matched - n) - 1]) == int(context[length - matched - 1])
+        ):
             matched += 1
         return LookupMatch(context[hit + n : hit + n + max_tokens], matched)
     return LookupMatch(context[:0], 0)
@@ -131,9 +135,11 @@ class NgramProposer(Proposer):
 def answer_corpus(config: DecodeConfig, target: Target | None) -> AnswerCorpus:
     """``config.lookup_corpus``'s answers, for the target's tokenizer; a clear error when none is named."""
     if not config.lookup_corpus:
-        raise SpecdraftError(f"{setting('drafter')} {config.drafter} drafts from the target's own answers: pass "
-                             f"{setting('lookup_corpus')} DATASET "
-                             "(a `specdraft prepare` output for this target, e.g. the quickstart's runs/NAME/data)")
+        raise SpecdraftError(
+            f"{setting('drafter')} {config.drafter} drafts from the target's own answers: pass "
+            f"{setting('lookup_corpus')} DATASET "
+            "(a `specdraft prepare` output for this target, e.g. the quickstart's runs/NAME/data)"
+        )
     return AnswerCorpus.from_prepared(config.lookup_corpus, tokenizer_hash=target.tokenizer_hash if target is not None else None)
 
 

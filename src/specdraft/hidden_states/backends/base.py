@@ -25,7 +25,8 @@ each stored object whole (``stored_problems``), before a training step reads any
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.payload import HiddenStatePayload
@@ -96,7 +97,7 @@ class HiddenStateBackend(ABC):
     def close(self) -> None:
         """Release connections/handles; the default holds none."""
 
-    def __enter__(self) -> "HiddenStateBackend":
+    def __enter__(self) -> HiddenStateBackend:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -125,8 +126,12 @@ def dataset_record(dataset: Any) -> dict:
     (``rows_sha256`` over every row's sample id and token ids), checked when the store is resumed."""
     from pathlib import Path
 
-    return {"path": str(Path(dataset.directory).resolve()), "num_samples": len(dataset), "created": dataset.manifest.get("created"),
-            "rows_sha256": dataset.rows_sha256()}
+    return {
+        "path": str(Path(dataset.directory).resolve()),
+        "num_samples": len(dataset),
+        "created": dataset.manifest.get("created"),
+        "rows_sha256": dataset.rows_sha256(),
+    }
 
 
 def check_store_dataset(manifest: dict, dataset: Any, stored: set[str], *, location: str, choices: str) -> None:
@@ -152,23 +157,33 @@ def check_store_dataset(manifest: dict, dataset: Any, stored: set[str], *, locat
         problems.append(f"{len(foreign)} stored sample(s) are not in it, e.g. {foreign[0]!r}")
     if problems:
         was = f"{recorded.get('path')} ({n} rows, created {recorded.get('created')}, rows sha256 {str(digest)[:12]})"
-        now = (f"{dataset.directory} ({len(dataset)} rows, created {dataset.manifest.get('created')}, "
-               f"rows sha256 {dataset.rows_sha256()[:12]})")
+        now = (
+            f"{dataset.directory} ({len(dataset)} rows, created {dataset.manifest.get('created')}, "
+            f"rows sha256 {dataset.rows_sha256()[:12]})"
+        )
         raise SpecdraftError(
-            f"{location} was started from dataset {was}, not {now}: {'; '.join(problems)}; resuming would mix their samples. "
-            f"{choices}"
+            f"{location} was started from dataset {was}, not {now}: {'; '.join(problems)}; resuming would mix their samples. {choices}"
         )
 
 
-def check_store_manifest(manifest: dict, *, location: str, target_info: dict, slots: list[dict], dtype: str,
-                         target_dtype: str | None = None, choices: str | None = None) -> None:
+def check_store_manifest(
+    manifest: dict,
+    *,
+    location: str,
+    target_info: dict,
+    slots: list[dict],
+    dtype: str,
+    target_dtype: str | None = None,
+    choices: str | None = None,
+) -> None:
     """Refuse to mix data: the store must have been made for this target, these slots and storage dtype, and (where
     the writer records it: ``specdraft extract``'s ``config``) with the target run in ``target_dtype``, since its
     hidden states differ by far more than storage rounding from the other dtype's. ``choices`` says what the user
     can do instead (the caller's flags; default: a new ``out``)."""
     if manifest.get("format") != STORE_FORMAT_NAME:
-        raise SpecdraftError(f"{location}: manifest format {manifest.get('format')!r} is not {STORE_FORMAT_NAME!r}; "
-                             f"choose another {setting('out')}")
+        raise SpecdraftError(
+            f"{location}: manifest format {manifest.get('format')!r} is not {STORE_FORMAT_NAME!r}; choose another {setting('out')}"
+        )
     recorded = manifest.get("target") or {}
     problems = []
     for key in ("fingerprint", "tokenizer_hash"):

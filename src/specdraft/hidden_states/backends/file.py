@@ -25,14 +25,28 @@ SUFFIX = ".safetensors"
 MANIFEST_FILE = "manifest.json"
 #: What `specdraft extract` writes into (and resumes): a store's manifest, payloads and in-flight temporaries.
 STORE_DIR = DirKind(
-    "hidden-state store", MANIFEST_FILE, json_field_is("format", STORE_FORMAT_NAME), frozenset({MANIFEST_FILE}),
-    patterns=("*" + SUFFIX, ".*.tmp"), replaced=False,
+    "hidden-state store",
+    MANIFEST_FILE,
+    json_field_is("format", STORE_FORMAT_NAME),
+    frozenset({MANIFEST_FILE}),
+    patterns=("*" + SUFFIX, ".*.tmp"),
+    replaced=False,
 )
 
 
 #: The manifest fields readers index, and the JSON type each must have where present (older stores lack some).
-MANIFEST_TYPES = {"format": str, "format_version": int, "target": dict, "slots": list, "dtype": str, "dataset": dict, "samples": list,
-                  "count": int, "complete": bool, "config": dict}
+MANIFEST_TYPES = {
+    "format": str,
+    "format_version": int,
+    "target": dict,
+    "slots": list,
+    "dtype": str,
+    "dataset": dict,
+    "samples": list,
+    "count": int,
+    "complete": bool,
+    "config": dict,
+}
 
 
 def manifest_problem(manifest: object) -> str | None:
@@ -91,10 +105,13 @@ class FileBackend(HiddenStateBackend):
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise SpecdraftError(f"{path}: no hidden states stored for sample {key!r}; run `specdraft extract` to (re)create them") from None
+            raise SpecdraftError(
+                f"{path}: no hidden states stored for sample {key!r}; run `specdraft extract` to (re)create them"
+            ) from None
         except IsADirectoryError:
-            raise SpecdraftError(f"{path} is a directory, not the stored sample {key!r}; move it away and rerun `specdraft extract` "
-                                 "to redo the sample") from None
+            raise SpecdraftError(
+                f"{path} is a directory, not the stored sample {key!r}; move it away and rerun `specdraft extract` to redo the sample"
+            ) from None
         payload = HiddenStatePayload.from_bytes(data, source=str(path))
         if payload.sample_id != key:
             raise SpecdraftError(f"{path}: holds sample {payload.sample_id!r}, expected {key!r}; re-extract it")
@@ -107,9 +124,7 @@ class FileBackend(HiddenStateBackend):
         self.path(key).unlink(missing_ok=True)
 
     def keys(self) -> list[str]:
-        return sorted(
-            filename_to_key(p.name) for p in self.root.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(".")
-        )
+        return sorted(filename_to_key(p.name) for p in self.root.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith("."))
 
     def stored_problems(self, keys: list[str]) -> dict[str, str]:
         """Missing files, and files whose size is not the one their safetensors header describes (truncated/extended)."""
@@ -142,8 +157,10 @@ class FileBackend(HiddenStateBackend):
             problem = manifest_problem(manifest)
             if problem is None:
                 return manifest
-        raise SpecdraftError(f"{path} is damaged ({problem}), so the samples of {self.root} cannot be checked against it; "
-                             "extract into a new directory (`specdraft extract --out NEW_DIR`)")
+        raise SpecdraftError(
+            f"{path} is damaged ({problem}), so the samples of {self.root} cannot be checked against it; "
+            "extract into a new directory (`specdraft extract --out NEW_DIR`)"
+        )
 
     def write_manifest(self, manifest: dict) -> None:
         _write(self.root / MANIFEST_FILE, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())

@@ -92,7 +92,7 @@ def parse_location(location: str, **options: Any) -> MooncakeBackendConfig:
     values.update(options)
     client_fields = _typed_fields(MooncakeClientConfig)
     backend_fields = _typed_fields(MooncakeBackendConfig)
-    client_values = {"master": parts.netloc}
+    client_values: dict[str, Any] = {"master": parts.netloc}
     backend_values: dict[str, Any] = {"namespace": namespace}
     for name, value in values.items():
         if name in client_fields:
@@ -246,9 +246,13 @@ class MooncakeBackend(HiddenStateBackend):
         for name in TENSOR_KEYS:
             n, expected = got[tensor_keys[name]], record["nbytes"][name]
             if n is None:
-                raise SpecdraftError(f"{self._where(key)}: tensor object {name!r} is missing although its manifest exists (deleted meanwhile?)")
+                raise SpecdraftError(
+                    f"{self._where(key)}: tensor object {name!r} is missing although its manifest exists (deleted meanwhile?)"
+                )
             if n != expected:
-                raise SpecdraftError(f"{self._where(key)}: tensor object {name!r} has {n} bytes, the manifest says {expected}; re-extract it")
+                raise SpecdraftError(
+                    f"{self._where(key)}: tensor object {name!r} has {n} bytes, the manifest says {expected}; re-extract it"
+                )
         payload = HiddenStatePayload(manifest=manifest, **tensors)
         payload.verify(source=self._where(key))
         if payload.sample_id != key:
@@ -299,7 +303,9 @@ class MooncakeBackend(HiddenStateBackend):
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SpecdraftError(f"{self.location}: the store manifest object is corrupt ({exc}); delete it and rerun `specdraft extract`") from None
+            raise SpecdraftError(
+                f"{self.location}: the store manifest object is corrupt ({exc}); delete it and rerun `specdraft extract`"
+            ) from None
 
     def write_manifest(self, manifest: dict) -> None:
         """Remove, then put: Mooncake 0.3.13.post1 never frees the old allocation when an upsert

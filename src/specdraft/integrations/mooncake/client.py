@@ -46,8 +46,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import astuple, dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -134,8 +135,9 @@ def check_reachable(host: str, port: int, *, timeout: float = 2.0) -> None:
 class MooncakeClientConfig:
     master: str = config_field("127.0.0.1:50051", help="HOST:PORT of the mooncake_master RPC service")
     local_hostname: str = config_field(
-        "", help="address peers use to reach this process (default: this node's address on the route to the master, "
-        "never a loopback address for a remote master)"
+        "",
+        help="address peers use to reach this process (default: this node's address on the route to the master, "
+        "never a loopback address for a remote master)",
     )
     protocol: str = config_field("tcp", help="transfer protocol", metadata={"choices": ["tcp", "rdma"]})
     device_names: str = config_field("", help="RDMA devices for protocol rdma, comma-separated (e.g. mlx5_0,mlx5_1)")
@@ -200,7 +202,8 @@ class MooncakeClient:
                 "Mooncake's transfer engine listens on all interfaces (TCP ports %s), not only on local_hostname %s: "
                 "mooncake-transfer-engine binds 0.0.0.0/:: unconditionally. Block ports 15000-17000 from other hosts "
                 "with a firewall (see specdraft/integrations/mooncake/client.py)",
-                ", ".join(map(str, self.exposed_ports)), config.local_hostname,
+                ", ".join(map(str, self.exposed_ports)),
+                config.local_hostname,
             )
         self._replicate = module.ReplicateConfig()
         self._replicate.with_hard_pin = config.hard_pin
@@ -234,7 +237,7 @@ class MooncakeClient:
                 small.append((key, arr))
         for chunk in _chunks_by_size(small, self._batch_bytes):
             keys = [k for k, _ in chunk]
-            self._retry_full(keys, lambda: self._store.upsert_batch(keys, [a for _, a in chunk], self._replicate))
+            self._retry_full(keys, lambda: self._store.upsert_batch(keys, [a for _, a in chunk], self._replicate))  # noqa: B023 - called now
         if large:
             self.put_arrays(large)
 
@@ -255,7 +258,7 @@ class MooncakeClient:
 
             self._retry_full(keys, attempt)
 
-    def _retry_full(self, keys: list[str], attempt) -> None:
+    def _retry_full(self, keys: list[str], attempt: Callable[[], Any]) -> None:
         """Run ``attempt`` until it succeeds; wait (bounded) while the store is full."""
         deadline = time.monotonic() + self.config.full_timeout_s
         delay = 0.01
@@ -353,9 +356,7 @@ class MooncakeClient:
             leased = [k for k, c in zip(pending, codes) if c == OBJECT_HAS_LEASE]
             failed = [(k, c) for k, c in zip(pending, codes) if c not in (OK, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)]
             if failed:
-                raise SpecdraftError(
-                    f"Mooncake remove failed for {_keys_text([k for k, _ in failed])} ({error_name(failed[0][1])})"
-                )
+                raise SpecdraftError(f"Mooncake remove failed for {_keys_text([k for k, _ in failed])} ({error_name(failed[0][1])})")
             if leased and time.monotonic() >= deadline:
                 raise SpecdraftError(
                     f"Mooncake remove of {_keys_text(leased)}: a read lease was still held after {self.config.lease_timeout_s:g} s; "
@@ -383,7 +384,7 @@ class _Registered:
         self._arrays = [a for a in arrays if a.nbytes]
         self._done: list[int] = []
 
-    def __enter__(self) -> "_Registered":
+    def __enter__(self) -> _Registered:
         for arr in self._arrays:
             rc = self._store.register_buffer(arr.ctypes.data, arr.nbytes)
             if rc != OK:

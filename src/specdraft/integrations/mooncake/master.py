@@ -37,22 +37,33 @@ STATE_FILE = "master.json"
 LOG_FILE = "master.log"
 #: A master's --dir holds its three files and nothing else, so a start never lands among a dataset's or a run's
 #: files; a stopped master leaves its log (and a killed one its pid file) without the state file.
-MASTER_DIR = DirKind(name="Mooncake master directory", marker=STATE_FILE, recognise=json_field_is("pid", ...),
-                     files=frozenset({PID_FILE, STATE_FILE, LOG_FILE}), scratch=frozenset({PID_FILE, LOG_FILE}), replaced=False)
+MASTER_DIR = DirKind(
+    name="Mooncake master directory",
+    marker=STATE_FILE,
+    recognise=json_field_is("pid", ...),
+    files=frozenset({PID_FILE, STATE_FILE, LOG_FILE}),
+    scratch=frozenset({PID_FILE, LOG_FILE}),
+    replaced=False,
+)
 
 
 @dataclass
 class MasterConfig:
-    host: str = config_field("127.0.0.1", help="address the master's RPC and metrics servers bind to (this node's cluster IP on a multi-node run)")
+    host: str = config_field(
+        "127.0.0.1", help="address the master's RPC and metrics servers bind to (this node's cluster IP on a multi-node run)"
+    )
     port: int = config_field(50051, help="RPC port clients connect to (0 = any free port)")
     metrics_port: int = config_field(0, help="HTTP metrics/admin port, bound to the same host (0 = any free port)")
-    lease_ttl_ms: int = config_field(10000, help="read lease: after a get, removal of that object waits this long (must exceed the slowest transfer)")
+    lease_ttl_ms: int = config_field(
+        10000, help="read lease: after a get, removal of that object waits this long (must exceed the slowest transfer)"
+    )
     put_discard_timeout_s: int = config_field(
         20, help="an unfinished put (its producer died mid-write) is discarded after this many seconds"
     )
     put_release_timeout_s: int = config_field(
-        30, help="the objects of a discarded put become removable after this many seconds (Mooncake's default is 600; "
-        "consumers give up cleaning after 60)"
+        30,
+        help="the objects of a discarded put become removable after this many seconds (Mooncake's default is 600; "
+        "consumers give up cleaning after 60)",
     )
     dir: str = config_field("runs/mooncake", help="directory for the master's pid, state and log files")
     wait_s: float = config_field(30.0, help="how long start waits for the master to accept connections")
@@ -65,8 +76,9 @@ class MasterConfig:
         try:
             socket.getaddrinfo(self.host, None)  # a name that does not resolve fails here, not as a gaierror from bind
         except (socket.gaierror, UnicodeError) as exc:
-            raise SpecdraftError(f"{setting('host')} {self.host!r} does not resolve ({exc}); use 127.0.0.1 or this "
-                                 f"node's cluster IP") from None
+            raise SpecdraftError(
+                f"{setting('host')} {self.host!r} does not resolve ({exc}); use 127.0.0.1 or this node's cluster IP"
+            ) from None
         if not self.dir.strip():
             raise SpecdraftError(f"{setting('dir')} is empty: name the directory for the master's pid, state and log files")
         if os.path.exists(self.dir) and not os.path.isdir(self.dir):
@@ -194,7 +206,11 @@ def start_master(config: MasterConfig) -> dict:
                 if "libibverbs" in tail or "libnuma" in tail
                 else f"see {log_path}"
             )
-            why = f"exited with code {proc.returncode}" if proc.returncode is not None else f"did not accept connections within {config.wait_s:.0f} s"
+            why = (
+                f"exited with code {proc.returncode}"
+                if proc.returncode is not None
+                else f"did not accept connections within {config.wait_s:.0f} s"
+            )
             raise SpecdraftError(f"mooncake_master on {config.address} {why}; {hint}. Last log lines:\n{tail}")
         time.sleep(0.05)
     state = {k: v for k, v in asdict(config).items() if k not in ("dir", "wait_s")}
@@ -295,7 +311,7 @@ class MooncakeMaster:
             raise SpecdraftError("the Mooncake master is not running")
         return read_metrics(self.state["host"], self.state["metrics_port"])
 
-    def __enter__(self) -> "MooncakeMaster":
+    def __enter__(self) -> MooncakeMaster:
         self.state = start_master(self.config)
         return self
 

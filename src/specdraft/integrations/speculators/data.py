@@ -12,7 +12,9 @@ order) followed by the target's last hidden state (before its final norm). Our s
 speculators' layer ids as in ``models/common/checkpoint.py`` (``output:i`` -> ``i + 1``). The peer validates on
 the last ``1 - --train-data-ratio`` rows, so our validation side (``train/split.py``) is written last. With
 ``draft_vocab_size`` also ``d2t-N.npy``/``t2d-N.npy`` (the peer's cached mapping names), built from the counts our
-trainer selects its draft vocabulary from. Needs the ``datasets`` package (in ``.venv-interop``, with speculators).
+trainer selects its draft vocabulary from; they are part of the export (its reuse key holds N), so another N exports
+again whole rather than leaving the old mapping beside the new. Needs the ``datasets`` package (in ``.venv-interop``,
+with speculators).
 
 ``--out`` is claimed like every output (``utils/lock.claim_output``): only an export (``EXPORT_DIR``) is replaced, never
 the store it reads, and under a lock covering its tree. It is written into a fresh directory and swapped in whole, so no
@@ -30,11 +32,17 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdraft.errors import SpecdraftError
 from specdraft.utils.config import config_field, require_finite
 from specdraft.utils.io import DirKind, atomic_dir, atomic_write_bytes, atomic_write_json, save_safetensors, sha256_file
 from specdraft.utils.lock import claims_output
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from specdraft.hidden_states.dataset import HiddenStateDataset
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +62,39 @@ def _is_export(marker: Path) -> bool:
 
 
 #: What ``export-speculators`` writes: ``datasets``' ``save_to_disk`` files, the rows' hidden states, the d2t/t2d mappings.
-EXPORT_DIR = DirKind("speculators training-data export", DONE_FILE, _is_export,
-                     frozenset({DONE_FILE, "state.json", "dataset_info.json", "hidden_states"}),
-                     patterns=("data-*.arrow", "cache-*.arrow", "d2t-*.npy", "t2d-*.npy"))
+EXPORT_DIR = DirKind(
+    "speculators training-data export",
+    DONE_FILE,
+    _is_export,
+    frozenset({DONE_FILE, "state.json", "dataset_info.json", "hidden_states"}),
+    patterns=("data-*.arrow", "cache-*.arrow", "d2t-*.npy", "t2d-*.npy"),
+)
 
 #: Our model config field -> the speculators trainer flag that sets the same quantity (absent fields are skipped).
 #: Keys are the method configs' own field names, so a method's recipe selects its flags (DSpark's Markov rank, DFlash2's
 #: convolution and selector) without naming the method.
-SHAPE_FLAGS = {"num_layers": "--num-layers", "block_size": "--block-size", "draft_vocab_size": "--draft-vocab-size",
-               "markov_rank": "--markov-rank", "conv_kernel_size": "--conv-kernel-size", "conv_group_size": "--conv-group-size",
-               "selector_rank": "--selector-rank", "selector_top_k": "--selector-top-k", "selector_weight": "--selector-loss-alpha"}
+SHAPE_FLAGS = {
+    "num_layers": "--num-layers",
+    "block_size": "--block-size",
+    "draft_vocab_size": "--draft-vocab-size",
+    "markov_rank": "--markov-rank",
+    "conv_kernel_size": "--conv-kernel-size",
+    "conv_group_size": "--conv-group-size",
+    "selector_rank": "--selector-rank",
+    "selector_top_k": "--selector-top-k",
+    "selector_weight": "--selector-loss-alpha",
+}
 
 
 #: Loss terms of our method configs (field names of the resolved recipe's ``model``; a method has the ones its config
 #: defines, DFlash none of them: hard-label CE) -> the peer's flattened config key weighting the same term, or None.
-LOSS_TERMS = {"unary_loss": None, "ce_weight": None, "l1_weight": None, "bce_weight": "confidence_head_alpha",
-              "selector_weight": "selector_loss_alpha"}
+LOSS_TERMS = {
+    "unary_loss": None,
+    "ce_weight": None,
+    "l1_weight": None,
+    "bce_weight": "confidence_head_alpha",
+    "selector_weight": "selector_loss_alpha",
+}
 
 
 def peer_methods() -> list[str]:
@@ -109,7 +134,8 @@ class ExportSpeculatorsConfig:
     val_fraction: float = config_field(0.05, help="specdraft train's --val-fraction: its validation rows are written last")
     split_seed: int = config_field(0, help="specdraft train's --split-seed")
     draft_vocab_size: int | None = config_field(
-        None, help="also write the peer's d2t/t2d mapping of this size, built from the store's token counts as specdraft train builds its own"
+        None,
+        help="also write the peer's d2t/t2d mapping of this size, built from the store's token counts as specdraft train builds its own",
     )
 
     def __post_init__(self) -> None:
@@ -120,16 +146,20 @@ class ExportSpeculatorsConfig:
             raise SpecdraftError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}")
 
 
-def store_digest(dataset) -> str:
+def store_digest(dataset: HiddenStateDataset) -> str:
     """sha256 of everything an export is made of: the store's manifest, each stored sample's payload manifest (which
     records its tensors' sha256; read from the file's header, not its data) and the prepared rows (tokens, loss masks)."""
     from safetensors import safe_open
 
     from specdraft.data.dataset import DATA_FILE
+    from specdraft.hidden_states.backends.file import FileBackend
 
+    backend = dataset.backend
+    if not isinstance(backend, FileBackend):
+        raise SpecdraftError(f"export-speculators reads a store directory; {backend.location} is a {type(backend).__name__}")
     digest = hashlib.sha256(json.dumps(dataset.manifest, sort_keys=True).encode())
     for sample_id in dataset.sample_ids:
-        with safe_open(str(dataset.backend.path(sample_id)), "pt") as f:
+        with safe_open(str(backend.path(sample_id)), "pt") as f:
             digest.update(f"\0{sample_id}\0{(f.metadata() or {}).get('specdraft', '')}".encode())
     digest.update(sha256_file(Path(dataset.prepared.directory) / DATA_FILE).encode())
     return digest.hexdigest()
@@ -163,7 +193,7 @@ def _reusable(out: Path, key: dict) -> dict | None:
     return facts
 
 
-def _write_npy(path: Path, array) -> None:
+def _write_npy(path: Path, array: np.ndarray) -> None:
     import numpy as np
 
     buffer = io.BytesIO()
@@ -187,19 +217,28 @@ def export_speculators_data(config: ExportSpeculatorsConfig) -> dict:
     try:
         from datasets import Dataset
     except ImportError:
-        raise SpecdraftError("export-speculators needs the `datasets` package (installed with speculators in .venv-interop: "
-                             "run `.venv-interop/bin/python -m specdraft.cli.main export-speculators ...`)") from None
+        raise SpecdraftError(
+            "export-speculators needs the `datasets` package (installed with speculators in .venv-interop: "
+            "run `.venv-interop/bin/python -m specdraft.cli.main export-speculators ...`)"
+        ) from None
     out = Path(config.out)
     dataset = HiddenStateDataset(config.store)
     slots = METHODS.get(config.method).layer_slots(int(dataset.target_info["num_layers"]))
-    key = {"store": store_digest(dataset), "slots": [str(s) for s in slots], "val_fraction": config.val_fraction,
-           "split_seed": config.split_seed}
+    key = {
+        "store": store_digest(dataset),
+        "slots": [str(s) for s in slots],
+        "val_fraction": config.val_fraction,
+        "split_seed": config.split_seed,
+        "draft_vocab_size": config.draft_vocab_size,
+    }
     facts = _reusable(out, key)
     if facts is None:
         slot_index = select_slots(dataset.slots, slots, where=config.store)
         split = dataset_split(dataset, val_fraction=config.val_fraction, seed=config.split_seed)
         if not split.val:
-            raise SpecdraftError(f"{config.store}: no sample falls in the validation split (--val-fraction {config.val_fraction}); the peer needs one")
+            raise SpecdraftError(
+                f"{config.store}: no sample falls in the validation split (--val-fraction {config.val_fraction}); the peer needs one"
+            )
         order = split.train + split.val  # the peer holds out the last rows
         with atomic_dir(out, EXPORT_DIR, inputs=[config.store]) as tmp:
             (tmp / "hidden_states").mkdir()
@@ -214,14 +253,25 @@ def export_speculators_data(config: ExportSpeculatorsConfig) -> dict:
                 columns["seq_len"].append(len(tokens))
             Dataset.from_dict(columns).with_format("torch").save_to_disk(str(tmp))
             train_tokens = sum(columns["seq_len"][: len(split.train)])
-            facts = {"layer_ids": [slot_to_aux_id(slot) for slot in slots], "train_rows": len(split.train), "val_rows": len(split.val),
-                     # the peer cuts at int(rows * ratio): half a row more keeps float rounding on the right side
-                     "train_data_ratio": (len(split.train) + 0.5) / len(order), "tokens": sum(columns["seq_len"]),
-                     "train_tokens": train_tokens}
+            facts = {
+                "layer_ids": [slot_to_aux_id(slot) for slot in slots],
+                "train_rows": len(split.train),
+                "val_rows": len(split.val),
+                # the peer cuts at int(rows * ratio): half a row more keeps float rounding on the right side
+                "train_data_ratio": (len(split.train) + 0.5) / len(order),
+                "tokens": sum(columns["seq_len"]),
+                "train_tokens": train_tokens,
+            }
+            if config.draft_vocab_size:  # part of the export, so that a rerun with another size leaves no mapping of this one
+                counts = dataset.token_counts()
+                if counts is None:
+                    raise SpecdraftError(
+                        f"draft_vocab_size {config.draft_vocab_size} needs token counts (the prepared dataset's "
+                        f"token_counts.safetensors), which the store {config.store} does not reach"
+                    )
+                d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
+                _write_npy(tmp / f"d2t-{config.draft_vocab_size}.npy", d2t.numpy())
+                _write_npy(tmp / f"t2d-{config.draft_vocab_size}.npy", t2d.numpy())
             files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
             atomic_write_json(tmp / DONE_FILE, {"key": key, "files": files, "facts": facts})
-    if config.draft_vocab_size:
-        d2t, t2d = build_draft_vocab(dataset.token_counts(), config.draft_vocab_size)
-        _write_npy(out / f"d2t-{config.draft_vocab_size}.npy", d2t.numpy())
-        _write_npy(out / f"t2d-{config.draft_vocab_size}.npy", t2d.numpy())
     return facts

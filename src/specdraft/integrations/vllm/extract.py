@@ -24,10 +24,11 @@ import json
 import logging
 import shlex
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.extract import EXTRACT_ENGINES, ExtractJob
@@ -35,7 +36,11 @@ from specdraft.hidden_states.layers import LayerSlot
 from specdraft.integrations.vllm.engine import CONNECTOR_CLASS, CONNECTOR_MODULE, CPU_ENV_DEFAULTS, VllmServer, complete, get_text
 from specdraft.integrations.vllm.protocol import CHECK, DTYPE, ERROR, KEY, SAMPLE_ID, SERVER, SLOTS, STORE, slot_rows
 
+if TYPE_CHECKING:
+    from specdraft.data.dataset import PreparedDataset
+
 log = logging.getLogger(__name__)
+
 
 def how_to_start() -> str:
     """Where every attach error points the user."""
@@ -58,8 +63,17 @@ def capture_plan(slots: list[LayerSlot], num_layers: int) -> tuple[list[int], li
     return ids, rows, last_row
 
 
-def extraction_args(*, store: str, backend: str, dtype: str, target_dtype: str, target_info: dict, slots: list[LayerSlot],
-                    max_model_len: int | None, max_num_seqs: int) -> list[str]:
+def extraction_args(
+    *,
+    store: str,
+    backend: str,
+    dtype: str,
+    target_dtype: str,
+    target_info: dict,
+    slots: list[LayerSlot],
+    max_model_len: int | None,
+    max_num_seqs: int,
+) -> list[str]:
     """``api_server`` flags for a hidden-state extraction server writing into ``store``.
 
     ``slots``/``dtype`` are what it captures and the default of requests that name none; a
@@ -80,7 +94,9 @@ def extraction_args(*, store: str, backend: str, dtype: str, target_dtype: str, 
             "store": store, "backend": backend, "dtype": dtype, "target": target_info, "slots": [s.to_json() for s in slots],
         },
     }  # fmt: skip
-    lengths = [] if max_model_len is None else ["--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max(max_model_len, 2048))]
+    lengths = (
+        [] if max_model_len is None else ["--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max(max_model_len, 2048))]
+    )
     return [
         "--dtype", target_dtype, *lengths, "--max-num-seqs", str(max_num_seqs), "--no-enable-prefix-caching",
         "--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer),
@@ -124,8 +140,9 @@ class ExtractionClient:
     ``hint()`` ends every error: what to do (attached server) or where to look (its log).
     """
 
-    def __init__(self, url: str, backend: Any, target_info: dict, *, model: str, max_model_len: int | None,
-                 hint: Callable[[], str] = how_to_start):
+    def __init__(
+        self, url: str, backend: Any, target_info: dict, *, model: str, max_model_len: int | None, hint: Callable[[], str] = how_to_start
+    ):
         self.url = url
         self.backend = backend
         self.target_info = target_info
@@ -144,7 +161,8 @@ class ExtractionClient:
             raise SpecdraftError(f"the vLLM server at {self.url} refused to store {key!r}: {returned[ERROR]}; {self._hint()}")
         if returned.get(KEY) != key:
             raise SpecdraftError(
-                f"the vLLM server at {self.url} did not store hidden states for {key!r} (its answer's kv_transfer_params: {returned or None}); "
+                f"the vLLM server at {self.url} did not store hidden states for {key!r} "
+                f"(its answer's kv_transfer_params: {returned or None}); "
                 f"it must run the extract_hidden_states speculative method with the specdraft connector ({CONNECTOR_CLASS}); "
                 f"{self._hint()}"
             )
@@ -152,7 +170,9 @@ class ExtractionClient:
             payload = self.backend.get(key)
         except SpecdraftError as exc:
             if returned.get(STORE) == self.backend.producer_location():
-                raise SpecdraftError(f"{exc}; the vLLM server at {self.url} reported storing it, so its write failed; {self._hint()}") from None
+                raise SpecdraftError(
+                    f"{exc}; the vLLM server at {self.url} reported storing it, so its write failed; {self._hint()}"
+                ) from None
             raise SpecdraftError(
                 f"{exc}; the vLLM server at {self.url} reported storing it in {returned.get(STORE)}, but this process reads "
                 f"{self.backend.location}: they must be the same store; {self._hint()}"
@@ -184,15 +204,19 @@ def attach(url: str, backend: Any, target_info: dict, slots: list[LayerSlot], dt
         raise SpecdraftError(f"{setting('vllm_url')} {url}: {exc}; {how_to_start()}, then pass its URL") from None
     name, limit = model["id"], model.get("max_model_len")
     if isinstance(limit, int) and longest + 1 > limit:
-        raise SpecdraftError(f"{setting('vllm_url')} {url} serves at most {limit} tokens per sequence, the longest "
-                             f"request needs {longest + 1}; "
-                             f"restart it with --max-model-len {longest + 1}")
+        raise SpecdraftError(
+            f"{setting('vllm_url')} {url} serves at most {limit} tokens per sequence, the longest "
+            f"request needs {longest + 1}; "
+            f"restart it with --max-model-len {longest + 1}"
+        )
     root = Path(str(model.get("root") or ""))
     if root.is_dir() and root.resolve() != Path(target_info["path"]).resolve():  # a directory visible here: same weights?
         served = fingerprint(root)
         if served != target_info["fingerprint"]:
-            raise SpecdraftError(f"{setting('vllm_url')} {url} serves {root} (fingerprint {served}), not the target {target_info['path']} "
-                                 f"(fingerprint {target_info['fingerprint']}); {how_to_start()}")
+            raise SpecdraftError(
+                f"{setting('vllm_url')} {url} serves {root} (fingerprint {served}), not the target {target_info['path']} "
+                f"(fingerprint {target_info['fingerprint']}); {how_to_start()}"
+            )
     params = {CHECK: True, SLOTS: [s.to_json() for s in slots], DTYPE: dtype}
     try:
         answer = complete(url, list(range(1, min(9, int(target_info["vocab_size"])))), max_tokens=1, model=name, kv_transfer_params=params)
@@ -208,11 +232,17 @@ def attach(url: str, backend: Any, target_info: dict, slots: list[LayerSlot], dt
             f"extract_hidden_states speculative method with the specdraft connector ({CONNECTOR_CLASS}); {how_to_start()}"
         )
     if server.get("target_fingerprint") != target_info["fingerprint"]:
-        raise SpecdraftError(f"the vLLM server at {url} writes payloads of target fingerprint {server.get('target_fingerprint')!r}, "
-                             f"this run needs {target_info['fingerprint']!r} ({target_info['path']}); {how_to_start()}")
+        raise SpecdraftError(
+            f"the vLLM server at {url} writes payloads of target fingerprint {server.get('target_fingerprint')!r}, "
+            f"this run needs {target_info['fingerprint']!r} ({target_info['path']}); {how_to_start()}"
+        )
     if server.get("store") != backend.producer_location():
-        log.warning("the vLLM server at %s writes to %s; this run reads %s (checked with the first sample)", url, server.get("store"),
-                    backend.producer_location())
+        log.warning(
+            "the vLLM server at %s writes to %s; this run reads %s (checked with the first sample)",
+            url,
+            server.get("store"),
+            backend.producer_location(),
+        )
     log.info("attached to the vLLM extraction server at %s (model %s, captured layer ids %s)", url, name, server.get("layer_ids"))
     return ExtractionClient(url, backend, target_info, model=name, max_model_len=limit if isinstance(limit, int) else None)
 
@@ -239,11 +269,19 @@ def extraction_client(spec: ServerSpec, backend: Any, *, url: str | None, longes
     with spec.server() as server:
         log.info("vLLM server up in %.1f s (log: %s)", time.perf_counter() - start, server.log_path)
         model = served_model(server.url)
-        yield ExtractionClient(server.url, backend, spec.target_info, model=model["id"], max_model_len=model.get("max_model_len"),
-                               hint=lambda: f"server log {server.log_path}:\n{server.log_tail()}")
+        yield ExtractionClient(
+            server.url,
+            backend,
+            spec.target_info,
+            model=model["id"],
+            max_model_len=model.get("max_model_len"),
+            hint=lambda: f"server log {server.log_path}:\n{server.log_tail()}",
+        )
 
 
-def extract_spec(config: Any, backend: Any, target_path: str, target_info: dict, slots: list[LayerSlot], max_model_len: int) -> ServerSpec:
+def extract_spec(
+    config: Any, backend: Any, target_path: str | Path, target_info: dict, slots: list[LayerSlot], max_model_len: int
+) -> ServerSpec:
     """The extraction server ``specdraft extract`` (an ``ExtractConfig``) starts or attaches to."""
     return ServerSpec(
         target_path=str(target_path), target_info=target_info, backend=config.backend, store=backend.producer_location(),
@@ -263,8 +301,14 @@ def describe_target(name: str) -> dict:
 
     path = resolve_target_dir(name)
     config = AutoConfig.from_pretrained(path)
-    return Target(name=name, path=path, model=SimpleNamespace(config=config), tokenizer=None, fingerprint=fingerprint(path),
-                  tokenizer_hash=tokenizer_hash(path)).describe()
+    return Target(
+        name=name,
+        path=path,
+        model=SimpleNamespace(config=config),
+        tokenizer=None,
+        fingerprint=fingerprint(path),
+        tokenizer_hash=tokenizer_hash(path),
+    ).describe()
 
 
 def extract_server_command(config: Any) -> tuple[str, str]:
@@ -301,8 +345,16 @@ def extract_with_vllm(job: ExtractJob) -> tuple[int, int]:
         return send_samples(client, dataset, order, slots=slots, dtype=config.dtype, concurrency=config.batch_size, progress=job.progress)
 
 
-def send_samples(client: ExtractionClient, dataset, rows: list[int], *, slots: list[LayerSlot], dtype: str, concurrency: int,
-                 progress: bool = False) -> tuple[int, int]:
+def send_samples(
+    client: ExtractionClient,
+    dataset: PreparedDataset,
+    rows: list[int],
+    *,
+    slots: list[LayerSlot],
+    dtype: str,
+    concurrency: int,
+    progress: bool = False,
+) -> tuple[int, int]:
     """Steps 2-3 against a running extraction server; returns (tokens, bytes stored)."""
     from tqdm import tqdm
 

@@ -19,10 +19,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import shlex
+from collections.abc import Generator, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Iterator
 
-from specdraft.data.regenerate import REGENERATION_ENGINES, SERVER_ENGINES, Batch, EngineRequest, GenerationSettings, ServerEngine, cut_at_eos
+from specdraft.data.regenerate import (
+    REGENERATION_ENGINES,
+    SERVER_ENGINES,
+    Batch,
+    EngineRequest,
+    GenerationSettings,
+    ServerEngine,
+    cut_at_eos,
+)
 from specdraft.errors import SpecdraftError
 from specdraft.integrations.vllm.engine import VllmServer, complete, find_vllm_python, vllm_version
 
@@ -62,7 +70,9 @@ def start_server(request: EngineRequest, batches: list[Batch], *, startup_timeou
     settings = request.settings
     longest = max(len(p) for _, prompts in batches for p in prompts)
     dtype = str(request.target.model.dtype).removeprefix("torch.")
-    args = server_args(dtype=dtype, max_model_len=longest + settings.max_new_tokens, max_num_seqs=settings.batch_size, extra=request.vllm_args)
+    args = server_args(
+        dtype=dtype, max_model_len=longest + settings.max_new_tokens, max_num_seqs=settings.batch_size, extra=request.vllm_args
+    )
     server = VllmServer(request.target.path, args, python=request.vllm_python, startup_timeout=startup_timeout).start()
     log.info("vLLM server up (log: %s)", server.log_path)
     return server
@@ -95,7 +105,7 @@ def probe_batch(server: VllmServer, request: EngineRequest, prompts: list[list[i
         finished.close()
 
 
-def _run(server: VllmServer, request: EngineRequest, batches: list[Batch]) -> Iterator[Batch]:
+def _run(server: VllmServer, request: EngineRequest, batches: list[Batch]) -> Generator[Batch, None, None]:
     settings = request.settings
     eos = request.eos_ids
 

@@ -37,7 +37,7 @@ class SpecDecodeCounters:
         """tau: tokens per verification round (accepted drafts + the one target token)."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
-    def __sub__(self, earlier: "SpecDecodeCounters") -> "SpecDecodeCounters":
+    def __sub__(self, earlier: SpecDecodeCounters) -> SpecDecodeCounters:
         """The counts of the workload between two readings."""
         n = max(len(self.accepted_per_position), len(earlier.accepted_per_position))
         mine = self.accepted_per_position + (0.0,) * (n - len(self.accepted_per_position))

@@ -59,8 +59,9 @@ def _checkpoint(text: str, target: str) -> Path:
 
 
 @claims_output(PARITY_DIR)  # before the decoding: a foreign, locked or read-only --out costs nothing
-def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, target: Target | None = None,
-                    progress: bool = True) -> dict[str, Any]:
+def run_parity_eval(
+    config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, target: Target | None = None, progress: bool = True
+) -> dict[str, Any]:
     """Built-in vs served tau per checkpoint drafter; writes ``parity.json`` and ``parity.md`` under ``config.out``
     (each side's full report under ``builtin-<i>/`` and ``served-<i>/``)."""
     from specdraft.eval.runner import resolve_drafters, run_eval, split_label
@@ -70,28 +71,47 @@ def run_parity_eval(config: EvalConfig, sampling: SamplingConfig = SamplingConfi
     paths = [_checkpoint(text, config.target) for _, text in labelled]
     if config.endpoint and len(paths) != 1:
         raise SpecdraftError(f"--parity with --endpoint compares the one drafter that server serves; got --drafters {config.drafters}")
-    labels = [spec.label for spec in resolve_drafters(  # as eval names them: distinct, the same drafter twice refused
-        [f"{label}={path}@full" if label else f"{path}@full" for (label, _), path in zip(labelled, paths)],
-        num_draft_tokens=config.num_draft_tokens, max_new_tokens=config.max_new_tokens, seed=config.seed, target=config.target)]
+    labels = [
+        spec.label
+        for spec in resolve_drafters(  # as eval names them: distinct, the same drafter twice refused
+            [f"{label}={path}@full" if label else f"{path}@full" for (label, _), path in zip(labelled, paths)],
+            num_draft_tokens=config.num_draft_tokens,
+            max_new_tokens=config.max_new_tokens,
+            seed=config.seed,
+            target=config.target,
+        )
+    ]
     if target is None:
         target = load_target(config.target, dtype=config.dtype, device=config.device)
     rows = []
     with atomic_dir(config.out, PARITY_DIR) as out:  # replaced whole: a rerun with fewer drafters leaves no stale side
         for i, path in enumerate(paths):
             tokens = read_drafter_info(path).num_speculative_tokens
-            common = dict(drafters=[f"{path}@full"], num_draft_tokens=tokens, plots=False, concurrency=[1])
-            builtin = run_eval(dataclasses.replace(config, out=str(out / f"builtin-{i}"), endpoint="", **common), sampling,
-                               SchedulerConfig(), target=target, progress=progress)
+            common: dict[str, Any] = dict(drafters=[f"{path}@full"], num_draft_tokens=tokens, plots=False, concurrency=[1])
+            builtin = run_eval(
+                dataclasses.replace(config, out=str(out / f"builtin-{i}"), endpoint="", **common),
+                sampling,
+                SchedulerConfig(),
+                target=target,
+                progress=progress,
+            )
             served_config = dataclasses.replace(config, out=str(out / f"served-{i}"), **common)
             if config.endpoint:
                 served = run_endpoint_eval(served_config, sampling, tokenizer=target.tokenizer, progress=progress)
             else:
                 with drafter_server(ServeConfig(drafter=str(path), vllm_args=config.vllm_args, vllm_python=config.vllm_python)) as server:
-                    served = run_endpoint_eval(dataclasses.replace(served_config, endpoint=server.url), sampling,
-                                               tokenizer=target.tokenizer, progress=progress)
+                    served = run_endpoint_eval(
+                        dataclasses.replace(served_config, endpoint=server.url), sampling, tokenizer=target.tokenizer, progress=progress
+                    )
             rows.append({**compare_sides(builtin, served, str(path)), "drafter": labels[i]})
-        report = {"format": "specdraft.parity_report", "format_version": 2, "gap_threshold": PARITY_GAP,
-                  "config": dataclasses.asdict(config), "sampling": dataclasses.asdict(sampling), "drafters": rows}
+        report = {
+            "format": "specdraft.parity_report",
+            "format_version": 2,
+            "gap_threshold": PARITY_GAP,
+            "config": dataclasses.asdict(config),
+            "sampling": dataclasses.asdict(sampling),
+            "drafters": rows,
+        }
         atomic_write_json(out / "parity.json", report)
         atomic_write_bytes(out / "parity.md", render_parity(report).encode())
     return report
@@ -103,22 +123,37 @@ def compare_sides(builtin: dict[str, Any], served: dict[str, Any], path: str) ->
     remote = served["runs"][0]
     tau_builtin, tau_served = round_tau(local["overall"]), round_tau(remote["overall"])
     gap = (tau_served - tau_builtin) / tau_builtin
-    same = sum(p["outputs"][remote["drafter"]]["1"]["tokens"] == q["outputs"]["autoregressive"]["1"]["tokens"]
-               for p, q in zip(served["prompts"], builtin["prompts"]))
+    same = sum(
+        p["outputs"][remote["drafter"]]["1"]["tokens"] == q["outputs"]["autoregressive"]["1"]["tokens"]
+        for p, q in zip(served["prompts"], builtin["prompts"])
+    )
 
     def side(metrics: dict[str, Any], tau: float) -> dict[str, Any]:
-        return {"tau": tau, "rounds": metrics["rounds"], "output_tokens": metrics["output_tokens"],
-                "positional_tau": positional_tau(metrics), "position_acceptance": metrics["position_acceptance"]}
+        return {
+            "tau": tau,
+            "rounds": metrics["rounds"],
+            "output_tokens": metrics["output_tokens"],
+            "positional_tau": positional_tau(metrics),
+            "position_acceptance": metrics["position_acceptance"],
+        }
 
-    return {"drafter": local["drafter"], "path": path, "prompts": len(served["prompts"]),
-            "builtin": side(local["overall"], tau_builtin), "served": side(remote["overall"], tau_served),
-            "gap": gap, "flagged": abs(gap) > PARITY_GAP, "served_identical_to_autoregressive": same}
+    return {
+        "drafter": local["drafter"],
+        "path": path,
+        "prompts": len(served["prompts"]),
+        "builtin": side(local["overall"], tau_builtin),
+        "served": side(remote["overall"], tau_served),
+        "gap": gap,
+        "flagged": abs(gap) > PARITY_GAP,
+        "served_identical_to_autoregressive": same,
+    }
 
 
 def render_parity(report: dict[str, Any]) -> str:
     """Markdown table: built-in vs served tau per drafter, gaps above the threshold marked."""
     lines = [
-        f"# specdraft eval --parity: built-in runtime vs vLLM, same prompts (gap flagged above {report['gap_threshold']:.0%})", "",
+        f"# specdraft eval --parity: built-in runtime vs vLLM, same prompts (gap flagged above {report['gap_threshold']:.0%})",
+        "",
         "| drafter | prompts | built-in tau (rounds) | served tau (rounds) | gap | positional tau built-in / served "
         "| served = autoregressive | parity |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
@@ -126,15 +161,20 @@ def render_parity(report: dict[str, Any]) -> str:
     for r in report["drafters"]:
         verdict = "**GAP**" if r["flagged"] else "ok"
         b, s = r["builtin"], r["served"]
-        lines.append(f"| {r['drafter']} | {r['prompts']} | {b['tau']:.3f} ({b['rounds']}) | {s['tau']:.3f} ({s['rounds']}) | {r['gap']:+.1%} "
-                     f"| {b['positional_tau']:.3f} / {s['positional_tau']:.3f} | {r['served_identical_to_autoregressive']}/{r['prompts']} | {verdict} |")
+        lines.append(
+            f"| {r['drafter']} | {r['prompts']} | {b['tau']:.3f} ({b['rounds']}) | {s['tau']:.3f} ({s['rounds']}) | {r['gap']:+.1%} "
+            f"| {b['positional_tau']:.3f} / {s['positional_tau']:.3f} "
+            f"| {r['served_identical_to_autoregressive']}/{r['prompts']} | {verdict} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def parity_summary(report: dict[str, Any]) -> str:
     """What the CLI prints: the table, then one line per flagged drafter."""
     flagged = [r for r in report["drafters"] if r["flagged"]]
-    notes = [f"parity gap: {r['drafter']} accepts {r['gap']:+.1%} when served by vLLM ({r['served']['tau']:.3f} vs "
-             f"{r['builtin']['tau']:.3f}); check its layer ids, anchor convention and attention flags" for r in flagged]
+    notes = [
+        f"parity gap: {r['drafter']} accepts {r['gap']:+.1%} when served by vLLM ({r['served']['tau']:.3f} vs "
+        f"{r['builtin']['tau']:.3f}); check its layer ids, anchor convention and attention flags"
+        for r in flagged
+    ]
     return render_parity(report) + "".join(n + "\n" for n in notes)
-

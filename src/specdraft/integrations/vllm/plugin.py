@@ -56,8 +56,12 @@ def _reference_mla_outside_amx_dtypes(update):
 
         model = vllm_config.model_config
         attention = vllm_config.attention_config
-        if (model is not None and getattr(model, "use_mla", False) and attention.backend is None
-                and str(model.dtype).removeprefix("torch.") not in AMX_MLA_DTYPES):
+        if (
+            model is not None
+            and getattr(model, "use_mla", False)
+            and attention.backend is None
+            and str(model.dtype).removeprefix("torch.") not in AMX_MLA_DTYPES
+        ):
             attention.backend = AttentionBackendEnum.CPU_MLA
         return update.__func__(cls, vllm_config)
 

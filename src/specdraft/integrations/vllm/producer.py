@@ -12,6 +12,7 @@ Loading this module registers the engine in ``hidden_states/service.py``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -86,7 +87,7 @@ class VllmProducer:
     def run(self, slots: list[LayerSlot], dtype: str, jobs: list[Any]) -> None:
         for job in jobs:
             future = self._pool.submit(self.client.store, job.key, job.token_ids.tolist(), slots, dtype)
-            future.add_done_callback(lambda f, job=job: self._finish(job, f))
+            future.add_done_callback(functools.partial(self._finish, job))
 
     def _finish(self, job: Any, future: Future) -> None:
         try:

@@ -3,7 +3,8 @@
 Everything vLLM needs is read from the checkpoint's speculators ``config.json``: the method
 (``speculators_model_type``, which is also vLLM's ``--speculative-config`` method name), the
 number of draft tokens per round (``proposal_methods[0].speculative_tokens``) and the target
-(``specdraft.target.path``, else ``speculators_config.verifier.name_or_path``).
+(``specdraft.target.path``, else the embedded target's ``specdraft.target.name``, else
+``speculators_config.verifier.name_or_path``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class ServeConfig(VllmServerOptions):
     token: str | None = config_field(None, help="API key clients must send (Authorization: Bearer TOKEN; vLLM's --api-key)")
     num_speculative_tokens: int | None = config_field(None, help="draft tokens per round; default: the checkpoint's")
     adaptive_verification: bool = config_field(
-        False, help="DSpark on a CUDA vLLM: size each round's verification from the confidence head "
-        "(vLLM's enable_adaptive_verification; vLLM uses the raw head, not specdraft's calibration)"
+        False,
+        help="DSpark on a CUDA vLLM: size each round's verification from the confidence head "
+        "(vLLM's enable_adaptive_verification; vLLM uses the raw head, not specdraft's calibration)",
     )
 
     def __post_init__(self) -> None:
@@ -55,7 +57,9 @@ def read_drafter_info(directory: str | Path) -> DrafterInfo:
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise SpecdraftError(f"{path}: cannot read the drafter config ({exc}); pass a checkpoint directory written by `specdraft train`") from None
+        raise SpecdraftError(
+            f"{path}: cannot read the drafter config ({exc}); pass a checkpoint directory written by `specdraft train`"
+        ) from None
     method = cfg.get("speculators_model_type")
     if not isinstance(method, str):
         raise SpecdraftError(f"{path} has no speculators_model_type; is {directory} a drafter checkpoint?")
@@ -64,7 +68,8 @@ def read_drafter_info(directory: str | Path) -> DrafterInfo:
     tokens = proposals[0].get("speculative_tokens")
     if not isinstance(tokens, int) or tokens < 1:
         raise SpecdraftError(f"{path}: speculators_config.proposal_methods[0].speculative_tokens is {tokens!r}, expected an integer >= 1")
-    target = (cfg.get("specdraft") or {}).get("target", {}).get("path") or (spec.get("verifier") or {}).get("name_or_path")
+    recorded = (cfg.get("specdraft") or {}).get("target", {})  # an embedded target is recorded by name, without a local path
+    target = recorded.get("path") or recorded.get("name") or (spec.get("verifier") or {}).get("name_or_path")
     return DrafterInfo(method=method, num_speculative_tokens=tokens, target=target, fields=cfg)
 
 
@@ -80,10 +85,9 @@ def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmS
     """An unstarted :class:`VllmServer` running the target with ``config.drafter`` as its speculator."""
     from transformers import AutoConfig
 
+    from specdraft.models import METHODS
     from specdraft.targets import resolve_target_dir
     from specdraft.targets.families import family_of
-
-    from specdraft.models import METHODS
 
     info = read_drafter_info(config.drafter)
     claims = serving(info.method)
@@ -109,8 +113,13 @@ def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmS
         "method": info.method,
         "model": str(Path(config.drafter).resolve()),
         "num_speculative_tokens": config.num_speculative_tokens or info.num_speculative_tokens,
-        **(claims.options(info.fields, info.num_speculative_tokens, config.num_speculative_tokens, config.adaptive_verification,
-                          config.drafter) if claims.options else {}),
+        **(
+            claims.options(
+                info.fields, info.num_speculative_tokens, config.num_speculative_tokens, config.adaptive_verification, config.drafter
+            )
+            if claims.options
+            else {}
+        ),
     }
     args = ["--speculative-config", json.dumps(speculative), *shlex.split(config.vllm_args)]
     if config.token:

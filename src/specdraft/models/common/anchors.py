@@ -17,7 +17,7 @@ Anchor sampling (``ANCHOR_SAMPLING``, the drafter config's ``anchor_sampling``):
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -64,7 +64,7 @@ def sample_anchors(
                 cand = cand[torch.multinomial(weights[r, cand], max_per_segment, replacement=False, generator=generator)]
             chosen.append(cand)
         rows.append(torch.sort(torch.cat(chosen)).values if chosen else torch.zeros(0, dtype=torch.int64))
-    width = max(1, max(r.numel() for r in rows))
+    width = max([1, *(r.numel() for r in rows)])
     out = torch.full((len(rows), width), -1, dtype=torch.int64)
     for r, a in enumerate(rows):
         out[r, : a.numel()] = a
@@ -80,7 +80,7 @@ def block_labels(
     the anchor's segment: supervision in a block stops at the first invalid label.
     Returns (labels [N, A, K], valid bool [N, A, K], label positions [N, A, K] clamped into the row).
     """
-    n, t = token_ids.shape
+    _, t = token_ids.shape
     span = int(offsets.max())
     steps = anchors[..., None] + torch.arange(1, span + 1, device=anchors.device)  # [N, A, span]
     inside = (steps < t) & (anchors[..., None] >= 0)
@@ -102,15 +102,27 @@ ANCHOR_SAMPLING: Registry[AnchorSampler] = Registry("anchor sampling")
 
 
 @ANCHOR_SAMPLING.register("uniform")
-def uniform_anchors(segment_ids: torch.Tensor, loss_mask: torch.Tensor, *, max_per_segment: int, label_prob: LabelProb,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
+def uniform_anchors(
+    segment_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    max_per_segment: int,
+    label_prob: LabelProb,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     return sample_anchors(segment_ids, loss_mask, max_per_segment=max_per_segment, generator=generator)
 
 
 @ANCHOR_SAMPLING.register("predictable")
 @torch.no_grad()
-def predictable_anchors(segment_ids: torch.Tensor, loss_mask: torch.Tensor, *, max_per_segment: int, label_prob: LabelProb,
-                        generator: torch.Generator | None = None) -> torch.Tensor:
+def predictable_anchors(
+    segment_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    max_per_segment: int,
+    label_prob: LabelProb,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """See the module docstring: a uniform proposal scored by ``label_prob``, then a weighted draw."""
     proposal = sample_anchors(segment_ids, loss_mask, max_per_segment=PREDICTABLE_PROPOSALS * max_per_segment, generator=generator)
     rows, cols = torch.nonzero(proposal >= 0, as_tuple=True)

@@ -37,7 +37,9 @@ WEIGHTS_FILE = "model.safetensors"
 CALIBRATION_FILE = "calibration.json"  # written beside the weights by `specdraft calibrate`
 MODEL_CARD_FILE = "MODEL_CARD.md"  # written beside the weights of a shipped reference drafter
 DRAFTER_DIR = DirKind(
-    "drafter checkpoint", CONFIG_FILE, json_field_is("speculators_model_type", ...),
+    "drafter checkpoint",
+    CONFIG_FILE,
+    json_field_is("speculators_model_type", ...),
     frozenset({CONFIG_FILE, WEIGHTS_FILE, CALIBRATION_FILE, MODEL_CARD_FILE}),
 )
 SPECULATORS_VERSION = "0.9.0"  # the speculators format version we write and test against
@@ -126,14 +128,12 @@ def read_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch
     weights_path = directory / WEIGHTS_FILE
     try:
         tensors = load_file(str(weights_path))
-    except Exception as exc:  # safetensors raises its own error types
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise SpecdraftError(f"cannot read {weights_path}: {exc}") from None
     return config, tensors
 
 
-def check_tensors(
-    tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, where: str, ignore: tuple[str, ...] = ()
-) -> None:
+def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, where: str, ignore: tuple[str, ...] = ()) -> None:
     """Every expected tensor present with the expected shape; no unknown tensors (``ignore`` aside)."""
     for name, ref in expected.items():
         if name not in tensors:
@@ -144,4 +144,6 @@ def check_tensors(
             )
     unknown = sorted(set(tensors) - set(expected) - set(ignore))
     if unknown:
-        raise SpecdraftError(f"{where}: unexpected tensors {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; config.json and weights disagree")
+        raise SpecdraftError(
+            f"{where}: unexpected tensors {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; config.json and weights disagree"
+        )

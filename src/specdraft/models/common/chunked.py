@@ -7,7 +7,7 @@ alive and the backward recomputes them chunk by chunk instead of storing them al
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.base import DrafterModel, METHODS
+from specdraft.models.base import METHODS, DrafterModel
 from specdraft.models.common import checkpoint as ckpt
 from specdraft.models.common.config import DraftConfig, DraftDims
 from specdraft.targets.base import Target
@@ -46,6 +46,19 @@ def target_pieces(target: Target) -> tuple[torch.Tensor, nn.Module, torch.Tensor
 
     parts = family_of(target.model).decoder_parts(target.model)
     return parts.embed.get_parameter("weight").detach(), parts.norm, parts.lm_head.get_parameter("weight").detach()
+
+
+def portable_identity(verifier: dict) -> dict:
+    """How a checkpoint's ``config.json`` names its target: for an embedded target, by name, Hugging Face repo id
+    (``hub_id``, what speculators' ``verifier.name_or_path`` then holds) and fingerprint, without the local directory it
+    was converted into (the building machine's cache, which a shipped drafter must not carry; ``name`` finds it again
+    on any machine); any other target by its local path, where the drafter's own user keeps it."""
+    from specdraft.targets import EMBEDDED_TARGETS
+
+    name = verifier.get("name")
+    if not isinstance(name, str) or name not in EMBEDDED_TARGETS:
+        return dict(verifier)
+    return {**{k: v for k, v in verifier.items() if k != "path"}, "hub_id": EMBEDDED_TARGETS.get(name).hub_id}
 
 
 class SpeculatorsDrafter(DrafterModel):
@@ -147,6 +160,7 @@ class SpeculatorsDrafter(DrafterModel):
 
     def config_json(self) -> dict:
         slots = self.config.slots()
+        verifier = portable_identity(self.verifier)
         return {
             "speculators_model_type": self.method,
             "speculators_version": ckpt.SPECULATORS_VERSION,
@@ -166,8 +180,8 @@ class SpeculatorsDrafter(DrafterModel):
                 ],
                 "default_proposal_method": "greedy",
                 "verifier": {
-                    "name_or_path": self.verifier.get("path"),
-                    "architectures": list(self.verifier.get("architectures", [])),
+                    "name_or_path": verifier.get("hub_id") or verifier.get("path"),
+                    "architectures": list(verifier.get("architectures", [])),
                 },
             },
             **self.method_fields([ckpt.slot_to_aux_id(s) for s in slots]),
@@ -175,7 +189,7 @@ class SpeculatorsDrafter(DrafterModel):
                 "method": self.method,
                 "config": self.config.to_json(),
                 "layer_slots": [s.to_json() for s in slots],
-                "target": dict(self.verifier),
+                "target": verifier,
             },
         }
 
@@ -211,25 +225,32 @@ class SpeculatorsDrafter(DrafterModel):
                     raise SpecdraftError(f"{where}: drafter was trained for a {archs} verifier, but target {target.name} is {have}")
             return config, {"path": recorded.get("name_or_path")}
         if not isinstance(ours, dict) or ours.get("method") != cls.method or not isinstance(ours.get("config"), dict):
-            raise SpecdraftError(f"{where}/config.json: specdraft.method must be {cls.method!r} (the speculators_model_type) "
-                                 f"beside a specdraft.config mapping, got {str(ours)[:80]!r}")
+            raise SpecdraftError(
+                f"{where}/config.json: specdraft.method must be {cls.method!r} (the speculators_model_type) "
+                f"beside a specdraft.config mapping, got {str(ours)[:80]!r}"
+            )
         fields = {f.name for f in dataclasses.fields(cls.config_cls) if f.init and not f.metadata.get("added_later")}
         missing = sorted(fields - set(ours["config"]))
         if missing:
-            raise SpecdraftError(f"{where}/config.json: specdraft.config lacks {', '.join(missing)}; the checkpoint is incomplete "
-                                 "(re-save it with specdraft, or delete the specdraft block to load it as a speculators checkpoint)")
+            raise SpecdraftError(
+                f"{where}/config.json: specdraft.config lacks {', '.join(missing)}; the checkpoint is incomplete "
+                "(re-save it with specdraft, or delete the specdraft block to load it as a speculators checkpoint)"
+            )
         config = cls.config_cls.from_json(ours["config"], where=where)
         theirs = cls.config_from_speculators(cfg, where=where)
         for name in cls.speculators_fields(cfg, where=where):
             a, b = config.compared_value(name), theirs.compared_value(name)
             if a != b and not (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-6)):
-                raise SpecdraftError(f"{where}/config.json: specdraft.config.{name} is {a!r} but the speculators fields "
-                                     f"(what vLLM reads) say {b!r}; the checkpoint contradicts itself")
+                raise SpecdraftError(
+                    f"{where}/config.json: specdraft.config.{name} is {a!r} but the speculators fields "
+                    f"(what vLLM reads) say {b!r}; the checkpoint contradicts itself"
+                )
         verifier = dict(ours.get("target") or {})
         fingerprint = verifier.get("fingerprint")
         if not fingerprint:
-            raise SpecdraftError(f"{where}/config.json: specdraft.target.fingerprint missing; cannot check which target "
-                                 "this drafter was trained for")
+            raise SpecdraftError(
+                f"{where}/config.json: specdraft.target.fingerprint missing; cannot check which target this drafter was trained for"
+            )
         if target is not None and target.fingerprint != fingerprint:
             raise SpecdraftError(
                 f"{where}: drafter was trained for target fingerprint {fingerprint} ({verifier.get('name')}), "
@@ -245,7 +266,7 @@ class SpeculatorsDrafter(DrafterModel):
         ckpt.write_checkpoint(directory, self.config_json(), self.saved_state())
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, *, target: Target | None = None, **kwargs: Any) -> "SpeculatorsDrafter":
+    def from_pretrained(cls, directory: str | Path, *, target: Target | None = None, **kwargs: Any) -> SpeculatorsDrafter:
         """Load our own or a speculators-written checkpoint; ``target`` supplies the frozen pieces."""
         cfg, tensors = ckpt.read_checkpoint(directory)
         where = str(directory)
@@ -255,8 +276,10 @@ class SpeculatorsDrafter(DrafterModel):
         config, verifier = cls.read_config(cfg, where=where, target=target)
         broken = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
         if broken is not None:
-            raise SpecdraftError(f"{where}/{ckpt.WEIGHTS_FILE}: tensor {broken!r} holds NaN/inf values, so this drafter cannot "
-                                 "draft; its training diverged or the file is damaged: use an earlier checkpoint or retrain")
+            raise SpecdraftError(
+                f"{where}/{ckpt.WEIGHTS_FILE}: tensor {broken!r} holds NaN/inf values, so this drafter cannot "
+                "draft; its training diverged or the file is damaged: use an earlier checkpoint or retrain"
+            )
         if target is not None and config.num_target_layers is None:
             config = dataclasses.replace(config, num_target_layers=target.num_layers)
         if target is None and cls.requires_target:
@@ -267,8 +290,10 @@ class SpeculatorsDrafter(DrafterModel):
         model = cls(config, verifier=verifier)
         recorded = speculative_tokens_of(cfg)
         if recorded is not None and recorded != model.speculative_tokens():
-            raise SpecdraftError(f"{where}/config.json: speculators_config.proposal_methods[0].speculative_tokens is {recorded} "
-                                 f"but the config gives {model.speculative_tokens()} (block_size {getattr(config, 'block_size', '-')})")
+            raise SpecdraftError(
+                f"{where}/config.json: speculators_config.proposal_methods[0].speculative_tokens is {recorded} "
+                f"but the config gives {model.speculative_tokens()} (block_size {getattr(config, 'block_size', '-')})"
+            )
         expected = model.saved_state()
         ckpt.check_tensors(tensors, expected, where=where, ignore=cls.ignored_on_load)
         model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)

@@ -116,7 +116,9 @@ class SwiGLU(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer; subclasses decide what the attention's input and residual are."""
 
-    def __init__(self, *, in_dim: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, qk_norm: bool, eps: float):
+    def __init__(
+        self, *, in_dim: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, qk_norm: bool, eps: float
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = Attention(

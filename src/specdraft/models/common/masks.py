@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 
-def eagle3_ttt_mask(segment_ids: torch.Tensor, step: int) -> torch.Tensor:
+def eagle3_ttt_mask(segment_ids: torch.Tensor, step: int, *, start: int = 0, length: int | None = None) -> torch.Tensor:
     """EAGLE-3 training-time-test mask for unroll step ``step`` (0-based).
 
     Keys are laid out step-major: key ``m`` is (step ``m // T``, position ``m % T``). A query at
@@ -25,15 +25,21 @@ def eagle3_ttt_mask(segment_ids: torch.Tensor, step: int) -> torch.Tensor:
         q1: 1 1 0 0 1 0
         q2: 1 1 1 0 0 1
 
-    segment_ids [N, T] -> mask bool [N, 1, T, T * (step + 1)].
+    The queries may be rows [start, start + length) of the row only (one rank's under sequence parallelism,
+    ``models/common/sequence.py``): step-0 keys stay the whole row, later steps' keys are the queries' own rows.
+
+    segment_ids [N, T] -> mask bool [N, 1, L, T + L * step] (L = ``length``, default T).
     """
     n, t = segment_ids.shape
+    rows = t if length is None else length
     idx = torch.arange(t, device=segment_ids.device)
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    valid = (segment_ids != -1)[:, :, None]
-    causal = idx[:, None] >= idx[None, :]
-    diag = (idx[:, None] == idx[None, :]).expand(n, t, t)
-    step0 = (causal & same & valid) | diag
+    query = idx[start : start + rows]
+    own_seg = segment_ids[:, start : start + rows]
+    same = own_seg[:, :, None] == segment_ids[:, None, :]
+    valid = (own_seg != -1)[:, :, None]
+    causal = query[:, None] >= idx[None, :]
+    step0 = (causal & same & valid) | (query[:, None] == idx[None, :]).expand(n, rows, t)
+    diag = (query[:, None] == query[None, :]).expand(n, rows, rows)
     parts = [step0] + [diag] * step
     return torch.cat(parts, dim=-1)[:, None]
 

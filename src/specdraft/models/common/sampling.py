@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,9 @@ def _check_finite(logits: torch.Tensor) -> None:
         )
 
 
-def sample_token(logits: torch.Tensor, *, temperature: float, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample_token(
+    logits: torch.Tensor, *, temperature: float, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [V] -> (token [] int64, probs [V]); at T <= 0 the argmax and None (a point mass)."""
     if temperature <= 0:
         _check_finite(logits)
@@ -46,9 +48,7 @@ def sample_token(logits: torch.Tensor, *, temperature: float, generator: torch.G
     return _draw(logits, temperature=temperature, generator=generator)
 
 
-def _draw(
-    logits: torch.Tensor, *, temperature: float, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(logits: torch.Tensor, *, temperature: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample_token`` at T > 0, where there is always a distribution: (token [] int64, probs [V])."""
     _check_finite(logits)
     probs = F.softmax(logits.float() / temperature, dim=-1)
@@ -56,7 +56,9 @@ def _draw(
     return token, probs
 
 
-def sample_tokens(logits: torch.Tensor, *, temperature: float, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample_tokens(
+    logits: torch.Tensor, *, temperature: float, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Independent draws from each row: logits [K, V] -> (tokens [K], probs [K, V] | None); at T <= 0 one argmax
     over the block."""
     if temperature <= 0:

@@ -20,7 +20,8 @@ takes in its ``MethodSpec.warm_starts`` and ``train/warm_start.py`` (which owns 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,9 +87,15 @@ def target_tensor(layer: nn.Module, name: str) -> torch.Tensor | None:
     return None
 
 
-def copy_layer(draft: nn.Module, source: nn.Module, *, prefix: str, source_name: str,
-               special: Mapping[str, Callable[[torch.Tensor, torch.Tensor], bool]] | None = None,
-               skip: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+def copy_layer(
+    draft: nn.Module,
+    source: nn.Module,
+    *,
+    prefix: str,
+    source_name: str,
+    special: Mapping[str, Callable[[torch.Tensor, torch.Tensor], bool]] | None = None,
+    skip: tuple[str, ...] = (),
+) -> tuple[list[str], list[str]]:
     """Copy ``source``'s tensors into ``draft`` where names and shapes match (``special`` copies a
     tensor whose shape differs: (ours, theirs) -> copied?; ``skip`` keeps ours). Returns (copied, kept) names."""
     copied, kept = [], []
@@ -157,10 +164,16 @@ def layer_mismatches(target: Target, index: int, draft_layer: nn.Module, rope_th
 
 def family_mismatch(drafter: Any, inputs: WarmStartData, indices: list[int]) -> bool:
     """Log why init_from_target is off for this target, if it is (then nothing is copied)."""
-    reasons = dict.fromkeys(r for i, t in enumerate(indices) for r in layer_mismatches(inputs.target, t, drafter.layers[i], drafter.config.rope_theta))
+    reasons = dict.fromkeys(
+        r for i, t in enumerate(indices) for r in layer_mismatches(inputs.target, t, drafter.layers[i], drafter.config.rope_theta)
+    )
     if reasons:
-        log.warning("init_from_target: off for target %s (the draft layers keep their fresh initialisation): target layer %s: %s",
-                    inputs.target.name, ", ".join(map(str, indices)), "; ".join(reasons))
+        log.warning(
+            "init_from_target: off for target %s (the draft layers keep their fresh initialisation): target layer %s: %s",
+            inputs.target.name,
+            ", ".join(map(str, indices)),
+            "; ".join(reasons),
+        )
     return bool(reasons)
 
 
@@ -182,7 +195,6 @@ def init_block_layers(drafter: Any, inputs: WarmStartData) -> list[str]:
         kept += k
     report_kept(kept)
     return copied
-
 
 
 # ----- fc identity --------------------------------------------------------------------------

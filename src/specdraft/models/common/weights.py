@@ -16,7 +16,7 @@ has a label it can be scored on. The losses normalise by the weight sum, so only
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

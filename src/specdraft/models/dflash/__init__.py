@@ -8,8 +8,13 @@ from specdraft.models.dflash.model import ContextCache, DFlashDrafter, build_dfl
 
 METHODS.register("dflash")(
     MethodSpec(
-        name="dflash", config_cls=DFlashConfig, model_cls=DFlashDrafter, layer_slots=spread_output_slots, build=build_dflash,
-        proposer="block", warm_starts={"init_from_target": init_block_layers, "fc_init=identity": init_fc_identity},
+        name="dflash",
+        config_cls=DFlashConfig,
+        model_cls=DFlashDrafter,
+        layer_slots=spread_output_slots,
+        build=build_dflash,
+        proposer="block",
+        warm_starts={"init_from_target": init_block_layers, "fc_init=identity": init_fc_identity},
     )
 )
 LAYER_PRESETS.register("dflash")(spread_output_slots)

@@ -72,27 +72,33 @@ class DFlashConfig(DraftConfig):
     )
     max_anchors: int = config_field(512, help="most anchors (blocks) sampled per packed sample in training")
     anchor_sampling: str = config_field(
-        "uniform", help="training anchors: uniform, or predictable (weighted by the target's probability of the first label; "
-        "see models/common/anchors.py)", metadata={"choices": ["uniform", "predictable"]}
+        "uniform",
+        help="training anchors: uniform, or predictable (weighted by the target's probability of the first label; "
+        "see models/common/anchors.py)",
+        metadata={"choices": ["uniform", "predictable"]},
     )
     loss_gamma: float | None = config_field(None, help="exp weighting's decay gamma (default: 7/5/4 for block 16/10/8, interpolated)")
     position_weighting: str = config_field(
-        "exp", help="loss weight per block position: exp (exp(-(k-1)/gamma)) or dpace (each slot by the acceptance it can "
+        "exp",
+        help="loss weight per block position: exp (exp(-(k-1)/gamma)) or dpace (each slot by the acceptance it can "
         "still unlock, from the drafter's detached estimate; models/common/weights.py)",
-        metadata={"choices": POSITION_WEIGHTS.names(), "added_later": True}
+        metadata={"choices": POSITION_WEIGHTS.names(), "added_later": True},
     )
-    dpace_alpha: float = config_field(0.5, help="dpace: smoothing of the confidence, s = (1-alpha) q + alpha, in (0, 1]",
-                                      metadata={"added_later": True})
+    dpace_alpha: float = config_field(
+        0.5, help="dpace: smoothing of the confidence, s = (1-alpha) q + alpha, in (0, 1]", metadata={"added_later": True}
+    )
     draft_vocab_size: int | None = config_field(
         None,
-        help="reduced draft vocabulary: an [N, D] LM head over the N most frequent response tokens (trained unless train_draft_head is false) "
+        help="reduced draft vocabulary: an [N, D] LM head over the N most frequent response tokens "
+        "(trained unless train_draft_head is false) "
         "(None/0 or the target vocabulary size = full vocabulary through the frozen target head; "
         "takes precedence over draft_vocab_coverage)",
     )
     train_draft_head: bool = config_field(
-        True, help="reduced draft vocabulary: train the draft head (started from the target head's rows) or keep it frozen as "
+        True,
+        help="reduced draft vocabulary: train the draft head (started from the target head's rows) or keep it frozen as "
         "those rows, so the drafter learns to land in the target's output space (speculators' choice)",
-        metadata={"added_later": True}
+        metadata={"added_later": True},
     )
     draft_vocab_coverage: float | None = config_field(
         None,
@@ -110,12 +116,13 @@ class DFlashConfig(DraftConfig):
         POSITION_WEIGHTS.get(self.position_weighting)
         if not 0.0 < self.dpace_alpha <= 1.0:
             raise SpecdraftError(f"{self.method} config: dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
-        if self.mask_token_id is not None:
-            if self.mask_token_id < 0 or (self.vocab_size is not None and self.mask_token_id >= self.vocab_size):
-                raise SpecdraftError(
-                    f"{self.method} config: mask_token_id {self.mask_token_id} is outside the vocabulary "
-                    f"0..{(self.vocab_size or 0) - 1 if self.vocab_size else '?'}; pick an unused/reserved token id"
-                )
+        if self.mask_token_id is not None and (
+            self.mask_token_id < 0 or (self.vocab_size is not None and self.mask_token_id >= self.vocab_size)
+        ):
+            raise SpecdraftError(
+                f"{self.method} config: mask_token_id {self.mask_token_id} is outside the vocabulary "
+                f"0..{(self.vocab_size or 0) - 1 if self.vocab_size else '?'}; pick an unused/reserved token id"
+            )
         if self.loss_gamma is not None and self.loss_gamma <= 0:
             raise SpecdraftError(f"{self.method} config: loss_gamma must be > 0, got {self.loss_gamma}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 0:

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from specdraft.models.common.sequence import WHOLE_ROW
 
 
 def ce_rows(*, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -14,7 +17,10 @@ def ce_rows(*, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels, reduction="none")
 
 
-def weighted_mean(values: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """sum(w * v) / sum(w) over valid entries; values/valid [..., K], weights [K] or [..., K]."""
+def weighted_mean(
+    values: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, *, total: Callable[[torch.Tensor], torch.Tensor] = WHOLE_ROW.total
+) -> torch.Tensor:
+    """sum(w * v) / sum(w) over valid entries; values/valid [..., K], weights [K] or [..., K]. ``total`` sums both
+    over the ranks that share one sample (sequence parallelism), so the mean is the whole sample's."""
     w = weights * valid.to(weights.dtype)
-    return (values * w).sum() / w.sum().clamp(min=math.ulp(1.0))
+    return total((values * w).sum()) / total(w.sum()).clamp(min=math.ulp(1.0))

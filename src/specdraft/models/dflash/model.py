@@ -27,8 +27,8 @@ features each round); the block is run once and its K/V are never stored ("cropp
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, cast
 
 import torch
@@ -45,6 +45,7 @@ from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbeddin
 from specdraft.models.common.masks import anchor_block_mask
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import DraftProposal, sample_tokens
+from specdraft.models.common.sequence import WHOLE_ROW, SequenceShard
 from specdraft.models.common.vocab import check_vocab_tables, coverage_vocab_size, draft_ids, install_draft_vocab, target_to_draft
 from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.models.dflash.config import DFlashConfig
@@ -147,8 +148,9 @@ class DFlashDrafter(SpeculatorsDrafter):
         head from the target head's rows for those tokens."""
         if self.lm_head is None or self.d2t is None or self.t2d is None:
             raise SpecdraftError(f"this {self.method} drafter drafts over the full vocabulary; it has no draft vocabulary to set")
-        install_draft_vocab(counts, self.config.draft_vocab, d2t=self.d2t, t2d=self.t2d, head=self.lm_head,
-                            target_head=self.verifier_lm_head.weight)
+        install_draft_vocab(
+            counts, self.config.draft_vocab, d2t=self.d2t, t2d=self.t2d, head=self.lm_head, target_head=self.verifier_lm_head.weight
+        )
 
     def draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Target-id labels -> (draft-id labels, bool in-vocabulary mask); identity when not reduced."""
@@ -245,31 +247,43 @@ class DFlashDrafter(SpeculatorsDrafter):
         block[..., 0] = anchor_tokens
         return block
 
-    def forward_blocks(self, batch: DrafterBatch, anchors: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced packed forward. anchors int64 [N, A] (-1 = none) -> post-norm block
-        hidden states [N, A, B, D]."""
+    def sequence_halo(self) -> int:
+        """Rows after its own that a rank of a sequence-parallel group reads (``models/common/sequence.py``): a block
+        anchored on its last row needs the tokens, labels and ``last_hidden`` up to its furthest label."""
+        return int(self.label_offsets().max())
+
+    def forward_blocks(self, batch: DrafterBatch, anchors: torch.Tensor, shard: SequenceShard = WHOLE_ROW) -> torch.Tensor:
+        """Teacher-forced packed forward. anchors int64 [N, A] (-1 = none; rows of ``batch``) -> post-norm block
+        hidden states [N, A, B, D]. With a ``shard`` of a sequence-parallel group, ``batch`` holds this rank's rows
+        and the blocks attend to the whole row's context K/V."""
         self.check_batch(batch)
         b = self.config.block_size
         n, a = anchors.shape
         safe = anchors.clamp(min=0)
-        ctx = self.context(batch.aux_hidden)
-        cos_c, sin_c = self.rotary(batch.position_ids, ctx.dtype)
+        ctx = self.context(shard.own(batch.aux_hidden))
+        cos_c, sin_c = self.rotary(shard.own(batch.position_ids), ctx.dtype)
         x = self.embed_tokens(self.block_inputs(torch.gather(batch.token_ids, 1, safe))).flatten(1, 2)
         pos = (torch.gather(batch.position_ids, 1, safe)[..., None] + torch.arange(b, device=anchors.device)).flatten(1)
         cos_b, sin_b = self.rotary(pos, ctx.dtype)
-        mask = anchor_block_mask(batch.segment_ids, anchors, b)
+        mask = anchor_block_mask(shard.segment_ids(batch.segment_ids), shard.global_anchors(anchors), b)
         for layer in self.decoder_layers:
-            x = layer(x, layer.context_kv(ctx, cos_c, sin_c), cos_b, sin_b, mask)
+            x = layer(x, shard.context_kv(layer.context_kv(ctx, cos_c, sin_c)), cos_b, sin_b, mask)
         return self.norm(x).view(n, a, b, -1)
 
-    def training_forward(self, batch: DrafterBatch) -> TrainOutput:
+    def training_forward(self, batch: DrafterBatch, shard: SequenceShard = WHOLE_ROW) -> TrainOutput:
         # Held-out metrics must estimate decode-time acceptance, where every response position is an
         # anchor: in eval mode anchors are uniform whatever the training sampler (a "predictable" draw
-        # would overstate tau by favouring easy positions).
+        # would overstate tau by favouring easy positions). Every rank of a sequence-parallel group draws the whole
+        # row's anchors with the same generator state and keeps its own: the anchors N = 1 draws.
         sampler = ANCHOR_SAMPLING.get(self.config.anchor_sampling if self.training else "uniform")
-        anchors = sampler(batch.segment_ids, batch.loss_mask, max_per_segment=self.config.max_anchors,
-                          label_prob=lambda rows, pos: self.target_label_prob(batch, rows, pos))
-        return self.block_loss(batch, anchors, self.forward_blocks(batch, anchors))
+        anchors = sampler(
+            shard.segment_ids(batch.segment_ids),
+            shard.loss_mask(batch.loss_mask),
+            max_per_segment=self.config.max_anchors,
+            label_prob=shard.label_prob(lambda rows, pos: self.target_label_prob(batch, rows, pos)),
+        )
+        anchors = shard.anchors(anchors)
+        return self.block_loss(batch, anchors, self.forward_blocks(batch, anchors, shard), shard)
 
     @torch.no_grad()
     def target_label_prob(self, batch: DrafterBatch, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -286,10 +300,13 @@ class DFlashDrafter(SpeculatorsDrafter):
         p = chunked_rows(prob, batch.last_hidden[rows, positions], labels, chunk_rows=self.config.loss_chunk_rows)[0]
         return p * in_vocab
 
-    def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> TrainOutput:
+    def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor, shard: SequenceShard = WHOLE_ROW) -> TrainOutput:
         """Hard-label CE over slots 1..B-1 weighted per position (``position_weighting``), normalised by
-        the weight sum (labels outside a reduced draft vocabulary: no CE weight, counted as misses)."""
-        labels, valid, _ = block_labels(batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device))
+        the weight sum (labels outside a reduced draft vocabulary: no CE weight, counted as misses); the sum
+        and the weight sum are the whole row's (``shard.total``)."""
+        labels, valid, _ = block_labels(
+            batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device)
+        )
         labels, in_vocab = self.draft_labels(labels)
         h = hidden[:, :, self.draft_slots()]
 
@@ -303,10 +320,14 @@ class DFlashDrafter(SpeculatorsDrafter):
         hit = valid & in_vocab
         weigh = POSITION_WEIGHTS.get(self.config.position_weighting)
         weights = weigh(torch.exp(-ce.detach()), hit, gamma=self.config.gamma, alpha=self.config.dpace_alpha)  # q = p_d(label)
-        loss = weighted_mean(ce, weights, hit)
-        acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1))
+        loss = weighted_mean(ce, weights, hit, total=shard.total)
+        acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1), total=shard.total)
         return TrainOutput(
-            loss=loss, metrics={"loss": float(loss.detach()), "ce": float(loss.detach())}, position_acc=acc, position_cond_acc=cond, position_count=count
+            loss=loss,
+            metrics={"loss": float(loss.detach()), "ce": float(loss.detach())},
+            position_acc=acc,
+            position_cond_acc=cond,
+            position_count=count,
         )
 
     # ----- inference -----------------------------------------------------------------------
@@ -336,7 +357,9 @@ class DFlashDrafter(SpeculatorsDrafter):
         cos, sin = self.rotary((anchor_position + torch.arange(b, device=device))[None], x.dtype)
         mask = torch.ones(1, 1, b, cache.length + b, dtype=torch.bool, device=device)
         for i, layer in enumerate(self.decoder_layers):
-            ctx_kv = (cache.k[i], cache.v[i]) if cache.k else (x.new_zeros(1, layer.self_attn.num_kv_heads, 0, layer.self_attn.head_dim),) * 2
+            ctx_kv = (
+                (cache.k[i], cache.v[i]) if cache.k else (x.new_zeros(1, layer.self_attn.num_kv_heads, 0, layer.self_attn.head_dim),) * 2
+            )
             x = layer(x, ctx_kv, cos, sin, mask)
         return self.norm(x)[0]
 

@@ -11,8 +11,13 @@ from specdraft.models.dflash2.serving import vllm_options
 # vLLM 0.32 runs DFlash2 only in its GPU model runner (Triton selector walk), as its dflash method.
 METHODS.register("dflash2")(
     MethodSpec(
-        name="dflash2", config_cls=DFlash2Config, model_cls=DFlash2Drafter, layer_slots=spread_output_slots, build=build_dflash2,
-        proposer="block", warm_starts={"init_from_target": init_block_layers, "fc_init=identity": init_fc_identity},
+        name="dflash2",
+        config_cls=DFlash2Config,
+        model_cls=DFlash2Drafter,
+        layer_slots=spread_output_slots,
+        build=build_dflash2,
+        proposer="block",
+        warm_starts={"init_from_target": init_block_layers, "fc_init=identity": init_fc_identity},
         serving=VllmServing(cpu=False, options=vllm_options),
     )
 )

@@ -20,7 +20,8 @@ class DFlash2Config(DFlashConfig):
     selector_top_k: int = config_field(16, help="unary top-k candidates the selector reranks at each block position")
     selector_weight: float = config_field(1.0, help="weight of the selector's K-way cross-entropy beside the unary loss")
     unary_loss: str = config_field(
-        "kl", help="unary term: kl (KL(p_t || p_d) over the vocabulary, speculators' DFlash2 default) or ce (DFlash's hard-label CE)",
+        "kl",
+        help="unary term: kl (KL(p_t || p_d) over the vocabulary, speculators' DFlash2 default) or ce (DFlash's hard-label CE)",
         metadata={"choices": ["kl", "ce"]},
     )
 
@@ -28,8 +29,10 @@ class DFlash2Config(DFlashConfig):
         super().__post_init__()
         # The selector's codebooks index target ids and vLLM's loader sizes them by the verifier vocabulary.
         if self.draft_vocab_coverage is not None or (self.draft_vocab_size and self.vocab_size and self.draft_vocab_size < self.vocab_size):
-            raise SpecdraftError("dflash2 config: a reduced draft vocabulary is not supported; DFlash2 needs the full verifier vocabulary "
-                                 "(unset draft_vocab_size and draft_vocab_coverage)")
+            raise SpecdraftError(
+                "dflash2 config: a reduced draft vocabulary is not supported; DFlash2 needs the full verifier vocabulary "
+                "(unset draft_vocab_size and draft_vocab_coverage)"
+            )
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if getattr(self, name) < 1:
                 raise SpecdraftError(f"dflash2 config: {name} must be >= 1, got {getattr(self, name)}")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdraft.models.dflash2.config import DFlash2Config
 from specdraft.models.dflash.model import KV, DFlashLayer
+from specdraft.models.dflash2.config import DFlash2Config
 
 
 def block_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, *, block_size: int) -> torch.Tensor:

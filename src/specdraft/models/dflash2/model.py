@@ -32,6 +32,7 @@ from specdraft.models.common.anchors import block_labels
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import Chain, DraftProposal
+from specdraft.models.common.sequence import WHOLE_ROW, SequenceShard
 from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.models.dflash.loss import ce_rows, weighted_mean
 from specdraft.models.dflash.model import DFlashDrafter, build_block_drafter
@@ -66,19 +67,23 @@ class DFlash2Drafter(DFlashDrafter):
     def speculators_fields(cls, cfg: dict, *, where: str) -> dict:
         fields = super().speculators_fields(cfg, where=where)
         if fields["draft_vocab_size"] is not None:
-            raise SpecdraftError(f"{where}: dflash2 draft_vocab_size {fields['draft_vocab_size']} is below the verifier vocabulary "
-                                 f"{fields['vocab_size']}; DFlash2 needs the full vocabulary")
+            raise SpecdraftError(
+                f"{where}: dflash2 draft_vocab_size {fields['draft_vocab_size']} is below the verifier vocabulary "
+                f"{fields['vocab_size']}; DFlash2 needs the full vocabulary"
+            )
         missing = [name for name in SELECTOR_FIELDS if not isinstance(cfg.get(name), int)]
         if missing:
             raise SpecdraftError(f"{where}/config.json: {', '.join(missing)} missing (or not an integer); required for a dflash2 drafter")
         return {**fields, **{name: int(cfg[name]) for name in SELECTOR_FIELDS}}
 
     # ----- training ------------------------------------------------------------------------
-    def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> TrainOutput:
+    def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor, shard: SequenceShard = WHOLE_ROW) -> TrainOutput:
         """Unary term (KL or CE) + selector_weight * selector CE over slots 1..B-1, each weighted per position
         (``position_weighting``) and normalised by the weight sum; the CE is reported either way."""
         c = self.config
-        labels, valid, pos = block_labels(batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device))
+        labels, valid, pos = block_labels(
+            batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device)
+        )
         src = (pos - 1).clamp(min=0)  # the token before the label: x_{k-1} (the anchor for slot 1), and p_t's context
         prev = torch.gather(batch.token_ids, 1, src.flatten(1)).view_as(pos)
         h = hidden[:, :, self.draft_slots()]
@@ -96,7 +101,11 @@ class DFlash2Drafter(DFlashDrafter):
             div = kl_rows(unary, self.verifier_lm_head(norm(tr.to(hr.dtype)))) if norm is not None else ce  # norm: the KL term
             return ce, div, selector_ce(scores, index), (picked == lr) & found
 
-        last = batch.last_hidden[torch.arange(src.shape[0], device=src.device)[:, None, None].expand_as(src)[valid], src[valid]] if kl else hidden.new_zeros(int(valid.sum()), 0)
+        last = (
+            batch.last_hidden[torch.arange(src.shape[0], device=src.device)[:, None, None].expand_as(src)[valid], src[valid]]
+            if kl
+            else hidden.new_zeros(int(valid.sum()), 0)
+        )
         ce_v, unary_v, sel_v, ok_v = chunked_rows(rows, h[valid], labels[valid], prev[valid], last, chunk_rows=c.loss_chunk_rows)
 
         def spread(values: torch.Tensor) -> torch.Tensor:
@@ -104,11 +113,14 @@ class DFlash2Drafter(DFlashDrafter):
 
         correct = torch.zeros_like(valid).masked_scatter(valid, ok_v)
         weights = POSITION_WEIGHTS.get(c.position_weighting)(torch.exp(-spread(ce_v).detach()), valid, gamma=c.gamma, alpha=c.dpace_alpha)
-        terms = {"ce": weighted_mean(spread(ce_v), weights, valid), "selector": weighted_mean(spread(sel_v), weights, valid)}
+        terms = {
+            "ce": weighted_mean(spread(ce_v), weights, valid, total=shard.total),
+            "selector": weighted_mean(spread(sel_v), weights, valid, total=shard.total),
+        }
         if kl:
-            terms["kl"] = weighted_mean(spread(unary_v), weights, valid)
+            terms["kl"] = weighted_mean(spread(unary_v), weights, valid, total=shard.total)
         loss = terms[c.unary_loss] + c.selector_weight * terms["selector"]
-        acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1))
+        acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1), total=shard.total)
         metrics = {"loss": float(loss.detach()), **{k: float(t.detach()) for k, t in terms.items()}}
         return TrainOutput(loss=loss, metrics=metrics, position_acc=acc, position_cond_acc=cond, position_count=count)
 
@@ -122,6 +134,7 @@ class DFlash2Drafter(DFlashDrafter):
         chain, tokens = Chain(temperature=temperature, generator=generator), []
         for k in range(h.shape[0]):
             scores = self.candidate_selector.scores(unary[k], h[k], prev, candidates[k])
+
             def probs_of(p: torch.Tensor, k: int = k) -> torch.Tensor:
                 return p.new_zeros(self.dims.vocab_size).index_copy_(0, candidates[k], p)
 

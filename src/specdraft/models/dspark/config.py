@@ -16,7 +16,9 @@ class DSparkConfig(DFlashConfig):
 
     block_size: int = config_field(7, help="tokens per block; every slot (anchor included) drafts one token")
     markov_rank: int = config_field(256, help="rank r of the Markov head W2(W1[prev token])")
-    markov_head: str = config_field("vanilla", help="Markov head variant: vanilla | gated | rnn", metadata={"choices": ["vanilla", "gated", "rnn"]})
+    markov_head: str = config_field(
+        "vanilla", help="Markov head variant: vanilla | gated | rnn", metadata={"choices": ["vanilla", "gated", "rnn"]}
+    )
     confidence_head: bool = config_field(True, help="train the per-position acceptance-confidence head")
     confidence_with_markov: bool = config_field(True, help="confidence head also reads W1[previous token]")
     ce_weight: float = config_field(0.1, help="weight of the hard-label cross-entropy term")

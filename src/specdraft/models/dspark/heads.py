@@ -22,7 +22,7 @@ from torch import nn
 
 from specdraft.registry import Registry
 
-MARKOV_HEADS: Registry[type["MarkovHead"]] = Registry("markov head")
+MARKOV_HEADS: Registry[type[MarkovHead]] = Registry("markov head")
 
 
 class MarkovHead(nn.Module):

@@ -26,6 +26,7 @@ from specdraft.models.common.anchors import block_labels, sample_anchors
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import Chain, DraftProposal
+from specdraft.models.common.sequence import WHOLE_ROW, SequenceShard
 from specdraft.models.common.weights import POSITION_WEIGHTS
 from specdraft.models.dflash.loss import weighted_mean
 from specdraft.models.dflash.model import DFlashDrafter, build_block_drafter
@@ -47,7 +48,10 @@ class DSparkDrafter(DFlashDrafter):
         c, d = config, self.dims
         compact = c.uses_draft_vocab and c.draft_vocab + 1 < d.vocab_size
         self.markov_head = MARKOV_HEADS.get(c.markov_head)(
-            vocab_size=d.vocab_size, draft_vocab_size=c.draft_vocab, rank=c.markov_rank, hidden_size=d.hidden_size,
+            vocab_size=d.vocab_size,
+            draft_vocab_size=c.draft_vocab,
+            rank=c.markov_rank,
+            hidden_size=d.hidden_size,
             w1_rows=c.draft_vocab + 1 if compact else None,
         )
         self.confidence_head = (
@@ -140,16 +144,25 @@ class DSparkDrafter(DFlashDrafter):
         ``valid`` [N,B] (supervision stops at the first invalid label) and ``blocks`` [R,A] (which anchors
         were valid, to scatter results back).
         """
-        labels, valid, pos = block_labels(batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device))
+        labels, valid, pos = block_labels(
+            batch.token_ids, batch.segment_ids, batch.loss_mask, anchors, self.label_offsets().to(anchors.device)
+        )
         src = (pos - 1).clamp(min=0)  # slot k sits at anchor+k: its p_t and its previous token x_{k-1}
         prev_ids = torch.gather(batch.token_ids, 1, src.flatten(1)).view_as(src)
         target_h = torch.gather(batch.last_hidden, 1, src.flatten(1)[..., None].expand(-1, -1, batch.last_hidden.shape[-1]))
         target_h = target_h.view(*src.shape, -1).to(hidden.dtype)
         blocks = valid[..., 0]
-        return {"hidden": hidden[blocks], "prev_ids": prev_ids[blocks], "target_hidden": target_h[blocks],
-                "labels": labels[blocks], "valid": valid[blocks], "blocks": blocks, "all_valid": valid}
+        return {
+            "hidden": hidden[blocks],
+            "prev_ids": prev_ids[blocks],
+            "target_hidden": target_h[blocks],
+            "labels": labels[blocks],
+            "valid": valid[blocks],
+            "blocks": blocks,
+            "all_valid": valid,
+        }
 
-    def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor) -> TrainOutput:
+    def block_loss(self, batch: DrafterBatch, anchors: torch.Tensor, hidden: torch.Tensor, shard: SequenceShard = WHOLE_ROW) -> TrainOutput:
         c = self.config
         norm = self.require_verifier()
         tf = self.teacher_forced_blocks(batch, anchors, hidden)
@@ -169,12 +182,16 @@ class DSparkDrafter(DFlashDrafter):
         v = tf["valid"]
         w = POSITION_WEIGHTS.get(c.position_weighting)(soft_acceptance(l1), v, gamma=c.gamma, alpha=c.dpace_alpha)
         # Labels outside a reduced draft vocabulary are unreachable: no CE weight, a miss in the metrics.
-        terms = {"ce": weighted_mean(ce, w, v & in_vocab), "l1": weighted_mean(l1, w, v), "bce": weighted_mean(bce, w, v)}
+        terms = {
+            "ce": weighted_mean(ce, w, v & in_vocab, total=shard.total),
+            "l1": weighted_mean(l1, w, v, total=shard.total),
+            "bce": weighted_mean(bce, w, v, total=shard.total),
+        }
         loss = c.ce_weight * terms["ce"] + c.l1_weight * terms["l1"] + c.bce_weight * terms["bce"]
         valid = tf["all_valid"]
         correct = torch.zeros_like(valid)
         correct[tf["blocks"]] = ok & v & in_vocab
-        acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1))
+        acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1), total=shard.total)
         metrics = {"loss": float(loss.detach()), **{k: float(t.detach()) for k, t in terms.items()}}
         return TrainOutput(loss=loss, metrics=metrics, position_acc=acc, position_cond_acc=cond, position_count=count)
 
@@ -209,7 +226,11 @@ class DSparkDrafter(DFlashDrafter):
             return conf.float(), (drafted == target_logits.argmax(-1)).float(), overlap.clamp(0, 1)  # type: ignore[union-attr]
 
         conf, greedy, soft = chunked_rows(
-            rows, tf["hidden"], tf["prev_ids"], tf["target_hidden"], chunk_rows=max(1, self.config.loss_chunk_rows // self.config.block_size)
+            rows,
+            tf["hidden"],
+            tf["prev_ids"],
+            tf["target_hidden"],
+            chunk_rows=max(1, self.config.loss_chunk_rows // self.config.block_size),
         )
         return {"logits": conf, "greedy_accept": greedy, "soft_accept": soft, "valid": tf["valid"]}
 

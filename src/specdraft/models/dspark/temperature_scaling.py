@@ -55,9 +55,11 @@ def sequential_temperature_scaling(
     bad = valid.bool() & ~(torch.isfinite(logits) & torch.isfinite(accept))
     if bad.any():
         block, position = (int(x) for x in bad.nonzero()[0])
-        raise SpecdraftError(f"{int(bad.sum())} supervised confidence logit(s) or acceptance(s) are NaN or inf (the first at "
-                             f"block {block}, draft position {position + 1}): the drafter's confidence head gave them, so no "
-                             "temperature can be fitted")
+        raise SpecdraftError(
+            f"{int(bad.sum())} supervised confidence logit(s) or acceptance(s) are NaN or inf (the first at "
+            f"block {block}, draft position {position + 1}): the drafter's confidence head gave them, so no "
+            "temperature can be fitted"
+        )
     logits, accept = logits.double(), accept.double()
     temps: list[float] = []
     before: list[float] = []
@@ -78,8 +80,7 @@ def sequential_temperature_scaling(
         else:
             before.append(expected_calibration_error(raw[rows], observed[rows], bins=bins))
             scores = [
-                expected_calibration_error((survival_cal * torch.sigmoid(logits[:, k] / t))[rows], observed[rows], bins=bins)
-                for t in grid
+                expected_calibration_error((survival_cal * torch.sigmoid(logits[:, k] / t))[rows], observed[rows], bins=bins) for t in grid
             ]
             best = min(range(len(grid)), key=lambda i: (scores[i], abs(grid[i] - 1.0)))
             temps.append(float(grid[best]))

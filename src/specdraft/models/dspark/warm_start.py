@@ -9,7 +9,8 @@ table is at most ``BIGRAM_MAX_TOKENS`` squared and everything else is per pair o
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,7 +95,9 @@ def init_markov_bigram(drafter: Any, inputs: WarmStartData) -> list[str]:
     rows = _frequent(prev, counts, own, BIGRAM_MAX_TOKENS)
     cols = _frequent(nxt, counts, out_ids, BIGRAM_MAX_TOKENS)
     if rows.numel() == 0 or cols.numel() == 0:
-        raise SpecdraftError("markov_init=bigram: no bigram of the training split falls in the drafter's vocabulary; set markov_init: random")
+        raise SpecdraftError(
+            "markov_init=bigram: no bigram of the training split falls in the drafter's vocabulary; set markov_init: random"
+        )
     odds = bigram_log_odds(prev, nxt, counts, rows=rows, cols=cols)
     k = min(rank, *odds.shape)
     with torch.random.fork_rng(devices=[]):  # svd_lowrank draws a random basis: the same on every rank
@@ -107,6 +110,11 @@ def init_markov_bigram(drafter: Any, inputs: WarmStartData) -> list[str]:
     row_of = torch.full((int(out_ids.max()) + 1,), -1, dtype=torch.int64)
     row_of[out_ids] = torch.arange(out_ids.numel())
     w2[row_of[cols], :k] = (v * root).to(w2.dtype)
-    log.info("markov_init=bigram: rank-%d factorisation of the bigram log-odds over %d prev x %d next tokens (%d pairs)",
-             k, rows.numel(), cols.numel(), int(counts.sum()))
+    log.info(
+        "markov_init=bigram: rank-%d factorisation of the bigram log-odds over %d prev x %d next tokens (%d pairs)",
+        k,
+        rows.numel(),
+        cols.numel(),
+        int(counts.sum()),
+    )
     return ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]

@@ -16,8 +16,13 @@ def eagle3_slots(num_layers: int) -> list[LayerSlot]:
 
 METHODS.register("eagle3")(
     MethodSpec(
-        name="eagle3", config_cls=Eagle3Config, model_cls=Eagle3Drafter, layer_slots=eagle3_slots, build=build_eagle3,
-        proposer="chain", warm_starts={"init_from_target": init_eagle3_layer, "fc_init=identity": init_fc_identity},
+        name="eagle3",
+        config_cls=Eagle3Config,
+        model_cls=Eagle3Drafter,
+        layer_slots=eagle3_slots,
+        build=build_eagle3,
+        proposer="chain",
+        warm_starts={"init_from_target": init_eagle3_layer, "fc_init=identity": init_fc_identity},
     )
 )
 LAYER_PRESETS.register("eagle3")(eagle3_slots)

@@ -10,7 +10,6 @@ from specdraft.models.common.config import DraftConfig
 from specdraft.targets.base import Target
 from specdraft.utils.config import config_field
 
-
 #: Draft vocabulary when neither draft_vocab_size nor draft_vocab_coverage is given (the reference's).
 DEFAULT_DRAFT_VOCAB = 32000
 
@@ -44,9 +43,7 @@ class Eagle3Config(DraftConfig):
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise SpecdraftError(f"eagle3 config: draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         if self.draft_vocab_size is not None and self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
-            raise SpecdraftError(
-                f"eagle3 config: draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}"
-            )
+            raise SpecdraftError(f"eagle3 config: draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}")
         if self.draft_vocab_coverage is not None and not 0.0 < self.draft_vocab_coverage <= 1.0:
             raise SpecdraftError(f"eagle3 config: draft_vocab_coverage must be in (0, 1], got {self.draft_vocab_coverage}")
 

@@ -19,8 +19,8 @@ at the end of the round. ``draft`` composes them.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -36,6 +36,7 @@ from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbeddin
 from specdraft.models.common.masks import eagle3_ttt_mask
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import Chain, DraftProposal
+from specdraft.models.common.sequence import WHOLE_ROW, SequenceShard
 from specdraft.models.common.vocab import check_vocab_tables, coverage_vocab_size, draft_ids, install_draft_vocab
 from specdraft.models.eagle3.config import Eagle3Config
 from specdraft.models.eagle3.loss import soft_ce_rows, step_weights
@@ -63,15 +64,25 @@ class Eagle3Layer(DecoderLayer):
         self.norm_before_residual = c.norm_before_residual
 
     def forward(
-        self, embeds: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KV | None, mask: torch.Tensor
+        self,
+        embeds: torch.Tensor,
+        feature: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: KV | None,
+        mask: torch.Tensor,
+        shard: SequenceShard = WHOLE_ROW,
     ) -> tuple[torch.Tensor, KV]:
         """embeds/feature [N, L, D]; past K/V [N, G, M, E] or None; mask [N|1, 1, L, M+L].
-        Returns (out [N, L, D], this call's (k, v) [N, G, L, E])."""
+        Returns (out [N, L, D], this call's (k, v) [N, G, L, E]). Without ``past`` (TTT step 0) the keys are the
+        whole row's: a sequence-parallel ``shard`` gathers them from every rank (its mask has the whole row's columns)."""
         normed = self.hidden_norm(feature)
         residual = normed if self.norm_before_residual else feature
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         q = self.self_attn.project_q(x, cos, sin)
         k, v = self.self_attn.project_kv(x, cos, sin)
+        if past is None:
+            k, v = shard.context_kv((k, v))
         keys = k if past is None else torch.cat([past[0], k], dim=2)
         values = v if past is None else torch.cat([past[1], v], dim=2)
         h = residual + self.self_attn.attend(q, keys, values, mask)
@@ -161,8 +172,10 @@ class Eagle3Drafter(SpeculatorsDrafter):
         layers = ",".join(str(ckpt.aux_id_to_slot(int(i), "input")) for i in ids)
         steps = speculative_tokens_of(cfg)
         if steps is None:
-            raise SpecdraftError(f"{where}/config.json: speculators_config.proposal_methods[0].speculative_tokens missing; "
-                                 "required for an eagle3 drafter (its TTT steps)")
+            raise SpecdraftError(
+                f"{where}/config.json: speculators_config.proposal_methods[0].speculative_tokens missing; "
+                "required for an eagle3 drafter (its TTT steps)"
+            )
         return {
             **shape,
             "layers": layers,
@@ -191,24 +204,38 @@ class Eagle3Drafter(SpeculatorsDrafter):
 
     # ----- training ------------------------------------------------------------------------
     def _layer(
-        self, embeds: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor, past: KV | None, mask: torch.Tensor
+        self,
+        embeds: torch.Tensor,
+        feature: torch.Tensor,
+        positions: torch.Tensor,
+        past: KV | None,
+        mask: torch.Tensor,
+        shard: SequenceShard = WHOLE_ROW,
     ) -> tuple[torch.Tensor, KV]:
         cos, sin = self.rotary(positions, embeds.dtype)
-        return self.layers[0](embeds, feature, cos, sin, past, mask)
+        return self.layers[0](embeds, feature, cos, sin, past, mask, shard)
 
-    def ttt_hidden(self, batch: DrafterBatch) -> list[torch.Tensor]:
-        """Teacher-forced TTT unroll: the drafter's output hidden state [N, T, D] per step."""
+    def sequence_halo(self) -> int:
+        """Rows after its own that a rank of a sequence-parallel group reads (``models/common/sequence.py``): step j at
+        row t embeds token t+1+j, is scored against ``last_hidden`` at t+1+j and labelled with token t+2+j."""
+        return self.config.ttt_steps + 1
+
+    def ttt_hidden(self, batch: DrafterBatch, shard: SequenceShard = WHOLE_ROW) -> list[torch.Tensor]:
+        """Teacher-forced TTT unroll: the drafter's output hidden state [N, T, D] per step (T: the ``shard``'s own rows)."""
         self.check_batch(batch)
         tokens, seg = batch.token_ids, batch.segment_ids
         t = tokens.shape[1]
-        idx = torch.arange(t, device=tokens.device)
-        feature = self.fc(batch.aux_hidden.flatten(2).to(self.fc.weight.dtype))
+        positions = shard.own(batch.position_ids)
+        rows = positions.shape[1]
+        idx = torch.arange(rows, device=tokens.device)
+        feature = self.fc(shard.own(batch.aux_hidden).flatten(2).to(self.fc.weight.dtype))
         past: KV | None = None
         outputs: list[torch.Tensor] = []
         for j in range(self.config.ttt_steps):
             src = (idx + 1 + j).clamp(max=t - 1)
             embeds = self.embed_tokens(tokens[:, src])
-            out, kv = self._layer(embeds, feature, batch.position_ids + 1 + j, past, eagle3_ttt_mask(seg, j))
+            mask = eagle3_ttt_mask(shard.segment_ids(seg), j, start=shard.start, length=rows)
+            out, kv = self._layer(embeds, feature, positions + 1 + j, past, mask, shard)
             past = kv if past is None else (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
             outputs.append(out)
             feature = out
@@ -224,10 +251,11 @@ class Eagle3Drafter(SpeculatorsDrafter):
             valid[:, : t - shift] = (seg[:, shift:] == seg[:, :-shift]) & (seg[:, :-shift] != -1) & mask[:, shift:]
         return valid
 
-    def training_forward(self, batch: DrafterBatch) -> TrainOutput:
+    def training_forward(self, batch: DrafterBatch, shard: SequenceShard = WHOLE_ROW) -> TrainOutput:
+        """Each step's loss is the mean over the whole row's supervised positions (every rank's, with a ``shard``)."""
         norm = self.require_verifier()
         tokens = batch.token_ids
-        n, t = tokens.shape
+        n, t = tokens.shape[0], shard.own(tokens).shape[1]
         ids = self.draft_target_ids()
         head = self.verifier_lm_head.weight[ids]
 
@@ -237,25 +265,27 @@ class Eagle3Drafter(SpeculatorsDrafter):
             return soft_ce_rows(draft_logits=draft_logits, target_logits=target_logits), ids[draft_logits.argmax(-1)] == labels
 
         weights = step_weights(self.config.ttt_steps, self.config.ttt_decay)
-        hiddens = self.ttt_hidden(batch)
+        hiddens = self.ttt_hidden(batch, shard)
         # Start from a graph-connected zero: a batch without labels still backpropagates (zeros).
         loss = hiddens[-1].sum() * 0.0
         correct = torch.zeros(n, t, self.config.ttt_steps, dtype=torch.bool, device=tokens.device)
         valid_all = torch.zeros_like(correct)
         metrics: dict[str, float] = {}
         for j, hidden in enumerate(hiddens):
-            valid = self.step_valid(batch, j)
+            valid = shard.own(self.step_valid(batch, j))
             valid_all[..., j] = valid
-            if not valid.any():
+            supervised = shard.total(valid.sum().float())
+            if not supervised:
                 continue
             shift = 1 + j
-            target_h = torch.roll(batch.last_hidden, -shift, dims=1)[valid]
-            labels = torch.roll(tokens, -(shift + 1), dims=1)[valid]
+            target_h = shard.own(torch.roll(batch.last_hidden, -shift, dims=1))[valid]
+            labels = shard.own(torch.roll(tokens, -(shift + 1), dims=1))[valid]
             ce, ok = chunked_rows(rows_loss, hidden[valid], target_h.to(hidden.dtype), labels, chunk_rows=self.config.loss_chunk_rows)
-            loss = loss + weights[j] * ce.mean()
+            step_loss = shard.total(ce.sum()) / supervised  # ce.mean() of the whole row (bit for bit on one process)
+            loss = loss + weights[j] * step_loss
             correct[..., j][valid] = ok
-            metrics[f"loss_step{j}"] = float(ce.mean().detach())
-        acc, cond, count = position_metrics(correct.flatten(0, 1), valid_all.flatten(0, 1))
+            metrics[f"loss_step{j}"] = float(step_loss.detach())
+        acc, cond, count = position_metrics(correct.flatten(0, 1), valid_all.flatten(0, 1), total=shard.total)
         metrics["loss"] = float(loss.detach())
         return TrainOutput(loss=loss, metrics=metrics, position_acc=acc, position_cond_acc=cond, position_count=count)
 
@@ -269,15 +299,15 @@ class Eagle3Drafter(SpeculatorsDrafter):
         next_tokens [n] (the token after each), positions [n]. Returns output hidden [n, D]."""
         m, new = cache.length, features.shape[0]
         feature = self.fc(features.flatten(1).to(self.fc.weight.dtype))[None]
-        mask = torch.cat(
-            [torch.ones(new, m, dtype=torch.bool), torch.ones(new, new, dtype=torch.bool).tril()], dim=1
-        ).to(feature.device)
+        mask = torch.cat([torch.ones(new, m, dtype=torch.bool), torch.ones(new, new, dtype=torch.bool).tril()], dim=1).to(feature.device)
         out, kv = self._layer(self.embed_tokens(next_tokens)[None], feature, positions[None] + 1, cache.kv, mask[None, None])
         cache.append(kv)
         return out[0]
 
     @torch.no_grad()
-    def speculate(self, cache: Eagle3Cache, draft_kv: Eagle3Cache, *, hidden: torch.Tensor, token: torch.Tensor, step: int, base_position: int) -> torch.Tensor:
+    def speculate(
+        self, cache: Eagle3Cache, draft_kv: Eagle3Cache, *, hidden: torch.Tensor, token: torch.Tensor, step: int, base_position: int
+    ) -> torch.Tensor:
         """One chain step ``step`` >= 1 from the last committed position ``base_position``:
         feature = the previous step's output ``hidden`` [D], input ``token`` = the previous draft.
         Sees the committed cache plus this round's ``draft_kv`` (which it extends)."""

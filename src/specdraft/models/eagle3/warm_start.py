@@ -32,8 +32,14 @@ def init_eagle3_layer(drafter: Any, inputs: WarmStartData) -> list[str]:
     layer = drafter.layers[0]
     special = {f"self_attn.{p}_proj.weight": _feature_half for p in "qkv"}
     # The embedding norm feeds the zeroed half: it keeps its fresh gain of 1.
-    copied, kept = copy_layer(layer, layers[t], prefix="layers.0", source_name=f"target.layers.{t}", special=special,
-                              skip=("input_layernorm.weight", "hidden_norm.weight"))
+    copied, kept = copy_layer(
+        layer,
+        layers[t],
+        prefix="layers.0",
+        source_name=f"target.layers.{t}",
+        special=special,
+        skip=("input_layernorm.weight", "hidden_norm.weight"),
+    )
     gain = target_tensor(layers[t], "input_layernorm.weight")
     if gain is None:
         raise SpecdraftError(f"target {inputs.target.name}: layer {t} has no input_layernorm to start the EAGLE-3 hidden_norm from")
