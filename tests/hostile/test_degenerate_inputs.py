@@ -28,6 +28,7 @@ from specdraft.train.trainer import train
 from test_data_prepare import SHAREGPT_ROW
 from test_train_methods import config as train_config
 from test_train_toy import ToyStore, ToyTarget, toy_config
+from test_train_methods import config as train_config, stores  # noqa: F401  (module fixture)
 
 
 @pytest.fixture(scope="module", autouse=True)
