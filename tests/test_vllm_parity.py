@@ -97,7 +97,7 @@ def test_vllm_reads_block_drafters_as_trained_and_cpu_k_norm_is_corrected(tmp_pa
     assert dspark["enable_confidence_head"] is True and dspark["confidence_head_with_markov"] is True
 
     k_norm = out["k_norm"]
-    assert k_norm["patched"] == ["DFlashQwen3Model._normalize_context_k"]
+    assert "DFlashQwen3Model._normalize_context_k" in k_norm["patched"]
     assert k_norm["stock_vs_layer0"] < 1e-5 < 0.1 < k_norm["stock_vs_per_layer"], k_norm  # the vLLM-CPU defect
     assert k_norm["fixed_vs_per_layer"] < 1e-5, k_norm
 
