@@ -3,8 +3,9 @@
 For each method (by default every registered block drafter: DFlash, DFlash2, DSpark; ``peer_methods``):
 ``specdraft train --config METHOD`` and the peer's own entry point (``benchmarks/peer_trainer.py``: our store
 exported to its data by ``specdraft export-speculators``, its losses, optimizer and schedule) train on the same
-training samples for the same number of epochs, so both consume exactly the training split's tokens times ``--epochs`` (both pack whole samples into rows of at most
-2048 tokens and drop none; the step counts can differ by a row or two of packing). The draft shape
+training samples for the same number of epochs, so both consume exactly the training split's tokens times
+``--epochs`` (both pack whole samples into rows of at most 2048 tokens and drop none; the step counts can differ by a
+row or two of packing). The draft shape
 is matched where both expose it: the peer gets our recipe's layers, block size, draft vocabulary (its
 d2t/t2d written from the counts ours uses), DSpark's Markov rank and DFlash2's convolution and selector shape
 (``integrations/speculators/data.py`` ``SHAPE_FLAGS``, keyed by our config fields). Anchors are counted

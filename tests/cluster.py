@@ -325,7 +325,10 @@ class Cluster:
         self.net.run(self.master, self.cli("store", "stop", "--dir", str(self.master_dir)), timeout=60)
 
     def metrics(self) -> dict:
-        code = f"import json; from specdraft.integrations.mooncake.master import read_metrics; print(json.dumps(read_metrics({self.master.address!r}, {METRICS_PORT})))"
+        code = (
+            "import json; from specdraft.integrations.mooncake.master import read_metrics; "
+            f"print(json.dumps(read_metrics({self.master.address!r}, {METRICS_PORT})))"
+        )
         done = subprocess.run(
             ["ip", "netns", "exec", self.master.ns, sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=30
         )
@@ -400,7 +403,8 @@ class Cluster:
 
     def producer_health(self, host: Host) -> dict:
         code = (
-            "import json, sys, urllib.request as u; r = u.Request(sys.argv[1] + '/health', headers={'Authorization': 'Bearer ' + sys.argv[2]}); "
+            "import json, sys, urllib.request as u; "
+            "r = u.Request(sys.argv[1] + '/health', headers={'Authorization': 'Bearer ' + sys.argv[2]}); "
             "print(u.urlopen(r, timeout=10).read().decode())"
         )
         done = self.net.run(host, [sys.executable, "-c", code, self.url(host), self.token])

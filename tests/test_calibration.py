@@ -11,7 +11,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.dspark.config import DSparkConfig
 from specdraft.models.dspark.temperature_scaling import expected_calibration_error, sequential_temperature_scaling
 from test_train_methods import config as train_config
-from test_train_methods import config as train_config, stores  # noqa: F401  (module fixture)
+from test_train_methods import stores  # noqa: F401  (module fixture)
 
 
 def test_ece_is_zero_when_calibrated_and_large_when_not():

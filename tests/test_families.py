@@ -241,7 +241,7 @@ def test_extract_equals_hf_hidden_states(runs, family):
         with torch.no_grad():
             torch.testing.assert_close(final(payload.last_hidden[None])[0], hf[-1][0], atol=1e-5, rtol=1e-5)
         edges = [LayerSlot(0, "input"), LayerSlot(target.num_layers - 1, "input"), LayerSlot(target.num_layers - 1, "output")]
-        ((captured, last),) = HiddenStateCapture(target.model, edges)([data[i]["input_ids"]])
+        ((captured, _),) = HiddenStateCapture(target.model, edges)([data[i]["input_ids"]])
         torch.testing.assert_close(captured[:, :2], torch.stack([hf[0][0], hf[target.num_layers - 1][0]], dim=1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(captured[:, 2], payload.last_hidden, atol=1e-5, rtol=1e-5)
 
@@ -710,7 +710,7 @@ def test_recurrent_rollback_leaves_each_row_at_its_own_last_accepted_token(famil
             alone = prefill(rows[r : r + 1])
             n = int(kept[r])
             model(rows[r : r + 1, 6 : 6 + n], position_ids=torch.arange(6, 6 + n)[None], cache=alone, use_cache=True)
-            for ours, theirs, (conv, state) in zip(batched.recurrent, alone.recurrent, stale):
+            for ours, theirs, (_, state) in zip(batched.recurrent, alone.recurrent, stale):
                 torch.testing.assert_close(ours.conv_states[0][r], theirs.conv_states[0][0], atol=1e-6, rtol=1e-6)
                 torch.testing.assert_close(ours.recurrent_states[0][r], theirs.recurrent_states[0][0], atol=1e-6, rtol=1e-6)
                 if n < 4:

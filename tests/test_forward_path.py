@@ -197,7 +197,8 @@ def test_a_path_that_cannot_apply_is_refused_naming_what_can():
     model = nn.Linear(8, 8).double()
     with pytest.raises(
         SpecdraftError,
-        match=r"--forward-path prepacked does not apply to a float64 model on cpu here \(it needs CPU fp32 with oneDNN\); use one of auto, eager$",
+        match=r"--forward-path prepacked does not apply to a float64 model on cpu here \(it needs CPU fp32 with oneDNN\); "
+        r"use one of auto, eager$",
     ):
         fp.use_path(model, "prepacked")
 

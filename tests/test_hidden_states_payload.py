@@ -190,9 +190,12 @@ def test_degenerate_rows_are_refused_before_storing(row, value, what, dtype):
         hidden[3, 1, 0] = value
     else:
         hidden[3, 1] = value
-    make = lambda: HiddenStatePayload.create(
-        sample_id="s9", target_info=INFO, slots=SLOTS, token_ids=torch.arange(5), hidden_states=hidden, last_hidden=last, dtype=dtype
-    )
+
+    def make() -> HiddenStatePayload:
+        return HiddenStatePayload.create(
+            sample_id="s9", target_info=INFO, slots=SLOTS, token_ids=torch.arange(5), hidden_states=hidden, last_hidden=last, dtype=dtype
+        )
+
     if what is None:
         make()
         return

@@ -128,7 +128,8 @@ def build(method, tgt, draft_vocab):
         common = dict(transformer_layer_config=layer, draft_vocab_size=draft_vocab, block_size=tgt["block"],
                       aux_hidden_state_layer_ids=tgt["dflash_ids"], mask_token_id=tgt["vocab"] - 1,
                       speculators_config=SpeculatorsConfig(algorithm=method, proposal_methods=[GreedyTokenProposalConfig(
-                          speculative_tokens=tgt["block"] - (method in ("dflash", "dflash2")))], default_proposal_method="greedy", verifier=verifier))
+                          speculative_tokens=tgt["block"] - (method in ("dflash", "dflash2")))],
+                          default_proposal_method="greedy", verifier=verifier))
         if method == "dflash":
             cfg = DFlashSpeculatorConfig(**common)
         elif method == "dflash2":

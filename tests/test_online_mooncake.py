@@ -301,7 +301,10 @@ def test_a_master_restart_stops_training_with_a_clear_error(tiny_llama_dir, tiny
             timeout_s=30,
             store=location(first, "restart", segment_mb=32, buffer_mb=8, wait_s=5),
         )
-        code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); from specdraft.cli.main import load_plugins; load_plugins(); import test_online_mooncake as t; t.consume_across_restart(sys.argv[1])"
+        code = (
+            f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); from specdraft.cli.main import load_plugins; "
+            "load_plugins(); import test_online_mooncake as t; t.consume_across_restart(sys.argv[1])"
+        )
         consumer = subprocess.Popen(
             [sys.executable, "-c", code, json.dumps(options)],
             stdin=subprocess.PIPE,

@@ -208,7 +208,7 @@ def test_prepare_auto_regenerates_on_the_probes_server_and_stops_it(tmp_path, ti
         yield ((index, [[7, 2] for _ in prompts]) for index, prompts in batches)
 
     monkeypatch.setitem(regen.REGENERATION_ENGINES._items, "vllm", fake_batches)
-    summary, ds = _prepare(
+    summary, _ = _prepare(
         tmp_path, tiny_llama_dir, _conversations(40), regenerate=True, max_new_tokens=200, batch_size=4, engine="auto", threads=1
     )
     assert summary["engine"] == "vllm" and summary["engine_source"] == "measured" and summary["regenerated"] == 40

@@ -164,7 +164,7 @@ def test_bench_serve_plain_and_ngram_on_a_tiny_target(tiny_llama_dir, tmp_path, 
     assert [s["label"] for s in report["servers"]][:2] == ["plain", "ngram"]
     levels = {(lv["server"], lv["concurrency"]): lv for lv in report["levels"]}
     assert set(levels) >= {("plain", 1), ("plain", 2), ("ngram", 1), ("ngram", 2)}
-    for (server, c), lv in levels.items():
+    for (_, c), lv in levels.items():
         assert lv["requests"] == 3 and lv["output_tokens"] == 3 * 24
         assert lv["throughput_tok_s"] == pytest.approx(lv["output_tokens"] / lv["wall_s"])
         assert 0 < lv["mean_in_flight"] <= c + 1e-9 and lv["ttft_ms"]["p50"] > 0 and lv["tpot_ms"]["p50"] > 0

@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -177,7 +178,7 @@ class ToyStore:
     def token_counts(self) -> None:
         return None
 
-    made_with: dict = {}  # how its hidden states were made: nothing recorded
+    made_with: ClassVar[dict] = {}  # how its hidden states were made: nothing recorded
 
 
 class SignalAfterReads:

@@ -270,7 +270,8 @@ def test_eval_parity_served_tau_equals_builtin_tau(case, parity_target, tmp_path
 @pytest.mark.slow
 def test_vllm_dflash2_model_loads_our_checkpoint_and_drafts_as_specdraft(tiny_llama_dir, tiny_target, tmp_path):
     """vLLM's own config translation and loader build its DFlash2 model from a specdraft DFlash2 checkpoint (every
-    tensor used, nothing missing but the target's shared embedding and head and an unused placeholder), and vLLM's modules, driven as its GPU
+    tensor used, nothing missing but the target's shared embedding and head and an unused placeholder), and vLLM's
+    modules, driven as its GPU
     DFlash2 runtime drives them (tests/vllm_dflash2_side.py says what the harness substitutes), draft what specdraft
     drafts on 12 blocks, with the same selector scores along the walk. The drafter's convolutions are not the
     identity and its selector overrules the unary argmax somewhere, so both additions are compared."""

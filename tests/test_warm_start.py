@@ -267,7 +267,7 @@ def test_held_out_evaluation_draws_anchors_uniformly_whatever_the_training_sampl
     assert not scored and torch.isfinite(out.loss)
 
 
-def test_fresh_run_warm_starts_and_resume_does_not(stores, tmp_path, monkeypatch):  # noqa: F811
+def test_fresh_run_warm_starts_and_resume_does_not(stores, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     import specdraft.train.trainer as trainer

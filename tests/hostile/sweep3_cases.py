@@ -542,7 +542,7 @@ def _kill_extract_restart(rerun_restart: bool) -> Callable[[Sweep3, Runner], Ver
         if r.code == 0:
             try:
                 store_samples(out, s.data_b)
-            except Exception as exc:  # noqa: BLE001 - a store that does not verify against the new dataset is the bug
+            except Exception as exc:
                 problems.append(f"the store does not verify against {s.data_b}: {exc}")
         elif not rerun_restart:
             problems += refused(r, "--restart")
@@ -608,7 +608,10 @@ def _kill_calibrate(stop: str, *, in_place: bool) -> Callable[[Sweep3, Runner], 
         r, problems = checked(s.p, run, args, {out: "drafter"})
         problems += succeeded(ref) + killed(k, stop) + succeeded(r)
         if r.code == 0 and ref.code == 0:
-            temps = lambda d: json.loads((d / "config.json").read_text())["specdraft"]["config"].get("confidence_temperatures")
+
+            def temps(d: Path) -> object:
+                return json.loads((d / "config.json").read_text())["specdraft"]["config"].get("confidence_temperatures")
+
             if temps(out) != temps(reference):
                 problems.append(f"temperatures {temps(out)} differ from an uninterrupted calibration's {temps(reference)}")
             if not (out / "calibration.json").is_file():
@@ -984,7 +987,7 @@ def _export_reused_damaged(s: Sweep3, out: Path, reference: Path) -> tuple[Resul
 
         try:
             load_file(str(victim))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             problems.append(f"the rerun reused the export with {victim.name} damaged ({type(exc).__name__})")
     else:
         problems += refused(r, victim.name)
@@ -1141,7 +1144,7 @@ def _reprepare_then_resume_extract(target_of: Callable[[Sweep3], Path], *words: 
 
     def case(s: Sweep3, run: Runner) -> Verdict:
         target = target_of(s)
-        data, first, problems = _reprepare(s, run, target=target)
+        data, _, problems = _reprepare(s, run, target=target)
         store = s.p.copy(s.p.hs, "store-of-reprepared")
         edit_json(store / "manifest.json", lambda m: m["dataset"].update(path=str(data.resolve())))
         r, more = checked(

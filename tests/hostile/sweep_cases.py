@@ -167,7 +167,7 @@ def run_in_process(args: list[str], *, timeout: float = 60.0, stop_on: str | Non
                 signal.setitimer(signal.ITIMER_REAL, 0)
     except Overtime:
         code = "overtime"
-    except BaseException:  # noqa: BLE001 - an exception escaping main() is exactly what the sweep looks for
+    except BaseException:
         crash, code = traceback.format_exc(), 1
     finally:
         signal.signal(signal.SIGALRM, previous_alarm)
@@ -274,13 +274,14 @@ def judge(
     *,
     inputs_before: dict,
     inputs_after: dict,
-    outputs: dict[Path, str] = {},
-    outputs_before: dict[Path, dict] = {},
+    outputs: dict[Path, str] | None = None,
+    outputs_before: dict[Path, dict] | None = None,
     codes: tuple = (0, 2),
 ) -> list[str]:
     """Every way ``result`` breaks the sweep's properties; [] when it keeps them all.
 
     ``outputs_before``: ``tree_digest`` of the outputs that existed before the run; one left unchanged is fine."""
+    outputs, outputs_before = outputs or {}, outputs_before or {}
     problems = []
     if result.crash:
         problems.append("traceback:\n" + result.crash[-3000:])

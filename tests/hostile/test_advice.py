@@ -190,9 +190,13 @@ def flags_in(tree: ast.Module) -> set[tuple[int, str, str | None]]:
                 for s in strings(st.value)
                 if " " in _text(s)
             ]
-        if isinstance(node, ast.BinOp) and isinstance(node.left, ast.Constant) and node.left.value == "--":
-            if id(node) not in argparse_flags:
-                found.add((node.lineno, "BUILT", None))
+        if (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.left, ast.Constant)
+            and node.left.value == "--"
+            and id(node) not in argparse_flags
+        ):
+            found.add((node.lineno, "BUILT", None))
     for s in candidates:
         if " " in _text(s) or re.fullmatch(r"--[a-z][a-z0-9-]*", _text(s)):
             found.update((s.lineno, flag, quoted) for flag, quoted in _spelled(_text(s)))

@@ -27,8 +27,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.train.trainer import train
 from test_data_prepare import SHAREGPT_ROW
 from test_train_methods import config as train_config
+from test_train_methods import stores  # noqa: F401  (module fixture)
 from test_train_toy import ToyStore, ToyTarget, toy_config
-from test_train_methods import config as train_config, stores  # noqa: F401  (module fixture)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -291,7 +291,7 @@ def test_a_nan_validation_loss_reaches_the_card_as_not_a_number():
     assert "| teacher_forced | - | not a number: the validation loss was NaN or inf" in card and "1.000" not in card
 
 
-def test_calibrate_on_nan_held_out_states_names_the_sample(run, tmp_path):  # noqa: F811
+def test_calibrate_on_nan_held_out_states_names_the_sample(run, tmp_path):
     """Was a RuntimeError in torch.bincount."""
     from specdraft.train.calibrate import CalibrateConfig, calibrate
 

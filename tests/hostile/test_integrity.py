@@ -22,7 +22,7 @@ from specdraft.train import checkpoint_files as ckpt
 from specdraft.train.trainer import train
 from test_data_prepare import SHAREGPT_ROW
 from test_train_methods import config as train_config
-from test_train_methods import config as train_config, stores  # noqa: F401  (module fixture)
+from test_train_methods import stores  # noqa: F401  (module fixture)
 
 FROZEN = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
 
@@ -193,7 +193,13 @@ def test_a_flipped_byte_in_a_final_drafter_is_refused(run, tmp_path, monkeypatch
     shutil.copy(reference / "final/config.json", final / "config.json")
     calls = []
     for module, name in ((drafter_ckpt, "sha256_file"), (safetensors.torch, "load_file")):
-        monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name, **k: calls.append(_n) or _f(*a, **k))
+        monkeypatch.setattr(
+            module,
+            name,
+            lambda *a, _f=getattr(module, name), _n=name, **k: (  # noqa: B008  (binds the original now)
+                calls.append(_n) or _f(*a, **k)
+            ),
+        )
     load_drafter(final, target=target)
     assert sorted(calls) == ["load_file", "sha256_file"]
 

@@ -20,7 +20,7 @@ from specdraft.train import checkpoint_files as ckpt
 from specdraft.train.trainer import train
 from test_data_prepare import SHAREGPT_ROW
 from test_train_methods import config as train_config
-from test_train_methods import config as train_config, stores  # noqa: F401  (module fixture)
+from test_train_methods import stores  # noqa: F401  (module fixture)
 
 
 @contextlib.contextmanager

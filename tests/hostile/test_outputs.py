@@ -112,7 +112,7 @@ def test_second_extract_is_refused(dataset, store, capsys, no_target_load):
     _second_writer_refused(["extract", "--dataset", str(dataset), "--out", str(store), "--method", "dspark"], store, capsys)
 
 
-def test_second_train_is_refused(run, tmp_path, capsys):  # noqa: F811
+def test_second_train_is_refused(run, tmp_path, capsys):
     out = tmp_path / "run"
     shutil.copytree(run[2], out)
     _second_writer_refused(["train", "--method", "dspark", "--data", str(run[1]), "--out", str(out)], out, capsys)
@@ -126,7 +126,7 @@ def test_second_eval_is_refused(tmp_path, capsys, no_target_load):
     _second_writer_refused(["eval", "--drafters", "ngram", "--out", str(out)], out, capsys)
 
 
-def test_second_calibrate_is_refused(run, tmp_path, capsys):  # noqa: F811
+def test_second_calibrate_is_refused(run, tmp_path, capsys):
     final = tmp_path / "final"
     shutil.copytree(run[2] / "final", final)
     _second_writer_refused(["calibrate", "--drafter", str(final), "--data", str(run[1])], final, capsys)
@@ -187,7 +187,7 @@ def test_two_train_processes_on_one_run(store, tiny_llama_dir, tmp_path):
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()
         time.sleep(0.05)
     second = start(2)
-    out2, err2 = second.communicate(timeout=120)
+    _, err2 = second.communicate(timeout=120)
     out1, err1 = first.communicate(timeout=300)
     assert first.returncode == 0, err1
     assert second.returncode == 2 and f"is being written by pid {first.pid}" in err2, err2
@@ -222,7 +222,7 @@ def test_eval_refuses_a_directory_that_is_not_an_eval_run(tmp_path, capsys, no_t
     assert (out / "report.md").read_text() == "my own report"
 
 
-def test_extract_refuses_a_foreign_directory_and_an_input_inside(run, dataset, store, tmp_path, capsys, no_target_load):  # noqa: F811
+def test_extract_refuses_a_foreign_directory_and_an_input_inside(run, dataset, store, tmp_path, capsys, no_target_load):
     foreign = tmp_path / "run"
     shutil.copytree(run[2], foreign)
     before = _tree(foreign)
@@ -236,7 +236,7 @@ def test_extract_refuses_a_foreign_directory_and_an_input_inside(run, dataset, s
     assert f"input {inside} lies inside {inside.parent}, which this command writes into" in capsys.readouterr().err
 
 
-def test_calibrate_in_place_keeps_the_old_drafter_until_the_new_is_complete(run, tmp_path, monkeypatch):  # noqa: F811
+def test_calibrate_in_place_keeps_the_old_drafter_until_the_new_is_complete(run, tmp_path, monkeypatch):
     from specdraft.models.common import checkpoint as drafter_ckpt
     from specdraft.train.calibrate import CalibrateConfig, calibrate
 
@@ -303,8 +303,9 @@ def test_read_only_output_is_one_line_before_the_work(command, readonly, dataset
     err = capsys.readouterr().err
     shown = readonly / "existing" if command == "calibrate" else out / "m.json" if command == "generate" else out
     assert (
-        f"specdraft {command}: error: cannot write --{'drafter' if command == 'calibrate' else 'metrics-out' if command == 'generate' else 'out'} {shown}: the filesystem is read-only: choose a path on a writable one"
-        in err
+        f"specdraft {command}: error: cannot write "
+        f"--{'drafter' if command == 'calibrate' else 'metrics-out' if command == 'generate' else 'out'} {shown}: "
+        "the filesystem is read-only: choose a path on a writable one" in err
     ), err
     assert err.count("\n") == 1
 
@@ -316,7 +317,8 @@ def test_a_full_disk_is_named_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "write", full)
     with pytest.raises(
         SpecdraftError,
-        match=r"cannot write --out .*: the disk is full: free space there or write to another filesystem, then rerun the same command; nothing was done",
+        match=r"cannot write --out .*: the disk is full: free space there or write to another filesystem, "
+        r"then rerun the same command; nothing was done",
     ):
         probe_writable(tmp_path / "out")
 

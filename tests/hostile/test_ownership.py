@@ -96,7 +96,7 @@ def inputs(tiny_target, tiny_llama_dir, tmp_path_factory) -> Inputs:
 # ----- bug: the model card of an in-place calibrate --------------------------------------------------
 
 
-def test_calibrate_in_place_keeps_the_model_card(run, tmp_path):  # noqa: F811
+def test_calibrate_in_place_keeps_the_model_card(run, tmp_path):
     from specdraft.train.calibrate import CalibrateConfig, calibrate
     from specdraft.train.model_card import CALIBRATION_HEADING
 
@@ -117,7 +117,7 @@ def test_calibrate_in_place_keeps_the_model_card(run, tmp_path):  # noqa: F811
 # ----- bug: nested writers -----------------------------------------------------------------------------
 
 
-def test_calibrate_of_a_run_being_trained_is_refused_and_the_reverse(run, tmp_path, capsys):  # noqa: F811
+def test_calibrate_of_a_run_being_trained_is_refused_and_the_reverse(run, tmp_path, capsys):
     """``train --out R`` holds R, ``calibrate --drafter R/final`` claims R/final: two lock files, one tree."""
     _, store, reference = run
     work = tmp_path / "run"
@@ -344,6 +344,7 @@ WRITERS: dict[tuple[str, str], tuple[Writer, ...]] = {
         Writer(lambda i, out: ["calibrate", "--drafter", str(out), "--data", str(i.store)]),
     ),  # in place
     ("export-speculators", "--out"): (Writer(lambda i, out: ["export-speculators", "--store", str(i.store), "--out", str(out)]),),
+    ("bench-serve", "--out"): (Writer(lambda i, out: ["bench-serve", "--target", str(i.target), "--out", str(out)]),),
     ("quickstart", "--out"): (
         Writer(
             lambda i, out: ["quickstart", "--out", str(out), "--target", str(i.target), "--samples", "4"],

@@ -64,14 +64,14 @@ def with_slot(**slot) -> bytes:
         (b"NONSENSE\r\n\r\n", 400, "request"),
     ],
 )
-def test_malformed_requests_get_a_4xx_with_a_json_reason(service, raw, status, message):  # noqa: F811
+def test_malformed_requests_get_a_4xx_with_a_json_reason(service, raw, status, message):
     got, reply = exchange(service.url, raw)
     assert got == status, reply
     assert message in (reply.get("error", "") if status != 200 else "")
     assert service.health()["status"] == "ok"  # the server still answers
 
 
-def test_a_body_that_never_arrives_times_out_with_408(service, monkeypatch):  # noqa: F811
+def test_a_body_that_never_arrives_times_out_with_408(service, monkeypatch):
     monkeypatch.setattr(service._server.RequestHandlerClass, "timeout", 0.5)
     status, reply = exchange(service.url, request(b'{"key": ', length="100"))
     assert status == 408 and "did not arrive in time" in reply["error"]

@@ -82,12 +82,20 @@ def test_a_parity_rerun_replaces_its_directory_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(parity, "compare_sides", lambda builtin, served, path: {"drafter": "x", "path": path, "gap": 0.0, "flagged": False})
     monkeypatch.setattr(parity, "render_parity", lambda report: "")
     monkeypatch.setattr(parity, "drafter_server", lambda config: contextlib.nullcontext(type("Server", (), {"url": "http://x"})))
-    out, target = tmp_path / "parity", type("Target", (), {"tokenizer": None})
+    out, target = tmp_path / "parity", type("Target", (), {"tokenizer": None, "describe": lambda self: {}})()
     config = EvalConfig(out=str(out), drafters=drafters, parity=True)
     report = parity.run_parity_eval(config, target=target)
-    assert sorted(p.name for p in out.iterdir()) == ["builtin-0", "builtin-1", "parity.json", "parity.md", "served-0", "served-1"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "builtin-0",
+        "builtin-1",
+        "parity.json",
+        "parity.md",
+        "provenance.json",
+        "served-0",
+        "served-1",
+    ]
     parity.run_parity_eval(dataclasses.replace(config, drafters=drafters[:1]), target=target)
-    assert sorted(p.name for p in out.iterdir()) == ["builtin-0", "parity.json", "parity.md", "served-0"]
+    assert sorted(p.name for p in out.iterdir()) == ["builtin-0", "parity.json", "parity.md", "provenance.json", "served-0"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "parity"]
     # the parity table names the drafters as eval does: apart, though their directories share a name
     assert [r["drafter"] for r in report["drafters"]] == ["dspark:a/final@full", "dspark:b/final@full"]
@@ -270,7 +278,7 @@ def test_a_redone_stage_redoes_every_later_one(tmp_path, capsys):
     capsys.readouterr()
     journal, ran = _journal(path), []
     for name in ("prepare", "extract", "train", "calibrate"):
-        journal.run(name, lambda: ran.append(name) or {"steps": 5})
+        journal.run(name, lambda name=name: ran.append(name) or {"steps": 5})
     assert ran == ["train", "calibrate"]
     assert "[quickstart] calibrate ... (again: an earlier stage was redone)" in capsys.readouterr().out
 

@@ -12,6 +12,7 @@ Cases that once failed the properties and are now fixed stay as fixed regression
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import socket
@@ -224,7 +225,7 @@ def _sweep_once(p: Pipeline, command: str, extra: list[str]) -> list[str]:
 
 
 def _judged(p: Pipeline, command: str, args: list[str], out: Path, kind: str | None, cwd: Path) -> list[str]:
-    named = {flag: cwd / value for flag, value in zip(args, args[1:]) if flag in OUTPUT_FLAGS and value.strip()}  # the last one counts
+    named = {flag: cwd / value for flag, value in itertools.pairwise(args) if flag in OUTPUT_FLAGS and value.strip()}  # the last one counts
     existing = {path: tree_digest(path) for path in named.values() if path.exists()}
     before = p.inputs()
     serving = command == "serve-hidden-states"

@@ -12,7 +12,8 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve a target with a drafter through vLLM's OpenAI-compatible server",
-        description="Start vLLM's OpenAI server (from the vLLM environment: --vllm-python, else .venv-vllm) for the drafter's target with the drafter as its "
+        description="Start vLLM's OpenAI server (from the vLLM environment: --vllm-python, else .venv-vllm) for the drafter's "
+        "target with the drafter as its "
         "speculator; method and draft tokens come from the checkpoint. --vllm-args go to vLLM verbatim, "
         "e.g. `specdraft serve runs/eagle3 --vllm-args='--max-model-len 4096'`. Ctrl-C stops the server.",
     )

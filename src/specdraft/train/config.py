@@ -8,6 +8,7 @@ resolved config, with ``model`` expanded to the method config's full field set, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import typing
@@ -62,7 +63,8 @@ class TrainConfig:
     producer_token: str | None = config_field(None, help="online/hybrid: the bearer token the producers were started with")
     store: str | None = config_field(
         None,
-        help="online/hybrid: where producers write, a shared directory or mooncake://HOST:PORT/NS?admin=HOST:PORT (trainers hold the memory)",
+        help="online/hybrid: where producers write, a shared directory or mooncake://HOST:PORT/NS?admin=HOST:PORT "
+        "(trainers hold the memory)",
     )
     stream_dtype: str = config_field(
         "bfloat16", help="online/hybrid: storage dtype requested from the producers", metadata={"choices": list(STORAGE_DTYPE_NAMES)}
@@ -135,7 +137,8 @@ class TrainConfig:
     forward_path: str = config_field(
         "auto",
         help="how the step's modules execute: eager, prepacked (frozen linears through oneDNN-prepacked weights; CPU, fp32; "
-        "gqa applies to targets only, so prepacked+gqa trains as prepacked), or auto (times this run's fp32 step on each once per machine, cached, and picks the faster)",
+        "gqa applies to targets only, so prepacked+gqa trains as prepacked), or auto (times this run's fp32 step on each once "
+        "per machine, cached, and picks the faster)",
         metadata={"choices": path_choices()},
     )
     device: str = config_field("auto", help="torch device: auto (the local CUDA device if any, else cpu), cpu, cuda")
@@ -143,6 +146,11 @@ class TrainConfig:
         "auto",
         help="multi-process strategy under torchrun: ddp, fsdp (FSDP2 fully_shard; meant for GPUs) or auto (= ddp)",
         metadata={"choices": PARALLEL_CHOICES},
+    )
+    sequence_parallel: int = config_field(
+        1,
+        help="split each sample across this many consecutive processes of a torchrun launch (a sequence group: each holds "
+        "1/N of its hidden states; processes = data x N); for samples one process cannot hold, see docs/guides/long_context.md",
     )
     num_threads: int = config_field(
         0,
@@ -215,6 +223,25 @@ class TrainConfig:
             raise SpecdraftError(f"parallel must be one of {', '.join(PARALLEL_CHOICES)}, got {self.parallel!r}")
         if self.max_time < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise SpecdraftError("max_time, weight_decay and grad_clip must be >= 0")
+        self._check_sequence_parallel()
+
+    def _check_sequence_parallel(self) -> None:
+        """Refuse what sequence parallelism does not implement: FSDP (its parameter shards would span the sequence
+        groups: a data x sequence device mesh, not built) and streamed data (every rank of a group would request
+        the same sample from the producers)."""
+        n = self.sequence_parallel
+        if n < 1:
+            raise SpecdraftError(f"{setting('sequence_parallel')} must be >= 1 (1 = off), got {n}")
+        if n > 1 and self.parallel == "fsdp":
+            raise SpecdraftError(
+                f"{setting('sequence_parallel')} {n} runs under DDP only; {setting('parallel')} fsdp with sequence parallelism is "
+                f"not implemented: use {setting('parallel')} ddp (or auto)"
+            )
+        if n > 1 and self.data_mode != "offline":
+            raise SpecdraftError(
+                f"{setting('sequence_parallel')} {n} reads an offline store only; {setting('data_mode')} {self.data_mode} is "
+                f"not implemented with it: extract the samples (`specdraft extract`) and train with {setting('data_mode')} offline"
+            )
 
     def require(self, *names: str) -> None:
         """Fail with a message naming both ways to set each missing field."""
@@ -297,10 +324,8 @@ def _yaml_numbers(cls: type, values: dict) -> dict:
     out = dict(values)
     for key, value in values.items():
         if hints.get(key) in (float, float | None) and isinstance(value, (int, str)) and not isinstance(value, bool):
-            try:
+            with contextlib.suppress(ValueError):  # left as given: the dataclass check names the field
                 out[key] = float(value)
-            except ValueError:
-                pass
     return out
 
 

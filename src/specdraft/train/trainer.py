@@ -353,7 +353,8 @@ def _build_state(
         missing = set(step_module.state_dict()) - frozen - set(model_state)
         if missing:
             raise SpecdraftError(
-                f"{run.resume.directory / ckpt.STATE_TENSORS} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[0]}; delete that checkpoint"
+                f"{run.resume.directory / ckpt.STATE_TENSORS} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[0]}; "
+                "delete that checkpoint"
             )
         step_module.load_state_dict({k: v for k, v in model_state.items() if k not in frozen}, strict=False)
     strategy = STRATEGIES.get(strategy_name(cfg.parallel, dist_.world))

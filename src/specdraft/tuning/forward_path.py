@@ -335,7 +335,7 @@ PATH_PARTS.register("streamed")(
         _install_streamed,
         _uninstall_streamed,
         _streamed_installed,
-        version=lambda: streamed.kernel_version(),
+        version=lambda: streamed.kernel_version(),  # noqa: PLW0108  (late-bound: a rebuilt or patched kernel's version)
     )
 )
 PATH_PARTS.register("gqa")(
