@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_compare import INTEROP_PYTHON, run_logged, train_ours, train_peer
+from peer_compare import INTEROP_PYTHON, suite_eval_runs, train_ours, train_peer
 from peer_trainer import decode_validation
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,32 +62,7 @@ def suite_taus(args: argparse.Namespace, checkpoints: dict[str, str], out: Path)
     report = out / "report.json"
     if args.cached_only and not report.is_file():
         return {label: {} for label in checkpoints}
-    if args.retrain or not report.is_file():
-        cmd = [
-            sys.executable,
-            "-m",
-            "specdraft.cli.main",
-            "eval",
-            "--target",
-            args.target,
-            "--drafters",
-            ",".join(checkpoints.values()),
-            "--suite",
-            args.suite,
-            "--limit-per-domain",
-            str(args.limit_per_domain),
-            "--max-new-tokens",
-            str(args.max_new_tokens),
-            "--verify-policy",
-            "full",
-            "--threads",
-            str(args.threads),
-            "--out",
-            str(out),
-            "--no-plots",
-        ]
-        run_logged(cmd, out.with_suffix(".log"), args.threads, None)
-    runs = {r["drafter"]: r for r in json.loads(report.read_text())["runs"]}  # checkpoints are labelled METHOD:DIRNAME
+    runs = suite_eval_runs(args, list(checkpoints.values()), out)
     picked = {}
     for label, path in checkpoints.items():
         run = runs[f"{label.split('/')[-1]}:{Path(path).name}"]

@@ -230,8 +230,9 @@ def _peer_resolved(run_yaml: dict) -> dict:
     return json.loads(done.stdout)
 
 
-def suite_taus(method: str, args: argparse.Namespace, ours: str, peer: str, out: Path) -> dict:
-    """tau per domain of both checkpoints with ``specdraft eval`` (same prompts, same runtime)."""
+def suite_eval_runs(args: argparse.Namespace, drafters: list[str], out: Path) -> dict[str, dict]:
+    """One ``specdraft eval`` of ``drafters`` on ``args.suite`` (verifying every draft) into ``out``, reused where
+    ``out/report.json`` exists and ``--retrain`` is not given; its runs by label (a checkpoint's is METHOD:DIRNAME)."""
     report = out / "report.json"
     if args.retrain or not report.is_file():
         cmd = [
@@ -242,7 +243,7 @@ def suite_taus(method: str, args: argparse.Namespace, ours: str, peer: str, out:
             "--target",
             args.target,
             "--drafters",
-            f"{ours},{peer}",
+            ",".join(drafters),
             "--suite",
             args.suite,
             "--limit-per-domain",
@@ -258,7 +259,12 @@ def suite_taus(method: str, args: argparse.Namespace, ours: str, peer: str, out:
             "--no-plots",
         ]
         run_logged(cmd, out.with_suffix(".log"), args.threads, None)
-    runs = {r["drafter"]: r for r in json.loads(report.read_text())["runs"]}  # checkpoints are labelled METHOD:DIRNAME
+    return {r["drafter"]: r for r in json.loads(report.read_text())["runs"]}
+
+
+def suite_taus(method: str, args: argparse.Namespace, ours: str, peer: str, out: Path) -> dict:
+    """tau per domain of both checkpoints with ``specdraft eval`` (same prompts, same runtime)."""
+    runs = suite_eval_runs(args, [ours, peer], out)
     picked = {}
     for who, path in (("ours", ours), ("peer", peer)):
         run = runs[f"{method}:{Path(path).name}"]

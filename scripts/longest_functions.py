@@ -1,8 +1,9 @@
-"""Print the longest functions of the package: the five longest overall and the longest in ``train/``.
+"""Print the longest functions and files of the package: the N longest functions overall, the longest in ``train/``,
+and the N longest modules.
 
-Length is a function's source lines (``def`` to its last line, nested functions included), so a
-long function that hides its work in closures still counts as long. Run it on any checkout to
-compare:  ``python scripts/longest_functions.py [SRC_ROOT] [--top N]``.
+A function's length is its source lines (``def`` to its last line, nested functions included), so a
+long function that hides its work in closures still counts as long; a module's is its line count
+(``wc -l``). Run it on any checkout to compare:  ``python scripts/longest_functions.py [SRC_ROOT] [--top N]``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def functions(root: Path) -> list[tuple[int, str, str]]:
     return sorted(found, key=lambda f: (-f[0], f[2]))
 
 
+def files(root: Path) -> list[tuple[int, str, str]]:
+    """(lines, path relative to ``root``, "") of every module under ``root``, longest first."""
+    found = [(len(path.read_text().splitlines()), str(path.relative_to(root)), "") for path in sorted(root.rglob("*.py"))]
+    return sorted(found, key=lambda f: (-f[0], f[1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -39,12 +46,17 @@ def main() -> None:
         default=str(Path(__file__).resolve().parent.parent / "src" / "specdraft"),
         help="the package directory (default: this checkout's src/specdraft)",
     )
-    parser.add_argument("--top", type=int, default=5, help="how many of the package's longest to list")
+    parser.add_argument("--top", type=int, default=5, help="how many of the package's longest functions and files to list")
     args = parser.parse_args()
     root = Path(args.src)
     every = functions(root)
     train = [f for f in every if f[2].startswith(f"{root.name}/train/")]
-    for title, rows in ((f"longest {args.top} in {root.name}", every[: args.top]), (f"longest in {root.name}/train", train[:1])):
+    sections = (
+        (f"longest {args.top} in {root.name}", every[: args.top]),
+        (f"longest in {root.name}/train", train[:1]),
+        (f"longest {args.top} files in {root.name}", files(root)[: args.top]),
+    )
+    for title, rows in sections:
         print(title)
         for length, name, where in rows:
             print(f"  {length:4d}  {name:40s} {where}")

@@ -30,6 +30,13 @@ first whenever another one is asked for, as the fault-free reference for the fin
 ``--parallel fsdp``: every scenario's training job shards the drafter over its two hosts with FSDP2 instead of
 replicating it (DDP), so ``trainer-killed`` shows a sharded run resumed across hosts.
 
+``sequence-parallel`` (after the others; its data is an offline store that ``specdraft extract`` makes from the
+dataset, read by both trainer hosts from the shared filesystem): ``train --sequence-parallel 2`` as one torchrun job
+over the two trainer hosts, each sample split in two, one half per host; the same training in one process; then the
+two-host job again, trainer-1 killed after its first checkpoint and the same commands rerun. Recorded: the per-step
+losses' and final weights' largest difference against one process (float32 rounding: the all-gathered attention
+and the all-reduced loss sum in another order), and the resumed run's against the uninterrupted one (0: bit for bit).
+
 ``--throughput 1,2,3``: afterwards, one consumer on trainer-0's host requests every sample once
 from 1, 2, 3 producers (samples/s, payload MB/s, each producer's busy fraction from its /health),
 then the same with every process in one namespace on 127.0.0.1 (the loopback layout of the docs).
@@ -473,9 +480,17 @@ class Cluster:
             self.args.parallel,
         ]
 
-    def train_job(self, run: Path, attempt: int, watch: Callable[[], None] | None = None, timeout: float = 400) -> list[int]:
+    def train_job(
+        self,
+        run: Path,
+        attempt: int,
+        watch: Callable[[], None] | None = None,
+        timeout: float = 400,
+        argv: Callable[[int, Path], list[str]] | None = None,
+    ) -> list[int]:
+        argv = argv or self.train_argv
         procs = [
-            self.net.spawn(t, self.train_argv(r, run), self.out / f"hosts/{t.name}/train-{run.name}-{attempt}.log", env=self.env)
+            self.net.spawn(t, argv(r, run), self.out / f"hosts/{t.name}/train-{run.name}-{attempt}.log", env=self.env)
             for r, t in enumerate(self.trainers)
         ]
         deadline = time.monotonic() + timeout
@@ -797,6 +812,90 @@ def scenario_master_restart(cluster: Cluster, run: Path) -> dict:
     return _fault_then_resume(cluster, run, inject, recover)
 
 
+def offline_store(cluster: Cluster) -> Path:
+    """The dataset's hidden states as a file store (``specdraft extract``, once): sequence parallelism reads an
+    offline store, which every trainer host reads from the shared filesystem."""
+    store = cluster.out / "inputs/store"
+    if not (store / "manifest.json").exists():
+        argv = [sys.executable, "-m", "specdraft.cli.main", "extract", "--target", str(cluster.args.target_dir)]
+        argv += ["--dataset", str(cluster.args.dataset), "--out", str(store), "--method", "dflash", "--target-dtype", "float32"]
+        done = subprocess.run(argv, capture_output=True, text=True, env=cluster.env, timeout=600)
+        if done.returncode != 0:
+            raise SystemExit(f"extract failed: {done.stderr[-2000:]}")
+    return store
+
+
+def offline_train_argv(cluster: Cluster, store: Path, run: Path, sequence: int, rank: int | None) -> list[str]:
+    """One trainer process (``rank`` None: alone, no torchrun) or node ``rank`` of the 2-host job, on ``store``."""
+    launch = [sys.executable, "-m"]
+    if rank is not None:
+        launch += ["torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}"]
+        launch += [f"--master-addr={cluster.trainers[0].address}", f"--master-port={RDZV_PORT}", "-m"]
+    return [
+        *launch,
+        *["specdraft.cli.main", "train", "--method", "dflash", "--data", str(store), "--out", str(run)],
+        *["--model", DRAFTER, "--pack-tokens", str(TRAIN["pack_tokens"]), "--batch-rows", str(TRAIN["batch_rows"])],
+        *["--val-fraction", "0", "--eval-interval", "0", "--checkpoint-interval", str(TRAIN["checkpoint_interval"])],
+        *["--dtype", "fp32", "--device", "cpu", "--num-threads", "1", "--seed", str(TRAIN["seed"])],
+        *["--sequence-parallel", str(sequence)],
+    ]
+
+
+def train_losses(run: Path) -> list[float]:
+    """The per-step training losses rank 0 logged (``metrics.jsonl`` records with a ``loss``)."""
+    path = run / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [r["loss"] for r in records if r.get("split") == "train" and "loss" in r]
+
+
+def sequence_parallel(cluster: Cluster) -> dict:
+    """``train --sequence-parallel 2`` over the two trainer hosts: each sample split in two, one half per host,
+    against one process training the same store; then trainer-1 is killed after a checkpoint and the same two
+    commands resume the job, which must end bit-identical to the uninterrupted two-host run."""
+    store = offline_store(cluster)
+    runs = cluster.out / "runs" / "sequence-parallel"
+    alone, split, resumed = runs / "one-process", runs / "two-hosts", runs / "two-hosts-resumed"
+    host = cluster.trainers[0]
+    started = time.monotonic()
+    proc = cluster.net.spawn(
+        host, offline_train_argv(cluster, store, alone, 1, None), cluster.out / f"hosts/{host.name}/train-sp-alone.log", env=cluster.env
+    )
+    rc_alone = proc.wait(timeout=400)
+
+    def argv(rank: int, run: Path) -> list[str]:
+        return offline_train_argv(cluster, store, run, 2, rank)
+
+    rcs = cluster.train_job(split, 0, argv=argv)
+    faults: list[str] = []
+    victim = cluster.trainers[1]
+
+    def watch() -> None:
+        if not faults and latest_step(resumed) >= TRAIN["checkpoint_interval"]:
+            n = cluster.net.kill(victim)
+            faults.append(
+                f"FAULT: SIGKILL of all {n} processes in {victim.ns} ({victim.name}) after checkpoint step {latest_step(resumed)}"
+            )
+            say(faults[-1])
+
+    rcs_killed = cluster.train_job(resumed, 0, watch, argv=argv)
+    for t in cluster.trainers:
+        cluster.net.kill(t)
+    resumed_at = latest_step(resumed)
+    rcs_resumed = cluster.train_job(resumed, 1, argv=argv)
+    losses = [train_losses(alone), train_losses(split)]
+    return {
+        "wall_s": round(time.monotonic() - started, 1),
+        "return_codes": {"one_process": rc_alone, "two_hosts": rcs, "killed": rcs_killed, "resumed": rcs_resumed},
+        "completed": all((r / "final").is_dir() for r in (alone, split, resumed)),
+        "steps": [len(x) for x in losses],
+        "loss_max_abs_diff_vs_one_process": max((abs(a - b) for a, b in zip(*losses)), default=None),
+        "final_weights_max_abs_diff_vs_one_process": weight_diff(final_weights(alone), final_weights(split)),
+        "faults": faults,
+        "resumed_from_step": resumed_at,
+        "resumed_final_weights_max_abs_diff_vs_uninterrupted": weight_diff(final_weights(split), final_weights(resumed)),
+    }
+
+
 SCENARIOS: dict[str, Callable[[Cluster, Path], dict]] = {
     "steady": scenario_steady,
     "join-leave": scenario_join_leave,
@@ -936,7 +1035,7 @@ def main() -> None:
     if sys.argv[1:2] == ["consume"]:
         return consume(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", default="steady", help=f"comma-separated: {', '.join(SCENARIOS)}")
+    parser.add_argument("--scenario", default="steady", help=f"comma-separated: {', '.join(SCENARIOS)}, sequence-parallel")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--prefix", default=f"sdc{os.getpid() % 10000}", help="name prefix of the namespaces, veths and bridge")
     parser.add_argument("--samples", type=int, default=96, help="dataset size (one epoch; the faults need a run of some seconds)")
@@ -956,8 +1055,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     names = [s.strip() for s in args.scenario.split(",") if s.strip()]
+    with_sequence_parallel = "sequence-parallel" in names
+    names = [n for n in names if n != "sequence-parallel"]
     unknown = [n for n in names if n not in SCENARIOS]
-    if unknown or not names:
+    if unknown or not (names or with_sequence_parallel):
         raise SystemExit(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
     if "steady" in names:
         names.remove("steady")
@@ -1000,6 +1101,11 @@ def main() -> None:
             }
             summary["scenarios"][name] = record
             say(f"scenario {name}: {json.dumps(record)}")
+            (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if with_sequence_parallel:
+            say("scenario sequence-parallel: start")
+            summary["sequence_parallel"] = sequence_parallel(cluster)
+            say(f"scenario sequence-parallel: {json.dumps(summary['sequence_parallel'])}")
             (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
         counts = [int(c) for c in args.throughput.split(",") if c.strip()]
         if counts:

@@ -105,3 +105,25 @@ def test_cluster_fsdp_job_killed_on_one_host_resumes_exactly(tmp_path):
     killed = scenarios["trainer-killed"]
     assert killed["faults"][0].startswith("FAULT: SIGKILL") and killed["resumed_from_step"] >= 2, killed
     assert killed["return_codes"][-1] == [0, 0] and killed["final_weights_max_abs_diff_vs_steady"] == 0.0, killed
+
+
+def test_cluster_sequence_parallel_across_two_hosts_equals_one_process_and_resumes_exactly(tmp_path):
+    """``train --sequence-parallel 2`` as one job over the two trainer hosts (each sample split in two, one half per
+    host) trains as one process does, to float32 rounding, and a run killed on one host resumes bit for bit."""
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "cluster"
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts/cluster.sh"), "--scenario", "sequence-parallel", "--out", str(out), "--samples", "48"],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    sp = json.loads((out / "summary.json").read_text())["sequence_parallel"]
+    assert sp["completed"] and sp["return_codes"]["two_hosts"] == [0, 0] and sp["return_codes"]["resumed"] == [0, 0], sp
+    assert sp["steps"][0] == sp["steps"][1] > 2, sp
+    assert sp["loss_max_abs_diff_vs_one_process"] < 1e-4 and sp["final_weights_max_abs_diff_vs_one_process"] < 1e-5, sp
+    assert sp["faults"] and sp["resumed_from_step"] >= 2 and sp["resumed_final_weights_max_abs_diff_vs_uninterrupted"] == 0.0, sp

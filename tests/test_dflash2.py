@@ -209,7 +209,11 @@ def test_vllm_serving_claims():
 
 
 def test_unary_kl_is_the_target_to_draft_divergence():
-    from specdraft.models.dflash2.loss import kl_rows
+    from specdraft.models.common.distill_losses import DISTILL_LOSSES, Distributions
+    from specdraft.models.dflash2.config import DFlash2Config
+
+    def kl_rows(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # dflash2's default distill_loss
+        return DISTILL_LOSSES.get(DFlash2Config().distill_loss)(Distributions(draft, target))
 
     g = torch.Generator().manual_seed(0)
     draft, tgt = torch.randn(5, 11, generator=g), torch.randn(5, 11, generator=g) * 3

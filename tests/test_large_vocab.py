@@ -69,7 +69,7 @@ def test_dspark_l1_target_is_the_full_target_distribution_renormalised_over_the_
     with torch.no_grad():
         restricted = torch.nn.functional.linear(model.require_verifier()(h), model.draft_target_head())
         full = torch.softmax(model.target_logits(h).double(), -1)[:, draft_ids(model.d2t)]
-    _, l1, _ = block_terms(
+    _, l1, _, _ = block_terms(
         draft_logits=draft_logits, target_logits=restricted, labels=torch.zeros(6, dtype=torch.long), confidence_logits=None
     )
     want = (torch.softmax(draft_logits.double(), -1) - full / full.sum(-1, keepdim=True)).abs().sum(-1)

@@ -43,7 +43,7 @@ def test_the_adamw_half_equals_torch_adamw():
     theirs.data.copy_(ours.data)
     a = MuonAdamW([{"params": [ours]}], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     b = torch.optim.AdamW([theirs], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
-    for step in range(5):
+    for _ in range(5):
         grad = torch.randn(5, 3)
         ours.grad, theirs.grad = grad.clone(), grad.clone()
         a.step()
@@ -76,3 +76,53 @@ def test_muon_training_resumes_bitwise(tmp_path):
     with pytest.raises(AssertionError):  # and Muon did train differently from AdamW
         assert_same_weights(tmp_path / "ref" / "final", tmp_path / "adamw" / "final")
     assert adamw.completed
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon")
+def test_muon_half_follows_torch_optim_muon_as_speculators_configures_it():
+    """speculators 0.9.0 steps its matrices with torch.optim.Muon(adjust_lr_fn='match_rms_adamw'); ours takes the same
+    steps up to torch's bf16 Newton-Schulz (about 1% of the displacement), and a non-Nesterov variant would not."""
+    torch.manual_seed(0)
+    start = torch.randn(48, 16) * 0.1
+    ours, theirs, plain = (nn.Parameter(start.clone()) for _ in range(3))
+    a = MuonAdamW([{"params": [ours], "muon": True}], lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)
+    b = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    c = torch.optim.Muon([plain], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", nesterov=False)
+    for _ in range(5):
+        grad = torch.randn(48, 16)
+        for p in (ours, theirs, plain):
+            p.grad = grad.clone()
+        for opt in (a, b, c):
+            opt.step()
+    moved = (theirs.detach() - start).norm()
+    assert float((ours.detach() - theirs.detach()).norm() / moved) < 0.04
+    assert float((plain.detach() - theirs.detach()).norm() / moved) > 0.1
+
+
+def test_non_matrix_parameters_go_to_adamw_and_a_muon_trained_drafter_learns(target):
+    """Every 1-D and 3-D tensor of a tiny DSpark lands in an AdamW group, and 60 steps of Muon halve its loss."""
+    from specdraft.models import METHODS
+    from test_models_support import make_batch, single_thread
+
+    spec = METHODS.get("dspark")
+    torch.manual_seed(0)
+    model = spec.build(spec.config_cls(block_size=4, num_layers=1, markov_rank=16), target)
+    model.register_parameter("extra_kernel", nn.Parameter(torch.zeros(2, 3, 4)))  # a 3-D tensor (a conv kernel's shape)
+    optimizer = OPTIMIZERS.get("muon")(model, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0, fused_loops=False)
+    muon_params = {id(p) for g in optimizer.param_groups if g["muon"] for p in g["params"]}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert muon_params and all(p.ndim == 2 for n, p in trainable if id(p) in muon_params)
+    assert all(id(p) not in muon_params for n, p in trainable if p.ndim != 2)
+    assert any(p.ndim == 1 for n, p in trainable) and model.extra_kernel.ndim == 3
+    batch = make_batch(target, "dspark", count=4, length=24, pack=2)
+    with single_thread():
+        with torch.no_grad():
+            first = float(model.training_forward(batch).loss)
+        for _ in range(60):
+            out = model.training_forward(batch)
+            optimizer.zero_grad()
+            out.loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            last = float(model.training_forward(batch).loss)
+    assert last < 0.5 * first, (first, last)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
 import importlib.metadata
 import json
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -194,3 +196,53 @@ def test_quickstart_records_provenance_in_every_run_directory_and_prints_no_warn
     evaluated = read(run / "eval")
     assert str(run / "train" / "final") in [i["path"] for i in evaluated["inputs"]]
     assert evaluated["target"]["fingerprint"] == trained["target"]["fingerprint"] == top["target"]["fingerprint"]
+
+
+class _FakeVllm(http.server.BaseHTTPRequestHandler):
+    """A vLLM server as ``eval --endpoint`` sees it: one served model, completions that answer ``max_tokens`` tokens,
+    and speculative-decoding counters that count one drafting round per request."""
+
+    requests = 0
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._answer(json.dumps({"data": [{"id": "served"}]}))
+        else:
+            self._answer(f"vllm:spec_decode_num_drafts_total {_FakeVllm.requests}\n")
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _FakeVllm.requests += 1
+        self._answer(json.dumps({"choices": [{"token_ids": [5] * body["max_tokens"]}]}))
+
+    def _answer(self, text: str) -> None:
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(text.encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_endpoint_eval_records_its_provenance(tmp_path, tiny_llama_dir):
+    from specdraft.decode.config import SamplingConfig
+    from specdraft.eval.config import EvalConfig
+    from specdraft.integrations.vllm.endpoint_eval import run_endpoint_eval
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "one two three", "domain": "a"}) + "\n")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeVllm)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    out = tmp_path / "eval"
+    try:
+        config = EvalConfig(out=str(out), endpoint=url, target=str(tiny_llama_dir), prompts=str(prompts), max_new_tokens=4, plots=False)
+        report = run_endpoint_eval(config, SamplingConfig(), progress=False)
+    finally:
+        server.shutdown()
+    assert report["runs"][0]["overall"]["output_tokens"] == 4
+    record = read(out)
+    assert record["config"]["eval"]["endpoint"] == url and record["config"]["sampling"]["temperature"] == 0.0
+    assert record["target"] == {"name": str(tiny_llama_dir), "endpoint": url, "served_model": "served"}
+    assert record["inputs"] == [{"path": str(prompts), "sha256": sha256(prompts)}]
+    assert record["measured"] == {}  # the server chose its own settings: this run measured nothing

@@ -91,9 +91,13 @@ def test_quickstart_config_errors():
     with pytest.raises(
         SpecdraftError, match="--budget 5 min is too small for a run: it must hold --data-budget 5 min, --eval-reserve 6 min"
     ):
-        QuickstartConfig(budget=5, eval_reserve=6)
+        QuickstartConfig(budget=5, data_budget=5, eval_reserve=6)
+    with pytest.raises(SpecdraftError, match=r"it must hold --eval-reserve 6 min and at least .*, or a smaller --eval-reserve$"):
+        QuickstartConfig(budget=5, eval_reserve=6)  # no --data-budget: the split gives data what the rest leaves
     with pytest.raises(SpecdraftError, match=r"--eval-reserve 9.5 min and at least 0.25 min of training; pass --budget 14.75 or more"):
-        QuickstartConfig(budget=12, eval_reserve=9.5)
+        QuickstartConfig(budget=12, data_budget=5, eval_reserve=9.5)
+    with pytest.raises(SpecdraftError, match=r"--eval-reserve 9.5 min and at least 0.25 min of training; pass --budget 9.75 or more"):
+        QuickstartConfig(budget=9, eval_reserve=9.5)  # the measured split's data stage has no least minutes to hold
     QuickstartConfig(budget=12)  # the default reserve is measured when the run gets there
     with pytest.raises(SpecdraftError, match="--data-budget must be > 0 minutes .*, got -1"):
         QuickstartConfig(data_budget=-1)

@@ -183,7 +183,9 @@ def test_no_vllm_environment_or_a_failed_start_means_hf_and_nothing_cached(fake_
 
     monkeypatch.setitem(regen.SERVER_ENGINES._items, "vllm", dataclasses.replace(regen.SERVER_ENGINES.get("vllm"), locate=missing))
     assert (
-        resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=None).facts["engine_source"].startswith("no .venv-vllm")
+        resolve_engine(_request(), PROMPTS, requested="auto", threads=1, deadline=None)
+        .facts["engine_source"]
+        .startswith("no vLLM environment found")
     )
     with pytest.raises(SpecdraftError, match="no vLLM environment"):  # an explicit --vllm-python that does not exist is an error
         resolve_engine(dataclasses.replace(_request(), vllm_python="/nope/python"), PROMPTS, requested="auto", threads=1, deadline=None)

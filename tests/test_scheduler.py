@@ -155,21 +155,19 @@ def test_sps_table_interpolates_step_time():
     assert default_token_counts(40) == list(range(1, 17)) + [32, 40]
 
 
-def test_sps_is_measured_once_and_cached(tmp_path, monkeypatch):
+def _tiny_llama():
+    """A one-layer random Llama whose forward costs next to nothing: what the SPS profile times."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=32
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_sps_is_measured_once_and_cached(tmp_path, monkeypatch):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=32,
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            head_dim=32,
-        )
-    ).eval()
+    model = _tiny_llama()
     calls = []
     real = sps_module.measure_sps
     monkeypatch.setattr(sps_module, "measure_sps", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
@@ -226,19 +224,7 @@ def test_sps_profile_is_monotone_and_ignores_slow_outliers(monkeypatch):
     import itertools as it
     import time as time_module
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=32,
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            head_dim=32,
-        )
-    ).eval()
+    model = _tiny_llama()
     # a fake clock: each forward of B tokens "takes" 10 ms, except every third run, hit by a 1 s stall,
     # and B=3 is impossibly cheap (as a noisy profile can claim)
     clock = it.count()

@@ -77,10 +77,11 @@ def os_error_message(exc: BaseException) -> str | None:
     """One line for the first boundary ``OSError`` (see ``OS_ERROR_FIXES``) in ``exc``'s cause/context chain,
     naming its path(s) and the fix; ``None`` if there is none (a bug keeps its traceback)."""
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in OS_ERROR_FIXES:
-            where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None) or "(no path given)"
-            return f"{where}: {exc.strerror or os.strerror(exc.errno)}; {OS_ERROR_FIXES[exc.errno]}"
-        exc = exc.__cause__ or exc.__context__
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno in OS_ERROR_FIXES:
+            where = " -> ".join(str(f) for f in (link.filename, link.filename2) if f is not None) or "(no path given)"
+            return f"{where}: {link.strerror or os.strerror(link.errno)}; {OS_ERROR_FIXES[link.errno]}"
+        link = link.__cause__ or link.__context__
     return None

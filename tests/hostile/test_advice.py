@@ -376,7 +376,9 @@ def test_a_quickstart_budget_that_cannot_hold_a_run_is_refused_before_any_work(t
         budget = re.search(r"pass --budget ([0-9.]+) or more", line).group(1)
         values = dict(zip(flags[::2], flags[1::2]))
         QuickstartConfig(
-            budget=float(budget), data_budget=float(values.get("--data-budget", 5)), eval_reserve=float(values.get("--eval-reserve", 0))
+            budget=float(budget),
+            data_budget=float(values["--data-budget"]) if "--data-budget" in values else None,
+            eval_reserve=float(values.get("--eval-reserve", 0)),
         )
 
 

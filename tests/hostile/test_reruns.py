@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import shutil
@@ -61,7 +62,9 @@ def test_an_eval_rerun_without_plots_or_with_other_prompts_leaves_no_stale_file(
 
 def test_a_parity_rerun_replaces_its_directory_whole(tmp_path, monkeypatch):
     """``eval --parity`` builds every side's report in a fresh directory: a rerun with one drafter of two drops
-    ``builtin-1/`` and ``served-1/``. The sides are stubbed: what is checked is where they are written."""
+    ``builtin-1/`` and ``served-1/``, and its ``provenance.json`` names the drafters it compared now (by their config's
+    digest) and the machine choices of each built-in side. The sides are stubbed: what is checked is where they are
+    written and what the parity run records."""
     from specdraft.integrations.vllm import parity
 
     drafters = []
@@ -71,7 +74,14 @@ def test_a_parity_rerun_replaces_its_directory_whole(tmp_path, monkeypatch):
         drafters.append(str(tmp_path / name / "final"))
 
     def side(config, *args, **kwargs):
-        report = {"format": "specdraft.eval_report", "prompts": [], "runs": [{"drafter": "x", "overall": {}}]}
+        report = {
+            "format": "specdraft.eval_report",
+            "prompts": [],
+            "runs": [{"drafter": "x", "overall": {}}],
+            "threads": 2,
+            "threads_source": "measured",
+            "threads_seconds": {"2": 0.5},
+        }
         Path(config.out).mkdir(parents=True, exist_ok=True)
         (Path(config.out) / "report.json").write_text(json.dumps(report))
         return report
@@ -82,7 +92,7 @@ def test_a_parity_rerun_replaces_its_directory_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(parity, "compare_sides", lambda builtin, served, path: {"drafter": "x", "path": path, "gap": 0.0, "flagged": False})
     monkeypatch.setattr(parity, "render_parity", lambda report: "")
     monkeypatch.setattr(parity, "drafter_server", lambda config: contextlib.nullcontext(type("Server", (), {"url": "http://x"})))
-    out, target = tmp_path / "parity", type("Target", (), {"tokenizer": None, "describe": lambda self: {}})()
+    out, target = tmp_path / "parity", type("Target", (), {"tokenizer": None, "describe": lambda self: {"name": "tiny"}})()
     config = EvalConfig(out=str(out), drafters=drafters, parity=True)
     report = parity.run_parity_eval(config, target=target)
     assert sorted(p.name for p in out.iterdir()) == [
@@ -96,6 +106,11 @@ def test_a_parity_rerun_replaces_its_directory_whole(tmp_path, monkeypatch):
     ]
     parity.run_parity_eval(dataclasses.replace(config, drafters=drafters[:1]), target=target)
     assert sorted(p.name for p in out.iterdir()) == ["builtin-0", "parity.json", "parity.md", "provenance.json", "served-0"]
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert provenance["config"]["eval"]["parity"] is True and provenance["target"] == {"name": "tiny"}
+    config_digest = hashlib.sha256(Path(drafters[0], "config.json").read_bytes()).hexdigest()
+    assert provenance["inputs"] == [{"path": drafters[0], "manifest": "config.json", "sha256": config_digest}]
+    assert provenance["measured"] == {"builtin-0": {"threads": {"value": 2, "source": "measured", "seconds": {"2": 0.5}}}}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "parity"]
     # the parity table names the drafters as eval does: apart, though their directories share a name
     assert [r["drafter"] for r in report["drafters"]] == ["dspark:a/final@full", "dspark:b/final@full"]

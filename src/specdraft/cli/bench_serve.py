@@ -8,7 +8,7 @@ from specdraft.cli import summary
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from specdraft.integrations.vllm.served_bench import ServedBenchConfig
 
     parser = subparsers.add_parser(

@@ -9,7 +9,7 @@ from specdraft.train.calibrate import CalibrateConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "calibrate", help="calibrate a DSpark drafter's confidences on held-out hidden states", description=summary(__doc__)
     )

@@ -10,7 +10,7 @@ from specdraft.eval.config import EvalConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval",
         help="measure tau, tokens/s and speed-up of drafters against autoregressive decoding",

@@ -10,7 +10,7 @@ from specdraft.integrations.speculators.data import ExportSpeculatorsConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     command = subparsers.add_parser(
         "export-speculators", description=summary(__doc__), help="write a hidden-state store as speculators' training data"
     )

@@ -10,7 +10,7 @@ from specdraft.hidden_states.config import ExtractConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "extract",
         help="capture target hidden states for a prepared dataset",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ class GenerateConfig:
     metrics_out: str = config_field("", help="write the metrics (and the generated texts) to this JSON file")
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate", help="generate with speculative decoding and report tau / tokens per second", description=summary(__doc__)
     )
@@ -62,7 +63,9 @@ def _generate(args: argparse.Namespace) -> int:
     from specdraft.utils.io import atomic_write_json
 
     job = dataclass_from_args(GenerateConfig, args)
-    config, sampling, scheduler = (dataclass_from_args(c, args) for c in (DecodeConfig, SamplingConfig, SchedulerConfig))
+    config = dataclass_from_args(DecodeConfig, args)
+    sampling = dataclass_from_args(SamplingConfig, args)
+    scheduler = dataclass_from_args(SchedulerConfig, args)
     if job.batch_size < 1:
         raise SpecdraftError(f"--batch-size must be >= 1, got {job.batch_size}")
     messages = [job.prompt] if job.prompt else []
@@ -83,14 +86,15 @@ def _generate(args: argparse.Namespace) -> int:
         tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False)
         for m in messages
     ]
-    texts, metrics = [], None
+    texts, batches = [], []
     for start in range(0, len(prompts), job.batch_size):
         result = decoder.generate(prompts[start : start + job.batch_size])
-        metrics = result.metrics if metrics is None else metrics.merge(result.metrics)
+        batches.append(result.metrics)
         for message, out in zip(messages[start:], result.outputs):
             text = tok.decode(out.tokens, skip_special_tokens=True)
             texts.append({"prompt": message, "output": text, "tokens": len(out.tokens), "finish_reason": out.finish_reason})
             print(f"### {message}\n{text}\n")
+    metrics = functools.reduce(lambda merged, batch: merged.merge(batch), batches)  # at least one batch: messages is not empty
     summary = metrics.to_json()
     print(
         f"drafter={config.drafter} requests={metrics.requests} tokens={metrics.output_tokens} tau={metrics.tau:.3f} "

@@ -84,7 +84,9 @@ def command_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
     """Config field -> how a command's ``parser`` takes it (``--val-fraction``, or the metavar of a positional), plus the
     settings of other stages its own flags set under another name (its ``renamed_settings`` default: field -> own field)."""
     flags = {
-        a.dest: next((o for o in a.option_strings if o.startswith("--")), None) or (a.metavar or a.dest.upper())
+        a.dest: next((o for o in a.option_strings if o.startswith("--")), None)
+        or (a.metavar if isinstance(a.metavar, str) else "")
+        or a.dest.upper()
         for a in parser._actions
         if a.dest not in (argparse.SUPPRESS, "help") and not isinstance(a, argparse._SubParsersAction)
     }

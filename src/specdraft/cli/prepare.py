@@ -9,7 +9,7 @@ from specdraft.data.prepare import PrepareConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "prepare",
         help="build a prepared dataset (token ids + assistant loss mask) for a target",

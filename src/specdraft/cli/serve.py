@@ -8,13 +8,13 @@ from specdraft.integrations.vllm.serve import ServeConfig
 from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve a target with a drafter through vLLM's OpenAI-compatible server",
-        description="Start vLLM's OpenAI server (from the vLLM environment: --vllm-python, else .venv-vllm) for the drafter's "
-        "target with the drafter as its "
-        "speculator; method and draft tokens come from the checkpoint. --vllm-args go to vLLM verbatim, "
+        description="Start vLLM's OpenAI server (with the vLLM environment's python: --vllm-python, else as its help says) "
+        "for the drafter's target with the drafter as its speculator; method and draft tokens come from the checkpoint. "
+        "--vllm-args go to vLLM verbatim, "
         "e.g. `specdraft serve runs/eagle3 --vllm-args='--max-model-len 4096'`. Ctrl-C stops the server.",
     )
     parser.add_argument("drafter", help=ServeConfig.__dataclass_fields__["drafter"].metadata["help"])

@@ -11,7 +11,7 @@ from specdraft.utils.config import add_dataclass_arguments, dataclass_from_args
 _ONLY_DIR = tuple(name for name in MasterConfig.__dataclass_fields__ if name != "dir")
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "store",
         help="start, stop or inspect the Mooncake master (hidden-state transfer between nodes)",

@@ -91,26 +91,11 @@ def _schema():
     )
 
 
-def write_prepared(
-    directory: str | os.PathLike,
-    rows: Iterable[Mapping[str, Any]],
-    *,
-    target_info: dict,
-    config: dict,
-    stats: dict,
-    vocab_size: int,
-    inputs: Iterable[str | os.PathLike] = (),
-) -> Path:
-    """Write a prepared dataset atomically (replacing any previous one at ``directory``).
-
-    ``rows`` yield ``sample_id``, ``source``, ``input_ids`` and ``loss_mask`` (sequences of ints,
-    same length). Raises ``SpecdraftError`` for duplicate ids, ragged rows or out-of-vocab ids, and
-    when ``directory`` holds anything but a prepared dataset or contains one of ``inputs``.
-    """
+def _checked_table(rows: Iterable[Mapping[str, Any]], directory: Path, vocab_size: int) -> tuple[Any, np.ndarray, int]:
+    """The rows as a table of the prepared schema, the loss-token counts per token id and the number of tokens; an
+    error names the sample that is a duplicate, ragged or out of the vocabulary."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    directory = Path(directory)
     columns: dict[str, list] = {"sample_id": [], "source": [], "input_ids": [], "loss_mask": []}
     counts = np.zeros(int(vocab_size), dtype=np.int64)
     seen: set[str] = set()
@@ -139,6 +124,29 @@ def write_prepared(
         },
         schema=_schema(),
     )
+    return table, counts, int(sum(len(x) for x in columns["input_ids"]))
+
+
+def write_prepared(
+    directory: str | os.PathLike,
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    target_info: dict,
+    config: dict,
+    stats: dict,
+    vocab_size: int,
+    inputs: Iterable[str | os.PathLike] = (),
+) -> Path:
+    """Write a prepared dataset atomically (replacing any previous one at ``directory``).
+
+    ``rows`` yield ``sample_id``, ``source``, ``input_ids`` and ``loss_mask`` (sequences of ints,
+    same length). Raises ``SpecdraftError`` for duplicate ids, ragged rows or out-of-vocab ids, and
+    when ``directory`` holds anything but a prepared dataset or contains one of ``inputs``.
+    """
+    import pyarrow.parquet as pq
+
+    directory = Path(directory)
+    table, counts, num_tokens = _checked_table(rows, directory, vocab_size)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -146,7 +154,7 @@ def write_prepared(
         "config": config,
         "stats": stats,
         "num_samples": table.num_rows,
-        "num_tokens": int(sum(len(x) for x in columns["input_ids"])),
+        "num_tokens": num_tokens,
         "num_loss_tokens": int(counts.sum()),
         "vocab_size": int(vocab_size),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -89,7 +89,8 @@ class PrepareConfig(VllmServerOptions):
     engine: str = config_field(
         "auto",
         help="with --regenerate: what generates the replies: hf (transformers generate, in this process), vllm "
-        "(a private vLLM server from .venv-vllm, continuous batching) or auto (where .venv-vllm exists, the one that "
+        "(a private vLLM server, run by the vLLM environment --vllm-python finds, continuous batching) or auto (where "
+        "a vLLM environment is found, the one that "
         "regenerates more within --regen-budget here: one batch timed in each, vLLM's server start included, cached per "
         "machine; a server it started is kept for the job)",
         metadata={"choices": lambda: [*REGENERATION_ENGINES.names(), "auto"]},

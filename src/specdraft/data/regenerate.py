@@ -264,43 +264,47 @@ def resolve_engine(
 ) -> EngineChoice:
     """The engine of ``--engine`` (``auto``: measured, see the module docstring) and, where HF generates in this
     process, its forward path and CPU thread count (``_place_hf``; the model is left on that path)."""
-    settings = request.settings
-    probe = probe_prompts(prompts, settings.batch_size)
+    probe = probe_prompts(prompts, request.settings.batch_size)
     facts, hf_path = _place_hf(request, probe, threads=threads, cache_dir=cache_dir) if requested in ("hf", "auto") else ({}, "")
     if requested != "auto":
         return EngineChoice(requested, facts={**facts, "engine_source": "flag"})
+    found = _vllm_environment(request)
+    if isinstance(found, str):
+        return EngineChoice("hf", facts={**facts, "engine_source": found})
+    vllm, python = found
+    return _race_engines(request, prompts, probe, vllm, python, facts=facts, hf_path=hf_path, deadline=deadline, cache_dir=cache_dir)
+
+
+def _vllm_environment(request: EngineRequest) -> tuple[ServerEngine, Any] | str:
+    """The vLLM engine and its environment's interpreter, or why ``auto`` has only HF here. An explicit
+    ``--vllm-python`` that is not a vLLM environment is an error, not a quiet fall-back."""
     if "vllm" not in SERVER_ENGINES:
-        return EngineChoice("hf", facts={**facts, "engine_source": "no vLLM integration loaded: hf, the only engine here"})
+        return "no vLLM integration loaded: hf, the only engine here"
     vllm = SERVER_ENGINES.get("vllm")
     try:
-        python = vllm.locate(request.vllm_python)
+        return vllm, vllm.locate(request.vllm_python)
     except SpecdraftError:
         if request.vllm_python:
             raise
-        return EngineChoice("hf", facts={**facts, "engine_source": "no .venv-vllm: hf, the only engine here"})
+        return "no vLLM environment found: hf, the only engine here"
+
+
+def _race_engines(
+    request: EngineRequest,
+    prompts: list[list[int]],
+    probe: list[list[int]],
+    vllm: ServerEngine,
+    python: Any,
+    *,
+    facts: dict[str, Any],
+    hf_path: str,
+    deadline: float | None,
+    cache_dir: Path | None,
+) -> EngineChoice:
+    """``auto`` where vLLM is installed: the engine that regenerates more within the budget (``decide_engine``: cached,
+    or measured on ``probe``); a vLLM server the measurement started is kept only where vLLM won."""
+    settings = request.settings
     started: list[Any] = []
-
-    def on_vllm(tokens: int) -> float:
-        return _timed(
-            lambda: vllm.probe(
-                started[0], dataclasses.replace(request, settings=dataclasses.replace(settings, max_new_tokens=tokens)), probe
-            )
-        )
-
-    def measure() -> dict[str, float]:
-        hf_first, hf_step = first_and_step(lambda tokens: _timed(lambda: _hf_generate(request, probe, tokens)))
-        t0 = time.perf_counter()
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            raise _NoVllm("the budget ran out before a vLLM server could be started")
-        try:
-            started.append(vllm.start(request, [(0, prompts)], startup_timeout=left or 600.0))
-            start_s = time.perf_counter() - t0
-            vllm_first, vllm_step = first_and_step(on_vllm, caches_prefixes=True)
-        except SpecdraftError as exc:  # vLLM is broken here: HF regenerates
-            raise _NoVllm(str(exc).splitlines()[0]) from None
-        return {"hf_first_s": hf_first, "hf_step_s": hf_step, "vllm_first_s": vllm_first, "vllm_step_s": vllm_step, "vllm_start_s": start_s}
-
     context = {
         "target": request.target.fingerprint,
         "rows": len(probe),
@@ -313,7 +317,7 @@ def resolve_engine(
     try:
         decision = decide_engine(
             context,
-            measure,
+            _engine_timings(request, prompts, probe, vllm, deadline=deadline, started=started),
             rows=len(probe),
             max_new_tokens=settings.max_new_tokens,
             prompts=len(prompts),
@@ -343,6 +347,38 @@ def resolve_engine(
             "engine_plan": decision.plan,
         },
     )
+
+
+def _engine_timings(
+    request: EngineRequest, prompts: list[list[int]], probe: list[list[int]], vllm: ServerEngine, *, deadline: float | None, started: list
+) -> Callable[[], dict[str, float]]:
+    """What ``decide_engine`` calls when nothing is cached: HF's and vLLM's first-token and per-token times on
+    ``probe``, and the vLLM server's start (the server is appended to ``started``); ``_NoVllm`` where vLLM cannot be
+    timed (no budget left for a start, or a server that fails)."""
+    settings = request.settings
+
+    def on_vllm(tokens: int) -> float:
+        return _timed(
+            lambda: vllm.probe(
+                started[0], dataclasses.replace(request, settings=dataclasses.replace(settings, max_new_tokens=tokens)), probe
+            )
+        )
+
+    def measure() -> dict[str, float]:
+        hf_first, hf_step = first_and_step(lambda tokens: _timed(lambda: _hf_generate(request, probe, tokens)))
+        t0 = time.perf_counter()
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise _NoVllm("the budget ran out before a vLLM server could be started")
+        try:
+            started.append(vllm.start(request, [(0, prompts)], startup_timeout=left or 600.0))
+            start_s = time.perf_counter() - t0
+            vllm_first, vllm_step = first_and_step(on_vllm, caches_prefixes=True)
+        except SpecdraftError as exc:  # vLLM is broken here: HF regenerates
+            raise _NoVllm(str(exc).splitlines()[0]) from None
+        return {"hf_first_s": hf_first, "hf_step_s": hf_step, "vllm_first_s": vllm_first, "vllm_step_s": vllm_step, "vllm_start_s": start_s}
+
+    return measure
 
 
 class _NoVllm(Exception):

@@ -9,6 +9,7 @@ from specdraft.errors import SpecdraftError, setting
 from specdraft.tracking import check_report_to
 from specdraft.tuning.paths import path_choices
 from specdraft.utils.config import check_forward_path, config_field, require_finite
+from specdraft.utils.vllm_options import VLLM_PYTHON_LOOKUP
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class EvalConfig:
     )
     vllm_args: str = config_field("", help="--parity without --endpoint: extra vLLM api_server flags of the servers it starts")
     vllm_python: str | None = config_field(
-        None, help="--parity without --endpoint: python of the vLLM environment (default: .venv-vllm/bin/python)"
+        None, help=f"--parity without --endpoint: python of the vLLM environment (default: {VLLM_PYTHON_LOOKUP})"
     )
 
     def __post_init__(self) -> None:

@@ -22,12 +22,12 @@ EVAL_DIR = DirKind(
     frozenset({"report.json", "report.md", PROVENANCE_FILE}),
     patterns=("*.png", ".*.tmp", *local_files()),
 )
-#: What `specdraft eval --parity` writes: its comparison and one eval run per side and drafter.
+#: What `specdraft eval --parity` writes: its comparison, its provenance and one eval run per side and drafter.
 PARITY_DIR = DirKind(
     "specdraft eval --parity run",
     "parity.json",
     json_field_is("format", "specdraft.parity_report"),
-    frozenset({"parity.json", "parity.md"}),
+    frozenset({"parity.json", "parity.md", PROVENANCE_FILE}),
     patterns=("builtin-*", "served-*", ".*.tmp"),
 )
 
@@ -69,7 +69,24 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 
 
 def render_tables(report: dict[str, Any]) -> str:
-    """Markdown: the overall table, then tau per domain (first concurrency level)."""
+    """Markdown: the overall table, then, at the first concurrency level, the per-domain and per-bucket tables, tau per
+    request and the verify lengths chosen."""
+    first = report["config"]["concurrency"][0]
+    runs = [r for r in report["runs"] if r["concurrency"] == first]
+    lines = [
+        *_summary_table(report),
+        *gate_floor_lines(report),
+        "",
+        compute_line(report),
+        *_grouped_tables(runs, first),
+        *_distribution_table(runs, first),
+        *_verify_length_lines(runs, first),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _summary_table(report: dict[str, Any]) -> list[str]:
+    """The title line and one row per (drafter, concurrency) of ``summary_rows``."""
     n = report["num_prompts"]
     planned = report.get("prompts_planned", n)
     prompts = f"{n} of {planned} prompts (--max-time reached)" if report.get("cut_by_time") else f"{n} prompts"
@@ -77,18 +94,23 @@ def render_tables(report: dict[str, Any]) -> str:
         f"# specdraft eval — target {report['target']['name']}, {prompts}, "
         f"max {report['config']['max_new_tokens']} new tokens, temperature {report['sampling']['temperature']}",
         "",
-        "| drafter | concurrency | tau | acceptance | mean verify len | drafting | tok/s | speed-up | TTFT ms | TPOT ms (median) | TPOT vs AR | identical to AR |",
+        "| drafter | concurrency | tau | acceptance | mean verify len | drafting | tok/s | speed-up | TTFT ms "
+        "| TPOT ms (median) | TPOT vs AR | identical to AR |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in summary_rows(report):
         identical = "-" if r["identical"] is None else f"{r['identical']}/{n}"
         lines.append(
-            f"| {r['drafter']} | {r['concurrency']} | {_fmt(r['tau'])} | {_fmt(r['accept_rate'])} | {_fmt(r['verify_len'])} | {_fmt(r['drafting'])} | {_fmt(r['tok_per_s'])} "
-            f"| {_fmt(r['speedup'])}x | {_fmt(r['ttft_ms'], '.0f')} | {_fmt(r['tpot_ms'], '.1f')} | {_fmt(r['tpot_vs_ar'], '.3f')} | {identical} |"
+            f"| {r['drafter']} | {r['concurrency']} | {_fmt(r['tau'])} | {_fmt(r['accept_rate'])} | {_fmt(r['verify_len'])} "
+            f"| {_fmt(r['drafting'])} | {_fmt(r['tok_per_s'])} | {_fmt(r['speedup'])}x | {_fmt(r['ttft_ms'], '.0f')} "
+            f"| {_fmt(r['tpot_ms'], '.1f')} | {_fmt(r['tpot_vs_ar'], '.3f')} | {identical} |"
         )
-    lines += [*gate_floor_lines(report), "", compute_line(report)]
-    first = report["config"]["concurrency"][0]
-    runs = [r for r in report["runs"] if r["concurrency"] == first]
+    return lines
+
+
+def _grouped_tables(runs: list[dict[str, Any]], first: int) -> list[str]:
+    """Tau, speed-up and mean verify length per domain, then tau and speed-up per prompt-length bucket, one column per
+    group; a table whose groups no run recorded is left out."""
     plain: dict[str, Any] = next((r for r in runs if r["drafter"] == "autoregressive"), {})
 
     def drafted(r: dict, group: str, key: str) -> dict:
@@ -111,6 +133,7 @@ def render_tables(report: dict[str, Any]) -> str:
         ("tau per prompt-length bucket (tokens)", "per_bucket", list, lambda r, g, b: _fmt(drafted(r, g, b).get("tau"))),
         ("speed-up over autoregressive per prompt-length bucket (tokens)", "per_bucket", list, speedup),
     ]
+    lines: list[str] = []
     for title, group, order, cell in tables:
         keys = order(dict.fromkeys(k for r in runs for k in r.get(group, {})))
         if keys:
@@ -126,22 +149,33 @@ def render_tables(report: dict[str, Any]) -> str:
                 for r in runs
                 if r["drafter"] != "autoregressive"
             ]
+    return lines
+
+
+def _distribution_table(runs: list[dict[str, Any]], first: int) -> list[str]:
+    """Tau per request (``tau_distribution``) of each drafter that recorded it; nothing when none did."""
     distributions = [r for r in runs if r["drafter"] != "autoregressive" and r.get("tau_distribution")]
-    if distributions:
-        lines += [
-            "",
-            f"tau per request (concurrency {first}; top-10% floor: the lowest tau among the best tenth of requests):",
-            "",
-            "| drafter | mean tau | macro tau over domains | median | p90 | top-10% floor | requests |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for r in distributions:
-            d = r["tau_distribution"]
-            lines.append(
-                f"| {r['drafter']} | {_fmt(r['overall']['tau'])} | {_fmt(r.get('macro_tau'))} | {_fmt(d['median'])} "
-                f"| {_fmt(d['p90'])} | {_fmt(d['top10_floor'])} | {d['requests']} |"
-            )
-    lines += ["", f"verify lengths chosen per round (concurrency {first}; rounds that verified exactly l drafts):", ""]
+    if not distributions:
+        return []
+    lines = [
+        "",
+        f"tau per request (concurrency {first}; top-10% floor: the lowest tau among the best tenth of requests):",
+        "",
+        "| drafter | mean tau | macro tau over domains | median | p90 | top-10% floor | requests |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in distributions:
+        d = r["tau_distribution"]
+        lines.append(
+            f"| {r['drafter']} | {_fmt(r['overall']['tau'])} | {_fmt(r.get('macro_tau'))} | {_fmt(d['median'])} "
+            f"| {_fmt(d['p90'])} | {_fmt(d['top10_floor'])} | {d['requests']} |"
+        )
+    return lines
+
+
+def _verify_length_lines(runs: list[dict[str, Any]], first: int) -> list[str]:
+    """Per drafter, how many rounds verified exactly l drafts, and the steps its draft gate decoded without drafting."""
+    lines = ["", f"verify lengths chosen per round (concurrency {first}; rounds that verified exactly l drafts):", ""]
     for r in runs:
         if r["drafter"] != "autoregressive":
             hist = verify_length_histogram(r["overall"])
@@ -151,7 +185,7 @@ def render_tables(report: dict[str, Any]) -> str:
                 + ", ".join(f"l={l}: {n}" for l, n in enumerate(hist) if n)
                 + (f"; {skipped} steps decoded without drafting (draft gate)" if skipped else "")
             )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def tau_distribution(taus: list[float | None]) -> dict[str, Any]:
@@ -227,9 +261,10 @@ def compute_line(report: dict[str, Any]) -> str:
         )
     target_path = report.get("target_forward_path")
     if target_path:
+        step_unit = "ms per plain + verify step, short and long context"
         parts.append(
             f"target forward {target_path['forward_path']} "
-            f"({why(target_path['forward_path_source'], target_path.get('forward_path_seconds'), 1e3, 'ms per plain + verify step, short and long context')})"
+            f"({why(target_path['forward_path_source'], target_path.get('forward_path_seconds'), 1e3, step_unit)})"
         )
     for label, drafter in report.get("drafters", {}).items():
         if drafter.get("draft_dtype"):

@@ -54,8 +54,8 @@ class ExtractConfig(VllmAttachOptions):
     )
     engine: str = config_field(
         "hf",
-        help="what runs the target: hf (transformers, in this process) or vllm (a private vLLM server from "
-        ".venv-vllm whose connector writes the store; --batch-size requests are in flight at once)",
+        help="what runs the target: hf (transformers, in this process) or vllm (a private vLLM server, run by "
+        "the vLLM environment --vllm-python finds, whose connector writes the store; --batch-size requests are in flight at once)",
         metadata={"choices": list(ENGINE_NAMES)},
     )
 

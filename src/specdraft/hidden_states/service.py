@@ -94,8 +94,8 @@ class ServiceConfig(VllmAttachOptions):
     )
     engine: str = config_field(
         "hf",
-        help="what runs the target: hf (transformers, in this process) or vllm (a vLLM server from .venv-vllm whose "
-        "connector writes the payloads; started privately, or yours at --vllm-url)",
+        help="what runs the target: hf (transformers, in this process) or vllm (a vLLM server, run by the vLLM "
+        "environment --vllm-python finds, whose connector writes the payloads; started privately, or yours at --vllm-url)",
         metadata={"choices": list(ENGINE_NAMES)},
     )
     layers: str | None = config_field(

@@ -34,8 +34,9 @@ def _forget_store(uri: str) -> None:
     if engine is not None:
         engine.dispose()
     cached = getattr(utils._tracking_store_registry, "_get_store_with_resolved_uri", None)
-    if hasattr(cached, "cache_clear"):
-        cached.cache_clear()
+    cache_clear = getattr(cached, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
 
 
 @TRACKERS.register("mlflow")
@@ -62,8 +63,8 @@ class MlflowTracker(Tracker):
                 _forget_store(uri)
             self.client = MlflowClient(tracking_uri=uri)
             recalled = run.recall("mlflow")
-            self.run_id = recalled.get("run_id") if recalled.get("tracking_uri") == uri and self._exists(recalled.get("run_id")) else None
-            if self.run_id is None:
+            run_id = recalled.get("run_id") if recalled.get("tracking_uri") == uri and self._exists(recalled.get("run_id")) else None
+            if run_id is None:
                 name = os.environ.get("MLFLOW_EXPERIMENT_NAME", EXPERIMENT)
                 experiment = self.client.get_experiment_by_name(name)
                 experiment_id = (
@@ -73,10 +74,11 @@ class MlflowTracker(Tracker):
                         name, artifact_location=(run.directory / ARTIFACTS).resolve().as_uri() if local else None
                     )
                 )
-                self.run_id = self.client.create_run(experiment_id, run_name=run.name, tags={"specdraft.job": run.job}).info.run_id
-                run.remember("mlflow", {"run_id": self.run_id, "tracking_uri": uri})
+                run_id = self.client.create_run(experiment_id, run_name=run.name, tags={"specdraft.job": run.job}).info.run_id
+                run.remember("mlflow", {"run_id": run_id, "tracking_uri": uri})
             else:
-                self.client.update_run(self.run_id, status="RUNNING")
+                self.client.update_run(run_id, status="RUNNING")
+        self.run_id: str = run_id
         # parameters are immutable in MLflow: a resumed run adds the ones it lacks (its other values are the first attempt's)
         known = self.client.get_run(self.run_id).data.params
         params = [Param(key, str(value)[:MAX_PARAM_VAL_LENGTH]) for key, value in hyperparameters(run.config).items() if key not in known]

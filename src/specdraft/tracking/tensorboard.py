@@ -24,8 +24,10 @@ class TensorBoardTracker(Tracker):
         logdir = run.directory / LOGDIR
         purge = run.start_step + 1 if logdir.is_dir() else None  # the records up to the checkpoint stay
         self.writer = SummaryWriter(log_dir=str(logdir), purge_step=purge)
+        file_writer = self.writer.file_writer
+        assert file_writer is not None  # SummaryWriter opens its file writer as it is made
         for summary in hparams(hyperparameters(run.config), {}):
-            self.writer.file_writer.add_summary(summary)
+            file_writer.add_summary(summary)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():

@@ -17,7 +17,9 @@ and shuffled lengths 3, 4, 5, 2::
 Rows are grouped ``batch_rows`` at a time and padded to the longest row of their batch (with long samples,
 rounded up to one of a few widths: ``padded_width``). With W
 processes, global batch ``i * W + r`` of an epoch goes to rank ``r`` at step ``i`` (the tail that
-does not fill every rank is dropped), so ranks see disjoint data.
+does not fill every rank is dropped), so ranks see disjoint data. With sequence parallelism W and r are the
+data-parallel ones (``Dist.data_world``, ``Dist.data_rank``): every rank of a sequence group reads the same batch and
+collates its own shard of each row (``RowWindow``).
 """
 
 from __future__ import annotations
@@ -297,6 +299,31 @@ def padded_width(tokens: int) -> int:
     return -(-int(tokens) // step) * step
 
 
+@dataclass(frozen=True)
+class RowWindow:
+    """The rows of every batch row one process collates. Sequence parallelism (``train/sequence_parallel.py``) splits
+    each row into ``size`` equal shards and rank ``rank`` of its group keeps shard ``rank`` only, so no process ever
+    holds a whole long sample's float32 hidden states. The row is padded (segment -1, as ``sequence_parallel.pad_rows``)
+    to a multiple of ``size`` and to at least ``min_rows`` per shard: the halo a block reads past its shard's end."""
+
+    rank: int = 0
+    size: int = 1
+    min_rows: int = 0
+
+    def bounds(self, width: int) -> tuple[int, int]:
+        """[start, end) of this shard in a row of ``width`` tokens; the whole row (padding none) for one shard."""
+        step = max(-(-width // self.size), self.min_rows)
+        return self.rank * step, (self.rank + 1) * step
+
+
+WHOLE = RowWindow()
+
+
+def row_lengths(rows: Sequence[Sequence[dict[str, Any]]], sample_tokens: int) -> list[int]:
+    """Real tokens of each packed row (samples truncated to ``sample_tokens``): the whole rows', whatever window is collated."""
+    return [sum(min(len(item["token_ids"]), sample_tokens) for item in row) for row in rows]
+
+
 def collate(
     rows: Sequence[Sequence[dict[str, Any]]],
     *,
@@ -305,11 +332,13 @@ def collate(
     slot_index: Sequence[int] | None = None,
     where: str = "the hidden-state store",
     agree: Callable[[bool], bool] | None = None,
+    window: RowWindow = WHOLE,
 ) -> DrafterBatch:
     """Pack per-sample dicts into one padded ``DrafterBatch`` (see the module docstring for the layout), each
     sample truncated to ``sample_tokens`` (the plan's ``sample_tokens``). ``round_width`` pads the batch to
     ``padded_width``: for runs with long samples (``TrainConfig.round_row_widths``), whose row lengths range widely;
     other runs keep exact widths, so they train (and resume, ``scripts/resume_across.py``) bit for bit as before.
+    ``window``: only these rows of every row (a sequence-parallel rank's shard; default the whole row).
 
     Hidden states are cast to float32 (autocast lowers them again where it pays off). NaN or inf among them is
     refused, naming ``where`` (the store), the sample and the tensor (``check_finite_hidden``); ``agree``: with
@@ -318,8 +347,9 @@ def collate(
     first = rows[0][0]
     S = len(slot_index) if slot_index is not None else first["hidden_states"].shape[1]
     D = first["last_hidden"].shape[-1]
-    lengths = [sum(min(len(item["token_ids"]), sample_tokens) for item in row) for row in rows]
-    B, T = len(rows), padded_width(max(lengths)) if round_width else max(lengths)
+    lengths = row_lengths(rows, sample_tokens)
+    lo, hi = window.bounds(padded_width(max(lengths)) if round_width else max(lengths))
+    B, T = len(rows), hi - lo
     token_ids = torch.zeros(B, T, dtype=torch.long)
     loss_mask = torch.zeros(B, T, dtype=torch.bool)
     segment_ids = torch.full((B, T), -1, dtype=torch.int32)
@@ -330,16 +360,20 @@ def collate(
         start = 0
         for seg, item in enumerate(row):
             n = min(len(item["token_ids"]), sample_tokens)
-            span = slice(start, start + n)
-            token_ids[b, span] = torch.as_tensor(item["token_ids"][:n], dtype=torch.long)
-            loss_mask[b, span] = torch.as_tensor(item["loss_mask"][:n]).bool()
-            segment_ids[b, span] = seg
-            position_ids[b, span] = torch.arange(n)
-            hs = item["hidden_states"][:n]
-            aux_hidden[b, span] = (hs[:, list(slot_index)] if slot_index is not None else hs).float()
-            last_hidden[b, span] = item["last_hidden"][:n].float()
+            a, z = max(start, lo), min(start + n, hi)  # the sample's tokens inside the window
+            if a < z:
+                src, dst = slice(a - start, z - start), slice(a - lo, z - lo)
+                token_ids[b, dst] = torch.as_tensor(item["token_ids"][src], dtype=torch.long)
+                loss_mask[b, dst] = torch.as_tensor(item["loss_mask"][src]).bool()
+                segment_ids[b, dst] = seg
+                position_ids[b, dst] = torch.arange(src.start, src.stop)
+                hs = item["hidden_states"][src]
+                aux_hidden[b, dst] = (hs[:, list(slot_index)] if slot_index is not None else hs).float()
+                last_hidden[b, dst] = item["last_hidden"][src].float()
             start += n
-    check_finite_hidden(rows, {"hidden_states": aux_hidden, "last_hidden": last_hidden}, segment_ids, where=where, agree=agree)
+    check_finite_hidden(
+        rows, {"hidden_states": aux_hidden, "last_hidden": last_hidden}, segment_ids, where=where, agree=agree, position_ids=position_ids
+    )
     return DrafterBatch(token_ids, loss_mask, segment_ids, position_ids, aux_hidden, last_hidden)
 
 
@@ -349,6 +383,7 @@ def check_finite_hidden(
     segment_ids: torch.Tensor,
     *,
     where: str,
+    position_ids: torch.Tensor,
     agree: Callable[[bool], bool] | None = None,
 ) -> None:
     """Refuse a batch whose hidden states hold NaN or inf, naming the store, the sample, the tensor and the token.
@@ -365,7 +400,7 @@ def check_finite_hidden(
             continue
         b, t = (int(x) for x in (~finite).nonzero()[0])
         segment = int(segment_ids[b, t])
-        token = t - int((segment_ids[b] == segment).nonzero()[0])
+        token = int(position_ids[b, t])
         sample = rows[b][segment].get("sample_id", f"row {b}, segment {segment}")
         problem = f"sample {sample!r} holds non-finite values (NaN or inf) in its {name} at token {token}"
         break

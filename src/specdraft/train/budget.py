@@ -43,33 +43,17 @@ def epoch_steps(cfg: Any) -> int:
     return plan.total_steps(cfg.epochs)
 
 
-def steps_for_budget(
-    cfg: Any,
-    budget_seconds: float,
-    *,
-    target: Target | None = None,
-    probe_steps: int = 4,
-    headroom: float = 0.9,
-    cap_at_epochs: bool = False,
-) -> dict:
-    """Steps that fill ``budget_seconds`` of training with ``cfg`` (a TrainConfig), timed by a short
-    probe run in a scratch directory (evaluation and checkpoints off, nothing kept).
+#: The share of its seconds that a budgeted training run plans steps in: validation, checkpoints and step-time drift
+#: take the rest.
+HEADROOM = 0.9
 
-    The probe is a real run of the configuration, so with ``dtype: auto`` it also settles the compute
-    dtype (measured once per machine, then cached) and times the steps in it: a machine where a
-    step is slow gets fewer steps, a complete schedule, rather than a cut one. The probe's own time
-    comes out of the budget, and only ``headroom`` of the rest is planned (validation, checkpoints
-    and step-time drift take the remainder).
-    ``cap_at_epochs``: no more than ``cfg.epochs`` passes over the data even when time would allow
-    more (on a small dataset further passes only overfit; the run then ends before its budget).
-    """
+
+def probe_training(cfg: Any, *, target: Target | None = None, probe_steps: int = 4) -> dict:
+    """Time ``probe_steps`` real steps of ``cfg`` (a TrainConfig) in a scratch directory (evaluation and checkpoints off,
+    nothing kept): the median step's seconds, anchors/s, the compute dtype it settled (``dtype: auto`` times the step in
+    each, once per machine, then cached) and the probe's own wall seconds."""
     from specdraft.train.trainer import train
 
-    if budget_seconds <= 0:
-        raise SpecdraftError(
-            f"no time left for training ({budget_seconds:.0f} s of the budget after the stages before it); "
-            f"raise {setting('budget')} (a rerun keeps the finished stages)"
-        )
     scratch = Path(tempfile.mkdtemp(prefix="specdraft-probe-"))
     started = time.monotonic()
     try:
@@ -81,14 +65,48 @@ def steps_for_budget(
         anchors_per_s = median_record(scratch / "run" / "metrics.jsonl", "anchors_per_s")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    train_seconds = budget_seconds - (time.monotonic() - started)
+    return {
+        "seconds_per_step": per_step,
+        "anchors_per_s": anchors_per_s,
+        "dtype": result.compute_dtype,
+        "dtype_probe": result.dtype_probe,
+        "probe_seconds": time.monotonic() - started,
+    }
+
+
+def steps_for_budget(
+    cfg: Any,
+    budget_seconds: float,
+    *,
+    target: Target | None = None,
+    probe_steps: int = 4,
+    headroom: float = HEADROOM,
+    cap_at_epochs: bool = False,
+) -> dict:
+    """Steps that fill ``budget_seconds`` of training with ``cfg`` (a TrainConfig), timed by a short
+    probe run (:func:`probe_training`).
+
+    The probe is a real run of the configuration, so with ``dtype: auto`` it also settles the compute
+    dtype and times the steps in it: a machine where a step is slow gets fewer steps, a complete schedule, rather than
+    a cut one. The probe's own time comes out of the budget, and only ``headroom`` of the rest is planned.
+    ``cap_at_epochs``: no more than ``cfg.epochs`` passes over the data even when time would allow
+    more (on a small dataset further passes only overfit; the run then ends before its budget).
+    """
+    if budget_seconds <= 0:
+        raise SpecdraftError(
+            f"no time left for training ({budget_seconds:.0f} s of the budget after the stages before it); "
+            f"raise {setting('budget')} (a rerun keeps the finished stages)"
+        )
+    probe = probe_training(cfg, target=target, probe_steps=probe_steps)
+    per_step = probe["seconds_per_step"]
+    train_seconds = budget_seconds - probe["probe_seconds"]
     steps = steps_in_budget(train_seconds, per_step, headroom=headroom)
     if steps < 1:
         log.warning(
             "a training step takes %.1f s in %s but only %.0f s are left for training: planning 1 step; raise the budget "
             "or lower --pack-tokens",
             per_step,
-            result.compute_dtype,
+            probe["dtype"],
             max(train_seconds, 0.0),
         )
     facts = {
@@ -96,9 +114,9 @@ def steps_for_budget(
         "train_seconds": train_seconds,
         "steps": max(steps, 1),
         "budget_short": steps < 1,
-        "dtype": result.compute_dtype,
-        "dtype_probe": result.dtype_probe,
-        "anchors_per_s": anchors_per_s,
+        "dtype": probe["dtype"],
+        "dtype_probe": probe["dtype_probe"],
+        "anchors_per_s": probe["anchors_per_s"],
         "steps_per_epoch": epoch_steps(dataclasses.replace(cfg, epochs=1)),
     }
     if cap_at_epochs:

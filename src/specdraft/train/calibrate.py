@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specdraft.errors import SpecdraftError, setting
 from specdraft.targets.base import Target
@@ -62,6 +63,32 @@ def _drafter_dir() -> DirKind:
     return DRAFTER_DIR
 
 
+def _held_out(config: CalibrateConfig, dataset: Any) -> list[int]:
+    """The samples to calibrate on: the validation side of the drafter's training split (its recorded ``split.json``,
+    else the split ``--val-fraction`` and ``--split-seed`` give), at most ``--max-samples``; an error where it is empty,
+    since temperatures fitted on training samples would be too confident."""
+    from specdraft.train.split import SPLIT_FILE, resolve_split
+
+    recorded = Path(config.split) if config.split else Path(config.drafter).resolve().parent / SPLIT_FILE
+    if config.split and not recorded.is_file():
+        raise SpecdraftError(f"{setting('split')} {config.split} does not exist")
+    split = resolve_split(dataset, val_fraction=config.val_fraction, seed=config.split_seed, recorded=recorded)
+    held_out = split.val
+    if not held_out:
+        used = f"val_fraction {split.record['val_fraction']:g}, seed {split.record['seed']}"
+        if recorded.is_file():  # the run's split wins over --val-fraction: the drafter trained on everything else
+            raise SpecdraftError(
+                f"{config.data}: the recorded split ({recorded}: {used}) holds out none of the {len(dataset.sample_ids)} "
+                f"samples, and calibrating on samples it was trained on would fit the temperatures to its training data; train "
+                f"it again, into a new output directory, with a larger {setting('val_fraction', of='train')} or on more samples"
+            )
+        raise SpecdraftError(
+            f"{config.data}: the split computed with {used} holds out none of the {len(dataset.sample_ids)} samples; raise "
+            f"{setting('val_fraction')} (to the drafter's training run's), or give that run's split.json as {setting('split')}"
+        )
+    return held_out[: config.max_samples]
+
+
 # --out defaults to --drafter itself: the documented in-place rewrite (the new checkpoint replaces the old whole, once complete)
 @claims_output(
     _drafter_dir,
@@ -85,7 +112,6 @@ def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress
     from specdraft.targets import load_target
     from specdraft.train.batches import collate, pack_rows, select_slots
     from specdraft.train.model_card import calibrated_card
-    from specdraft.train.split import SPLIT_FILE, resolve_split
     from specdraft.utils.io import atomic_dir, atomic_write_bytes, atomic_write_json
 
     out = Path(config.out or config.drafter)
@@ -96,24 +122,7 @@ def calibrate(config: CalibrateConfig, *, target: Target | None = None, progress
     if not isinstance(drafter, DSparkDrafter):  # the one family with a confidence head
         raise SpecdraftError(f"{config.drafter}: a {drafter.method} drafter has no confidence head; only dspark drafters are calibrated")
     slot_index = select_slots(dataset.slots, drafter.config.slots(), where=config.data)
-    recorded = Path(config.split) if config.split else Path(config.drafter).resolve().parent / SPLIT_FILE
-    if config.split and not recorded.is_file():
-        raise SpecdraftError(f"{setting('split')} {config.split} does not exist")
-    split = resolve_split(dataset, val_fraction=config.val_fraction, seed=config.split_seed, recorded=recorded)
-    held_out = split.val
-    if not held_out:
-        used = f"val_fraction {split.record['val_fraction']:g}, seed {split.record['seed']}"
-        if recorded.is_file():  # the run's split wins over --val-fraction: the drafter trained on everything else
-            raise SpecdraftError(
-                f"{config.data}: the recorded split ({recorded}: {used}) holds out none of the {len(dataset.sample_ids)} "
-                f"samples, and calibrating on samples it was trained on would fit the temperatures to its training data; train "
-                f"it again, into a new output directory, with a larger {setting('val_fraction', of='train')} or on more samples"
-            )
-        raise SpecdraftError(
-            f"{config.data}: the split computed with {used} holds out none of the {len(dataset.sample_ids)} samples; raise "
-            f"{setting('val_fraction')} (to the drafter's training run's), or give that run's split.json as {setting('split')}"
-        )
-    held_out = held_out[: config.max_samples]
+    held_out = _held_out(config, dataset)
     lengths = dataset.lengths()  # indexed by sample index
     rows = pack_rows(held_out, lengths, config.pack_tokens)
     generator = torch.Generator().manual_seed(config.seed)

@@ -19,6 +19,7 @@ from typing import Any
 from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.config import STORAGE_DTYPE_NAMES, VERIFY_LEVELS
 from specdraft.hidden_states.data_modes import DATA_MODES
+from specdraft.models.common.distill_losses import DISTILL_LOSSES
 from specdraft.tracking import check_report_to
 from specdraft.train.split import DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
 from specdraft.train.warm_start import FC_INITS, MARKOV_INITS
@@ -74,6 +75,12 @@ class TrainConfig:
     out: str | None = config_field(None, help="run directory: checkpoints, metrics.jsonl, final/ (rerun to resume)")
     model: dict = config_field(
         {}, help="method config overrides, 'key=value,key=value' (values parsed as YAML) or a YAML mapping in the recipe"
+    )
+    distill_loss: str = config_field(
+        "",
+        help=f"the drafter-to-target distillation term (models/common/distill_losses.py): {', '.join(DISTILL_LOSSES.names())} "
+        "('' = the method's own: dspark l1, dflash2 kl, eagle3 soft_ce; dflash trains on hard labels and refuses it); "
+        "sets model.distill_loss",
     )
     optimizer: str = config_field(
         "adamw",
@@ -150,7 +157,7 @@ class TrainConfig:
     sequence_parallel: int = config_field(
         1,
         help="split each sample across this many consecutive processes of a torchrun launch (a sequence group: each holds "
-        "1/N of its hidden states; processes = data x N); for samples one process cannot hold, see docs/guides/long_context.md",
+        "1/N of its hidden states; processes = data x N); for samples one process cannot hold, see docs/guides/long-context.md",
     )
     num_threads: int = config_field(
         0,
@@ -177,6 +184,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
             self.model = parse_overrides(self.model)
+        if self.distill_loss:  # a train flag for every method, applied where the loss lives: the method config
+            given = self.model.get("distill_loss") or self.distill_loss
+            if given != self.distill_loss:
+                raise SpecdraftError(f"{setting('distill_loss')} {self.distill_loss!r} contradicts model.distill_loss {given!r}")
+            self.model = {**self.model, "distill_loss": self.distill_loss}
         require_finite(self)
         check_forward_path(self.forward_path, setting("forward_path"))
         self.betas = [float(b) for b in self.betas]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from specdraft.errors import SpecdraftError, setting
 from specdraft.utils.compute import parse_device
 from specdraft.utils.launch import torchrun_place
 
@@ -23,18 +24,40 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Dist:
+    """This process's place. With sequence parallelism (``sequence`` > 1) the processes form a data x sequence mesh:
+    consecutive ranks make a sequence group that trains one batch together (``train/sequence_parallel.py``), so the
+    data plan and the per-step seeds are keyed by ``data_rank`` of ``data_world``, never by the process rank."""
+
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    sequence: int = 1  # processes per sequence group (--sequence-parallel)
 
     @classmethod
-    def from_env(cls) -> Dist:
-        """This process's place in a ``torchrun`` launch (rank 0 of 1 without one)."""
-        return cls(*torchrun_place())
+    def from_env(cls, sequence: int = 1) -> Dist:
+        """This process's place in a ``torchrun`` launch (rank 0 of 1 without one), in groups of ``sequence`` ranks."""
+        rank, world, local_rank = torchrun_place()
+        if world % sequence:
+            raise SpecdraftError(
+                f"{setting('sequence_parallel')} {sequence} splits each sample across {sequence} processes, and {world} "
+                f"process(es) do not form groups of {sequence}: launch a multiple of {sequence} "
+                f"(torchrun --nproc-per-node {sequence} ...; processes = data-parallel groups x {sequence})"
+            )
+        return cls(rank, world, local_rank, sequence)
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which data-parallel replica this process belongs to (its sequence group's index)."""
+        return self.rank // self.sequence
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel replicas: each reads its own batches."""
+        return self.world // self.sequence
 
     def barrier(self) -> None:
         if self.world > 1:

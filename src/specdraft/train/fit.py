@@ -79,11 +79,20 @@ class TrainLog:
     long samples cost), also shown on the progress bar."""
 
     def __init__(
-        self, metrics: MetricsLog, *, interval: int, total_steps: int, locate: Callable[[int], tuple[int, int]], context: dict, main: bool
+        self,
+        metrics: MetricsLog,
+        *,
+        interval: int,
+        total_steps: int,
+        locate: Callable[[int], tuple[int, int]],
+        context: dict,
+        main: bool,
+        group: Any = None,
     ):
-        """``context`` goes into every record after step and epoch (compute dtype, threads)."""
+        """``context`` goes into every record after step and epoch (compute dtype, threads); ``group``: the processes
+        whose sums add up to the step's (``MetricSums.all_reduce``; default all)."""
         self.metrics, self.interval, self.total_steps, self.locate = metrics, interval, total_steps, locate
-        self.context, self.main = context, main
+        self.context, self.main, self.group = context, main, group
         self.sums, self.seconds, self.fetch_seconds = MetricSums(), 0.0, 0.0  # since the last record (eval/checkpoints excluded)
         self.row_tokens = 0
 
@@ -95,7 +104,7 @@ class TrainLog:
         step = state.step
         if step % self.interval and step != self.total_steps:
             return None
-        self.sums.all_reduce()
+        self.sums.all_reduce(self.group)
         epoch, _ = self.locate(step - 1)
         seconds = max(self.seconds, 1e-9)
         record = {

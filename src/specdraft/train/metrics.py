@@ -74,11 +74,12 @@ class MetricSums:
                 assert self.acc is not None and self.cond is not None  # set together with count
                 self.acc, self.cond, self.count = self.acc + acc, self.cond + cond, self.count + count
 
-    def all_reduce(self) -> None:
-        """Sum over all processes (no-op without an initialised process group)."""
+    def all_reduce(self, group: Any = None) -> None:
+        """Sum over the processes of ``group`` (default: all; no-op without an initialised process group). A
+        sequence-parallel run passes one rank of each sequence group: every rank of a group holds the whole sample's sums."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return
         keys = sorted(self.terms)
         k = 0 if self.count is None else len(self.count)
@@ -88,7 +89,7 @@ class MetricSums:
             flat = torch.cat([flat, self.acc, self.cond, self.count])
         backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         flat = flat.to(backend_device)
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=group)
         flat = flat.cpu()
         self.batches, self.tokens, self.loss = int(flat[0]), float(flat[1]), float(flat[2])
         self.terms = {n: float(flat[3 + i]) for i, n in enumerate(keys)}

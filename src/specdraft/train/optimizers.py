@@ -10,7 +10,9 @@
   it did not help our DFlash drafter (decoded tau 1.086 vs 1.090 with AdamW, docs/results/peer_compare.md),
   so the recipes keep AdamW. Its step size is
   scaled to AdamW's update RMS (0.2 * sqrt(max(rows, cols))), so one ``lr`` serves both groups and the
-  learning-rate schedule applies to both.
+  learning-rate schedule applies to both. Its matrix step is ``torch.optim.Muon`` with
+  ``adjust_lr_fn="match_rms_adamw"``, speculators' setting, up to torch's bf16 Newton-Schulz (ours iterates in fp32;
+  tests/test_optimizers.py); it is written out here so that both halves are one optimizer on any torch.
 
 Both are one ``torch.optim.Optimizer`` with tensor state, so checkpoints, resume and the distributed
 state-dict helpers treat them alike.

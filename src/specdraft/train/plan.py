@@ -161,10 +161,11 @@ def check_resume(cfg: TrainConfig, identity: dict, *, data_fingerprint: str, wor
         log.warning(
             "resuming with changed settings: %s", ", ".join(f"{k} {saved['config'].get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
         )
-    if saved.get("world_size") != world:
+    saved_world = saved.get("world_size", 1) // saved.get("sequence_parallel", 1)  # data-parallel processes (groups)
+    if saved_world != world:
         log.warning(
-            "resuming a %s-process run with %d process(es): the data order after step %d differs",
-            saved.get("world_size"),
+            "resuming a run of %s data-parallel process(es) with %d: the data order after step %d differs",
+            saved_world,
             world,
             saved["step"],
         )

@@ -38,19 +38,32 @@ step 0's keys causally over the whole row (all-gathered once, at step 0) plus it
 its inputs, labels and target states reach ``ttt_steps`` + 1 rows ahead (the halo). Its per-step mean is the
 whole row's (``total`` of the sum and of the count).
 
+In the trainer (``train --sequence-parallel N``, ``SequenceGroups``): the processes form a data x sequence mesh,
+N consecutive ranks to a sequence group. Every rank of a group reads the same batch (the data plan and the step
+seeds are keyed by the group's index, ``Dist.data_rank``), collates only its shard of each row
+(``batches.RowWindow``: ``rows_of(pad_rows(...))`` without ever holding the whole row in float32) and trains
+through ``shard_sample``. DDP then averages the gradients over all data x N processes: per group, the mean of
+its N ranks' gradients is the one-process gradient of its batch (above), so the mean over the world is the
+data-parallel mean over the groups' batches. Loss and metrics are the whole sample's on every rank of a group, so
+the logs sum them over the ``data_group`` (one rank of each sequence group), not over every process.
+
 Shape symbols: N batch rows, T rows of the whole sample, T_r rows of rank r, H halo rows, D target width.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.models.base import DrafterBatch, DrafterModel
 from specdraft.models.common.sequence import KV, LabelProb, SequenceShard
+from specdraft.train.batches import WHOLE, RowWindow
+from specdraft.train.distributed import Dist
 
 # DrafterBatch fields with one row per token that the halo carries, and their padding value past the sample's end.
 HALO_FIELDS = {"token_ids": 0, "loss_mask": 0, "segment_ids": -1, "position_ids": 0}
@@ -181,3 +194,50 @@ def shard_sample(own: DrafterBatch, *, halo: int, group: Any = None) -> tuple[Dr
         loss_mask=whole[1].to(own.loss_mask.dtype),
     )
     return local, shard
+
+
+@dataclass(frozen=True)
+class SequenceGroups:
+    """This process's part of the data x sequence mesh (see the module docstring): the shard of each row it collates,
+    its sequence group, and the group over which whole-sample figures are summed once per sequence group."""
+
+    window: RowWindow = WHOLE  # rank and size within the sequence group; min_rows: the family's halo
+    group: Any = None  # this rank's sequence group (None: one process per sample)
+    data_group: Any = None  # the ranks at this rank's place in every sequence group (None: every process)
+
+    def split(self, own: DrafterBatch) -> tuple[DrafterBatch, SequenceShard | None]:
+        """This rank's collated shard -> (the batch it trains on, the shard for ``training_forward``; None: the whole
+        row, the family's own single-process path)."""
+        if self.window.size == 1:
+            return own, None
+        return shard_sample(own, halo=self.window.min_rows, group=self.group)
+
+
+SINGLE = SequenceGroups()
+
+
+def sequence_groups(dist_: Dist, model: DrafterModel) -> SequenceGroups:
+    """The groups of ``dist_.sequence`` consecutive ranks (a collective: every rank creates every group, in the same
+    order, as ``torch.distributed.new_group`` requires). Consecutive, so a group sits on one host under torchrun,
+    where the per-layer K/V all-gather is cheapest."""
+    n = dist_.sequence
+    if n == 1:
+        return SINGLE
+    halo = require_sequence_parallel(model)
+    groups = [dist.new_group(list(range(g * n, (g + 1) * n))) for g in range(dist_.data_world)]
+    data_groups = [dist.new_group(list(range(place, dist_.world, n))) for place in range(n)]
+    place = dist_.rank % n
+    return SequenceGroups(RowWindow(place, n, halo), groups[dist_.data_rank], data_groups[place])
+
+
+def require_same_sequence_parallel(saved: dict, directory: Path, size: int) -> None:
+    """Refuse to resume checkpoint ``directory`` (its state ``saved``) at another group size: a resume continues bit for
+    bit only at the same N (another N changes the order of the loss's and gradients' sums, so every later step rounds
+    differently). Checkpoints from before the flag were N = 1."""
+    was = int(saved.get("sequence_parallel", 1))
+    if was != size:
+        raise SpecdraftError(
+            f"cannot resume from {directory}: it was trained with {setting('sequence_parallel')} {was}, and continuing it with "
+            f"{size} would not reproduce the run bit for bit (the split changes the order of the loss's and the gradients' sums); "
+            f"resume with {setting('sequence_parallel')} {was}, or train with {size} into a new {setting('out')}"
+        )

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from specdraft.models.base import DrafterBatch, DrafterModel, TrainOutput
+from specdraft.models.common.sequence import SequenceShard
 from specdraft.tuning.dtype import measure_dtype
 from specdraft.tuning.measured import Measurement, fastest_time
 from specdraft.utils.compute import autocast
@@ -31,8 +32,11 @@ class StepModule(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, batch: DrafterBatch) -> TrainOutput:
-        return self.drafter.training_forward(batch)
+    def forward(self, batch: DrafterBatch, shard: SequenceShard | None = None) -> TrainOutput:
+        """``shard``: this rank's part of a sequence-parallel group (``train/sequence_parallel.py``); None: the whole row."""
+        if shard is None:
+            return self.drafter.training_forward(batch)
+        return self.drafter.training_forward(batch, shard)  # type: ignore[call-arg]  # the families with sequence_halo()
 
 
 @dataclass
@@ -51,14 +55,15 @@ def train_step(
     optimizer: torch.optim.Optimizer | None = None,
     grad_clip: float = 0.0,
     check: Callable[[float, float | None], None] | None = None,
+    shard: SequenceShard | None = None,
 ) -> StepOutput:
     """Forward ``batch`` through ``module`` (a ``StepModule``, possibly wrapped) under ``dtype``, backward,
     clip to ``grad_clip`` (0 = off) and, given an ``optimizer``, update. ``check(loss, grad_norm)`` runs
     before the update and may raise (the trainer refuses non-finite steps there, so nothing bad is applied).
     Without an optimizer the gradients are cleared afterwards and the parameters stay as they were: the
-    unit of work the dtype and thread probes time."""
+    unit of work the dtype and thread probes time. ``shard``: a sequence-parallel rank's (``StepModule.forward``)."""
     with autocast(dtype, device):
-        output = module(batch)
+        output = module(batch, shard)
     (optimizer if optimizer is not None else module).zero_grad(set_to_none=True)
     output.loss.backward()
     grad_norm = clip_gradients(module, grad_clip)

@@ -21,10 +21,11 @@ Validation logs the teacher-forced tau estimate and, with ``decode_prompts``, th
 gets decoding a few validation prompts (``decoded_tau.py``).
 
 Multi-process: run under ``torchrun``; the process group uses gloo on CPU and NCCL on GPU
-(``distributed.py``). DDP averages gradients. FSDP2 (``parallel: fsdp``) shards the whole drafter as
-one unit via ``fully_shard`` -- meant for GPUs, and it also runs on CPU with gloo, which is how the
-tests cover it (2 processes, resume included); it has not been run on a GPU here. Optimizer/model
-state go through ``torch.distributed.checkpoint.state_dict`` so checkpoints have the same layout
+(``distributed.py``). DDP averages gradients. ``--sequence-parallel N`` splits each sample across N consecutive
+ranks (``sequence_parallel.py``: a data x sequence mesh under DDP; the data plan and step seeds are the group's).
+FSDP2 (``parallel: fsdp``) shards the whole drafter as one unit via ``fully_shard`` -- meant for GPUs, and it also
+runs on CPU with gloo, which is how the tests cover it (2 processes, resume included); it has not been run on a GPU
+here. Optimizer/model state go through ``torch.distributed.checkpoint.state_dict`` so checkpoints have the same layout
 whatever the strategy (a DDP run can be resumed as FSDP and vice versa).
 """
 
@@ -51,10 +52,13 @@ from specdraft.tracking import TrackedRun, open_trackers
 from specdraft.train import checkpoint_files as ckpt
 from specdraft.train.batches import (
     DELIVERY_LOG,
+    WHOLE,
     PrefetchingSource,
+    RowWindow,
     SampleSource,
     collate,
     open_sample_source,
+    row_lengths,
     step_seed,
     token_rows,
     training_order,
@@ -65,6 +69,12 @@ from specdraft.train.fit import FitHooks, StepDone, TrainLog, fit
 from specdraft.train.metrics import MetricsLog, MetricSums, lr_factor, trained_labels
 from specdraft.train.model_card import TEACHER_FORCED_ANCHORS, last_validation, model_card
 from specdraft.train.plan import RunPlan, build_method_config, plan_run
+from specdraft.train.sequence_parallel import (
+    SequenceGroups,
+    require_same_sequence_parallel,
+    require_sequence_parallel,
+    sequence_groups,
+)
 from specdraft.train.split import SPLIT_FILE, write_split
 from specdraft.train.step import StepModule, build_optimizer, reseed, synthetic_batch, train_step
 from specdraft.train.strategies import STRATEGIES, Checkpointer, TrainState, strategy_name
@@ -130,7 +140,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, dataset: SampleSour
     names (``batches.open_sample_source``); tests pass small in-memory ones.
     """
     cfg.require("method", "out")
-    dist_ = Dist.from_env()
+    dist_ = Dist.from_env(cfg.sequence_parallel)
     with process_group_scope(), contextlib.ExitStack() as cleanup:
         if dataset is None:
             dataset = open_sample_source(cfg, rank=dist_.rank, world=dist_.world)
@@ -143,6 +153,14 @@ def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_
     """The staircase: plan, then the parts (process group, run directory, warm start, state), ``fit``, finish."""
     run, drafter, target = _plan(cfg, target, dataset, dist_)
     device = init_distributed(cfg.device, dist_)
+    sequence = sequence_groups(dist_, drafter)
+    if dist_.sequence > 1 and dist_.main:
+        log.info(
+            "sequence parallel: each sample split across %d processes, %d data-parallel group(s) (a %d-row halo)",
+            dist_.sequence,
+            dist_.data_world,
+            sequence.window.min_rows,
+        )
     metrics_log = cleanup.enter_context(_prepare_out(run, dist_, report_to=[] if cfg.dry_run else cfg.report_to))
     if run.resume is None:
         apply_warm_start(
@@ -181,6 +199,7 @@ def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_
         checkpointer,
         metrics_log,
         compute,
+        sequence,
         max_batches=cfg.val_max_batches,
         sample_tokens=cfg.sample_tokens,
         round_width=cfg.round_row_widths,
@@ -189,7 +208,7 @@ def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_
     already_done = run.resume is not None and state.step >= run.total_steps
     if isinstance(dataset, PrefetchingSource):
         dataset.start(training_order(run.data, state.step, run.total_steps))
-    hooks = _hooks(cfg, run, dataset, checkpointer, compute, validate, metrics_log)
+    hooks = _hooks(cfg, run, dataset, checkpointer, compute, sequence, validate, metrics_log)
     stopped_by, stop_signal = fit(state, run.total_steps, hooks, desc=f"train {run.method}", show_progress=dist_.main)
     final = _finish(state, run, checkpointer, validate, stopped_by=stopped_by, already_done=already_done)
     return result(step=state.step, completed=state.step >= run.total_steps, stopped_by=stopped_by, final=final, stop_signal=stop_signal)
@@ -212,6 +231,8 @@ def _plan(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_:
     drafter = spec.build(model_cfg, target, counts=dataset.token_counts())
     if not isinstance(drafter, DrafterModel):
         raise TypeError(f"METHODS[{spec.name!r}].build returned {type(drafter).__name__}, not a DrafterModel")
+    if dist_.sequence > 1:
+        require_sequence_parallel(drafter)  # before any process group: every rank refuses alike
     run = plan_run(
         cfg,
         spec=spec,
@@ -219,10 +240,12 @@ def _plan(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_:
         drafter=drafter,
         target=target,
         dataset=dataset,
-        rank=dist_.rank,
-        world=dist_.world,
+        rank=dist_.data_rank,
+        world=dist_.data_world,
         warm_starts=warm_starts,
     )
+    if run.resume is not None:
+        require_same_sequence_parallel(run.resume.state, run.resume.directory, dist_.sequence)
     return run, drafter, target
 
 
@@ -232,6 +255,7 @@ def _hooks(
     dataset: SampleSource,
     checkpointer: Checkpointer,
     compute: Compute,
+    sequence: SequenceGroups,
     validate: _Validation,
     metrics_log: MetricsLog,
 ) -> FitHooks:
@@ -251,6 +275,7 @@ def _hooks(
             run=run,
             compute=compute,
             checkpointer=checkpointer,
+            sequence=sequence,
         ),
         log=TrainLog(
             metrics_log,
@@ -259,6 +284,7 @@ def _hooks(
             locate=run.data.locate,
             context={"dtype": compute.dtype, "threads": compute.threads["threads"]},
             main=checkpointer.dist.main,
+            group=sequence.data_group,
         ),
         validate=lambda state: validate(state) if due(cfg.eval_interval, state) else None,
         stop=_stopping(cfg.max_time, run.total_steps, checkpointer),
@@ -365,7 +391,7 @@ def _build_state(
         dist=dist_,
         device=device,
         last_saved=run.resume.step if run.resume else -1,
-        meta=functools.partial(_checkpoint_meta, run, dist_.world),
+        meta=functools.partial(_checkpoint_meta, run, dist_),
     )
     step_module.to(device)
     compute = _measured_settings(
@@ -408,7 +434,7 @@ def _build_state(
     return state, checkpointer, compute
 
 
-def _checkpoint_meta(run: RunPlan, world: int, at_step: int) -> dict:
+def _checkpoint_meta(run: RunPlan, dist_: Dist, at_step: int) -> dict:
     """The run facts a checkpoint stores beside its tensors (read after every rank flushed its deliveries)."""
     epoch, in_epoch = run.data.locate(at_step)
     return {
@@ -416,7 +442,8 @@ def _checkpoint_meta(run: RunPlan, world: int, at_step: int) -> dict:
         "epoch": epoch,
         "step_in_epoch": in_epoch,
         "total_steps": run.total_steps,
-        "world_size": world,
+        "world_size": dist_.world,
+        "sequence_parallel": dist_.sequence,
         "identity": run.identity,
         "data_fingerprint": run.data.fingerprint(),
         "config": run.resolved,
@@ -435,18 +462,25 @@ def _step(
     run: RunPlan,
     compute: Compute,
     checkpointer: Checkpointer,
+    sequence: SequenceGroups,
 ) -> StepDone:
-    """The fit loop's step: collate, reseed from (seed, rank, step), ``train_step`` (refusing a non-finite
-    loss or gradient on any rank before the update), advance the schedule."""
-    batch = collate(
+    """The fit loop's step: collate (this rank's shard of each row under sequence parallelism), reseed from
+    (seed, data rank, step), ``train_step`` (refusing a non-finite loss or gradient on any rank before the update),
+    advance the schedule. The samples read are released once collated (``items`` is emptied: the loop holds the
+    list through the step, and a long sample's stored states would otherwise stay beside its collated shard)."""
+    lengths = row_lengths(items, sample_tokens)
+    own = collate(
         items,
         sample_tokens=sample_tokens,
         round_width=round_width,
         slot_index=run.slot_index,
         where=run.where,
         agree=functools.partial(checkpointer.dist.any, device=compute.device),
+        window=sequence.window,
     ).to(compute.device)
-    reseed(step_seed(seed, checkpointer.dist.rank, state.step))
+    items.clear()
+    batch, shard = sequence.split(own)
+    reseed(step_seed(seed, checkpointer.dist.data_rank, state.step))
     lr = float(state.scheduler.get_last_lr()[0])
 
     def check(loss: float, grad_norm: float | None) -> None:
@@ -454,11 +488,18 @@ def _step(
             raise checkpointer.failure(f"the loss is {loss} (gradient norm {grad_norm})", state.step + 1)
 
     result = train_step(
-        state.module, batch, dtype=compute.dtype, device=compute.device, optimizer=state.optimizer, grad_clip=grad_clip, check=check
+        state.module,
+        batch,
+        dtype=compute.dtype,
+        device=compute.device,
+        optimizer=state.optimizer,
+        grad_clip=grad_clip,
+        check=check,
+        shard=shard,
     )
     state.scheduler.step()
     state.step += 1
-    return StepDone(result, tokens=int((batch.segment_ids >= 0).sum()), lr=lr, row_tokens=int((batch.segment_ids >= 0).sum(1).max()))
+    return StepDone(result, tokens=sum(lengths), lr=lr, row_tokens=max(lengths))
 
 
 def _stopping(max_time: float, total_steps: int, checkpointer: Checkpointer) -> Callable[[TrainState, int | None], str | None]:
@@ -488,19 +529,21 @@ class _Validation:
         checkpointer: Checkpointer,
         metrics_log: MetricsLog,
         compute: Compute,
+        sequence: SequenceGroups,
         *,
         max_batches: int,
         sample_tokens: int,
         round_width: bool,
         seed: int,
     ):
-        self.run, self.dataset, self.target, self.checkpointer, self.metrics_log, self.compute = (
+        self.run, self.dataset, self.target, self.checkpointer, self.metrics_log, self.compute, self.sequence = (
             run,
             dataset,
             target,
             checkpointer,
             metrics_log,
             compute,
+            sequence,
         )
         self.batches, self.sample_tokens, self.round_width, self.seed = run.data.val_batches(max_batches), sample_tokens, round_width, seed
 
@@ -508,7 +551,7 @@ class _Validation:
         dist_ = self.checkpointer.dist
         state.module.eval()
         sums = teacher_forced(
-            state.module,
+            lambda own: state.module(*self.sequence.split(own)),
             self.dataset,
             self.batches,
             sample_tokens=self.sample_tokens,
@@ -517,10 +560,11 @@ class _Validation:
             device=self.compute.device,
             compute_dtype=self.compute.dtype,
             where=self.run.where,
-            seed=step_seed(self.seed, dist_.rank, state.step, EVAL_SEED_KIND),
+            seed=step_seed(self.seed, dist_.data_rank, state.step, EVAL_SEED_KIND),
             agree=functools.partial(dist_.any, device=self.compute.device),
+            window=self.sequence.window,
         )
-        sums.all_reduce()
+        sums.all_reduce(self.sequence.data_group)
         if not sums.batches:
             state.module.train()
             return None
@@ -553,26 +597,33 @@ def teacher_forced(
     round_width: bool = False,
     where: str = "the hidden-state store",
     agree: Callable[[bool], bool] | None = None,
+    window: RowWindow = WHOLE,
 ) -> MetricSums:
     """The validation pass's teacher-forced sums (``accept_len`` = ``tau_teacher_forced``) over ``batches``
     (``DataPlan.val_batches``), every RNG seeded with ``seed`` first. ``forward`` is the step module or a
     drafter's ``training_forward``, already in eval mode (uniform anchors); the benchmarks score other
     held-out sets through this same pass. The caller all-reduces across processes; ``agree`` (``Dist.any``) lets every
-    process refuse a batch with non-finite hidden states when any one holds one (``collate``)."""
+    process refuse a batch with non-finite hidden states when any one holds one (``collate``). ``window``: the shard of
+    each row this process collates (a sequence-parallel rank's; ``forward`` then trains through ``shard_sample``);
+    the token counts are the whole rows'."""
     sums = MetricSums()
     reseed(seed)
     with torch.no_grad():
         for rows in batches:
+            items = [[dataset[i] for i in row] for row in rows]
             batch = collate(
-                [[dataset[i] for i in row] for row in rows],
+                items,
                 sample_tokens=sample_tokens,
                 round_width=round_width,
                 slot_index=slot_index,
                 where=where,
                 agree=agree,
+                window=window,
             ).to(device)
+            tokens = sum(row_lengths(items, sample_tokens))
+            del items
             with autocast(compute_dtype, device):
-                sums.add(forward(batch), int((batch.segment_ids >= 0).sum()))
+                sums.add(forward(batch), tokens)
     return sums
 
 

@@ -10,7 +10,8 @@ and logs it in one block, each choice marked measured now, read from the cache, 
 - ``settings``: the one entry point, ``resolve_choices`` (path, then dtype, then threads for a caller's work), and the
   typed settings object a stage resolves and logs.
 - ``engines``: the regeneration engine (``prepare --engine auto``); ``budget_probes``: the plans made from timing
-  probes (a training run's steps, a comparison's reserve).
+  probes (a training run's steps, a comparison's reserve); ``data_split``: the quickstart's minutes of regeneration,
+  from the rates its pilot measured.
 
 The probes here time work a caller hands them (a training step, a decoding round, a generate), so this package sits
 below every layer that has work to time and imports none of them. Measured figures live in

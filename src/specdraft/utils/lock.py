@@ -335,6 +335,50 @@ class OutputLock:
             "or remove it if it is not yours, then rerun; nothing was done"
         )
 
+    def _open(self) -> int:
+        """The lock file, opened (made where absent) for reading and writing; an error names the path and the fix."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise self._not_a_lock_file() or unwritable(self.out, exc, self.what) from None
+
+    def _hold(self, fd: int, holder: dict | None, now: float) -> None:
+        """With the ``flock`` of ``fd`` taken: take over from a holder that ended without releasing (refusing one on
+        another host whose heartbeat is fresh), write ours, refuse a writer on a nested path, and start the heartbeat."""
+        if holder is not None:
+            reason = stale_reason(holder, host=self.host, now=now, stale_after=self.stale_after) if holder else "it is unreadable"
+            if holder and not same_machine(holder, self.host) and reason is None:
+                os.close(fd)  # flock does not reach across hosts on this file system; the heartbeat does
+                raise self._refuse(holder)
+            log.warning(
+                "%s: took over the lock of %s, which ended without releasing it (%s)",
+                self.out,
+                describe_holder(holder) if holder else "an unknown process",
+                reason or "it has ended",
+            )
+        self._fd = fd
+        self._info = {
+            "pid": os.getpid(),
+            "host": self.host,
+            "command": self.command,
+            "argv": sys.argv,
+            "pidns": _pid_namespace(),
+            "started": now,
+            "heartbeat": now,
+        }
+        try:
+            self._write()
+        except OSError as exc:
+            self.release()
+            raise unwritable(self.path, exc, self.what) from None
+        # ours first, then the others': of two writers on nested paths, the later to look sees the earlier
+        conflict = tree_conflict(self.out, host=self.host, now=self.clock(), stale_after=self.stale_after)
+        if conflict is not None:
+            self.release()
+            raise self._refuse_nested(*conflict)
+        self._start_heartbeat()
+
     def acquire(self) -> None:
         import fcntl
 
@@ -342,11 +386,7 @@ class OutputLock:
         while contended < 20:  # each retry follows a release or a removed stale lock: it makes progress
             if (error := self._not_a_lock_file()) is not None:
                 raise error
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as exc:
-                raise self._not_a_lock_file() or unwritable(self.out, exc, self.what) from None
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 locked = True
@@ -359,38 +399,7 @@ class OutputLock:
                 contended += 1
                 continue
             if locked:
-                if holder is not None:
-                    reason = stale_reason(holder, host=self.host, now=now, stale_after=self.stale_after) if holder else "it is unreadable"
-                    if holder and not same_machine(holder, self.host) and reason is None:
-                        os.close(fd)  # flock does not reach across hosts on this file system; the heartbeat does
-                        raise self._refuse(holder)
-                    log.warning(
-                        "%s: took over the lock of %s, which ended without releasing it (%s)",
-                        self.out,
-                        describe_holder(holder) if holder else "an unknown process",
-                        reason or "it has ended",
-                    )
-                self._fd = fd
-                self._info = {
-                    "pid": os.getpid(),
-                    "host": self.host,
-                    "command": self.command,
-                    "argv": sys.argv,
-                    "pidns": _pid_namespace(),
-                    "started": now,
-                    "heartbeat": now,
-                }
-                try:
-                    self._write()
-                except OSError as exc:
-                    self.release()
-                    raise unwritable(self.path, exc, self.what) from None
-                # ours first, then the others': of two writers on nested paths, the later to look sees the earlier
-                conflict = tree_conflict(self.out, host=self.host, now=self.clock(), stale_after=self.stale_after)
-                if conflict is not None:
-                    self.release()
-                    raise self._refuse_nested(*conflict)
-                self._start_heartbeat()
+                self._hold(fd, holder, now)
                 return
             if not holder and waited < EMPTY_RETRIES:  # locked, nothing written yet: a writer about to write, or a probe
                 os.close(fd)

@@ -12,14 +12,16 @@ from dataclasses import dataclass
 from specdraft.errors import SpecdraftError, setting
 from specdraft.utils.config import config_field
 
+#: Where specdraft looks for the vLLM environment's python without ``--vllm-python`` (``utils/environment.vllm_python``).
+VLLM_PYTHON_LOOKUP = (
+    "$SPECDRAFT_VLLM_PYTHON, else .venv-vllm/bin/python in the working directory or the source checkout "
+    "(where scripts/bootstrap.sh makes one), else this python if it has vllm, else the python behind `vllm` on PATH"
+)
+
 
 @dataclass(kw_only=True)
 class VllmServerOptions:
-    vllm_python: str | None = config_field(
-        None,
-        help="python of the vLLM environment (default: $SPECDRAFT_VLLM_PYTHON, else "
-        ".venv-vllm/bin/python in the working directory or the source checkout, else a python with vllm)",
-    )
+    vllm_python: str | None = config_field(None, help=f"python of the vLLM environment (default: {VLLM_PYTHON_LOOKUP})")
     vllm_args: str = config_field("", help="extra vLLM api_server flags, e.g. --vllm-args='--max-model-len 4096'")
 
 

@@ -32,7 +32,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specdraft.errors import SpecdraftError
 from specdraft.utils.config import config_field, require_finite
@@ -205,12 +205,9 @@ def _write_npy(path: Path, array: np.ndarray) -> None:
 def export_speculators_data(config: ExportSpeculatorsConfig) -> dict:
     """Write ``config.out``; returns the peer's ``--target-layer-ids`` (``layer_ids``), the row counts of each side,
     the ``--train-data-ratio`` that splits them as ours and the token counts."""
-    import torch
-
     from specdraft.hidden_states.dataset import HiddenStateDataset
     from specdraft.models import METHODS
     from specdraft.models.common.checkpoint import slot_to_aux_id
-    from specdraft.models.common.vocab import build_draft_vocab
     from specdraft.train.batches import select_slots
     from specdraft.train.split import dataset_split
 
@@ -241,16 +238,7 @@ def export_speculators_data(config: ExportSpeculatorsConfig) -> dict:
             )
         order = split.train + split.val  # the peer holds out the last rows
         with atomic_dir(out, EXPORT_DIR, inputs=[config.store]) as tmp:
-            (tmp / "hidden_states").mkdir()
-            columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-            for row, index in enumerate(order):
-                item = dataset[index]
-                tokens = torch.as_tensor(item["token_ids"], dtype=torch.long)
-                stacked = torch.cat([item["hidden_states"][:, slot_index], item["last_hidden"].unsqueeze(1)], dim=1).contiguous()
-                save_safetensors({"token_ids": tokens, "hidden_states": stacked}, tmp / "hidden_states" / f"hs_{row}.safetensors")
-                columns["input_ids"].append(tokens.tolist())
-                columns["loss_mask"].append([int(m) for m in torch.as_tensor(item["loss_mask"]).tolist()])
-                columns["seq_len"].append(len(tokens))
+            columns = _write_rows(dataset, order, slot_index, tmp)
             Dataset.from_dict(columns).with_format("torch").save_to_disk(str(tmp))
             train_tokens = sum(columns["seq_len"][: len(split.train)])
             facts = {
@@ -263,15 +251,40 @@ def export_speculators_data(config: ExportSpeculatorsConfig) -> dict:
                 "train_tokens": train_tokens,
             }
             if config.draft_vocab_size:  # part of the export, so that a rerun with another size leaves no mapping of this one
-                counts = dataset.token_counts()
-                if counts is None:
-                    raise SpecdraftError(
-                        f"draft_vocab_size {config.draft_vocab_size} needs token counts (the prepared dataset's "
-                        f"token_counts.safetensors), which the store {config.store} does not reach"
-                    )
-                d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
-                _write_npy(tmp / f"d2t-{config.draft_vocab_size}.npy", d2t.numpy())
-                _write_npy(tmp / f"t2d-{config.draft_vocab_size}.npy", t2d.numpy())
+                _write_draft_vocab(dataset, config.draft_vocab_size, config.store, tmp)
             files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
             atomic_write_json(tmp / DONE_FILE, {"key": key, "files": files, "facts": facts})
     return facts
+
+
+def _write_rows(dataset: Any, order: list[int], slot_index: list[int], tmp: Path) -> dict[str, list]:
+    """One ``hidden_states/hs_ROW.safetensors`` per row in ``order`` (the chosen slots' hidden states, then the last
+    layer's, stacked as the peer reads them); returns the Arrow dataset's columns (token ids, loss mask, length)."""
+    import torch
+
+    (tmp / "hidden_states").mkdir()
+    columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for row, index in enumerate(order):
+        item = dataset[index]
+        tokens = torch.as_tensor(item["token_ids"], dtype=torch.long)
+        stacked = torch.cat([item["hidden_states"][:, slot_index], item["last_hidden"].unsqueeze(1)], dim=1).contiguous()
+        save_safetensors({"token_ids": tokens, "hidden_states": stacked}, tmp / "hidden_states" / f"hs_{row}.safetensors")
+        columns["input_ids"].append(tokens.tolist())
+        columns["loss_mask"].append([int(m) for m in torch.as_tensor(item["loss_mask"]).tolist()])
+        columns["seq_len"].append(len(tokens))
+    return columns
+
+
+def _write_draft_vocab(dataset: Any, size: int, store: str, tmp: Path) -> None:
+    """The peer's draft-vocabulary mappings (``d2t``/``t2d``) of ``--draft-vocab-size``, from the store's token counts."""
+    from specdraft.models.common.vocab import build_draft_vocab
+
+    counts = dataset.token_counts()
+    if counts is None:
+        raise SpecdraftError(
+            f"draft_vocab_size {size} needs token counts (the prepared dataset's "
+            f"token_counts.safetensors), which the store {store} does not reach"
+        )
+    d2t, t2d = build_draft_vocab(counts, size)
+    _write_npy(tmp / f"d2t-{size}.npy", d2t.numpy())
+    _write_npy(tmp / f"t2d-{size}.npy", t2d.numpy())

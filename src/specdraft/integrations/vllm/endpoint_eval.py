@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from specdraft.decode.config import SamplingConfig
 from specdraft.errors import SpecdraftError
 from specdraft.eval.config import EvalConfig
 from specdraft.eval.report import EVAL_DIR
-from specdraft.eval.suites import load_prompts
+from specdraft.eval.suites import EvalPrompt, load_prompts
 from specdraft.integrations.vllm.engine import complete, get_text
 from specdraft.integrations.vllm.metrics import read_spec_decode_metrics
 from specdraft.utils.lock import claims_output
@@ -58,11 +58,39 @@ def counters_as_metrics(counters: Any, *, requests: int, output_tokens: int, wal
 def run_endpoint_eval(
     config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, tokenizer: Any = None, progress: bool = True
 ) -> dict[str, Any]:
-    """Measure the server at ``config.endpoint``; writes the same report files as ``run_eval``."""
-    from tqdm import tqdm
-
+    """Measure the server at ``config.endpoint``; writes the same report files as ``run_eval``, and its provenance."""
     from specdraft.eval.report import write_report
+    from specdraft.utils.provenance import write_provenance
 
+    setup = _set_up(config, sampling, tokenizer)
+    started = time.perf_counter()
+    runs = _measure(config, setup, progress=progress)
+    report = _report(config, sampling, setup, runs, wall_s=time.perf_counter() - started)
+    write_report(report, Path(config.out), plots=config.plots)
+    write_provenance(config.out, config={"eval": config, "sampling": sampling}, target=report["target"], inputs=[config.prompts])
+    return report
+
+
+@dataclass
+class _Endpoint:
+    """The server and what is sent to it: its URL, the model it serves, the prompts and their token ids, the request
+    options (sampling, seed) and the tokenizer that decodes the replies."""
+
+    url: str
+    model: str
+    prompts: list[EvalPrompt]
+    token_ids: list[list[int]]
+    extra: dict[str, Any]
+    tokenizer: Any
+    outputs: dict[int, dict[int, list[int]]] = field(default_factory=dict)  # [concurrency][prompt index] -> reply tokens
+
+    def complete(self, i: int) -> list[int]:
+        answer = complete(self.url, self.token_ids[i], model=self.model, **self.extra)
+        return list(answer["choices"][0]["token_ids"])
+
+
+def _set_up(config: EvalConfig, sampling: SamplingConfig, tokenizer: Any) -> _Endpoint:
+    """Load the prompts (and the target's tokenizer unless given), ask the server what it serves, and warm it up."""
     url = config.endpoint.rstrip("/").removesuffix("/v1")
     prompts = load_prompts(None if config.prompts else config.suite, config.prompts or None, config.limit_per_domain or None)
     if tokenizer is None:
@@ -76,18 +104,20 @@ def run_endpoint_eval(
     extra = {"temperature": sampling.temperature, "top_p": sampling.top_p, "return_token_ids": True, "seed": config.seed}
     if sampling.top_k:
         extra["top_k"] = sampling.top_k
-
-    def one(i: int) -> list[int]:
-        answer = complete(url, token_ids[i], max_tokens=config.max_new_tokens, model=model, **extra)
-        return list(answer["choices"][0]["token_ids"])
-
     complete(url, token_ids[0][-16:], max_tokens=2, model=model)  # warm-up
-    outputs: dict[int, dict[int, list[int]]] = {}
+    return _Endpoint(url, model, prompts, token_ids, {"max_tokens": config.max_new_tokens, **extra}, tokenizer)
+
+
+def _measure(config: EvalConfig, endpoint: _Endpoint, *, progress: bool) -> list[dict[str, Any]]:
+    """One run per concurrency level: every domain's prompts in turn, ``concurrency`` requests in flight, and the
+    server's counters read around each domain and around the level; fills ``endpoint.outputs``."""
+    from tqdm import tqdm
+
+    url, prompts = endpoint.url, endpoint.prompts
     runs = []
-    started = time.perf_counter()
     bar = tqdm(total=len(prompts) * len(config.concurrency), desc="eval endpoint", unit="prompt", disable=not progress)
     for concurrency in config.concurrency:
-        outputs[concurrency] = {}
+        outputs = endpoint.outputs[concurrency] = {}
         per_domain = {}
         totals: dict[str, Any] = {"requests": 0, "output_tokens": 0, "wall_s": 0.0}
         total_before = read_spec_decode_metrics(url)
@@ -95,51 +125,56 @@ def run_endpoint_eval(
             indices = [i for i, p in enumerate(prompts) if p.domain == domain]
             before, t0 = read_spec_decode_metrics(url), time.perf_counter()
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
-                for i, tokens in zip(indices, pool.map(one, indices)):
-                    outputs[concurrency][i] = tokens
+                for i, tokens in zip(indices, pool.map(endpoint.complete, indices)):
+                    outputs[i] = tokens
                     bar.update(1)
             wall = time.perf_counter() - t0
-            produced = sum(len(outputs[concurrency][i]) for i in indices)
+            produced = sum(len(outputs[i]) for i in indices)
             per_domain[domain] = counters_as_metrics(
                 read_spec_decode_metrics(url) - before, requests=len(indices), output_tokens=produced, wall_s=wall
             )
             totals["requests"] += len(indices)
             totals["output_tokens"] += produced
             totals["wall_s"] += wall
-        overall = counters_as_metrics(read_spec_decode_metrics(url) - total_before, **totals)
         runs.append(
             {
-                "drafter": f"endpoint:{model}",
+                "drafter": f"endpoint:{endpoint.model}",
                 "concurrency": concurrency,
-                "overall": overall,
+                "overall": counters_as_metrics(read_spec_decode_metrics(url) - total_before, **totals),
                 "per_domain": dict(sorted(per_domain.items())),
                 "speedup": None,
                 "identical_to_autoregressive": None,
             }
         )
     bar.close()
-    report = {
+    return runs
+
+
+def _report(
+    config: EvalConfig, sampling: SamplingConfig, endpoint: _Endpoint, runs: list[dict[str, Any]], *, wall_s: float
+) -> dict[str, Any]:
+    """``report.json`` in ``run_eval``'s format: the settings, the runs and each prompt's replies, decoded."""
+    outputs, decode = endpoint.outputs, endpoint.tokenizer.decode
+    return {
         "format": "specdraft.eval_report",
         "format_version": 1,
-        "target": {"name": config.target, "endpoint": url, "served_model": model},
+        "target": {"name": config.target, "endpoint": endpoint.url, "served_model": endpoint.model},
         "config": asdict(config),
         "sampling": asdict(sampling),
-        "num_prompts": len(prompts),
-        "wall_s": time.perf_counter() - started,
+        "num_prompts": len(endpoint.prompts),
+        "wall_s": wall_s,
         "runs": runs,
         "prompts": [
             {
                 **p.to_json(),
-                "prompt_tokens": len(token_ids[i]),
+                "prompt_tokens": len(endpoint.token_ids[i]),
                 "outputs": {
                     runs[0]["drafter"]: {
-                        str(c): {"tokens": outputs[c][i], "text": tokenizer.decode(outputs[c][i], skip_special_tokens=True)}
+                        str(c): {"tokens": outputs[c][i], "text": decode(outputs[c][i], skip_special_tokens=True)}
                         for c in config.concurrency
                     }
                 },
             }
-            for i, p in enumerate(prompts)
+            for i, p in enumerate(endpoint.prompts)
         ],
     }
-    write_report(report, Path(config.out), plots=config.plots)
-    return report

@@ -32,6 +32,7 @@ from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_
 from specdraft.targets.base import Target
 from specdraft.utils.io import atomic_dir, atomic_write_bytes, atomic_write_json
 from specdraft.utils.lock import claims_output
+from specdraft.utils.provenance import write_provenance
 
 #: Relative tau gap (|served - built-in| / built-in) above which parity is flagged.
 PARITY_GAP = 0.03
@@ -62,8 +63,8 @@ def _checkpoint(text: str, target: str) -> Path:
 def run_parity_eval(
     config: EvalConfig, sampling: SamplingConfig = SamplingConfig(), *, target: Target | None = None, progress: bool = True
 ) -> dict[str, Any]:
-    """Built-in vs served tau per checkpoint drafter; writes ``parity.json`` and ``parity.md`` under ``config.out``
-    (each side's full report under ``builtin-<i>/`` and ``served-<i>/``)."""
+    """Built-in vs served tau per checkpoint drafter; writes ``parity.json``, ``parity.md`` and ``provenance.json``
+    under ``config.out`` (each side's full report, and its provenance, under ``builtin-<i>/`` and ``served-<i>/``)."""
     from specdraft.eval.runner import resolve_drafters, run_eval, split_label
     from specdraft.targets import load_target
 
@@ -83,7 +84,7 @@ def run_parity_eval(
     ]
     if target is None:
         target = load_target(config.target, dtype=config.dtype, device=config.device)
-    rows = []
+    rows, builtins = [], []
     with atomic_dir(config.out, PARITY_DIR) as out:  # replaced whole: a rerun with fewer drafters leaves no stale side
         for i, path in enumerate(paths):
             tokens = read_drafter_info(path).num_speculative_tokens
@@ -95,6 +96,7 @@ def run_parity_eval(
                 target=target,
                 progress=progress,
             )
+            builtins.append(builtin)
             served_config = dataclasses.replace(config, out=str(out / f"served-{i}"), **common)
             if config.endpoint:
                 served = run_endpoint_eval(served_config, sampling, tokenizer=target.tokenizer, progress=progress)
@@ -114,6 +116,13 @@ def run_parity_eval(
         }
         atomic_write_json(out / "parity.json", report)
         atomic_write_bytes(out / "parity.md", render_parity(report).encode())
+        write_provenance(
+            out,
+            config={"eval": config, "sampling": sampling},
+            target=target.describe(),
+            inputs=[config.prompts, *paths],
+            measured={f"builtin-{i}": side for i, side in enumerate(builtins)},
+        )
     return report
 
 

@@ -52,10 +52,17 @@ class DraftConfig:
     """Shape of the draft network; subclasses add the method's own fields."""
 
     method: ClassVar[str] = ""
+    #: The method's own distillation term (``models/common/distill_losses.py``); None: it trains on hard labels only.
+    distill_default: ClassVar[str | None] = None
 
     num_layers: int = config_field(1, help="number of draft decoder layers")
     layers: str = config_field(
         "", help="target hidden states to read, e.g. 'input:2,input:15,input:27' ('' = the method's reference preset)"
+    )
+    distill_loss: str = config_field(
+        "",
+        help="divergence between the drafter's and the target's next-token distributions, a key of DISTILL_LOSSES "
+        "(models/common/distill_losses.py; '' = the method's own: dspark l1, dflash2 kl, eagle3 soft_ce; dflash has none)",
     )
     loss_chunk_rows: int = config_field(1024, help="rows per LM-head chunk in the loss (bounds [rows x vocab] memory; 0 = one chunk)")
     hidden_size: int | None = config_field(None, help="draft hidden size (default: the target's)")
@@ -84,6 +91,16 @@ class DraftConfig:
             )
         if self.layers:
             parse_slots(self.layers, self.num_target_layers)
+        self.distill_loss = self.distill_loss or self.distill_default or ""
+        if self.distill_loss:
+            from specdraft.models.common.distill_losses import DISTILL_LOSSES
+
+            if self.distill_default is None:
+                raise SpecdraftError(
+                    f"{self.method} config: distill_loss (--distill-loss) {self.distill_loss!r} given, but {self.method} trains "
+                    "on hard labels only (no distillation term); it applies to the methods that distil the target's distribution"
+                )
+            DISTILL_LOSSES.get(self.distill_loss)  # an unknown name raises with the list of losses
 
     @property
     def resolved(self) -> bool:

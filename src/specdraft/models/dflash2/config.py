@@ -13,6 +13,7 @@ from specdraft.utils.config import config_field
 @dataclass
 class DFlash2Config(DFlashConfig):
     method: ClassVar[str] = "dflash2"
+    distill_default: ClassVar[str | None] = "kl"
 
     conv_kernel_size: int = config_field(2, help="causal taps of each grouped convolution around a draft layer's attention and MLP")
     conv_group_size: int = config_field(16, help="hidden channels sharing one token-conditioned kernel (must divide hidden_size)")
@@ -21,7 +22,8 @@ class DFlash2Config(DFlashConfig):
     selector_weight: float = config_field(1.0, help="weight of the selector's K-way cross-entropy beside the unary loss")
     unary_loss: str = config_field(
         "kl",
-        help="unary term: kl (KL(p_t || p_d) over the vocabulary, speculators' DFlash2 default) or ce (DFlash's hard-label CE)",
+        help="unary term: kl (the target distillation over the vocabulary, divergence distill_loss, default KL(p_t || p_d): "
+        "speculators' DFlash2 default) or ce (DFlash's hard-label CE)",
         metadata={"choices": ["kl", "ce"]},
     )
 

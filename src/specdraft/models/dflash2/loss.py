@@ -1,4 +1,4 @@
-"""DFlash2's loss terms: the unary KL to the target and the selector objective (speculators'
+"""DFlash2's loss terms: the selector objective (speculators'
 ``selector_training_candidates`` + K-way cross-entropy)."""
 
 from __future__ import annotations
@@ -25,9 +25,3 @@ def training_candidates(unary: torch.Tensor, labels: torch.Tensor, top_k: int) -
 def selector_ce(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """scores [R, k], label index [R] -> per-row cross-entropy [R]."""
     return F.cross_entropy(scores.float(), index, reduction="none")
-
-
-def kl_rows(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """KL(p_t || p_d) per row: logits [R, V] each -> [R] (float32)."""
-    log_d = F.log_softmax(draft_logits.float(), -1)
-    return F.kl_div(log_d, F.log_softmax(target_logits.float(), -1), reduction="none", log_target=True).sum(-1)

@@ -11,8 +11,9 @@ No confidences: DFlash2 has no trained acceptance estimate, and the selector's s
 the k candidates only (blind to the target mass outside them), so it would overstate acceptance exactly
 where the unary top-k misses; decoding therefore runs on the draft gate alone (the scheduled policy refuses it).
 
-Training: the unary term is KL(p_t || p_d) over the vocabulary (speculators' default; p_t from the target
-head on the final-norm input before the predicted token) or DFlash's hard-label CE (``unary_loss``); beside
+Training: the unary term is the config's ``distill_loss`` D(p_d, p_t) over the vocabulary (default KL(p_t || p_d),
+speculators' default; p_t from the target head on the final-norm input before the predicted token) or DFlash's
+hard-label CE (``unary_loss``); beside
 it the selector's K-way cross-entropy on teacher-forced predecessors (the data tokens), both with DFlash's
 position weights and, like DFlash, normalised by the weight sum (speculators divides by the supervised
 count and labels its selector with the target's argmax: equal for greedy-regenerated data).
@@ -30,6 +31,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.base import DrafterBatch, TrainOutput
 from specdraft.models.common.anchors import block_labels
 from specdraft.models.common.chunked import chunked_rows
+from specdraft.models.common.distill_losses import DISTILL_LOSSES, Distributions
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import Chain, DraftProposal
 from specdraft.models.common.sequence import WHOLE_ROW, SequenceShard
@@ -38,7 +40,7 @@ from specdraft.models.dflash.loss import ce_rows, weighted_mean
 from specdraft.models.dflash.model import DFlashDrafter, build_block_drafter
 from specdraft.models.dflash2.config import DFlash2Config
 from specdraft.models.dflash2.layers import CandidateSelector, DFlash2Layer
-from specdraft.models.dflash2.loss import kl_rows, selector_ce, training_candidates
+from specdraft.models.dflash2.loss import selector_ce, training_candidates
 from specdraft.targets.base import Target
 
 # The speculators fields DFlash2 adds to DFlash's; speculators 0.9.0 always writes them, so a checkpoint without them is refused.
@@ -89,6 +91,7 @@ class DFlash2Drafter(DFlashDrafter):
         h = hidden[:, :, self.draft_slots()]
         kl = c.unary_loss == "kl"
         norm = self.require_verifier() if kl else None
+        distill = DISTILL_LOSSES.get(c.distill_loss)
 
         def rows(
             hr: torch.Tensor, lr: torch.Tensor, pr: torch.Tensor, tr: torch.Tensor
@@ -98,7 +101,7 @@ class DFlash2Drafter(DFlashDrafter):
             scores = self.candidate_selector.scores(unary, hr, pr, candidates)
             picked = candidates.gather(-1, scores.detach().argmax(-1, keepdim=True))[:, 0]
             ce = ce_rows(logits=unary, labels=lr)
-            div = kl_rows(unary, self.verifier_lm_head(norm(tr.to(hr.dtype)))) if norm is not None else ce  # norm: the KL term
+            div = distill(Distributions(unary, self.verifier_lm_head(norm(tr.to(hr.dtype))))) if norm is not None else ce
             return ce, div, selector_ce(scores, index), (picked == lr) & found
 
         last = (
@@ -117,9 +120,9 @@ class DFlash2Drafter(DFlashDrafter):
             "ce": weighted_mean(spread(ce_v), weights, valid, total=shard.total),
             "selector": weighted_mean(spread(sel_v), weights, valid, total=shard.total),
         }
-        if kl:
-            terms["kl"] = weighted_mean(spread(unary_v), weights, valid, total=shard.total)
-        loss = terms[c.unary_loss] + c.selector_weight * terms["selector"]
+        unary = c.distill_loss if kl else "ce"
+        terms[unary] = weighted_mean(spread(unary_v), weights, valid, total=shard.total) if kl else terms["ce"]
+        loss = terms[unary] + c.selector_weight * terms["selector"]
         acc, cond, count = position_metrics(correct.flatten(0, 1), valid.flatten(0, 1), total=shard.total)
         metrics = {"loss": float(loss.detach()), **{k: float(t.detach()) for k, t in terms.items()}}
         return TrainOutput(loss=loss, metrics=metrics, position_acc=acc, position_cond_acc=cond, position_count=count)

@@ -13,6 +13,7 @@ from specdraft.utils.config import config_field
 @dataclass
 class DSparkConfig(DFlashConfig):
     method: ClassVar[str] = "dspark"
+    distill_default: ClassVar[str | None] = "l1"
 
     block_size: int = config_field(7, help="tokens per block; every slot (anchor included) drafts one token")
     markov_rank: int = config_field(256, help="rank r of the Markov head W2(W1[prev token])")
@@ -22,7 +23,7 @@ class DSparkConfig(DFlashConfig):
     confidence_head: bool = config_field(True, help="train the per-position acceptance-confidence head")
     confidence_with_markov: bool = config_field(True, help="confidence head also reads W1[previous token]")
     ce_weight: float = config_field(0.1, help="weight of the hard-label cross-entropy term")
-    l1_weight: float = config_field(0.9, help="weight of the ||p_d - p_t||_1 term")
+    l1_weight: float = config_field(0.9, help="weight of the distillation term (distill_loss; default l1: ||p_d - p_t||_1)")
     bce_weight: float = config_field(1.0, help="weight of the confidence-head BCE term")
     loss_gamma: float | None = config_field(4.0, help="position weights exp(-k/loss_gamma) over block positions k = 1..B")
     confidence_temperatures: list[float] = config_field(

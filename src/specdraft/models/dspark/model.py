@@ -24,6 +24,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.base import DrafterBatch, TrainOutput
 from specdraft.models.common.anchors import block_labels, sample_anchors
 from specdraft.models.common.chunked import chunked_rows
+from specdraft.models.common.distill_losses import DISTILL_LOSSES
 from specdraft.models.common.metrics import position_metrics
 from specdraft.models.common.sampling import Chain, DraftProposal
 from specdraft.models.common.sequence import WHOLE_ROW, SequenceShard
@@ -168,15 +169,18 @@ class DSparkDrafter(DFlashDrafter):
         tf = self.teacher_forced_blocks(batch, anchors, hidden)
         labels, in_vocab = self.draft_labels(tf["labels"])
         head = self.draft_target_head()
+        distill = DISTILL_LOSSES.get(c.distill_loss)
 
         def rows(
             h: torch.Tensor, prev: torch.Tensor, th: torch.Tensor, lab: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             logits, conf = self.corrected_block(h, prev)
-            ce, l1, bce = block_terms(draft_logits=logits, target_logits=F.linear(norm(th), head), labels=lab, confidence_logits=conf)
-            return ce, l1, bce, logits.argmax(-1) == lab
+            ce, l1, div, bce = block_terms(
+                draft_logits=logits, target_logits=F.linear(norm(th), head), labels=lab, confidence_logits=conf, distill=distill
+            )
+            return ce, l1, div, bce, logits.argmax(-1) == lab
 
-        ce, l1, bce, ok = chunked_rows(
+        ce, l1, div, bce, ok = chunked_rows(
             rows, tf["hidden"], tf["prev_ids"], tf["target_hidden"], labels, chunk_rows=max(1, c.loss_chunk_rows // c.block_size)
         )
         v = tf["valid"]
@@ -184,10 +188,10 @@ class DSparkDrafter(DFlashDrafter):
         # Labels outside a reduced draft vocabulary are unreachable: no CE weight, a miss in the metrics.
         terms = {
             "ce": weighted_mean(ce, w, v & in_vocab, total=shard.total),
-            "l1": weighted_mean(l1, w, v, total=shard.total),
+            c.distill_loss: weighted_mean(div, w, v, total=shard.total),
             "bce": weighted_mean(bce, w, v, total=shard.total),
         }
-        loss = c.ce_weight * terms["ce"] + c.l1_weight * terms["l1"] + c.bce_weight * terms["bce"]
+        loss = c.ce_weight * terms["ce"] + c.l1_weight * terms[c.distill_loss] + c.bce_weight * terms["bce"]
         valid = tf["all_valid"]
         correct = torch.zeros_like(valid)
         correct[tf["blocks"]] = ok & v & in_vocab

@@ -17,6 +17,7 @@ DEFAULT_DRAFT_VOCAB = 32000
 @dataclass
 class Eagle3Config(DraftConfig):
     method: ClassVar[str] = "eagle3"
+    distill_default: ClassVar[str | None] = "soft_ce"
 
     draft_vocab_size: int | None = config_field(
         None,

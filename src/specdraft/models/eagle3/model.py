@@ -31,6 +31,7 @@ from specdraft.models.base import DrafterBatch, TrainOutput
 from specdraft.models.common import checkpoint as ckpt
 from specdraft.models.common.chunked import chunked_rows
 from specdraft.models.common.config import shape_from_layer_config
+from specdraft.models.common.distill_losses import DISTILL_LOSSES, Distributions
 from specdraft.models.common.drafter import SpeculatorsDrafter, speculative_tokens_of
 from specdraft.models.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from specdraft.models.common.masks import eagle3_ttt_mask
@@ -39,7 +40,7 @@ from specdraft.models.common.sampling import Chain, DraftProposal
 from specdraft.models.common.sequence import WHOLE_ROW, SequenceShard
 from specdraft.models.common.vocab import check_vocab_tables, coverage_vocab_size, draft_ids, install_draft_vocab
 from specdraft.models.eagle3.config import Eagle3Config
-from specdraft.models.eagle3.loss import soft_ce_rows, step_weights
+from specdraft.models.eagle3.loss import step_weights
 from specdraft.targets.base import Target
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -258,11 +259,12 @@ class Eagle3Drafter(SpeculatorsDrafter):
         n, t = tokens.shape[0], shard.own(tokens).shape[1]
         ids = self.draft_target_ids()
         head = self.verifier_lm_head.weight[ids]
+        distill = DISTILL_LOSSES.get(self.config.distill_loss)
 
         def rows_loss(h: torch.Tensor, target_h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             draft_logits = self.lm_head(self.norm(h))
             target_logits = nn.functional.linear(norm(target_h), head)
-            return soft_ce_rows(draft_logits=draft_logits, target_logits=target_logits), ids[draft_logits.argmax(-1)] == labels
+            return distill(Distributions(draft_logits, target_logits)), ids[draft_logits.argmax(-1)] == labels
 
         weights = step_weights(self.config.ttt_steps, self.config.ttt_decay)
         hiddens = self.ttt_hidden(batch, shard)
