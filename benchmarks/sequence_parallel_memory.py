@@ -2,9 +2,15 @@
 
 Each configuration is a real ``specdraft train`` run (``train.trainer.train``, DSpark, fp32, eager path, 1 CPU thread
 per rank) of N gloo processes (spawned here with torchrun's environment) on one sample of T tokens of a tiny random
-Qwen3 target with a context window of 32k+ tokens, built here from a transformers config. The sample is a
-safetensors file read whole at every step, as a store's sample is. Every rank reports its peak RSS. tokens/s is rank
-0's ``metrics.jsonl`` figure over the steps after the first.
+Qwen3 target with a context window of 64k tokens, built here from a transformers config. The sample sits in a real
+hidden-state store (a prepared dataset of one row plus a file store holding its bf16 payload), opened as ``train``
+opens one (``batches.open_sample_source``): N = 1 reads the sample whole, a rank of N > 1 verifies it whole and loads
+only its shard's rows (``hidden_states.dataset.SAMPLE_READS["windowed"]``). ``--reads whole`` makes every rank read
+the sample whole instead (what every rank did before windowed reads): the comparison. Every rank reports its peak
+RSS (after reading the sample and collating its shard once, before training: ``read_peak_rss_mb``; after training:
+``peak_rss_mb``): its own ``VmHWM`` (Linux), not ``ru_maxrss``, which a spawned process inherits through ``exec`` from this
+launcher (the peak it reached writing the store). tokens/s is rank 0's ``metrics.jsonl`` figure over the steps after
+the first.
 
     python benchmarks/sequence_parallel_memory.py --tokens 8192,32768 --groups 1,2 --out docs/results/sequence_parallel_memory.json
 """
@@ -24,7 +30,6 @@ from pathlib import Path
 import torch
 
 from specdraft.hidden_states.layers import LayerSlot
-from specdraft.hidden_states.source import SampleSource
 
 VOCAB, HIDDEN, LAYERS, WINDOW = 1024, 512, 6, 65536
 MODEL = {"num_layers": 1, "block_size": 8, "max_anchors": 16, "markov_rank": 16, "intermediate_size": 512}
@@ -52,56 +57,62 @@ def target():
     return Target(name="tiny-qwen3-64k", path=Path("/nowhere"), model=model, tokenizer=None, fingerprint="f" * 16, tokenizer_hash="t" * 16)
 
 
-class LongSample(SampleSource):
-    """One sample, read whole from its safetensors file at every access (as a store reads one)."""
+def write_store(root: Path, tokens: int, slots: list[LayerSlot]) -> Path:
+    """A store of one sample: random token ids (the second half a reply) and bf16 hidden states of ``slots``."""
+    from specdraft.data.dataset import write_prepared
+    from specdraft.hidden_states.backends.base import STORE_FORMAT_NAME, STORE_FORMAT_VERSION, finish_manifest
+    from specdraft.hidden_states.backends.file import FileBackend
+    from specdraft.hidden_states.payload import HiddenStatePayload
 
-    def __init__(self, path: Path, slots: list[LayerSlot]):
-        self.path, self.slots, self.sample_ids = path, slots, ["long/0"]
-        self.target_info = {"name": "tiny-qwen3-64k", "fingerprint": "f" * 16, "num_layers": LAYERS, "hidden_size": HIDDEN}
-
-    def __getitem__(self, index: int) -> dict:
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(self.path))
-        return {"sample_id": self.sample_ids[0], **tensors}
-
-
-def write_sample(path: Path, tokens: int, slots: int) -> None:
-    """Random token ids (the second half a reply) and bf16 hidden states of ``slots`` layers."""
-    from safetensors.torch import save_file
-
+    info = target().describe()
     g = torch.Generator().manual_seed(tokens)
-    mask = torch.zeros(tokens, dtype=torch.bool)
-    mask[tokens // 2 :] = True
-    save_file(
-        {
-            "token_ids": torch.randint(0, VOCAB, (tokens,), generator=g),
-            "loss_mask": mask,
-            "hidden_states": torch.randn(tokens, slots, HIDDEN, generator=g).to(torch.bfloat16),
-            "last_hidden": torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16),
-        },
-        str(path),
+    ids = torch.randint(0, VOCAB, (tokens,), generator=g)
+    row = {"sample_id": "long/0", "source": "bench", "input_ids": ids.tolist(), "loss_mask": [int(i >= tokens // 2) for i in range(tokens)]}
+    data = write_prepared(root / "data", [row], target_info=info, config={}, stats={}, vocab_size=VOCAB)
+    backend = FileBackend(root / "hidden_states")
+    payload = HiddenStatePayload.create(
+        sample_id="long/0",
+        target_info=info,
+        slots=slots,
+        token_ids=ids,
+        hidden_states=torch.randn(tokens, len(slots), HIDDEN, generator=g, dtype=torch.bfloat16),
+        last_hidden=torch.randn(tokens, HIDDEN, generator=g, dtype=torch.bfloat16),
+        dtype="bfloat16",
     )
+    backend.put("long/0", payload)
+    manifest = {"format": STORE_FORMAT_NAME, "format_version": STORE_FORMAT_VERSION, "target": info, "dataset": {"path": str(data)}}
+    manifest.update(slots=[s.to_json() for s in slots], dtype="bfloat16")
+    backend.write_manifest(finish_manifest(manifest, {"long/0"}, ["long/0"]))
+    return backend.root
 
 
-def rank_main(rank: int, size: int, port: int, sample: str, out: str, steps: int) -> None:
-    """One rank of an N-process run: torchrun's environment, then the trainer; writes this rank's peak RSS."""
+def status_mb(field: str) -> float:
+    """A ``/proc/self/status`` memory figure (``VmRSS``: now, ``VmHWM``: this process's peak), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field} (this benchmark reads Linux's)")
+
+
+def rank_main(rank: int, size: int, port: int, store: str, out: str, steps: int, reads: str) -> None:
+    """One rank of an N-process run: torchrun's environment, then the trainer (its store opened by ``train`` itself,
+    or with ``reads`` the ``SAMPLE_READS`` name every rank uses); writes this rank's peak RSS."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"
     )
     import specdraft.models  # noqa: F401  (registers the methods)
-    from specdraft.models.base import METHODS
+    from specdraft.hidden_states.dataset import HiddenStateDataset
+    from specdraft.train.batches import RowWindow, collate, open_sample_source
     from specdraft.train.config import TrainConfig
     from specdraft.train.trainer import train
-    from specdraft.utils.memory import peak_rss_mb
 
     torch.set_num_threads(1)
     t = target()
-    tokens = int(Path(sample).stem.split("-")[-1])
-    slots = METHODS.get("dspark").run_slots(MODEL, LAYERS)
-    start_rss = peak_rss_mb()
+    tokens = int(Path(store).parent.name.split("-")[-1])
+    start_rss = status_mb("VmRSS")
     cfg = TrainConfig(
         method="dspark",
+        data=store,
         out=out,
         model=MODEL,
         max_steps=steps,
@@ -116,32 +127,40 @@ def rank_main(rank: int, size: int, port: int, sample: str, out: str, steps: int
         num_threads=1,
         sequence_parallel=size,
     )
-    train(cfg, target=t, dataset=LongSample(Path(sample), slots))
-    Path(out, f"rss-{rank}.json").write_text(json.dumps({"start_mb": start_rss, "peak_mb": peak_rss_mb()}))
+    # The read phase alone first: the sample read as the run reads it and this rank's shard collated, as a step does
+    # before it frees the read (so the step's own peak may be higher and hide it).
+    dataset = open_sample_source(cfg, rank=rank, world=size) if reads == "trainer" else HiddenStateDataset(store, reads=reads)
+    shard = collate([[dataset[0]]], sample_tokens=tokens, window=RowWindow(rank, size))
+    read_peak = status_mb("VmHWM")
+    del dataset, shard
+    train(cfg, target=t, dataset=None if reads == "trainer" else HiddenStateDataset(store, reads=reads))
+    Path(out, f"rss-{rank}.json").write_text(json.dumps({"start_mb": start_rss, "read_peak_mb": read_peak, "peak_mb": status_mb("VmHWM")}))
 
 
-def run(tokens: int, size: int, scratch: Path, steps: int) -> dict:
+def run(tokens: int, size: int, scratch: Path, steps: int, reads: str) -> dict:
     import torch.multiprocessing as mp
 
     from specdraft.models.base import METHODS
 
-    sample = scratch / f"sample-{tokens}.safetensors"
-    if not sample.exists():
-        write_sample(sample, tokens, len(METHODS.get("dspark").run_slots(MODEL, LAYERS)))
-    out = scratch / f"run-{tokens}-{size}"
+    store = scratch / f"store-{tokens}" / "hidden_states"
+    if not store.exists():
+        write_store(store.parent, tokens, METHODS.get("dspark").run_slots(MODEL, LAYERS))
+    out = scratch / f"run-{tokens}-{size}-{reads}"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     started = time.perf_counter()
-    mp.start_processes(rank_main, args=(size, port, str(sample), str(out), steps), nprocs=size, start_method="spawn")
+    mp.start_processes(rank_main, args=(size, port, str(store), str(out), steps, reads), nprocs=size, start_method="spawn")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train" and r["step"] > 1]
     rss = [json.loads((out / f"rss-{r}.json").read_text()) for r in range(size)]
     return {
         "tokens": tokens,
         "sequence_parallel": size,
+        "reads": reads,
         "peak_rss_mb": [round(r["peak_mb"]) for r in rss],
         "start_rss_mb": [round(r["start_mb"]) for r in rss],
+        "read_peak_rss_mb": [round(r["read_peak_mb"]) for r in rss],
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train),
         "seconds_per_step": statistics.median(r["seconds"] for r in train),
         "wall_s": round(time.perf_counter() - started, 1),
@@ -153,13 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="8192,32768", help="sample lengths, a comma list")
     parser.add_argument("--groups", default="1,2", help="sequence-parallel sizes N, a comma list (N processes each)")
     parser.add_argument("--steps", type=int, default=3, help="training steps per run (tokens/s: the median after the first)")
+    parser.add_argument(
+        "--reads",
+        default="trainer",
+        choices=["trainer", "whole"],
+        help="trainer: the store opened as train opens it (windowed reads for N > 1); whole: every rank reads the sample whole",
+    )
     parser.add_argument("--out", type=Path, help="JSON results file")
     args = parser.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         for tokens in map(int, args.tokens.split(",")):
             for size in map(int, args.groups.split(",")):
-                results.append(run(tokens, size, Path(scratch), args.steps))
+                results.append(run(tokens, size, Path(scratch), args.steps, args.reads))
                 print(json.dumps(results[-1]), flush=True)
     if args.out:
         args.out.write_text(

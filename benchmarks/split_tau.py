@@ -88,7 +88,7 @@ def build_store(work: Path, samples, old_val: list[int], drafter_slots, threads:
 def score(dataset, indices: list[int], drafter, target, slot_index, *, decode_prompts: int, decode_tokens: int) -> dict:
     from specdraft.train.batches import DataPlan, step_seed, token_rows
     from specdraft.train.decoded_tau import DecodeProbe
-    from specdraft.train.trainer import EVAL_SEED_KIND, teacher_forced
+    from specdraft.train.validation import EVAL_SEED_KIND, teacher_forced
 
     s = TRAIN_SETTINGS
     plan = DataPlan(list(map(str, dataset.sample_ids)), dataset.lengths(), [], list(indices), s["pack_tokens"], s["batch_rows"], s["seed"])

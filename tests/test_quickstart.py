@@ -108,7 +108,7 @@ def test_quickstart_config_errors():
 
 
 def test_quickstart_compares_the_reference_drafter_when_one_ships(tmp_path):
-    from specdraft.quickstart import QuickstartConfig, eval_drafters
+    from specdraft.quickstart.comparison import eval_drafters
 
     final = tmp_path / "final"
     assert eval_drafters(QuickstartConfig(), final) == [
@@ -137,7 +137,7 @@ def test_quickstart_compares_the_reference_drafter_when_one_ships(tmp_path):
 
 
 def test_training_cut_by_the_time_budget_counts_as_done_but_a_signal_does_not(tmp_path):
-    from specdraft.quickstart import _train_facts
+    from specdraft.quickstart.stages import _train_facts
     from specdraft.train.trainer import TrainResult
 
     cut = _train_facts(TrainResult(tmp_path, 40, 100, False, "max_time", tmp_path / "final", None))
@@ -148,7 +148,7 @@ def test_training_cut_by_the_time_budget_counts_as_done_but_a_signal_does_not(tm
 
 
 def test_final_table_states_dtype_speed_steps_epochs_and_data():
-    from specdraft.quickstart import training_table
+    from specdraft.quickstart.report import training_table
 
     stages = {
         "prepare": {
@@ -193,7 +193,7 @@ def test_final_table_states_dtype_speed_steps_epochs_and_data():
 def test_a_slow_step_gets_a_smaller_complete_plan(tmp_path, monkeypatch):
     """The plan is what the probe's step time allows (after the probe's own time), with no floor that the
     budget cannot pay for; when not even one step fits, it says so."""
-    from specdraft.quickstart import training_table
+    from specdraft.quickstart.report import training_table
     from specdraft.train import budget
     from specdraft.train.trainer import TrainResult
     from test_train_toy import toy_config
@@ -235,7 +235,7 @@ def test_a_slow_machine_reserves_more_for_the_comparison_and_trains_less(tiny_ll
     from specdraft.decode import sps as sps_module
     from specdraft.decode.proposers.drafters import DrafterProposer
     from specdraft.eval import budget
-    from specdraft.quickstart import size_eval
+    from specdraft.quickstart.comparison import size_eval
     from specdraft.targets import load_target
     from specdraft.train.config import resolve_config
 

@@ -10,7 +10,9 @@ import math
 import pytest
 
 from specdraft.errors import SpecdraftError
-from specdraft.quickstart import QuickstartConfig, _regeneration_facts, training_table
+from specdraft.quickstart import QuickstartConfig
+from specdraft.quickstart.data import _regeneration_facts
+from specdraft.quickstart.report import training_table
 from specdraft.tuning.data_split import DRIFT_SHARE, SplitInputs, choose_data_split, engine_candidates, plan_data_split
 
 #: The issue-41 machine, as its figures give it: 320 samples regenerated in 5 minutes (0.94 s each), 641 steps of 6

@@ -251,9 +251,10 @@ def test_a_training_resume_with_another_optimizer_is_refused_before_any_step(tmp
 
 
 def _journal(path: Path):
-    from specdraft.quickstart import QuickstartConfig, _Journal
+    from specdraft.quickstart import QuickstartConfig
+    from specdraft.quickstart.journal import Journal
 
-    return _Journal(path, QuickstartConfig(out=str(path.parent)))
+    return Journal(path, QuickstartConfig(out=str(path.parent)))
 
 
 @pytest.mark.parametrize(
@@ -300,7 +301,7 @@ def test_a_redone_stage_redoes_every_later_one(tmp_path, capsys):
 
 def test_a_finished_data_stage_is_reused_when_the_journal_lost_it(tiny_target, tmp_path):
     from specdraft.data.dataset import write_prepared
-    from specdraft.quickstart import _prepared_earlier
+    from specdraft.quickstart.data import prepared_earlier
 
     rows = [{"sample_id": "a", "source": "t", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}]
     data = write_prepared(
@@ -311,6 +312,6 @@ def test_a_finished_data_stage_is_reused_when_the_journal_lost_it(tiny_target, t
         stats={"kept": 1, "tokens": 3},
         vocab_size=tiny_target.vocab_size,
     )
-    assert _prepared_earlier(data, tiny_target) == {"kept": 1, "tokens": 3}
-    assert _prepared_earlier(tmp_path / "missing", tiny_target) is None
-    assert _prepared_earlier(data, dataclasses.replace(tiny_target, fingerprint="0" * 16)) is None  # another target's: prepared again
+    assert prepared_earlier(data, tiny_target) == {"kept": 1, "tokens": 3}
+    assert prepared_earlier(tmp_path / "missing", tiny_target) is None
+    assert prepared_earlier(data, dataclasses.replace(tiny_target, fingerprint="0" * 16)) is None  # another target's: prepared again

@@ -41,6 +41,7 @@ class SourceOptions:
     delivery_log: str | None = None
     owner: str | None = None  # stable across restarts of one consumer (a trainer rank): see streaming.StreamingSource.sweep
     verify: str = "quick"  # offline: how the store is checked before training (``HiddenStateDataset.verify``)
+    reads: str = "whole"  # offline: how a sample's hidden states are read (``dataset.SAMPLE_READS``; "windowed": by rows)
 
 
 DATA_MODES: Registry[Callable[[SourceOptions], Any]] = Registry("data mode")
@@ -55,9 +56,8 @@ def open_offline(options: SourceOptions) -> Any:
     path = Path(options.data)
     if not path.is_dir():
         raise SpecdraftError(f"{setting('data')} {path} does not exist; point it at a hidden-state store written by `specdraft extract`")
-    return HiddenStateDataset(
-        path, options.dataset, verify=options.verify
-    )  # --dataset overrides the path the manifest recorded (a moved run)
+    # --dataset overrides the path the manifest recorded (a moved run)
+    return HiddenStateDataset(path, options.dataset, verify=options.verify, reads=options.reads)
 
 
 @DATA_MODES.register("online")

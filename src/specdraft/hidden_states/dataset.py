@@ -10,12 +10,18 @@ first step instead of when training reaches it: ``quick`` (the default) requires
 manifest lists (or, in a store written before manifests listed them, counts) to be present and each
 stored object whole (sizes); ``full`` also reads every sample and checks it against the sha256 its
 payload records. One error names every kind of problem found.
+
+How an item's hidden states are read is named by ``reads`` (``SAMPLE_READS``): ``whole`` loads the sample's
+tensors; ``windowed`` (a sequence-parallel rank, ``train --sequence-parallel N``) verifies the sample just as
+whole but returns ``hidden_states``/``last_hidden`` as ``payload.StoredRows``, read from the store only where
+``collate`` slices them: the rank's shard of each row, 1/N of the sample.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,12 +30,20 @@ from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.backends.base import STORE_FORMAT_NAME, HiddenStateBackend
 from specdraft.hidden_states.config import VERIFY_LEVELS
 from specdraft.hidden_states.layers import LayerSlot
+from specdraft.hidden_states.payload import HiddenStatePayload, PayloadRows
 from specdraft.hidden_states.source import SampleSource
 
 if TYPE_CHECKING:
     from specdraft.data.dataset import PreparedDataset
 
 log = logging.getLogger(__name__)
+
+#: How a sample's hidden states are read, by name (``HiddenStateDataset(..., reads=NAME)``): whole, or verified whole
+#: and loaded only by the rows sliced (``HiddenStateBackend.get_rows``; backends that cannot skip bytes read whole).
+SAMPLE_READS: dict[str, Callable[[HiddenStateBackend, str], HiddenStatePayload | PayloadRows]] = {
+    "whole": lambda backend, key: backend.get(key),
+    "windowed": lambda backend, key: backend.get_rows(key),
+}
 
 
 class HiddenStateDataset(torch.utils.data.Dataset, SampleSource):
@@ -38,15 +52,20 @@ class HiddenStateDataset(torch.utils.data.Dataset, SampleSource):
 
     ``store`` is a store directory (file backend) or an open backend; ``prepared_dataset`` a
     ``PreparedDataset`` or its directory, by default the one recorded in the store manifest.
-    Samples are the stored ones, in dataset order.
+    Samples are the stored ones, in dataset order. ``reads``: a ``SAMPLE_READS`` name (see the module docstring).
     """
 
     prepared: PreparedDataset
 
-    def __init__(self, store: str | os.PathLike | HiddenStateBackend, prepared_dataset: Any = None, *, verify: str = "quick"):
+    def __init__(
+        self, store: str | os.PathLike | HiddenStateBackend, prepared_dataset: Any = None, *, verify: str = "quick", reads: str = "whole"
+    ):
         from specdraft.data.dataset import PreparedDataset
         from specdraft.hidden_states.backends.file import FileBackend
 
+        if reads not in SAMPLE_READS:
+            raise SpecdraftError(f"unknown hidden-state read {reads!r}; choose one of: {', '.join(SAMPLE_READS)}")
+        self._read = SAMPLE_READS[reads]
         self.backend = store if isinstance(store, HiddenStateBackend) else FileBackend(store, create=False)
         where = self.backend.location
         manifest = self.backend.read_manifest()
@@ -147,7 +166,7 @@ class HiddenStateDataset(torch.utils.data.Dataset, SampleSource):
 
     def __getitem__(self, i: int) -> dict:
         sid = self.sample_ids[i]
-        payload = self.backend.get(sid)  # verifies checksums, shapes and dtypes
+        payload = self._read(self.backend, sid)  # verifies checksums, shapes and dtypes
         row = self.prepared[self.prepared.index_of(sid)]
         problems = payload.mismatches(
             fingerprint=self.target_info.get("fingerprint"), slots=self.slots, dtype=self.dtype, token_ids=row["input_ids"]

@@ -61,7 +61,8 @@ def open_sample_source(cfg: TrainConfig, *, rank: int | None = None, world: int 
     (one log per rank under torchrun: ranks may run on different hosts, and appends from several hosts to
     one file on a network file system interleave or get lost). Each rank's source is owned by (OUT, rank),
     so a rank restarted after its host was lost deletes what its predecessor left in the store. ``rank`` and
-    ``world`` default to torchrun's environment (``distributed.Dist.from_env``)."""
+    ``world`` default to torchrun's environment (``distributed.Dist.from_env``). A sequence-parallel rank reads each
+    sample "windowed" (``hidden_states.dataset.SAMPLE_READS``): ``collate`` then loads only its shard's rows of it."""
     from pathlib import Path
 
     import specdraft.models  # noqa: F401  (registers the built-in methods)
@@ -85,6 +86,7 @@ def open_sample_source(cfg: TrainConfig, *, rank: int | None = None, world: int 
         timeout_s=cfg.request_timeout,
         delivery_log=str(Path(cfg.out) / delivery_log_name(rank, world)) if cfg.out else None,
         verify=cfg.verify,
+        reads="windowed" if cfg.sequence_parallel > 1 else "whole",
         owner=f"{hashlib.sha256(str(Path(cfg.out).resolve()).encode()).hexdigest()[:8]}r{rank}" if cfg.out else None,
     )
     return DATA_MODES.get(cfg.data_mode)(options)
@@ -338,7 +340,9 @@ def collate(
     sample truncated to ``sample_tokens`` (the plan's ``sample_tokens``). ``round_width`` pads the batch to
     ``padded_width``: for runs with long samples (``TrainConfig.round_row_widths``), whose row lengths range widely;
     other runs keep exact widths, so they train (and resume, ``scripts/resume_across.py``) bit for bit as before.
-    ``window``: only these rows of every row (a sequence-parallel rank's shard; default the whole row).
+    ``window``: only these rows of every row (a sequence-parallel rank's shard; default the whole row). An item's
+    ``hidden_states``/``last_hidden`` are read only by the rows of the window, ``item[...][a:b]``: loaded tensors or
+    ``payload.StoredRows`` (a windowed read, ``SAMPLE_READS``), which then load only those rows from the store.
 
     Hidden states are cast to float32 (autocast lowers them again where it pays off). NaN or inf among them is
     refused, naming ``where`` (the store), the sample and the tensor (``check_finite_hidden``); ``agree``: with

@@ -14,6 +14,7 @@ Its parts, each in its own module:
   (which writes ``checkpoint_files.py``'s format).
 - ``fit.py``: the loop, with logging, validation, stopping (SIGINT/SIGTERM, ``max_time``: a
   checkpoint after the current step) and checkpointing as hooks.
+- ``validation.py``: the validation hook (the teacher-forced pass, the decoded tau) the loop calls.
 
 A fresh run warm-starts the drafter (``warm_start``), a resumed one restores the checkpoint. At the
 end: validation, a last checkpoint and ``OUT/final`` (the drafter and its ``MODEL_CARD.md``).
@@ -45,16 +46,14 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError, setting
-from specdraft.models.base import METHODS, DrafterBatch, DrafterModel, TrainOutput
+from specdraft.models.base import METHODS, DrafterModel
 from specdraft.models.common.checkpoint import DRAFTER_DIR
 from specdraft.targets.base import Target
 from specdraft.tracking import TrackedRun, open_trackers
 from specdraft.train import checkpoint_files as ckpt
 from specdraft.train.batches import (
     DELIVERY_LOG,
-    WHOLE,
     PrefetchingSource,
-    RowWindow,
     SampleSource,
     collate,
     open_sample_source,
@@ -66,8 +65,8 @@ from specdraft.train.batches import (
 from specdraft.train.config import TrainConfig
 from specdraft.train.distributed import Dist, init_distributed, process_group_scope
 from specdraft.train.fit import FitHooks, StepDone, TrainLog, fit
-from specdraft.train.metrics import MetricsLog, MetricSums, lr_factor, trained_labels
-from specdraft.train.model_card import TEACHER_FORCED_ANCHORS, last_validation, model_card
+from specdraft.train.metrics import MetricsLog, lr_factor, trained_labels
+from specdraft.train.model_card import last_validation, model_card
 from specdraft.train.plan import RunPlan, build_method_config, plan_run
 from specdraft.train.sequence_parallel import (
     SequenceGroups,
@@ -78,17 +77,17 @@ from specdraft.train.sequence_parallel import (
 from specdraft.train.split import SPLIT_FILE, write_split
 from specdraft.train.step import StepModule, build_optimizer, reseed, synthetic_batch, train_step
 from specdraft.train.strategies import STRATEGIES, Checkpointer, TrainState, strategy_name
+from specdraft.train.validation import Validation
 from specdraft.train.warm_start import WarmStartInputs, apply_warm_start, check_warm_start
 from specdraft.tuning.measured import fastest_time
 from specdraft.tuning.settings import Choice, MachineSettings
-from specdraft.utils.compute import COMPUTE_DTYPES, autocast
+from specdraft.utils.compute import COMPUTE_DTYPES
 from specdraft.utils.io import check_replaceable
 from specdraft.utils.lock import claims_output
 from specdraft.utils.provenance import write_provenance
 
 log = logging.getLogger(__name__)
 
-EVAL_SEED_KIND = 1
 MODEL_CARD = "MODEL_CARD.md"  # in OUT/final: data, validation split and both acceptance figures (train/model_card.py)
 
 
@@ -192,13 +191,14 @@ def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_
             log.info("dry run: wrote %s", checkpointer.save(state))
         return result(step=state.step, completed=False, stopped_by=None, final=None)
 
-    validate = _Validation(
+    validate = Validation(
         run,
         dataset,
         target,
         checkpointer,
         metrics_log,
-        compute,
+        compute.device,
+        compute.dtype,
         sequence,
         max_batches=cfg.val_max_batches,
         sample_tokens=cfg.sample_tokens,
@@ -256,7 +256,7 @@ def _hooks(
     checkpointer: Checkpointer,
     compute: Compute,
     sequence: SequenceGroups,
-    validate: _Validation,
+    validate: Validation,
     metrics_log: MetricsLog,
 ) -> FitHooks:
     """The fit loop's parts: read, step, and the logging, validation, stop and checkpoint hooks on their intervals."""
@@ -293,7 +293,7 @@ def _hooks(
 
 
 def _finish(
-    state: TrainState, run: RunPlan, checkpointer: Checkpointer, validate: _Validation, *, stopped_by: str | None, already_done: bool
+    state: TrainState, run: RunPlan, checkpointer: Checkpointer, validate: Validation, *, stopped_by: str | None, already_done: bool
 ) -> Path | None:
     """After the loop: a last validation and checkpoint when the schedule ran out here, and ``OUT/final``
     unless a signal stopped the run (``max_time`` still writes it)."""
@@ -515,116 +515,6 @@ def _stopping(max_time: float, total_steps: int, checkpointer: Checkpointer) -> 
         return None
 
     return stop
-
-
-class _Validation:
-    """The validation hook: the teacher-forced pass over the validation batches and, with a decode probe,
-    the decoded tau (rank 0), written to ``metrics.jsonl``."""
-
-    def __init__(
-        self,
-        run: RunPlan,
-        dataset: SampleSource,
-        target: Target,
-        checkpointer: Checkpointer,
-        metrics_log: MetricsLog,
-        compute: Compute,
-        sequence: SequenceGroups,
-        *,
-        max_batches: int,
-        sample_tokens: int,
-        round_width: bool,
-        seed: int,
-    ):
-        self.run, self.dataset, self.target, self.checkpointer, self.metrics_log, self.compute, self.sequence = (
-            run,
-            dataset,
-            target,
-            checkpointer,
-            metrics_log,
-            compute,
-            sequence,
-        )
-        self.batches, self.sample_tokens, self.round_width, self.seed = run.data.val_batches(max_batches), sample_tokens, round_width, seed
-
-    def __call__(self, state: TrainState) -> dict | None:
-        dist_ = self.checkpointer.dist
-        state.module.eval()
-        sums = teacher_forced(
-            lambda own: state.module(*self.sequence.split(own)),
-            self.dataset,
-            self.batches,
-            sample_tokens=self.sample_tokens,
-            round_width=self.round_width,
-            slot_index=self.run.slot_index,
-            device=self.compute.device,
-            compute_dtype=self.compute.dtype,
-            where=self.run.where,
-            seed=step_seed(self.seed, dist_.data_rank, state.step, EVAL_SEED_KIND),
-            agree=functools.partial(dist_.any, device=self.compute.device),
-            window=self.sequence.window,
-        )
-        sums.all_reduce(self.sequence.data_group)
-        if not sums.batches:
-            state.module.train()
-            return None
-        record = {"split": "val", "step": state.step, **sums.summary()}
-        record.update(tau_teacher_forced=record.get("accept_len"), teacher_forced_anchors=TEACHER_FORCED_ANCHORS)
-        if self.run.probe is not None:
-            module = self.checkpointer.current_drafter(state)  # a collective under FSDP
-            if dist_.main:
-                record["decoded"] = self.run.probe.run(module, self.run.method, self.target)
-                record["tau_decoded"] = record["decoded"]["tau"]
-            dist_.barrier()
-        elif self.run.probe_skipped:
-            record["decoded_skipped"] = self.run.probe_skipped
-        state.module.train()
-        if dist_.main:
-            self.metrics_log.write(record)
-        return record
-
-
-def teacher_forced(
-    forward: Callable[[DrafterBatch], TrainOutput],
-    dataset: SampleSource,
-    batches: list[list[list[int]]],
-    *,
-    sample_tokens: int,
-    slot_index: list[int] | None,
-    device: torch.device | str,
-    compute_dtype: str,
-    seed: int,
-    round_width: bool = False,
-    where: str = "the hidden-state store",
-    agree: Callable[[bool], bool] | None = None,
-    window: RowWindow = WHOLE,
-) -> MetricSums:
-    """The validation pass's teacher-forced sums (``accept_len`` = ``tau_teacher_forced``) over ``batches``
-    (``DataPlan.val_batches``), every RNG seeded with ``seed`` first. ``forward`` is the step module or a
-    drafter's ``training_forward``, already in eval mode (uniform anchors); the benchmarks score other
-    held-out sets through this same pass. The caller all-reduces across processes; ``agree`` (``Dist.any``) lets every
-    process refuse a batch with non-finite hidden states when any one holds one (``collate``). ``window``: the shard of
-    each row this process collates (a sequence-parallel rank's; ``forward`` then trains through ``shard_sample``);
-    the token counts are the whole rows'."""
-    sums = MetricSums()
-    reseed(seed)
-    with torch.no_grad():
-        for rows in batches:
-            items = [[dataset[i] for i in row] for row in rows]
-            batch = collate(
-                items,
-                sample_tokens=sample_tokens,
-                round_width=round_width,
-                slot_index=slot_index,
-                where=where,
-                agree=agree,
-                window=window,
-            ).to(device)
-            tokens = sum(row_lengths(items, sample_tokens))
-            del items
-            with autocast(compute_dtype, device):
-                sums.add(forward(batch), tokens)
-    return sums
 
 
 def _measured_settings(

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specdraft.errors import SpecdraftError, setting
-from specdraft.hidden_states.payload import HiddenStatePayload
+from specdraft.hidden_states.payload import HiddenStatePayload, PayloadRows
 from specdraft.registry import Registry
 
 STORE_FORMAT_NAME = "specdraft.hidden_state_store"
@@ -48,6 +48,13 @@ class HiddenStateBackend(ABC):
     @abstractmethod
     def get(self, key: str) -> HiddenStatePayload:
         """The verified payload under ``key``; ``SpecdraftError`` if it is missing or corrupt."""
+
+    def get_rows(self, key: str) -> HiddenStatePayload | PayloadRows:
+        """The verified payload under ``key``, for a reader that slices ``hidden_states``/``last_hidden`` by rows and
+        uses only some (a sequence-parallel rank: ``HiddenStateDataset(..., reads="windowed")``). The default reads it
+        whole (``get``: its tensors slice alike): a transport that hands over one object's bytes at once (Mooncake)
+        has no part of it to skip. The file backend overrides it to load only the rows sliced."""
+        return self.get(key)
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...

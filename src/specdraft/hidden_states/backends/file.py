@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import quote, unquote
 
 from specdraft.errors import OS_ERROR_FIXES, SpecdraftError
 from specdraft.hidden_states.backends.base import BACKENDS, STORE_FORMAT_NAME, HiddenStateBackend
-from specdraft.hidden_states.payload import HiddenStatePayload
+from specdraft.hidden_states.payload import HiddenStatePayload, PayloadRows
 from specdraft.utils.io import DirKind, atomic_write_bytes, json_field_is
+
+_Payload = TypeVar("_Payload", HiddenStatePayload, PayloadRows)
 
 SUFFIX = ".safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -101,9 +105,18 @@ class FileBackend(HiddenStateBackend):
         return len(data)
 
     def get(self, key: str) -> HiddenStatePayload:
+        return self._read(key, lambda path: HiddenStatePayload.from_bytes(path.read_bytes(), source=str(path)))
+
+    def get_rows(self, key: str) -> PayloadRows:
+        """Verified whole (every tensor's sha256, hashed from the file in chunks), loaded by rows: only the rows a
+        reader slices of ``hidden_states``/``last_hidden`` are read (``payload.PayloadRows``)."""
+        return self._read(key, lambda path: PayloadRows.open(path, source=str(path)))
+
+    def _read(self, key: str, read: Callable[[Path], _Payload]) -> _Payload:
+        """``read`` the file of ``key``, naming the sample where it is absent or not the one stored under ``key``."""
         path = self.path(key)
         try:
-            data = path.read_bytes()
+            payload = read(path)
         except FileNotFoundError:
             raise SpecdraftError(
                 f"{path}: no hidden states stored for sample {key!r}; run `specdraft extract` to (re)create them"
@@ -112,7 +125,6 @@ class FileBackend(HiddenStateBackend):
             raise SpecdraftError(
                 f"{path} is a directory, not the stored sample {key!r}; move it away and rerun `specdraft extract` to redo the sample"
             ) from None
-        payload = HiddenStatePayload.from_bytes(data, source=str(path))
         if payload.sample_id != key:
             raise SpecdraftError(f"{path}: holds sample {payload.sample_id!r}, expected {key!r}; re-extract it")
         return payload

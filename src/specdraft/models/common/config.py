@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, setting
 from specdraft.hidden_states.layers import LAYER_PRESETS, LayerSlot, parse_slots
 from specdraft.targets.base import Target
 from specdraft.utils.config import config_field, require_finite
@@ -63,6 +63,7 @@ class DraftConfig:
         "",
         help="divergence between the drafter's and the target's next-token distributions, a key of DISTILL_LOSSES "
         "(models/common/distill_losses.py; '' = the method's own: dspark l1, dflash2 kl, eagle3 soft_ce; dflash has none)",
+        metadata={"added_later": True},  # checkpoints from before it were trained with their method's own term
     )
     loss_chunk_rows: int = config_field(1024, help="rows per LM-head chunk in the loss (bounds [rows x vocab] memory; 0 = one chunk)")
     hidden_size: int | None = config_field(None, help="draft hidden size (default: the target's)")
@@ -97,7 +98,7 @@ class DraftConfig:
 
             if self.distill_default is None:
                 raise SpecdraftError(
-                    f"{self.method} config: distill_loss (--distill-loss) {self.distill_loss!r} given, but {self.method} trains "
+                    f"{self.method} config: {setting('distill_loss')} {self.distill_loss!r} given, but {self.method} trains "
                     "on hard labels only (no distillation term); it applies to the methods that distil the target's distribution"
                 )
             DISTILL_LOSSES.get(self.distill_loss)  # an unknown name raises with the list of losses

@@ -74,7 +74,7 @@ class Distributions:
 
 
 DistillLoss = Callable[[Distributions], torch.Tensor]
-DISTILL_LOSSES: Registry[DistillLoss] = Registry("distillation loss (--distill-loss, model.distill_loss)")
+DISTILL_LOSSES: Registry[DistillLoss] = Registry("distillation loss")
 
 
 def _kl(log_from: torch.Tensor, log_to: torch.Tensor) -> torch.Tensor:
