@@ -167,6 +167,31 @@ def run(tokens: int, size: int, scratch: Path, steps: int, reads: str) -> dict:
     }
 
 
+def fit(paths: list[Path], limit_mb: float) -> list[dict]:
+    """A least-squares line of the largest rank's peak RSS (after training, and of the read phase) against tokens,
+    for each (reads, N) in the results files ``paths``, and the tokens at which it reaches ``limit_mb``: a projection
+    past the measured lengths, as good as the line is."""
+    rows: dict[tuple[str, int], list[dict]] = {}
+    for path in paths:
+        for r in json.loads(path.read_text())["results"]:
+            rows.setdefault((r.get("reads", "trainer"), r["sequence_parallel"]), []).append(r)
+    fits = []
+    for (reads, size), runs in sorted(rows.items()):
+        tokens = [r["tokens"] for r in runs]
+        line = {"reads": reads, "sequence_parallel": size, "tokens": tokens}
+        for key in ("peak_rss_mb", "read_peak_rss_mb"):
+            if len(set(tokens)) < 2 or not all(key in r for r in runs):
+                continue
+            slope, intercept = statistics.linear_regression(tokens, [max(r[key]) for r in runs])
+            line[key] = {
+                "mb_per_1k_tokens": round(slope * 1000, 2),
+                "mb_at_0": round(intercept),
+                "tokens_at_limit": round((limit_mb - intercept) / slope),
+            }
+        fits.append(line)
+    return fits
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="8192,32768", help="sample lengths, a comma list")
@@ -179,7 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         help="trainer: the store opened as train opens it (windowed reads for N > 1); whole: every rank reads the sample whole",
     )
     parser.add_argument("--out", type=Path, help="JSON results file")
+    parser.add_argument("--fit", type=Path, nargs="+", help="instead of running: fit these results files (see fit())")
+    parser.add_argument("--limit-mb", type=float, default=24 * 1024, help="--fit: the memory whose crossing is projected (MiB)")
     args = parser.parse_args(argv)
+    if args.fit:
+        for line in fit(args.fit, args.limit_mb):
+            print(json.dumps(line))
+        return 0
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         for tokens in map(int, args.tokens.split(",")):
