@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -65,8 +66,8 @@ def markdown(result: dict) -> str:
         "",
         f"Store `{p['store']}`: {p['train_samples']} training / {p['val_samples']} validation samples (split by conversation), "
         f"{p['train_tokens_per_epoch']} training tokens per epoch; every run {budget} (train tokens in the table). Decoded "
-        f"greedily by specdraft's runtime, full-block verification, on the first {p['val_prompts']} validation prompts x "
-        f"{p['val_tokens']} tokens. {p['threads']} torch thread(s) per process.",
+        f"greedily by specdraft's runtime, full-block verification, on the first {p['val_prompts']} validation prompts "
+        f"(all of them when fewer) x {p['val_tokens']} tokens. {p['threads']} torch thread(s) per process.",
         "",
         f"    {p['command']}",
         "",
@@ -147,7 +148,7 @@ def main() -> None:
         "threads": args.threads,
         "ours_flags": args.ours_flags,
         "decode": "greedy, full-block verification, specdraft runtime",
-        "command": " ".join(["benchmarks/recipe_ablation.py", *sys.argv[1:]]),
+        "command": shlex.join(["benchmarks/recipe_ablation.py", *sys.argv[1:]]),
     }
     steps = f"--max-steps {args.max_steps}" if args.max_steps else ""
     runs: list[dict] = []

@@ -101,7 +101,11 @@ class DraftConfig:
                     f"{self.method} config: {setting('distill_loss')} {self.distill_loss!r} given, but {self.method} trains "
                     "on hard labels only (no distillation term); it applies to the methods that distil the target's distribution"
                 )
-            DISTILL_LOSSES.get(self.distill_loss)  # an unknown name raises with the list of losses
+            if self.distill_loss not in DISTILL_LOSSES:
+                raise SpecdraftError(
+                    f"{setting('distill_loss')}: unknown distillation loss {self.distill_loss!r}; "
+                    f"choose one of: {', '.join(DISTILL_LOSSES.names())}"
+                )
 
     @property
     def resolved(self) -> bool:
