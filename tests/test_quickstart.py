@@ -268,3 +268,15 @@ def test_a_slow_machine_reserves_more_for_the_comparison_and_trains_less(tiny_ll
         assert sized["round_ms"]["drafter@full"] > sized["round_ms"]["ngram"] > sized["round_ms"]["autoregressive"]
         reserves[step_s] = sized["reserve_s"] - 30  # less the fixed margin for what the comparison's time limit does not cover
     assert 8 < reserves[0.1] / reserves[0.01] < 10.5
+
+
+@pytest.mark.parametrize("recipe", ["dspark", "dflash", "dflash2", "eagle3"])
+def test_every_packaged_recipe_gets_a_training_config(recipe, tiny_llama_dir, tmp_path):
+    """``--recipe eagle3`` once failed at once: the quickstart gave it --max-anchors, a block drafter's setting that
+    EAGLE-3's config refuses. Anchors go to the methods that draft blocks only."""
+    from specdraft.quickstart.stages import _open_run
+
+    run = _open_run(QuickstartConfig(target=str(tiny_llama_dir), out=str(tmp_path / "run"), recipe=recipe, max_anchors=5, threads=1))
+    cfg = run.train_config()
+    assert cfg.method == recipe
+    assert cfg.model.get("max_anchors") == (None if recipe == "eagle3" else 5)
