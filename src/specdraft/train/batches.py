@@ -222,6 +222,21 @@ class DataPlan:
             )
         return plan
 
+    @classmethod
+    def for_run(cls, dataset: SampleSource, split: Split, cfg: TrainConfig, *, world_size: int = 1, rank: int = 0) -> DataPlan:
+        """The plan a training run of ``cfg`` follows over ``dataset`` (the trainer's, and the budget probes' count of it)."""
+        return cls.build(
+            list(dataset.sample_ids),
+            dataset.lengths(),
+            split=split,
+            pack_tokens=cfg.pack_tokens,
+            batch_rows=cfg.batch_rows,
+            seed=cfg.seed,
+            world_size=world_size,
+            rank=rank,
+            max_sample_tokens=cfg.max_sample_tokens,
+        )
+
     @property
     def sample_tokens(self) -> int:
         """The most tokens of one sample a row holds (longer ones are truncated to it)."""

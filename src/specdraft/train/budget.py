@@ -31,16 +31,7 @@ def epoch_steps(cfg: Any) -> int:
 
     dataset = open_sample_source(cfg)
     split = dataset_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed)
-    plan = DataPlan.build(
-        list(dataset.sample_ids),
-        dataset.lengths(),
-        split=split,
-        pack_tokens=cfg.pack_tokens,
-        batch_rows=cfg.batch_rows,
-        seed=cfg.seed,
-        max_sample_tokens=cfg.max_sample_tokens,
-    )
-    return plan.total_steps(cfg.epochs)
+    return DataPlan.for_run(dataset, split, cfg).total_steps(cfg.epochs)
 
 
 #: The share of its seconds that a budgeted training run plans steps in: validation, checkpoints and step-time drift

@@ -78,17 +78,7 @@ def plan_run(
     slot_index: list[int] | None = select_slots(dataset.slots, slots, where=where)
     slot_index = None if slot_index == list(range(len(dataset.slots))) else slot_index
     split = resolve_split(dataset, val_fraction=cfg.val_fraction, seed=cfg.split_seed, recorded=out / SPLIT_FILE)
-    data = DataPlan.build(
-        list(dataset.sample_ids),
-        dataset.lengths(),
-        split=split,
-        pack_tokens=cfg.pack_tokens,
-        batch_rows=cfg.batch_rows,
-        seed=cfg.seed,
-        world_size=world,
-        rank=rank,
-        max_sample_tokens=cfg.max_sample_tokens,
-    )
+    data = DataPlan.for_run(dataset, split, cfg, world_size=world, rank=rank)
     require_labels(dataset, data.train_indices, sample_tokens=cfg.sample_tokens, where=where)
     probe, probe_skipped = None, None
     if cfg.decode_prompts and data.val_indices:
