@@ -52,6 +52,8 @@ def test_quickstart_runs_every_stage_and_resumes(tiny_llama_dir, tmp_path, capsy
         "1",
         "--engine",
         "hf",
+        "--served",
+        "off",
     ]
     assert main(argv) == 0
     journal = json.loads((run / "quickstart.json").read_text())

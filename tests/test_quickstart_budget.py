@@ -165,7 +165,7 @@ def test_quickstart_without_a_data_budget_measures_a_pilot_and_grows_the_data_fr
     run = tmp_path / "run"
     argv = ["quickstart", "--out", str(run), "--target", str(tiny_llama_dir), "--recipe", str(recipe), "--samples", "12"]
     argv += ["--max-new-tokens", "8", "--regen-batch-size", "3", "--budget", "2", "--epochs", "2", "--eval-max-new-tokens", "6"]
-    assert main([*argv, "--threads", "1", "--engine", "hf"]) == 0
+    assert main([*argv, "--threads", "1", "--engine", "hf", "--served", "off"]) == 0
     journal = json.loads((run / "quickstart.json").read_text())
     stages = journal["stages"]
     split = stages["size-data"]

@@ -209,21 +209,12 @@ def test_real_store_errors(stores, tmp_path):
 def test_ddp_two_gloo_processes_real_method(stores, tmp_path):
     """dspark under torchrun (2 gloo processes): gradients sync (ranks end with equal weights), rank 0 writes."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    from torchrun import torchrun
 
     out = tmp_path / "run"
     cfg = config("dspark", store_for("dspark", stores), out, max_steps=2, eval_interval=0, checkpoint_interval=0).to_dict()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, json.dumps(cfg), str(tmp_path)],
-        cwd=Path(__file__).parent,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(__file__, json.dumps(cfg), str(tmp_path))
     ranks = [load_file(str(tmp_path / f"weights-{r}.safetensors")) for r in range(2)]
     assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
     final = load_file(str(out / "final/model.safetensors"))

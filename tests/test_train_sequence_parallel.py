@@ -2,7 +2,9 @@
 
 The model-level exactness (loss and gradients at N = 2, 4 for every family) is ``test_sequence_parallel.py``; here the
 trainer around it: a rank collates only its shard of each row, bad settings are refused naming the flag, and a
-2-process run at N = 2 trains the drafter a 1-process run trains on the same data and seed, and resumes bit for bit.
+2-process run at N = 2 (DDP or FSDP) trains the drafter a 1-process run trains on the same data and seed, and resumes bit
+for bit; a 4-process FSDP run (2 data groups x N = 2) shards every parameter over all 4 and trains the drafter of 2
+data-parallel processes.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,10 +24,11 @@ from specdraft.train.batches import RowWindow, collate
 from specdraft.train.config import TrainConfig
 from specdraft.train.trainer import train
 from test_train_toy import ToyStore, ToyTarget, toy_config
+from torchrun import torchrun
 
-TESTS = Path(__file__).parent
 # fp32, 4 AdamW steps at lr 6e-4: the split changes only the order of the loss's and gradients' sums. Measured largest
-# weight difference against the 1-process run: 1.7e-7 (dspark), 7.0e-7 (eagle3); the tolerance leaves ~7x of that.
+# weight difference against the 1-process run: 1.7e-7 (dspark, DDP and FSDP), 7.0e-7 (eagle3); the tolerance leaves ~7x
+# of that. FSDP over data 2 x N 2 against DDP over data 2: 2.5e-6 (fc.weight), half the tolerance at that weight.
 WEIGHT_ATOL, WEIGHT_RTOL = 5e-6, 1e-5
 
 
@@ -69,8 +71,6 @@ def test_non_finite_states_in_a_shard_name_the_sample_and_token():
     ("values", "message"),
     [
         ({"sequence_parallel": 0}, r"--sequence-parallel must be >= 1 \(1 = off\), got 0"),
-        ({"sequence_parallel": 2, "parallel": "fsdp"}, r"--sequence-parallel 2 runs under DDP only; --parallel fsdp .*not implemented"),
-        ({"sequence_parallel": 2, "data_mode": "online"}, r"--sequence-parallel 2 reads an offline store only; --data-mode online"),
     ],
 )
 def test_unsupported_settings_are_refused(values, message):
@@ -117,28 +117,10 @@ def _config(method: str, stores, out: Path, **kw) -> TrainConfig:
     return config(method, store_for(method, stores), out, max_steps=4, eval_interval=2, checkpoint_interval=2, decode_prompts=0, **kw)
 
 
-def _torchrun(cfg: TrainConfig, side: Path) -> None:
-    """Train ``cfg`` with 2 gloo processes (this file as the entry, ``_rank_main``)."""
+def _torchrun(cfg: TrainConfig, side: Path, nproc: int = 2) -> None:
+    """Train ``cfg`` with ``nproc`` gloo processes (this file as the entry, ``_rank_main``)."""
     side.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            __file__,
-            json.dumps(cfg.to_dict()),
-            str(side),
-        ],
-        cwd=TESTS,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(__file__, json.dumps(cfg.to_dict()), str(side), nproc=nproc)
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
@@ -150,39 +132,24 @@ def _records(out: Path, split: str) -> list[dict]:
 
 
 @pytest.mark.slow  # two 2-process torchrun launches and a 1-process run of the real trainer (about 2 minutes on 2 cores)
-@pytest.mark.parametrize("method", ["dspark", "eagle3"])
-def test_two_ranks_at_n2_train_the_one_process_drafter_and_resume_bit_for_bit(method, stores, tmp_path):
+@pytest.mark.parametrize(("method", "parallel"), [("dspark", "ddp"), ("eagle3", "ddp"), ("dspark", "fsdp")])
+def test_two_ranks_at_n2_train_the_one_process_drafter_and_resume_bit_for_bit(method, parallel, stores, tmp_path):
     from test_train_methods import tiny_target
 
     one = train(_config(method, stores, tmp_path / "one"), target=tiny_target())
     assert one.completed
     out = tmp_path / "sp"
-    cfg = _config(method, stores, out, sequence_parallel=2)
+    cfg = _config(method, stores, out, sequence_parallel=2, parallel=parallel)
     _torchrun(cfg, tmp_path / "side")
 
-    # the drafter the 1-process run trains, within fp32 rounding of the sums' order
-    want, got = _weights(tmp_path / "one"), _weights(out)
-    assert want.keys() == got.keys()
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, atol=WEIGHT_ATOL, rtol=WEIGHT_RTOL, msg=lambda m, name=name: f"{name}: {m}")
-    ranks = [load_file(str(tmp_path / "side" / f"weights-{r}.safetensors")) for r in range(2)]
-    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])  # DDP keeps the group's replicas equal
+    _assert_same_run(tmp_path / "one", out)  # the drafter and the logs of the 1-process run
+    _assert_held_as(parallel, _weights(out), tmp_path / "side", 2)
     # each rank trained on its half of every row (plus the halo rows of the next), never the whole row
     steps = [json.loads((tmp_path / "side" / f"steps-{r}.json").read_text()) for r in range(2)]
     assert len(steps[0]) == len(steps[1]) == 4
     for a, b in zip(*steps):
         assert a["start"] == 0 and b["start"] == a["length"] == b["length"] and a["rows"] == a["length"] + a["halo"] > a["halo"] > 0
         assert a["tokens"] > 0 and b["tokens"] > 0  # both halves hold real tokens: the split cuts through the row
-
-    # the logs count each sample once: the whole rows' tokens and labels, as at N = 1
-    for split in ("train", "val"):
-        a, b = _records(tmp_path / "one", split), _records(out, split)
-        assert [r["step"] for r in a] == [r["step"] for r in b]
-        for x, y in zip(a, b):
-            for key in ("tokens", "labels", "anchors"):
-                if key in x:
-                    assert x[key] == y[key], (split, key)
-            assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-5), split
     state = json.loads((out / "checkpoints/step-4/trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["sequence_parallel"] == 2
 
@@ -201,6 +168,52 @@ def test_two_ranks_at_n2_train_the_one_process_drafter_and_resume_bit_for_bit(me
     with pytest.raises(SpecdraftError, match=r"trained with --sequence-parallel 2, and continuing it with 1 would not .* bit for bit"):
         train(_config(method, stores, out), target=tiny_target())
     assert (out / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.slow  # a 4-process and a 2-process torchrun launch (65 s on 2 shared cores)
+def test_fsdp_over_two_data_groups_of_two_trains_the_data_parallel_drafter(stores, tmp_path):
+    """World 4 = data 2 x sequence 2 under FSDP: each parameter sharded over all 4 processes, and the drafter (and
+    logs) of 2 data-parallel processes without the split (DDP, N = 1): the same data plan, keyed by the data rank."""
+    _torchrun(_config("dspark", stores, tmp_path / "ddp"), tmp_path / "side-ddp")
+    out = tmp_path / "mesh"
+    _torchrun(_config("dspark", stores, out, sequence_parallel=2, parallel="fsdp"), tmp_path / "side", nproc=4)
+    _assert_same_run(tmp_path / "ddp", out)
+    _assert_held_as("fsdp", _weights(out), tmp_path / "side", 4)
+    state = json.loads((out / "checkpoints/step-4/trainer_state.json").read_text())
+    assert state["world_size"] == 4 and state["sequence_parallel"] == 2
+
+
+def _assert_same_run(want: Path, got: Path) -> None:
+    """Run ``got`` trained the drafter of run ``want`` within fp32 rounding of the sums' order, and its logs count
+    each sample once: the whole rows' tokens and labels, and the loss and gradient norm, as without the split."""
+    a, b = _weights(want), _weights(got)
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        torch.testing.assert_close(b[name], value, atol=WEIGHT_ATOL, rtol=WEIGHT_RTOL, msg=lambda m, name=name: f"{name}: {m}")
+    for split in ("train", "val"):
+        x_records, y_records = _records(want, split), _records(got, split)
+        assert [r["step"] for r in x_records] == [r["step"] for r in y_records]
+        for x, y in zip(x_records, y_records):
+            for key in ("tokens", "labels", "anchors"):
+                if key in x:
+                    assert x[key] == y[key], (split, key)
+            for key in ("loss", "grad_norm"):  # the gradient's scale: AdamW's update barely depends on it
+                if key in x:
+                    assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-5), (split, key)
+
+
+def _assert_held_as(parallel: str, final: dict[str, torch.Tensor], side: Path, world: int) -> None:
+    """What each rank held at the end (``_rank_main``'s dump): under DDP the whole drafter, equal on every rank; under
+    FSDP a dim-0 shard of each parameter, sharded over every process of the data x sequence mesh, the shards in rank
+    order making up the final drafter."""
+    ranks = [load_file(str(side / f"weights-{r}.safetensors")) for r in range(world)]
+    if parallel == "ddp":
+        assert all(torch.equal(ranks[0][k], r[k]) for r in ranks for k in ranks[0])  # DDP keeps the replicas equal
+        return
+    for name, whole in final.items():
+        shards = [r[name] for r in ranks]
+        assert shards[0].shape[0] == -(-whole.shape[0] // world), name  # 1/world of the rows each, not 1/data
+        assert torch.equal(torch.cat(shards)[: whole.shape[0]], whole), name
 
 
 def _rank_main(cfg_json: str, side_dir: str) -> None:
@@ -227,7 +240,9 @@ def _rank_main(cfg_json: str, side_dir: str) -> None:
     result = train(TrainConfig(**json.loads(cfg_json)), target=tiny_target())
     rank = os.environ["RANK"]
     (Path(side_dir) / f"steps-{rank}.json").write_text(json.dumps(steps))
-    save_file({k: v.contiguous() for k, v in result.drafter.state_dict().items()}, str(Path(side_dir) / f"weights-{rank}.safetensors"))
+    # this rank's own tensors: the whole drafter under DDP, its shard of each parameter under FSDP
+    local = {k: (v.to_local() if hasattr(v, "to_local") else v).contiguous() for k, v in result.drafter.state_dict().items()}
+    save_file(local, str(Path(side_dir) / f"weights-{rank}.safetensors"))
 
 
 if __name__ == "__main__":

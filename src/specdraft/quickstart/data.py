@@ -48,11 +48,13 @@ def size_data(
     train_config: Callable[..., Any],
     seconds_left: Callable[[], float],
     reserve_s: float,
+    drafters: int = 1,
 ) -> dict:
     """The data split, from rates measured in this run (``tuning/data_split.py``): a pilot of ``PILOT_BATCHES`` batches is
     regenerated (``parts/pilot``), extracted (``parts/pilot-states``) and trained on for a few steps, timing each stage
     per sample here; the plan gives regeneration what the later stages leave of the budget. The pilot's samples are
-    kept: ``grow_data`` joins them with the ones regenerated after them."""
+    kept: ``grow_data`` joins them with the ones regenerated after them. ``drafters``: drafters trained on the data, each
+    in at most the time of the one timed here (the served one's share: ``served.py``), so training counts that often."""
     from specdraft.hidden_states.config import ExtractConfig
     from specdraft.hidden_states.extract import extract_hidden_states
     from specdraft.train.budget import HEADROOM, epoch_steps, probe_training
@@ -79,7 +81,7 @@ def size_data(
         regen_s_per_sample=pilot.get("generation_seconds", 0.0) / regenerated if regenerated else 0.0,
         engine_start_s=engine_start_s,
         extract_s_per_sample=extracted.seconds / extracted.samples_extracted if extracted.samples_extracted else 0.0,
-        train_s_per_sample_epoch=probe["seconds_per_step"] * steps_per_epoch / kept,
+        train_s_per_sample_epoch=drafters * probe["seconds_per_step"] * steps_per_epoch / kept,
         epochs=config.epochs,
         pilot_samples=kept,
         max_new_samples=config.samples - pilot_samples,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 
-def training_table(stages: dict) -> str:
+def training_table(stages: dict, *, served_skipped: str = "") -> str:
     """What training used and did, from the journal: compute dtype (and the probe's figures), anchors/s,
-    steps planned vs done (and why fewer, what to change), epochs and data volume."""
+    steps planned vs done (and why fewer, what to change), epochs and data volume; the served rows' reserve and drafter
+    (or why they were skipped: ``served_skipped``)."""
     data, plan, done = stages.get("prepare", {}), stages.get("size-training", {}), stages.get("train", {})
     probe = (plan.get("dtype_probe") or {}).get("seconds") or {}
     dtype = done.get("dtype") or plan.get("dtype") or "?"
@@ -44,6 +45,7 @@ def training_table(stages: dict) -> str:
                 f"plain round {sized['round_ms']['autoregressive']:.0f} ms here)",
             )
         )
+    rows += _served_facts(stages, served_skipped)
     if plan.get("budget_short"):
         rows.append(
             (
@@ -61,6 +63,44 @@ def training_table(stages: dict) -> str:
             )
         )
     return "\n".join(["| training | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+
+
+def _served_facts(stages: dict, skipped: str) -> list[tuple[str, str]]:
+    """The served rows' measured reserve and the served drafter's steps, or why the rows were skipped."""
+    if skipped:
+        return [("served rows", f"skipped: {skipped}")]
+    sized, plan, done = stages.get("size-served"), stages.get("size-served-training", {}), stages.get("train-served", {})
+    if not sized:
+        return []
+    figures = sized["figures"]
+    return [
+        (
+            "served reserve",
+            f"{sized['bench_s'] / 60:.1f} min: {sized['servers']} servers x (start {figures['start_s']:.0f} s + {sized['prompts']} "
+            f"prompts x {figures['request_s']:.1f} s per {sized['tokens']}-token request; a plain vLLM server measured here: "
+            "quickstart/served.py)",
+        ),
+        ("served drafter", f"dflash, {done.get('steps', '?')} steps done of {plan.get('steps', '?')} planned ({done.get('dtype', '?')})"),
+    ]
+
+
+def served_table(rows: list[dict]) -> str:
+    """The served rows (``served.served_rows``): server, concurrency, tokens/s per user, speed-up over plain serving,
+    served tau (vLLM's counters) and the replies identical to plain serving's."""
+
+    def shown(value: float | str | None, spec: str = "", unit: str = "") -> str:
+        return "-" if value is None else format(value, spec) + unit
+
+    lines = [
+        "| served (vLLM) | concurrency | tokens/s per user | speed-up | served tau | identical to plain |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['server']} | {r['concurrency']} | {r['per_user_tok_s']:.1f} | {shown(r['speedup'], '.2f', 'x')} | {shown(r['tau'], '.2f')} "
+        f"| {shown(r['identical'])} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
 
 
 def _measured_fact(facts: dict, name: str) -> str:

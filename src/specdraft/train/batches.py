@@ -40,6 +40,7 @@ from specdraft.models.base import DrafterBatch
 from specdraft.train.split import Split
 
 if TYPE_CHECKING:
+    from specdraft.hidden_states.streaming import GroupShare
     from specdraft.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,10 @@ log = logging.getLogger(__name__)
 @runtime_checkable
 class PrefetchingSource(Protocol):
     """A source that reads ahead (``hidden_states.streaming.StreamingSource``): the trainer tells it the
-    order of the indices it will read (``training_order``) and closes it at the end."""
+    order of the indices it will read (``training_order``) and its sequence group (``group_share``), and closes it
+    at the end."""
 
-    def start(self, order: Iterable[int]) -> None: ...
+    def start(self, order: Iterable[int], share: Any = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -90,6 +92,24 @@ def open_sample_source(cfg: TrainConfig, *, rank: int | None = None, world: int 
         owner=f"{hashlib.sha256(str(Path(cfg.out).resolve()).encode()).hexdigest()[:8]}r{rank}" if cfg.out else None,
     )
     return DATA_MODES.get(cfg.data_mode)(options)
+
+
+def group_share(window: RowWindow, group: Any) -> GroupShare | None:
+    """How the ranks of this sequence group (``group``; this rank's place and the group's size: ``window``) share each
+    streamed sample: one request per group, each rank reading its rows (``hidden_states.streaming.GroupShare``);
+    None for one process per sample. A collective of the group: its first rank picks the tickets' namespace."""
+    if window.size == 1:
+        return None
+    import uuid
+
+    import torch.distributed as dist
+
+    from specdraft.hidden_states.streaming import GroupShare
+
+    namespace = [f"specdraft/samples/{uuid.uuid4().hex}"]
+    dist.broadcast_object_list(namespace, src=dist.get_global_rank(group, 0), group=group)
+    # the key-value store the process group was made with (torchrun's): every rank reaches it; no public accessor
+    return GroupShare(window.rank, window.size, dist.distributed_c10d._get_default_store(), namespace[0])
 
 
 #: Run-directory file where streaming sources append each delivered sample id (JSON lines).

@@ -238,22 +238,11 @@ class TrainConfig:
         self._check_sequence_parallel()
 
     def _check_sequence_parallel(self) -> None:
-        """Refuse what sequence parallelism does not implement: FSDP (its parameter shards would span the sequence
-        groups: a data x sequence device mesh, not built) and streamed data (every rank of a group would request
-        the same sample from the producers)."""
+        """Refuse a group size below 1. DDP and FSDP both run over the data x sequence mesh (``train/strategies.py``);
+        streamed data is shared by a group: one request per sample (``hidden_states.streaming.GroupShare``)."""
         n = self.sequence_parallel
         if n < 1:
             raise SpecdraftError(f"{setting('sequence_parallel')} must be >= 1 (1 = off), got {n}")
-        if n > 1 and self.parallel == "fsdp":
-            raise SpecdraftError(
-                f"{setting('sequence_parallel')} {n} runs under DDP only; {setting('parallel')} fsdp with sequence parallelism is "
-                f"not implemented: use {setting('parallel')} ddp (or auto)"
-            )
-        if n > 1 and self.data_mode != "offline":
-            raise SpecdraftError(
-                f"{setting('sequence_parallel')} {n} reads an offline store only; {setting('data_mode')} {self.data_mode} is "
-                f"not implemented with it: extract the samples (`specdraft extract`) and train with {setting('data_mode')} offline"
-            )
 
     def require(self, *names: str) -> None:
         """Fail with a message naming both ways to set each missing field."""

@@ -5,7 +5,7 @@ memory) and the tokens, labels and ``last_hidden`` of its rows. What a draft blo
 
 1. **Context K/V.** A block attends to every context key of its segment before its anchor. Each rank projects its
    own rows' context features to K/V per draft layer and the group all-gathers them
-   (``torch.distributed.nn.functional.all_gather``: its backward reduce-scatters the gradient, so the K/V
+   (``GatherRows``: its backward reduce-scatters the gradient, so the K/V
    projections of rank r learn from the blocks of every rank). The blocks then attend with the global positions
    and mask (``models/common/masks.anchor_block_mask``), the same computation as one process.
 2. **A halo.** A block anchored on row a reads tokens and labels up to a + ``sequence_halo()`` (B-1 for DFlash,
@@ -44,8 +44,10 @@ seeds are keyed by the group's index, ``Dist.data_rank``), collates only its sha
 (``batches.RowWindow``: ``rows_of(pad_rows(...))`` without ever holding the whole row in float32) and trains
 through ``shard_sample``. DDP then averages the gradients over all data x N processes: per group, the mean of
 its N ranks' gradients is the one-process gradient of its batch (above), so the mean over the world is the
-data-parallel mean over the groups' batches. Loss and metrics are the whole sample's on every rank of a group, so
-the logs sum them over the ``data_group`` (one rank of each sequence group), not over every process.
+data-parallel mean over the groups' batches. FSDP (``--parallel fsdp``) shards the drafter over all data x N
+processes and its reduce-scatter takes the same mean (``strategies._fsdp_wrap``). Loss and metrics are the whole
+sample's on every rank of a group, so the logs sum them over the ``data_group`` (one rank of each sequence group),
+not over every process.
 
 Shape symbols: N batch rows, T rows of the whole sample, T_r rows of rank r, H halo rows, D target width.
 """
@@ -108,11 +110,9 @@ class ShardedRow(SequenceShard):
         return torch.where(anchors >= 0, anchors + self.start, anchors)
 
     def context_kv(self, kv: KV) -> KV:
-        from torch.distributed.nn.functional import all_gather
-
-        # One collective per layer: k and v travel stacked.
-        parts = all_gather(torch.stack(kv), group=self.group)
-        whole = torch.cat(parts, dim=3)
+        # One collective per layer: k and v travel stacked ([2, N, heads, T_r, head_dim]), rows gathered in rank order.
+        parts = GatherRows.apply(torch.stack(kv), self.group)
+        whole = torch.cat(parts.unbind(0), dim=3)
         return whole[0], whole[1]
 
     def total(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +129,26 @@ class ShardedRow(SequenceShard):
             return out
 
         return whole
+
+
+class GatherRows(torch.autograd.Function):
+    """All-gather ``x`` over ``group`` into a new leading dim (rank order); the backward reduce-scatters the gradient
+    (the sum over the group of each rank's part). ``torch.distributed.nn.functional.all_gather`` does the same on
+    NCCL, but on gloo its backward scatters from the group's ranks as if they were global ones and fails in any
+    group without rank 0 (torch 2.13: "Global rank 0 is not part of group" at data 2 x sequence 2 on CPU)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))  # the ranks' x, concatenated on dim 0
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out.view(-1, *x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        mine = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(mine, grad.reshape(-1, *grad.shape[2:]), group=ctx.group)
+        return mine, None
 
 
 def pad_rows(batch: DrafterBatch, multiple: int) -> DrafterBatch:

@@ -173,9 +173,17 @@ def _ddp_wrap(module: nn.Module, device: torch.device) -> nn.Module:
 
 
 def _fsdp_wrap(module: nn.Module, device: torch.device) -> nn.Module:
+    """Shard the step module over every process, as one FSDP2 unit (drafters are small; per-layer units would need
+    method knowledge). With ``--sequence-parallel N`` the processes are the data x sequence mesh (``Dist``) and the
+    shards span all of it, data x N (TorchTitan's ``dp_shard_cp``), not only the data dimension: the N ranks of a
+    sequence group need the same whole parameters in every forward anyway, so sharding over them too divides the
+    parameter, gradient and optimizer memory by data x N instead of data, for the same one all-gather and one
+    reduce-scatter per step (HSDP, replicating over the sequence dimension, would add an all-reduce and keep N
+    copies). The reduce-scatter averages over every process, as DDP's all-reduce does: per group, the mean of its N
+    ranks' gradients is the one-process gradient of its batch (``sequence_parallel.py``)."""
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(module)  # one unit: drafters are small; per-layer units would need method knowledge
+    fully_shard(module)  # the default mesh: every process, the data x sequence mesh flattened
     return module
 
 

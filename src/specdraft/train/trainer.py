@@ -23,7 +23,7 @@ gets decoding a few validation prompts (``decoded_tau.py``).
 
 Multi-process: run under ``torchrun``; the process group uses gloo on CPU and NCCL on GPU
 (``distributed.py``). DDP averages gradients. ``--sequence-parallel N`` splits each sample across N consecutive
-ranks (``sequence_parallel.py``: a data x sequence mesh under DDP; the data plan and step seeds are the group's).
+ranks (``sequence_parallel.py``: a data x sequence mesh under DDP or FSDP; the data plan and step seeds are the group's).
 FSDP2 (``parallel: fsdp``) shards the whole drafter as one unit via ``fully_shard`` -- meant for GPUs, and it also
 runs on CPU with gloo, which is how the tests cover it (2 processes, resume included); it has not been run on a GPU
 here. Optimizer/model state go through ``torch.distributed.checkpoint.state_dict`` so checkpoints have the same layout
@@ -56,6 +56,7 @@ from specdraft.train.batches import (
     PrefetchingSource,
     SampleSource,
     collate,
+    group_share,
     open_sample_source,
     row_lengths,
     step_seed,
@@ -68,6 +69,7 @@ from specdraft.train.fit import FitHooks, StepDone, TrainLog, fit
 from specdraft.train.metrics import MetricsLog, lr_factor, trained_labels
 from specdraft.train.model_card import last_validation, model_card
 from specdraft.train.plan import RunPlan, build_method_config, plan_run
+from specdraft.train.predicted_tau import log_predicted_tau
 from specdraft.train.sequence_parallel import (
     SequenceGroups,
     require_same_sequence_parallel,
@@ -207,7 +209,7 @@ def _train(cfg: TrainConfig, target: Target | None, dataset: SampleSource, dist_
     )
     already_done = run.resume is not None and state.step >= run.total_steps
     if isinstance(dataset, PrefetchingSource):
-        dataset.start(training_order(run.data, state.step, run.total_steps))
+        dataset.start(training_order(run.data, state.step, run.total_steps), group_share(sequence.window, sequence.group))
     hooks = _hooks(cfg, run, dataset, checkpointer, compute, sequence, validate, metrics_log)
     stopped_by, stop_signal = fit(state, run.total_steps, hooks, desc=f"train {run.method}", show_progress=dist_.main)
     final = _finish(state, run, checkpointer, validate, stopped_by=stopped_by, already_done=already_done)
@@ -431,6 +433,8 @@ def _build_state(
         compute.threads["threads"],
         compute.threads["threads_source"],
     )
+    if dist_.main:  # what a measured data-scaling fit predicts for this data, labelled so (train/predicted_tau.py)
+        log_predicted_tau(run, target)
     return state, checkpointer, compute
 
 
