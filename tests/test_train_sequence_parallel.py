@@ -132,7 +132,7 @@ def _records(out: Path, split: str) -> list[dict]:
 
 
 @pytest.mark.slow  # two 2-process torchrun launches and a 1-process run of the real trainer (about 2 minutes on 2 cores)
-@pytest.mark.parametrize(("method", "parallel"), [("dspark", "ddp"), ("eagle3", "ddp"), ("dspark", "fsdp")])
+@pytest.mark.parametrize(("method", "parallel"), [("dspark", "ddp"), ("dspark", "fsdp")])
 def test_two_ranks_at_n2_train_the_one_process_drafter_and_resume_bit_for_bit(method, parallel, stores, tmp_path):
     from test_train_methods import tiny_target
 

@@ -210,6 +210,13 @@ class StreamingSource(SampleSource):
         """Prefetch ``order`` (the indices the consumer will read next, in that order). ``share``: this rank's sequence
         group, every rank of which calls ``start`` and reads items alike (see the module docstring)."""
         if share is not None and share.size > 1:
+            # A store that deletes on read would lose the sample for every rank after the first that reads it.
+            if getattr(getattr(self.transport, "config", None), "delete_after_read", False):
+                raise SpecdraftError(
+                    f"{self.transport.location}: delete_after_read=true deletes a sample at its first read, but the {share.size} "
+                    "ranks of a sequence group each read it; drop delete_after_read from the store URL (the group's first rank "
+                    "deletes each sample once every rank has read it)"
+                )
             self._share = share
         self._order = iter(order)
         self._started = time.perf_counter()
