@@ -54,7 +54,15 @@ def test_embedded_target_states_equal_hf(tmp_path, smollm2_dir):
     data = write_chat_dataset(tmp_path / "data", target, ["Name a colour.", "Why is the sky blue? Answer briefly."])
     for out, batch in (("exact", 1), ("batched", 2)):
         extract_hidden_states(
-            ExtractConfig(dataset=str(data), out=str(tmp_path / out), method="dflash", dtype="float32", batch_size=batch),
+            # exact only at the thread count the HF forward below runs at: the measured (cached) choice may differ
+            ExtractConfig(
+                dataset=str(data),
+                out=str(tmp_path / out),
+                method="dflash",
+                dtype="float32",
+                batch_size=batch,
+                threads=torch.get_num_threads(),
+            ),
             target=target,
             progress=False,
         )
