@@ -171,7 +171,9 @@ def test_bench_serve_plain_and_ngram_on_a_tiny_target(tiny_llama_dir, tmp_path, 
         # throughput = requests in flight x the rate each user sees (equal-length replies: the token-weighted rate)
         rate = lv["output_tokens"] / sum(r["wall_s"] for r in lv["per_domain"].values())
         assert lv["throughput_tok_s"] == pytest.approx(lv["mean_in_flight"] * rate, rel=1e-6)
-        assert lv["per_user_tok_s"] == pytest.approx(rate, rel=0.5)
+        # per user = the mean of the requests' rates, at least the token-weighted rate (their harmonic mean, equal lengths);
+        # how far above it depends on how unevenly the machine ran them, so no upper bound is asserted
+        assert lv["per_user_tok_s"] >= rate * (1 - 1e-9)
         assert lv["speedup"] == pytest.approx(lv["per_user_tok_s"] / levels[("plain", c)]["per_user_tok_s"])
         assert set(lv["per_domain"]) == {"repeat", "chat"}
     for server in ("plain", "ngram"):  # one client: never more than one request in flight, pauses between them not counted
