@@ -162,6 +162,7 @@ def test_delete_leaves_the_store_empty(location, consumer, master):
     assert consumer.read_manifest() == {"format": "x", "count": 3}
     assert master.metrics()["master_key_count"] == 3 * 4 + 1
     reader = MooncakeBackend(location, client=consumer.client, delete_after_read=True)
+    assert reader.deletes_on_read and not consumer.deletes_on_read  # what a sequence group's source refuses
     assert_same(reader.get("sample/0"), make_payload(0))
     assert consumer.keys() == ["sample/1", "sample/2"]
     for key in consumer.keys():

@@ -225,10 +225,8 @@ if __name__ == "__main__":
 
 
 def test_a_store_that_deletes_on_read_is_refused_for_a_group(prepared, transport, producer, monkeypatch):
-    from types import SimpleNamespace
-
     source = DATA_MODES.get("online")(options(prepared, transport, [producer.url], dtype="float32"))
     with source:
-        monkeypatch.setattr(source.transport, "config", SimpleNamespace(delete_after_read=True), raising=False)
+        monkeypatch.setattr(type(source.transport), "deletes_on_read", property(lambda self: True))
         with pytest.raises(SpecdraftError, match=r"delete_after_read=true deletes a sample at its first read, but the 2 ranks"):
             source.start([0], shares(2)[0])

@@ -211,7 +211,7 @@ class StreamingSource(SampleSource):
         group, every rank of which calls ``start`` and reads items alike (see the module docstring)."""
         if share is not None and share.size > 1:
             # A store that deletes on read would lose the sample for every rank after the first that reads it.
-            if getattr(getattr(self.transport, "config", None), "delete_after_read", False):
+            if self.transport.deletes_on_read:
                 raise SpecdraftError(
                     f"{self.transport.location}: delete_after_read=true deletes a sample at its first read, but the {share.size} "
                     "ranks of a sequence group each read it; drop delete_after_read from the store URL (the group's first rank "

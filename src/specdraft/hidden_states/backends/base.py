@@ -56,6 +56,12 @@ class HiddenStateBackend(ABC):
         has no part of it to skip. The file backend overrides it to load only the rows sliced."""
         return self.get(key)
 
+    @property
+    def deletes_on_read(self) -> bool:
+        """Whether ``get`` deletes what it read (a streaming store for one reader); then no second reader of a key can
+        share it. Stores that keep keys until ``delete`` say False."""
+        return False
+
     @abstractmethod
     def exists(self, key: str) -> bool: ...
 

@@ -216,6 +216,10 @@ class MooncakeBackend(HiddenStateBackend):
                 return None
             time.sleep(self.config.poll_s)
 
+    @property
+    def deletes_on_read(self) -> bool:
+        return self.config.delete_after_read
+
     def get(self, key: str) -> HiddenStatePayload:
         record = self._read_record(key, wait_s=self.config.wait_s)
         if record is None:
