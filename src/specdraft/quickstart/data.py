@@ -4,6 +4,7 @@ prompts after it are regenerated for what the plan gives and joined with it (``g
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -59,35 +60,46 @@ def size_data(
     from specdraft.hidden_states.extract import extract_hidden_states
     from specdraft.train.budget import HEADROOM, epoch_steps, probe_training
     from specdraft.tuning.data_split import SplitInputs, choose_data_split, engine_candidates
+    from specdraft.tuning.measured import measuring_seconds
 
     pilot_samples = min(config.samples, max(2, PILOT_BATCHES * config.regen_batch_size))
+    # Each stage's first run on a machine measures its settings (the regeneration engines, threads, forward paths, dtype)
+    # and caches them; the later runs read the cache. Those seconds are left out of each stage's time (clock[i+1] -
+    # clock[i]): counted in, a prepare's one-off engine probe became two prepares' fixed cost and the extraction's thread
+    # probe a per-sample rate four times the real one (issue #41: the run ended at 13.4 of its 20 minutes).
+    clock = [measuring_seconds()]
     # The pilot may take what the comparison and the least training leave; a machine too slow for that is refused by prepare.
     pilot = regenerate(parts / "pilot", max(seconds_left() - reserve_s - MIN_TRAIN_S, 1.0) / 60, samples=pilot_samples)
+    clock.append(measuring_seconds())
     states = parts / "pilot-states"
     extracted = extract_hidden_states(
         ExtractConfig(dataset=str(parts / "pilot"), out=str(states), method=METHOD, threads=config.threads), target=target
     )
+    clock.append(measuring_seconds())
     probe = probe_training(train_config(data=str(states)), target=target)
+    clock.append(measuring_seconds())
+    measuring = [max(0.0, b - a) for a, b in itertools.pairwise(clock)]  # seconds measuring in the prepare, extraction, probe
     steps_per_epoch = epoch_steps(train_config(data=str(states), epochs=1))
     kept, regenerated = pilot["kept"], pilot.get("regenerated", 0)
     # What the pilot's prepare spent besides starting its engine and generating (loading, rendering prompts, the engine's
     # probes, writing): each of the two prepares left (the further prompts, the join) pays it again; each of training's
     # two starts left (the step-count probe, the run) costs what the pilot's probe did.
     engine_start_s = pilot.get("engine_start_seconds", 0.0)
-    prepare_fixed_s = max(0.0, pilot["seconds"] - pilot.get("generation_seconds", 0.0) - engine_start_s)
+    prepare_fixed_s = max(0.0, pilot["seconds"] - pilot.get("generation_seconds", 0.0) - engine_start_s - measuring[0])
+    extract_s = max(0.0, extracted.seconds - measuring[1])
     inputs = SplitInputs(
         seconds_left=seconds_left(),
         engine=pilot.get("engine", config.engine),
         regen_s_per_sample=pilot.get("generation_seconds", 0.0) / regenerated if regenerated else 0.0,
         engine_start_s=engine_start_s,
-        extract_s_per_sample=extracted.seconds / extracted.samples_extracted if extracted.samples_extracted else 0.0,
+        extract_s_per_sample=extract_s / extracted.samples_extracted if extracted.samples_extracted else 0.0,
         train_s_per_sample_epoch=drafters * probe["seconds_per_step"] * steps_per_epoch / kept,
         epochs=config.epochs,
         pilot_samples=kept,
         max_new_samples=config.samples - pilot_samples,
         batch_samples=config.regen_batch_size,
         reserve_s=reserve_s,
-        overhead_s=2 * prepare_fixed_s + 2 * probe["probe_seconds"],
+        overhead_s=2 * prepare_fixed_s + 2 * max(0.0, probe["probe_seconds"] - measuring[2]),
         train_headroom=HEADROOM,
     )
     split = choose_data_split(engine_candidates(inputs, pilot.get("engine_figures") or {}, auto=config.engine == "auto"))

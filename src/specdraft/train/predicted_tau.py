@@ -109,13 +109,22 @@ def find_fit(fits: tuple[ScalingFit, ...], *, target: str, fingerprint: str | No
 
 
 def prediction_line(fit: ScalingFit, tokens: int, epochs: float) -> str:
+    """The log line. Below the fit's smallest measured data there is no number: the power law falls without bound there
+    (to a tau under 1, which no drafter has), so it would be a made-up figure; above its largest it is extrapolated,
+    towards ``tau_inf``, and says so."""
     low, high = fit.tokens_range
     seen = tokens * fit.multiplier(epochs)
-    reach = "" if low <= seen <= high else f", extrapolated: the fit measured {low:,}-{high:,} tokens"
+    source = f"the {fit.target} {fit.method} data-scaling fit of the {fit.recipe} recipe, {RESULTS_PAGE}"
+    data = f"{tokens:,} training tokens x {epochs:.3g} epochs"
+    if seen < low:
+        return (
+            f"no predicted decoded tau for {data}: {seen:,.0f} fresh-data tokens lie below the smallest measured point "
+            f"({low:,} tokens) of {source}; more data is the first thing to get"
+        )
+    reach = "" if seen <= high else f", extrapolated: the fit measured {low:,}-{high:,} tokens"
     return (
-        f"predicted decoded tau for {tokens:,} training tokens x {epochs:g} epochs: {fit.predict(tokens, epochs):.2f} "
-        f"(a prediction from the {fit.target} {fit.method} data-scaling fit of the {fit.recipe} recipe, {RESULTS_PAGE}{reach}; "
-        "measured tau comes from validation)"
+        f"predicted decoded tau for {data}: {fit.predict(tokens, epochs):.2f} "
+        f"(a prediction from {source}{reach}; measured tau comes from validation)"
     )
 
 

@@ -48,3 +48,39 @@ class VllmAttachOptions(VllmServerOptions):
             )
         if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
             raise SpecdraftError(f"{setting('vllm_url')} {self.vllm_url!r} is not an http://HOST:PORT URL")
+
+
+#: A schedule's open last range ends here; vLLM clamps every range to its max_num_seqs.
+OPEN_END = 1 << 20
+
+
+def parse_draft_schedule(text: str) -> list[tuple[int, int, int]]:
+    """``'1:3,2-8:1,9-:0'`` as vLLM's ``num_speculative_tokens_per_batch_size`` entries ``(first, last, k)``.
+
+    Refused unless the ranges start at 1, follow each other without gaps or overlaps and only the last is open:
+    vLLM itself carries a K across a gap and silently clamps, which would hide a typo."""
+    entries: list[tuple[int, int, int]] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        batches, _, k = part.partition(":")
+        first, dash, last = batches.partition("-")
+        try:
+            entry = (int(first), int(last) if last else OPEN_END if dash else int(first), int(k))
+        except ValueError:
+            raise SpecdraftError(f"{setting('draft_schedule')} entry {part!r} is not BATCHES:K (e.g. 1:3, 2-8:1 or 9-:0)") from None
+        expected = entries[-1][1] + 1 if entries else 1
+        if entry[0] != expected or entry[1] < entry[0] or entry[2] < 0:
+            raise SpecdraftError(
+                f"{setting('draft_schedule')} entry {part!r}: expected batch sizes from {expected} "
+                f"({'open ranges only last' if entries and entries[-1][1] == OPEN_END else 'no gaps or overlaps'}) and K >= 0"
+            )
+        entries.append(entry)
+    return entries
+
+
+def format_draft_schedule(entries: list[tuple[int, int, int]]) -> str:
+    """The inverse of :func:`parse_draft_schedule`, for labels and reports."""
+
+    def batches(first: int, last: int) -> str:
+        return f"{first}-" if last == OPEN_END else str(first) if first == last else f"{first}-{last}"
+
+    return ",".join(f"{batches(first, last)}:{k}" for first, last, k in entries)

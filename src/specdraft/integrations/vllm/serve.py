@@ -19,7 +19,7 @@ from specdraft.errors import SpecdraftError, setting
 from specdraft.integrations.vllm.engine import VllmServer, find_vllm_python, is_cpu_build
 from specdraft.utils.config import config_field
 from specdraft.utils.net import require_token_beyond_loopback
-from specdraft.utils.vllm_options import VllmServerOptions
+from specdraft.utils.vllm_options import VllmServerOptions, parse_draft_schedule
 
 if TYPE_CHECKING:
     from specdraft.models.base import VllmServing
@@ -33,6 +33,13 @@ class ServeConfig(VllmServerOptions):
     host: str = config_field("127.0.0.1", help="address to bind; anything but loopback requires --token")
     token: str | None = config_field(None, help="API key clients must send (Authorization: Bearer TOKEN; vLLM's --api-key)")
     num_speculative_tokens: int | None = config_field(None, help="draft tokens per round; default: the checkpoint's")
+    draft_schedule: str = config_field(
+        "",
+        help="draft tokens per round by batch size, vLLM's num_speculative_tokens_per_batch_size: 'BATCHES:K' comma-separated, "
+        "BATCHES one size (1), a range (2-8) or an open one (9-), from 1 up; K=0 turns drafting off at those sizes, "
+        "e.g. '1:3,2-:0' drafts 3 tokens for a lone request and none when requests share a step; a K above the draft "
+        "tokens per round drafts all of them (vLLM caps it)",
+    )
     adaptive_verification: bool = config_field(
         False,
         help="DSpark on a CUDA vLLM: size each round's verification from the confidence head "
@@ -41,6 +48,7 @@ class ServeConfig(VllmServerOptions):
 
     def __post_init__(self) -> None:
         require_token_beyond_loopback(self.host, self.token)
+        parse_draft_schedule(self.draft_schedule)  # refused here, before any server starts
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,9 @@ def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmS
             else {}
         ),
     }
+    schedule = parse_draft_schedule(config.draft_schedule)
+    if schedule:
+        speculative["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
     args = ["--speculative-config", json.dumps(speculative), *shlex.split(config.vllm_args)]
     if config.token:
         args += ["--api-key", config.token]

@@ -33,12 +33,20 @@ from typing import Any
 from specdraft.errors import SpecdraftError, setting
 from specdraft.integrations.vllm.engine import CPU_ENV_DEFAULTS, SERVED_NAME, VllmServer, find_vllm_python, is_cpu_build, vllm_version
 from specdraft.integrations.vllm.metrics import SpecDecodeCounters, read_spec_decode_metrics
-from specdraft.integrations.vllm.served_report import NEAR_TIE, RequestRecord, first_difference, judge_divergence, level_figures, speedups
+from specdraft.integrations.vllm.served_report import (
+    NEAR_TIE,
+    RequestRecord,
+    best_draft_schedules,
+    first_difference,
+    judge_divergence,
+    level_figures,
+    speedups,
+)
 from specdraft.registry import Registry
 from specdraft.utils.config import config_field
 from specdraft.utils.io import DirKind, atomic_dir, atomic_write_bytes, atomic_write_json, json_field_is
 from specdraft.utils.lock import claims_output
-from specdraft.utils.vllm_options import VllmServerOptions
+from specdraft.utils.vllm_options import VllmServerOptions, parse_draft_schedule
 
 PLAIN = "plain"
 #: What `specdraft bench-serve` writes; replaced whole, so a rerun with fewer servers leaves no stale log or plot.
@@ -67,6 +75,16 @@ class ServedBenchConfig(VllmServerOptions):
         help="vLLM's own drafter-free methods served beside the drafters: ngram (prompt lookup, k=4, "
         "n-grams of 2-4) and suffix (suffix decoding; left out, and said so, where vLLM lacks arctic_inference)",
     )
+    draft_tokens: list[int] = config_field(
+        [],
+        help="comma-separated draft tokens per round to serve each drafter with, one server per value, labelled "
+        "LABEL-kN (default: the checkpoint's own); with several, the report gives the measured best per concurrency",
+    )
+    draft_schedule: str = config_field(
+        "",
+        help="draft tokens by batch size for every speculative server (drafters and vLLM's baselines), as `specdraft serve "
+        "--draft-schedule`, e.g. '1:3,2-:0'",
+    )
     suite: str = config_field("quick", help="held-out prompt suite, as `specdraft eval --suite` (ignored with --prompts)")
     prompts: str = config_field("", help="JSONL prompt file ('prompt' or 'messages' per line, optional 'id'/'domain')")
     limit_per_domain: int = config_field(0, help="use at most this many prompts per domain (0 = all)")
@@ -92,6 +110,9 @@ class ServedBenchConfig(VllmServerOptions):
             raise SpecdraftError(f"{setting('dtype')} must be one of {', '.join(NEAR_TIE)}, got {self.dtype!r}")
         for name in self.baselines:
             BASELINES.get(name)  # an unknown name is refused here, with the known ones
+        if any(k < 1 for k in self.draft_tokens):
+            raise SpecdraftError(f"{setting('draft_tokens')} values must be >= 1, got {self.draft_tokens}")
+        parse_draft_schedule(self.draft_schedule)
 
 
 @dataclass(frozen=True)
@@ -114,6 +135,8 @@ class ServerSpec:
     label: str
     what: str
     make: Callable[[Path], VllmServer]  # log path -> server
+    drafter: str = ""  # a drafter's label, shared by the servers of a --draft-tokens sweep
+    k: int = 0  # a drafter's draft tokens per round
 
 
 def _has_module(python: Path, module: str) -> bool:
@@ -134,6 +157,8 @@ def resolve_servers(config: ServedBenchConfig, target_dir: Path, engine_flags: l
     def drafted(serve: ServeConfig) -> Callable[[Path], VllmServer]:
         return lambda log: drafter_server(serve, log_path=str(log))
 
+    schedule = parse_draft_schedule(config.draft_schedule)
+    by_batch = f", draft schedule {config.draft_schedule}" if schedule else ""
     servers = [ServerSpec(PLAIN, "the target alone", plain([]))]
     skipped = []
     for name in config.baselines:
@@ -141,15 +166,33 @@ def resolve_servers(config: ServedBenchConfig, target_dir: Path, engine_flags: l
         if baseline.needs_module and not _has_module(python, baseline.needs_module):
             skipped.append({"label": name, "why": f"vLLM's {name} method needs the {baseline.needs_module} package, which {python} lacks"})
             continue
-        spec = json.dumps(baseline.speculative_config)
+        speculative = dict(baseline.speculative_config)
+        if schedule:
+            speculative["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
+        spec = json.dumps(speculative)
         servers.append(ServerSpec(name, f"vLLM's {name} ({spec})", plain(["--speculative-config", spec])))
     for item in config.drafters:
         label, path = split_label(item)
         info = read_drafter_info(path)  # refuses a directory that is no checkpoint before any server starts
-        serve = ServeConfig(drafter=path, target=str(target_dir), vllm_python=config.vllm_python, vllm_args=shlex.join(engine_flags))
-        servers.append(
-            ServerSpec(label or Path(path).name, f"{info.method} drafter {path} (k={info.num_speculative_tokens})", drafted(serve))
-        )
+        name = label or Path(path).name
+        for k in config.draft_tokens or [info.num_speculative_tokens]:
+            serve = ServeConfig(
+                drafter=path,
+                target=str(target_dir),
+                vllm_python=config.vllm_python,
+                vllm_args=shlex.join(engine_flags),
+                num_speculative_tokens=k,
+                draft_schedule=config.draft_schedule,
+            )
+            servers.append(
+                ServerSpec(
+                    f"{name}-k{k}" if len(config.draft_tokens) > 1 else name,
+                    f"{info.method} drafter {path} (k={k}{by_batch})",
+                    drafted(serve),
+                    drafter=name,
+                    k=k,
+                )
+            )
     labels = [s.label for s in servers]
     if len(set(labels)) != len(labels):
         raise SpecdraftError(
@@ -315,6 +358,9 @@ def run_served_bench(config: ServedBenchConfig, *, progress: bool = True) -> dic
                             flush=True,
                         )
         speedups(levels, PLAIN)
+        best = (
+            {} if config.draft_schedule else best_draft_schedules([(s.drafter, s.k, s.label) for s in servers if s.drafter], levels, PLAIN)
+        )
         explain_divergences(levels, plain_records, prompts, config, target_dir)
         report = {
             "format": "specdraft.served_bench",
@@ -327,10 +373,12 @@ def run_served_bench(config: ServedBenchConfig, *, progress: bool = True) -> dic
                 "max_new_tokens": config.max_new_tokens,
                 "dtype": config.dtype,
                 "engine_flags": engine_flags,
+                "draft_schedule": config.draft_schedule,
             },
             "config": asdict(config),
-            "servers": [{"label": s.label, "what": s.what} for s in servers],
+            "servers": [{"label": s.label, "what": s.what, **({"drafter": s.drafter, "k": s.k} if s.drafter else {})} for s in servers],
             "skipped": skipped,
+            "best_draft_schedules": best,
             "wall_s": time.perf_counter() - started,
             "levels": levels,
             "prompts": [{**p.to_json(), "prompt_tokens": len(ids)} for p, ids in zip(suite, prompts)],

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.integrations.vllm.metrics import SpecDecodeCounters
+from specdraft.utils.vllm_options import OPEN_END, format_draft_schedule
 
 #: Relative logit gap (|logit(plain token) - logit(served token)| / max |logit|) under which a divergence is a near-tie of
 #: the serving dtype: fp32 kernels that batch or order sums differently move logits by ~1e-6 relative; bf16 carries 8
@@ -162,6 +163,27 @@ def speedups(levels: list[dict[str, Any]], plain: str) -> None:
             figures["speedup"] = ratio(figures["per_user_tok_s"], other and other["per_user_tok_s"])
 
 
+def best_draft_schedules(variants: list[tuple[str, int, str]], levels: list[dict[str, Any]], plain: str) -> dict[str, str]:
+    """Per drafter, the draft tokens per round that gave the most tokens/s per user at each measured concurrency, 0 where
+    the ``plain`` server was faster, as a ``--draft-schedule`` (``variants``: drafter, k, server label). A level of c
+    clients stands for batch size c (vLLM batches every running request) and covers the sizes up to the next level."""
+    rate = {(lv["server"], lv["concurrency"]): lv["per_user_tok_s"] for lv in levels}
+    concurrency = sorted({c for _, c in rate})
+    schedules = {}
+    for drafter in dict.fromkeys(d for d, _, _ in variants):
+        options = [(0, plain), *((k, label) for d, k, label in variants if d == drafter)]
+        entries: list[tuple[int, int, int]] = []
+        for i, c in enumerate(concurrency):
+            k = max(options, key=lambda option: rate.get((option[1], c), -math.inf))[0]
+            last = concurrency[i + 1] - 1 if i + 1 < len(concurrency) else OPEN_END
+            if entries and entries[-1][2] == k:
+                entries[-1] = (entries[-1][0], last, k)
+            else:
+                entries.append((entries[-1][1] + 1 if entries else 1, last, k))
+        schedules[drafter] = format_draft_schedule(entries)
+    return schedules
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """The first position where two token lists differ (a length difference counts); None when equal."""
     if a == b:
@@ -221,6 +243,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"engine flags `{' '.join(setup['engine_flags']) or '(none)'}`, "
         f"environment `{' '.join(f'{k}={v}' for k, v in engine['env'].items())}`",
         f"- servers: {'; '.join(s['label'] + ': ' + s['what'] for s in report['servers'])}",
+        *(
+            [f"- draft tokens by batch size (vLLM's num_speculative_tokens_per_batch_size): `{setup['draft_schedule']}`"]
+            if setup.get("draft_schedule")
+            else []
+        ),
         *[f"- not run: {s['label']}: {s['why']}" for s in report["skipped"]],
         "- each level sends every prompt (cycled up to the concurrency) through that many streaming clients, after one "
         "warm-up request per server; speed-up = tokens/s per user over the plain server's at the same concurrency",
@@ -239,6 +266,13 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {_fmt(lv['throughput_ratio'], '.2f', 'x')} | {_fmt(lv['ttft_ms']['p50'], '.0f')} "
             f"| {_fmt(lv['tpot_ms']['p50'], '.1f')} | {tau} | {_fmt(spec.get('acceptance_rate'))} | {same} |"
         )
+    if report.get("best_draft_schedules"):
+        lines += [
+            "",
+            "Measured best draft tokens per round at each concurrency (0: plain serving was faster), as "
+            "`specdraft serve --draft-schedule`: "
+            + "; ".join(f"{drafter} `{schedule}`" for drafter, schedule in report["best_draft_schedules"].items()),
+        ]
     first = min(lv["concurrency"] for lv in report["levels"])
     at_first = [lv for lv in report["levels"] if lv["concurrency"] == first]
     domains = sorted({d for lv in at_first for d in lv["per_domain"]})
