@@ -6,7 +6,7 @@ greedy replies must equal plain serving's except at near-ties), then writes serv
 the exact command that produced it), served_speedup.json (the commands and reports) and served_speedup.png (the first
 dtype's plot).
 
-  .venv/bin/python benchmarks/served_speedup.py --drafters eagle3=runs/eagle3/final --reading benchmarks/readings/served.md
+  .venv/bin/python benchmarks/served_speedup.py --drafters eagle3=runs/eagle3/final --reading benchmarks/readings/served_speedup.md
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -168,16 +169,44 @@ def _tiny_llama():
 def test_sps_is_measured_once_and_cached(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = _tiny_llama()
-    calls = []
+    calls, spot_checks = [], []
     real = sps_module.measure_sps
-    monkeypatch.setattr(sps_module, "measure_sps", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(sps_module, "STALE_FACTOR", 1e9)  # a tiny model's sub-millisecond timings: no staleness verdict here
+    monkeypatch.setattr(
+        sps_module, "measure_sps", lambda *a, **kw: (calls if len(kw["token_counts"]) > 1 else spot_checks).append(kw) or real(*a, **kw)
+    )
     first = load_or_measure_sps(model, fingerprint="abc", cache_dir=tmp_path, max_tokens=4, context_tokens=8, repeats=1)
     again = load_or_measure_sps(model, fingerprint="abc", cache_dir=tmp_path, max_tokens=4, context_tokens=8, repeats=1)
     assert len(calls) == 1 and first == again and first.tokens == (1, 2, 3, 4)
+    assert [kw["token_counts"] for kw in spot_checks] == [[1]]  # a cache hit costs one spot check of its first point
     (path,) = (tmp_path / "sps").iterdir()
     assert path.name.startswith("abc-cpu-float32") and json.loads(path.read_text())["fingerprint"] == "abc"
     load_or_measure_sps(model, fingerprint="other", cache_dir=tmp_path, max_tokens=4, context_tokens=8, repeats=1)
     assert len(calls) == 2
+
+
+def test_a_cached_profile_taken_under_load_is_measured_again(tmp_path, monkeypatch, caplog):
+    """A profile far slower than a spot check now was taken on a busier machine (interference only adds time): measured
+    again and replaced. One faster than the spot check stands: the machine is busy now, not then."""
+    from specdraft.decode.sps import stale_profile
+
+    assert stale_profile(SpsTable((1, 2), (2.0, 1.9)), SpsTable((1,), (36.0,)))  # the 14x-loaded profile that broke a quickstart
+    assert not stale_profile(SpsTable((1, 2), (36.0, 30.0)), SpsTable((1,), (20.0,)))  # busy now: the quiet profile stands
+    assert not stale_profile(SpsTable((1,), (30.0,)), SpsTable((1,), (40.0,)))  # within the factor: noise
+    torch.manual_seed(0)
+    model = _tiny_llama()
+    fresh = load_or_measure_sps(model, fingerprint="abc", cache_dir=tmp_path, max_tokens=2, context_tokens=8, repeats=1)
+    (path,) = (tmp_path / "sps").iterdir()
+    entry = json.loads(path.read_text())
+    loaded = SpsTable(fresh.tokens, tuple(v / 1000 for v in fresh.steps_per_second))  # as if measured under a 1000x load
+    monkeypatch.setattr(sps_module, "measure_sps", lambda *a, **kw: loaded)  # the machine under load: cached slow
+    path.unlink()
+    assert load_or_measure_sps(model, fingerprint="abc", cache_dir=tmp_path, max_tokens=2, context_tokens=8, repeats=1) == loaded
+    monkeypatch.setattr(sps_module, "measure_sps", lambda *a, **kw: fresh)  # the machine is quiet again
+    with caplog.at_level(logging.WARNING, logger="specdraft.decode.sps"):
+        again = load_or_measure_sps(model, fingerprint="abc", cache_dir=tmp_path, max_tokens=2, context_tokens=8, repeats=1)
+    assert again == fresh and "taken on a busier machine" in caplog.text and str(path) in caplog.text
+    assert json.loads(path.read_text())["steps_per_second"] == entry["steps_per_second"]  # the cache holds the new profile
 
 
 def test_draft_cost_makes_longer_verify_lengths_worth_it():

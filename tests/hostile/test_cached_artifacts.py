@@ -203,8 +203,9 @@ def sps_calls(monkeypatch):
     from specdraft.decode import sps as sps_module
 
     calls, real = [], sps_module.measure_sps
-    monkeypatch.setattr(sps_module, "measure_sps", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    return calls
+    monkeypatch.setattr(sps_module, "STALE_FACTOR", 1e9)  # sub-millisecond timings of a tiny model: no staleness verdict
+    monkeypatch.setattr(sps_module, "measure_sps", lambda *a, **kw: (len(kw["token_counts"]) > 1 and calls.append(1)) or real(*a, **kw))
+    return calls  # whole profiles measured, not the spot checks of cached ones
 
 
 def test_an_sps_cache_entry_that_is_a_directory_is_measured_again_and_kept_in_memory(tmp_path, sps_calls, caplog):

@@ -172,8 +172,32 @@ def load_or_measure_sps(
         table = measure_sps(model, token_counts=default_token_counts(max_tokens), context_tokens=context_tokens, repeats=repeats)
         return {"repeats": repeats, **table.to_json()}
 
-    table, _ = cached(path, measure, format=SPS_FORMAT, key=key, what="SPS profile", parse=SpsTable.from_json)
+    table, was_cached = cached(path, measure, format=SPS_FORMAT, key=key, what="SPS profile", parse=SpsTable.from_json)
+    if was_cached:
+        now = measure_sps(model, token_counts=[table.tokens[0]], context_tokens=context_tokens, repeats=3)
+        if stale_profile(table, now):
+            log.warning(
+                "the cached SPS profile %s was taken on a busier machine: %.1f steps/s at %d token(s) cached, %.1f now; measuring again",
+                path,
+                table.steps_per_second[0],
+                table.tokens[0],
+                now.steps_per_second[0],
+            )
+            path.unlink(missing_ok=True)
+            table, _ = cached(path, measure, format=SPS_FORMAT, key=key, what="SPS profile", parse=SpsTable.from_json)
     return table
+
+
+#: How much slower than a spot check now a cached profile's first point may be before it is measured again.
+STALE_FACTOR = 2.0
+
+
+def stale_profile(cached: SpsTable, now: SpsTable) -> bool:
+    """Whether ``cached`` was measured under load: its first point ``STALE_FACTOR`` times slower than a spot check of
+    that point now. Interference only adds time, so a profile faster than the spot check stands (the machine is busy
+    now, not then); one far slower would price every round of later runs wrong (a quickstart once refused its 20
+    minutes on a profile taken under a 14x load)."""
+    return cached.steps_per_second[0] * STALE_FACTOR < now.steps_per_second[0]
 
 
 def _sync(device: torch.device) -> None:
