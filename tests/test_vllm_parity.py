@@ -233,6 +233,15 @@ def parity_target(smollm2_dir, tmp_path_factory):
 PARITY_CASES = [c for c in os.environ.get("SPECDRAFT_PARITY_CASES", ",".join(PARITY_DRAFTERS)).split(",") if c]
 
 
+def test_parity_serves_in_the_builtin_dtype_unless_told_otherwise():
+    from specdraft.integrations.vllm.parity import served_engine_args
+
+    assert served_engine_args("--enforce-eager --max-model-len 256", "float32") == "--dtype float32 --enforce-eager --max-model-len 256"
+    assert served_engine_args("", "bfloat16") == "--dtype bfloat16"
+    for given in ("--dtype bfloat16 --enforce-eager", "--enforce-eager --dtype=float16"):  # the user's choice stands
+        assert served_engine_args(given, "float32") == given
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", PARITY_CASES)
 def test_eval_parity_served_tau_equals_builtin_tau(case, parity_target, tmp_path_factory):
@@ -255,7 +264,7 @@ def test_eval_parity_served_tau_equals_builtin_tau(case, parity_target, tmp_path
         drafters=[str(drafter)],
         max_new_tokens=PARITY_TOKENS,
         parity=True,
-        vllm_args="--enforce-eager --dtype float32 --max-model-len 256",
+        vllm_args="--enforce-eager --max-model-len 256",  # no --dtype: the server runs in the built-in side's float32
         plots=False,
     )
     report = run_parity_eval(config, SamplingConfig(), target=parity_target, progress=False)
