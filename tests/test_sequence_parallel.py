@@ -13,6 +13,7 @@ padded to 80) and cross it; row 1 packs two 39-token samples, so segments meet i
 
 from __future__ import annotations
 
+import gc
 import socket
 import time
 from pathlib import Path
@@ -93,8 +94,11 @@ def _worker(rank: int, size: int, port: int, out: str) -> None:
         results = _run_cases(size)
         if rank == 0:
             torch.save(results, Path(out) / "results.pt")
-        # no rank tears gloo down while a peer is still in its last collective (a rank aborted so, "terminate called
-        # without an active exception", 1 run in 2 under load; train/distributed.process_group_scope meets the same)
+        # no rank tears gloo down while a peer is still in its last collective, nor while the cases' autograd graphs
+        # (collectives in their backward) wait for the collector (a rank aborted so, "terminate called without an active
+        # exception", 1 run in 2 under load and 2 in 3 quiet; train/distributed.process_group_scope meets the same)
+        del results
+        gc.collect()
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
