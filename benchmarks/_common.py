@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import fcntl
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -63,3 +64,9 @@ def held(lock: str | None) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def reading_section(path: Path | None) -> list[str]:
+    """The lines of a page's "Reading" section, from the Markdown file ``path`` (``--reading``): a benchmark rewrites
+    its page whole, so what a person wrote about the figures lives in a file the rerun reads back."""
+    return ["## Reading", "", path.read_text().strip(), ""] if path else []

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import reading_section
 from method_compare import summarize, teacher_forced
 from peer_compare import train_ours
 from peer_trainer import decode_validation
@@ -117,6 +118,7 @@ def main() -> None:
     parser.add_argument("--val-tokens", type=int, default=64)
     parser.add_argument("--ours-flags", default="--dtype fp32", help="further `specdraft train` flags of every run")
     parser.add_argument("--retrain", action="store_true", help="redo runs already finished under --out")
+    parser.add_argument("--reading", type=Path, help="a Markdown file of what the table says, written under it as 'Reading'")
     args = parser.parse_args()
 
     from specdraft.errors import SpecdraftError
@@ -185,7 +187,9 @@ def main() -> None:
             result = {"protocol": protocol, "runs": runs, "summary": summary, "verdicts": verdicts(summary, runs)}
             results.parent.mkdir(parents=True, exist_ok=True)
             results.with_suffix(".json").write_text(json.dumps(result, indent=1))
-            results.with_suffix(".md").write_text(markdown(result))
+            results.with_suffix(".md").write_text(
+                "\n".join([markdown(result).rstrip(), "", *reading_section(args.reading)]).rstrip() + "\n"
+            )
     print(markdown(result), flush=True)
 
 

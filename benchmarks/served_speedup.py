@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import DEFAULT_TARGET
+from _common import DEFAULT_TARGET, reading_section
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +100,7 @@ def main() -> None:
             f".venv/bin/python benchmarks/served_speedup.py {shlex.join(sys.argv[1:])}".rstrip(),
             "```",
             "",
-            *(["## Reading", "", args.reading.read_text().strip(), ""] if args.reading else []),
+            *reading_section(args.reading),
             *sections,
         ]
     )
