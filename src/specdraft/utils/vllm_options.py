@@ -77,6 +77,12 @@ def parse_draft_schedule(text: str) -> list[tuple[int, int, int]]:
     return entries
 
 
+def draft_schedule_option(text: str) -> dict[str, list[list[int]]]:
+    """The ``--speculative-config`` entry of the schedule ``text`` (none for an empty one), for any speculative method."""
+    entries = parse_draft_schedule(text)
+    return {"num_speculative_tokens_per_batch_size": [list(entry) for entry in entries]} if entries else {}
+
+
 def format_draft_schedule(entries: list[tuple[int, int, int]]) -> str:
     """The inverse of :func:`parse_draft_schedule`, for labels and reports."""
 

@@ -19,7 +19,7 @@ from specdraft.errors import SpecdraftError, setting
 from specdraft.integrations.vllm.engine import VllmServer, find_vllm_python, is_cpu_build
 from specdraft.utils.config import config_field
 from specdraft.utils.net import require_token_beyond_loopback
-from specdraft.utils.vllm_options import VllmServerOptions, parse_draft_schedule
+from specdraft.utils.vllm_options import VllmServerOptions, draft_schedule_option, parse_draft_schedule
 
 if TYPE_CHECKING:
     from specdraft.models.base import VllmServing
@@ -129,9 +129,7 @@ def drafter_server(config: ServeConfig, *, log_path: str | None = None) -> VllmS
             else {}
         ),
     }
-    schedule = parse_draft_schedule(config.draft_schedule)
-    if schedule:
-        speculative["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
+    speculative.update(draft_schedule_option(config.draft_schedule))
     args = ["--speculative-config", json.dumps(speculative), *shlex.split(config.vllm_args)]
     if config.token:
         args += ["--api-key", config.token]

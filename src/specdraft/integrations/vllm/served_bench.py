@@ -46,7 +46,7 @@ from specdraft.registry import Registry
 from specdraft.utils.config import config_field
 from specdraft.utils.io import DirKind, atomic_dir, atomic_write_bytes, atomic_write_json, json_field_is
 from specdraft.utils.lock import claims_output
-from specdraft.utils.vllm_options import VllmServerOptions, parse_draft_schedule
+from specdraft.utils.vllm_options import VllmServerOptions, draft_schedule_option, parse_draft_schedule
 
 PLAIN = "plain"
 #: What `specdraft bench-serve` writes; replaced whole, so a rerun with fewer servers leaves no stale log or plot.
@@ -157,8 +157,8 @@ def resolve_servers(config: ServedBenchConfig, target_dir: Path, engine_flags: l
     def drafted(serve: ServeConfig) -> Callable[[Path], VllmServer]:
         return lambda log: drafter_server(serve, log_path=str(log))
 
-    schedule = parse_draft_schedule(config.draft_schedule)
-    by_batch = f", draft schedule {config.draft_schedule}" if schedule else ""
+    by_batch = draft_schedule_option(config.draft_schedule)  # every speculative server's, the drafters' through ServeConfig
+    shown = f", draft schedule {config.draft_schedule}" if by_batch else ""
     servers = [ServerSpec(PLAIN, "the target alone", plain([]))]
     skipped = []
     for name in config.baselines:
@@ -166,10 +166,7 @@ def resolve_servers(config: ServedBenchConfig, target_dir: Path, engine_flags: l
         if baseline.needs_module and not _has_module(python, baseline.needs_module):
             skipped.append({"label": name, "why": f"vLLM's {name} method needs the {baseline.needs_module} package, which {python} lacks"})
             continue
-        speculative = dict(baseline.speculative_config)
-        if schedule:
-            speculative["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
-        spec = json.dumps(speculative)
+        spec = json.dumps({**baseline.speculative_config, **by_batch})
         servers.append(ServerSpec(name, f"vLLM's {name} ({spec})", plain(["--speculative-config", spec])))
     for item in config.drafters:
         label, path = split_label(item)
@@ -187,7 +184,7 @@ def resolve_servers(config: ServedBenchConfig, target_dir: Path, engine_flags: l
             servers.append(
                 ServerSpec(
                     f"{name}-k{k}" if len(config.draft_tokens) > 1 else name,
-                    f"{info.method} drafter {path} (k={k}{by_batch})",
+                    f"{info.method} drafter {path} (k={k}{shown})",
                     drafted(serve),
                     drafter=name,
                     k=k,
