@@ -173,7 +173,7 @@ def load_or_measure_sps(
         return {"repeats": repeats, **table.to_json()}
 
     table, was_cached = cached(path, measure, format=SPS_FORMAT, key=key, what="SPS profile", parse=SpsTable.from_json)
-    if was_cached:
+    if was_cached and path not in _CHECKED:
         now = measure_sps(model, token_counts=[table.tokens[0]], context_tokens=context_tokens, repeats=3)
         if stale_profile(table, now):
             log.warning(
@@ -185,7 +185,13 @@ def load_or_measure_sps(
             )
             path.unlink(missing_ok=True)
             table, _ = cached(path, measure, format=SPS_FORMAT, key=key, what="SPS profile", parse=SpsTable.from_json)
+    _CHECKED.add(path)
     return table
+
+
+#: Profiles this process measured or spot-checked: the machine does not change under one run, so an eval building a
+#: decoder per drafter spot-checks its profile once, not once per decoder.
+_CHECKED: set[Path] = set()
 
 
 #: How much slower than a spot check now a cached profile's first point may be before it is measured again.
