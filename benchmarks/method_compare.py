@@ -1,14 +1,16 @@
-"""DFlash2 vs DSpark vs DFlash at equal training tokens, several seeds, on decoded tau (issue 29, item 4).
+"""DSpark, DFlash, DFlash2 and EAGLE-3, ours and speculators', at equal training tokens, several seeds, on decoded tau
+(issues 29 and 41).
 
-Protocol, all on one hidden-state store:
+Protocol, all on one dataset's hidden states (``--store``; ``--stores`` gives a method whose layers it lacks, EAGLE-3's,
+a store of the same samples, checked to split the same):
 
-1. For every seed and every method (default: the registered block drafters, ``peer_methods`` in
-   ``integrations/speculators/data.py``, i.e. DFlash, DFlash2, DSpark) ``specdraft train --config METHOD --seed S``
+1. For every seed and every method (default: the registered decodable methods, ``peer_methods`` in
+   ``integrations/speculators/data.py``, i.e. DFlash, DFlash2, DSpark, EAGLE-3) ``specdraft train --config METHOD --seed S``
    with the packaged recipe, ``--epochs`` passes over the same training split (``train/split.py``: whole
    conversations held out), so every run consumes the same training tokens (checked; the table states them).
 2. For the methods in ``--peer-methods`` (default dflash2) speculators 0.9.0's own trainer too, on the same store,
-   split and epochs, with ``--seed S`` and our recipe's shape (``peer_compare.train_peer``: the same harness as
-   ``benchmarks/peer_compare.py``).
+   split and epochs, with ``--seed S`` and the shape our run trained (``peer_compare.train_peer``: the same harness as
+   ``benchmarks/peer_compare.py``; EAGLE-3's unroll, loss decay and normalisation included).
 3. Every checkpoint is decoded by specdraft's runtime, greedy, full-block verification:
    * ``tau val``: the store's first ``--val-prompts`` validation prompts x ``--val-tokens`` tokens (what
      ``specdraft train`` logs as ``tau_decoded``; ``peer_trainer.decode_validation``);
@@ -19,7 +21,8 @@ Protocol, all on one hidden-state store:
 tau = committed tokens per verify round (bonus included). Training tokens/s is each trainer's step clock (see
 ``peer_compare.py``); absolute times are noisy on a shared machine, tau at equal tokens is the comparison.
 Runs and decodes already finished under ``--out`` are reused (``--retrain`` redoes them), so seeds can run as separate
-processes (``--seeds 0`` and ``--seeds 1``, same ``--out``) and one ``--seeds 0,1`` run then merges them. Writes
+processes (``--seeds 0`` and ``--seeds 1``, same ``--out``; the peer's data is exported per method under
+``OUT/peer-data``, reused by later seeds) and one ``--seeds 0,1`` run then merges them. Writes
 ``RESULTS.json``, ``.md`` and ``.png`` (``--results``, default ``OUT/method_compare``).
 
 Run from the repository root in .venv (the peer trains in .venv-interop), e.g. (docs/results/method_compare.md)::
@@ -38,10 +41,34 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_compare import INTEROP_PYTHON, suite_eval_runs, train_ours, train_peer
+from peer_compare import INTEROP_PYTHON, defaults, suite_eval_runs, train_ours, train_peer
 from peer_trainer import decode_validation
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def split_of(dataset, split) -> tuple[list[str], list[str]]:
+    """The training and validation sample ids of ``split`` of ``dataset``."""
+    return [dataset.sample_ids[i] for i in split.train], [dataset.sample_ids[i] for i in split.val]
+
+
+def method_stores(args: argparse.Namespace, methods: list[str], expected: tuple[list[str], list[str]]) -> dict[str, str]:
+    """Each method's store (``--stores`` over ``--store``); every other store must split into ``expected``'s samples,
+    so all methods train on the same tokens and are decoded on the same held-out conversations."""
+    from specdraft.hidden_states.dataset import HiddenStateDataset
+    from specdraft.train.split import dataset_split
+
+    given = dict(item.split("=", 1) for item in args.stores.split(",") if item)
+    unknown = sorted(set(given) - set(methods))
+    if unknown:
+        raise SystemExit(f"--stores names {unknown}, which --methods {','.join(methods)} does not train")
+    for method, store in given.items():
+        other = HiddenStateDataset(store)
+        if split_of(other, dataset_split(other, val_fraction=args.val_fraction, seed=args.split_seed)) != expected:
+            raise SystemExit(
+                f"--stores {method}={store}: its samples or split differ from --store {args.store}'s; both must come from one dataset"
+            )
+    return {method: given.get(method, args.store) for method in methods}
 
 
 def teacher_forced(run_dir: Path) -> dict:
@@ -86,6 +113,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "method": method,
             "seeds": [m["seed"] for m in members],
             "tokens": sorted({m["train"]["tokens"] for m in members}),
+            "tokens_per_s": statistics.fmean(m["train"]["tokens_per_s"] for m in members),
         }
         for key, pick in (("tau_val", lambda m: m["val_tau"]["tau"]), ("tau_suite", lambda m: m["suite_tau"].get("overall"))):
             values = [v for v in map(pick, members) if v is not None]
@@ -149,12 +177,15 @@ def markdown(result: dict) -> str:
         "",
         "Mean over seeds (+- half the range):",
         "",
-        "| method | trainer | tau val (decoded) | tau suite (decoded) |",
-        "| --- | --- | ---: | ---: |",
+        "| method | trainer | tau val (decoded) | tau suite (decoded) | tokens/s (mean) |",
+        "| --- | --- | ---: | ---: | ---: |",
     ]
     for row in result["summary"]:
         cell = lambda k: f"{row[k]['mean']:.3f} +- {row[k]['spread']:.3f}" if k in row else "-"  # noqa: E731
-        lines.append(f"| {row['method']} | {row['trainer']} | {cell('tau_val')} | {cell('tau_suite')} |")
+        lines.append(f"| {row['method']} | {row['trainer']} | {cell('tau_val')} | {cell('tau_suite')} | {row['tokens_per_s']:.0f} |")
+    for method, rows in result.get("settings", {}).items():
+        lines += ["", f"{method}: settings left at each trainer's own value (the shape is ours for both)", ""]
+        lines += ["| setting | ours | peer |", "| --- | --- | --- |", *(f"| {k} | {a} | {b} |" for k, a, b in rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -190,11 +221,17 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, help="specdraft hidden-state store holding the methods' slots")
+    parser.add_argument(
+        "--stores",
+        default="",
+        help="METHOD=STORE,...: another store for these methods (EAGLE-3 reads other layers than the block drafters); "
+        "each must hold the same samples, so every method trains and is decoded on the same split",
+    )
     parser.add_argument("--target", default=None, help="the target's Hugging Face directory (default: the one the store recorded)")
     parser.add_argument("--out", required=True, help="work directory: seedS/ours-METHOD, seedS/peer-METHOD, eval-seedS")
     parser.add_argument("--results", default=None, help="path stem of the JSON/Markdown/PNG results (default OUT/method_compare)")
     parser.add_argument(
-        "--methods", default=",".join(peer_methods()), help="methods trained by specdraft (default: every registered block drafter)"
+        "--methods", default=",".join(peer_methods()), help="methods trained by specdraft (default: every registered decodable method)"
     )
     parser.add_argument("--peer-methods", default="dflash2", help="methods also trained by speculators' trainer ('' for none)")
     parser.add_argument("--seeds", default="0,1", help="training seeds (ours: --seed; the peer: --seed)")
@@ -243,11 +280,13 @@ def main() -> None:
     args.target = args.target or dataset.target_info["path"]
     split = dataset_split(dataset, val_fraction=args.val_fraction, seed=args.split_seed)
     methods, peers = args.methods.split(","), [m for m in args.peer_methods.split(",") if m]
+    stores = method_stores(args, methods, split_of(dataset, split))
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
     results = Path(args.results) if args.results else out / "method_compare"
     protocol = {
         "store": args.store,
+        "stores": stores,
         "methods": methods,
         "peer_methods": peers,
         "seeds": seeds,
@@ -272,13 +311,18 @@ def main() -> None:
     }
     runs: list[dict] = []
     failures: list[dict] = []
+    settings: dict[str, list] = {}  # method -> (setting, ours, peer) left at each trainer's own value (seed aside)
     steps = f"--max-steps {args.max_steps}" if args.max_steps else ""
     for seed in seeds:
         base = out / f"seed{seed}"
         trained: list[dict] = []
         for method in methods:
             ours_args = argparse.Namespace(
-                **{**vars(args), "ours_flags": f"--seed {seed} --decode-prompts 0 --eval-interval 0 {steps} {args.ours_flags}"}
+                **{
+                    **vars(args),
+                    "store": stores[method],
+                    "ours_flags": f"--seed {seed} --decode-prompts 0 --eval-interval 0 {steps} {args.ours_flags}",
+                }
             )  # decoded below
             ours = train_ours(method, ours_args, base / f"ours-{method}")
             trained.append(
@@ -292,7 +336,7 @@ def main() -> None:
             )
             print(json.dumps(trained[-1]["train"]), flush=True)
             if method in peers:
-                peer_args = argparse.Namespace(**vars(args), peer_flags=f"--seed {seed}")
+                peer_args = argparse.Namespace(**{**vars(args), "store": stores[method]}, peer_flags=f"--seed {seed}")
                 try:
                     trained.append(
                         {
@@ -302,6 +346,8 @@ def main() -> None:
                             "train": train_peer(method, peer_args, base / f"peer-{method}", ours),
                         }
                     )
+                    own = defaults(method, peer_args, base / f"ours-{method}", base / f"peer-{method}")
+                    settings.setdefault(method, [row for row in own if row[0] != "seed"])
                 except SystemExit as failed:  # the peer's failure is a result too (its log is named); ours go on
                     failures.append({"seed": seed, "method": method, "trainer": "peer", "error": str(failed)})
                     print(failures[-1], flush=True)
@@ -316,7 +362,7 @@ def main() -> None:
             if args.retrain or not cached.is_file():
                 try:
                     decoded = decode_validation(
-                        args.store,
+                        stores[run["method"]],
                         args.target,
                         Path(run["train"]["checkpoint"]),
                         val_fraction=args.val_fraction,
@@ -341,7 +387,7 @@ def main() -> None:
             for run in trained:
                 run["suite_tau"] = {}
         runs += trained
-        write_results(results, {"protocol": protocol, "runs": runs, "summary": summarize(runs), "failures": failures})
+        write_results(results, {"protocol": protocol, "runs": runs, "summary": summarize(runs), "failures": failures, "settings": settings})
 
 
 def write_results(results: Path, result: dict) -> None:

@@ -1,16 +1,17 @@
 """Head-to-head: specdraft's trainer against speculators 0.9.0's on one store (issue 16, item 4; DFlash2: issue 29).
 
-For each method (by default every registered block drafter: DFlash, DFlash2, DSpark; ``peer_methods``):
+For each method (by default every registered decodable method: DFlash, DFlash2, DSpark, EAGLE-3; ``peer_methods``):
 ``specdraft train --config METHOD`` and the peer's own entry point (``benchmarks/peer_trainer.py``: our store
 exported to its data by ``specdraft export-speculators``, its losses, optimizer and schedule) train on the same
 training samples for the same number of epochs, so both consume exactly the training split's tokens times
 ``--epochs`` (both pack whole samples into rows of at most 2048 tokens and drop none; the step counts can differ by a
 row or two of packing). The draft shape
-is matched where both expose it: the peer gets our recipe's layers, block size, draft vocabulary (its
-d2t/t2d written from the counts ours uses), DSpark's Markov rank and DFlash2's convolution and selector shape
-(``integrations/speculators/data.py`` ``SHAPE_FLAGS``, keyed by our config fields). Anchors are counted
-differently: ours draws up to ``max_anchors`` (64) per *sample*, the peer ``--max-anchors`` (512) per
-packed 2048-token *row*; on regenerated ShareGPT rows (~14 samples) ours drew 704-753 blocks a step,
+is matched where both expose it: the peer gets our run's layers, block size, draft vocabulary (its
+d2t/t2d written from the counts ours uses), DSpark's Markov rank, DFlash2's convolution and selector shape, EAGLE-3's
+unroll steps, loss decay and residual norm (``integrations/speculators/data.py`` ``SHAPE_FLAGS``/``SWITCH_FLAGS``, keyed
+by our config fields) and its Eagle 3.1 norms as ours has them (the peer's eagle3 turns two of them on by default).
+Anchors (block drafters only) are counted differently: ours draws up to ``max_anchors`` (64) per *sample*, the peer
+``--max-anchors`` (512) per packed 2048-token *row*; on regenerated ShareGPT rows (~14 samples) ours drew 704-753 blocks a step,
 so ``--peer-anchors matched`` (default) gives the peer our run's mean blocks per step, equal
 draft work per token, and ``default`` leaves its 512. Every other default stays each trainer's own and
 is listed in the output.
@@ -63,12 +64,6 @@ def run_logged(cmd: list[str], log: Path, threads: int, lock: str | None) -> flo
     return round(seconds, 1)
 
 
-def ours_config(method: str, args: argparse.Namespace):
-    from specdraft.train.config import resolve_config
-
-    return resolve_config(method, {"epochs": args.epochs, "val_fraction": args.val_fraction, "split_seed": args.split_seed})
-
-
 def train_ours(method: str, args: argparse.Namespace, out: Path) -> dict:
     final = out / "final"
     wall = None
@@ -111,13 +106,19 @@ def train_ours(method: str, args: argparse.Namespace, out: Path) -> dict:
 
 
 def peer_flags(method: str, args: argparse.Namespace, ours: dict) -> list[str]:
-    """The peer flags that give its drafter our recipe's shape (and, per ``--peer-anchors``, our run's
-    blocks per step: ``ours`` is ``train_ours``' result)."""
-    from specdraft.integrations.speculators.data import trainer_flags
+    """The peer flags that give its drafter the shape our run trained (its ``config.resolved.yaml``; a field it predates
+    has the method's default) and, per ``--peer-anchors``, our run's blocks per step (``ours`` is ``train_ours``' result)."""
+    import dataclasses
 
-    return trainer_flags(
-        ours_config(method, args).model, anchors_per_step=ours["anchors_per_step"] if args.peer_anchors == "matched" else None
-    )
+    import yaml
+
+    from specdraft.integrations.speculators.data import trainer_flags
+    from specdraft.models import METHODS
+
+    resolved = yaml.safe_load((Path(ours["checkpoint"]).parent / "config.resolved.yaml").read_text())["model"]
+    model = {**dataclasses.asdict(METHODS.get(method).config_cls()), **resolved}
+    matched = args.peer_anchors == "matched" and METHODS.get(method).proposer == "block"  # anchors: where blocks are drafted
+    return trainer_flags(model, anchors_per_step=ours["anchors_per_step"] if matched else None)
 
 
 def train_peer(method: str, args: argparse.Namespace, out: Path, ours: dict) -> dict:
@@ -145,7 +146,7 @@ def train_peer(method: str, args: argparse.Namespace, out: Path, ours: dict) -> 
             "--out",
             str(out),
             "--data-dir",
-            str(Path(args.out) / "peer-data"),
+            str(Path(args.out) / "peer-data" / method),  # one per method: methods may read other slots or stores
             "--val-fraction",
             str(args.val_fraction),
             "--split-seed",
@@ -178,11 +179,27 @@ def defaults(method: str, args: argparse.Namespace, ours_dir: Path, peer_dir: Pa
     run_yaml = yaml.safe_load((peer_dir / "run" / "run.yaml").read_text())["train"]
     peer = _peer_resolved(run_yaml)
     model = ours["model"]
-    weighting = model.get("position_weighting", "exp")
-    ours_loss = loss_summary(model) + (
-        f", exp(-k/{model.get('loss_gamma') or 'gamma'}) position weights" if weighting == "exp" else f", {weighting} position weights"
-    )
-    peer_terms = "".join(f", {term}" for term in [loss_summary(model, peer)] if term)
+    if "ttt_steps" in model:  # a chain drafter unrolled in training (EAGLE-3): its loss is weighted per unroll step
+        ours_loss = f"{model.get('distill_loss') or 'CE'} over {model['ttt_steps']} unroll steps, weight {model['ttt_decay']}^j"
+        peer_loss = f"{peer['loss_fn']} over {peer['ttt_steps']} unroll steps, weight {peer['ttt_step_loss_decay']}^j"
+    else:
+        weighting = model.get("position_weighting", "exp")
+        ours_loss = loss_summary(model) + (
+            f", exp(-k/{model.get('loss_gamma') or 'gamma'}) position weights" if weighting == "exp" else f", {weighting} position weights"
+        )
+        peer_terms = "".join(f", {term}" for term in [loss_summary(model, peer)] if term)
+        peer_loss = (
+            f"{peer['loss_fn']}, {peer['per_position_loss_weight']} position weights (gamma {peer['dflash_decay_gamma']})" + peer_terms
+        )
+    anchors = []
+    if "max_anchors" in model:  # block drafters only
+        anchors.append(
+            (
+                "anchors",
+                f"up to {model['max_anchors']} per sample ({model.get('anchor_sampling')})",
+                f"{peer['max_anchors']} per packed row",
+            )
+        )
     return [
         (
             "optimizer",
@@ -195,12 +212,8 @@ def defaults(method: str, args: argparse.Namespace, ours_dir: Path, peer_dir: Pa
             f"{ours['warmup_ratio']:.0%} warm-up, cosine",
             f"{peer['scheduler_type']}, warm-up {peer['scheduler_warmup_steps'] or peer['scheduler_warmup_ratio'] or '1% of steps'}",
         ),
-        (
-            "loss",
-            ours_loss,
-            f"{peer['loss_fn']}, {peer['per_position_loss_weight']} position weights (gamma {peer['dflash_decay_gamma']})" + peer_terms,
-        ),
-        ("anchors", f"up to {model['max_anchors']} per sample ({model.get('anchor_sampling')})", f"{peer['max_anchors']} per packed row"),
+        ("loss", ours_loss, peer_loss),
+        *anchors,
         (
             "warm start",
             f"draft layers from target: {ours['init_from_target']}, fc {ours['fc_init']}"
@@ -316,7 +329,7 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         default=",".join(peer_methods()),
-        help="methods to compare (default: every registered block drafter, integrations/speculators/data.py peer_methods)",
+        help="methods to compare (default: every registered decodable method, integrations/speculators/data.py peer_methods)",
     )
     parser.add_argument("--epochs", type=int, default=2, help="passes over the training split, both trainers (our recipes' 2)")
     parser.add_argument("--val-fraction", type=float, default=0.05)

@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--store", required=True, help="specdraft hidden-state store (its layers are the drafter's)")
     parser.add_argument("--target", required=True, help="the target's Hugging Face directory (the peer's --verifier-name-or-path)")
     parser.add_argument(
-        "--method", default="dspark", choices=peer_methods(), help="the peer's --speculator-type (a registered block drafter)"
+        "--method", default="dspark", choices=peer_methods(), help="the peer's --speculator-type (a registered decodable method)"
     )
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps (the peer's --max-steps; 0 = as many as --epochs take)")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the training rows (the peer's --epochs)")

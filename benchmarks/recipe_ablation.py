@@ -41,6 +41,11 @@ CANDIDATES = {
     "jsd": "--distill-loss jsd",
     "kl": "--distill-loss kl",
     "muon": "--optimizer muon",
+    # EAGLE-3 only: Eagle 3.1's normalisations (models/eagle3/config.py), as its paper has them and as speculators'
+    # eagle3 trains by default, and the fed-back output norm alone
+    "eagle3.1": "--model fc_norm=true,norm_output=true",
+    "norm_before_fc": "--model norm_before_fc=true,norm_output=true",
+    "norm_output": "--model norm_output=true",
 }
 
 

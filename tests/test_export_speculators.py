@@ -18,13 +18,10 @@ needs_interop = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def store(tiny_llama_dir, tiny_target, tmp_path_factory):
+def _prepare(out, target):
+    """16 random rows of 8 two-turn conversations, prepared for ``target``."""
     from specdraft.data.dataset import write_prepared
-    from specdraft.hidden_states.config import ExtractConfig
-    from specdraft.hidden_states.extract import extract_hidden_states
 
-    root = tmp_path_factory.mktemp("export")
     g = torch.Generator().manual_seed(0)
     rows = [
         {
@@ -35,16 +32,28 @@ def store(tiny_llama_dir, tiny_target, tmp_path_factory):
         }
         for i in range(16)
     ]
-    data = write_prepared(root / "data", rows, target_info=tiny_target.describe(), config={}, stats={}, vocab_size=tiny_target.vocab_size)
-    out = root / "hs"
-    # dspark's slots (outputs of layers 1-3) plus one it does not read: the export must pick the method's
+    return write_prepared(out, rows, target_info=target.describe(), config={}, stats={}, vocab_size=target.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_target, tmp_path_factory):
+    return _prepare(tmp_path_factory.mktemp("export") / "data", tiny_target)
+
+
+def _extract(data, out, tiny_llama_dir, **layers):
+    from specdraft.hidden_states.config import ExtractConfig
+    from specdraft.hidden_states.extract import extract_hidden_states
+
     extract_hidden_states(
-        ExtractConfig(
-            dataset=str(data), out=str(out), layers="input:5,output:1,output:2,output:3", target=str(tiny_llama_dir), dtype="float32"
-        ),
-        progress=False,
+        ExtractConfig(dataset=str(data), out=str(out), target=str(tiny_llama_dir), dtype="float32", **layers), progress=False
     )
     return out
+
+
+@pytest.fixture(scope="module")
+def store(prepared, tiny_llama_dir):
+    # dspark's slots (outputs of layers 1-3) plus one it does not read: the export must pick the method's
+    return _extract(prepared, prepared.parent / "hs", tiny_llama_dir, layers="input:5,output:1,output:2,output:3")
 
 
 def _export(store, out, *flags):
@@ -153,20 +162,42 @@ def test_peer_gets_our_shape_and_blocks_per_step():
     ]
     dflash = trainer_flags(resolve_config("dflash").model)
     assert "--markov-rank" not in dflash and "--max-anchors" not in dflash and dflash[dflash.index("--block-size") + 1] == "8"
+    assert "--draft-vocab-size" not in trainer_flags({"num_layers": 2, "draft_vocab_size": None})  # None: the peer's default
 
 
-def test_peer_methods_are_the_registered_block_drafters(monkeypatch):
-    """peer_compare/peer_trainer's method list is read from the method registry (DFlash2 included): a block drafter
-    registered later joins it without being named anywhere, a chain drafter (EAGLE-3) does not."""
+def test_peer_gets_eagle3_unroll_and_normalisation():
+    """EAGLE-3's training unroll, its loss decay and its norm switches reach the peer under its flag names: the Eagle 3.1
+    norms the peer's eagle3 turns on by default are turned off when ours are off, and its on-only --fc-norm is given
+    only when on."""
+    import dataclasses
+
+    from specdraft.integrations.speculators.data import trainer_flags
+    from specdraft.models import METHODS
+    from specdraft.train.config import resolve_config
+
+    model = {**dataclasses.asdict(METHODS.get("eagle3").config_cls()), **resolve_config("eagle3").model}  # config.resolved.yaml
+    flags = trainer_flags(model)
+    assert flags[flags.index("--ttt-steps") + 1] == str(model["ttt_steps"])
+    assert flags[flags.index("--ttt-step-loss-decay") + 1] == str(model["ttt_decay"])
+    assert flags[flags.index("--draft-vocab-size") + 1] == str(model["draft_vocab_size"])
+    assert {"--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"} <= set(flags)
+    assert not any("fc-norm" in flag for flag in flags)
+    on = trainer_flags({**model, "norm_before_residual": True, "fc_norm": True, "norm_output": True})
+    assert {"--norm-before-residual", "--fc-norm", "--norm-output", "--no-norm-before-fc"} <= set(on)
+
+
+def test_peer_methods_are_the_registered_decodable_methods(monkeypatch):
+    """peer_compare/peer_trainer's method list is read from the method registry (DFlash2 and EAGLE-3 included): a
+    decodable family registered later joins it without being named anywhere, one that cannot be decoded does not."""
     import dataclasses
 
     from specdraft.integrations.speculators.data import peer_methods
     from specdraft.models import METHODS
 
-    assert {"dflash", "dflash2", "dspark"} <= set(peer_methods()) and "eagle3" not in peer_methods()
-    monkeypatch.setitem(METHODS._items, "toyblock", dataclasses.replace(METHODS.get("dflash2"), name="toyblock"))
+    assert {"dflash", "dflash2", "dspark", "eagle3"} <= set(peer_methods())
     monkeypatch.setitem(METHODS._items, "toychain", dataclasses.replace(METHODS.get("eagle3"), name="toychain"))
-    assert "toyblock" in peer_methods() and "toychain" not in peer_methods()
+    monkeypatch.setitem(METHODS._items, "toyundecodable", dataclasses.replace(METHODS.get("dflash2"), name="toyundecodable", proposer=None))
+    assert "toychain" in peer_methods() and "toyundecodable" not in peer_methods()
 
 
 def test_peer_gets_dflash2_convolution_and_selector_shape():
@@ -205,10 +236,67 @@ def test_loss_summary_names_each_family_terms_and_the_peer_keys():
 @pytest.mark.interop
 @needs_interop
 def test_the_peer_trainer_has_every_shape_flag():
-    """Each flag SHAPE_FLAGS maps to is one speculators 0.9.0's trainer accepts (its --help), DFlash2's included."""
-    from specdraft.integrations.speculators.data import SHAPE_FLAGS
+    """Each flag SHAPE_FLAGS maps to is one speculators 0.9.0's trainer accepts (its --help), DFlash2's and EAGLE-3's
+    included, and so are both sides of each switch."""
+    from specdraft.integrations.speculators.data import ON_ONLY, SHAPE_FLAGS, SWITCH_FLAGS
 
     done = subprocess.run([str(INTEROP_PYTHON), "-m", "speculators.train", "--help"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    missing = [flag for flag in SHAPE_FLAGS.values() if flag not in done.stdout]
+    switches = [f"--{side}{switch}" for switch in SWITCH_FLAGS.values() for side in ("", "no-")[: 1 if switch in ON_ONLY else 2]]
+    missing = [flag for flag in [*SHAPE_FLAGS.values(), *switches] if flag not in done.stdout]
     assert not missing, missing
+    assert all(f"--no-{switch}" not in done.stdout for switch in ON_ONLY)  # else a False must be passed as such
+
+
+@pytest.mark.slow
+@pytest.mark.interop
+@needs_interop
+@pytest.mark.parametrize("norms", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
+def test_the_peer_trains_eagle3_on_our_data_and_specdraft_decodes_it(tiny_target_factory, tmp_path, norms):
+    """EAGLE-3 in the head-to-head: the peer's eagle3 trainer runs on our export of an EAGLE-3 store with our shape
+    (2-step unroll, 64-token draft vocabulary, Eagle 3.1's norms off or on as ours), and specdraft's loader reads its
+    checkpoint strictly, as the same drafter.
+    8 target layers: EAGLE-3's slots (inputs of layers 2, L//2, L-3) coincide on the usual 6, which the peer refuses."""
+    import dataclasses
+    import sys
+
+    from safetensors.torch import load_file
+
+    from specdraft.integrations.speculators.data import trainer_flags
+    from specdraft.models import load_drafter
+    from specdraft.models.eagle3.config import Eagle3Config
+    from specdraft.targets import load_target
+
+    tiny_llama_dir = tiny_target_factory("llama", num_layers=8)
+    tiny_target = load_target(str(tiny_llama_dir))
+    store = _extract(_prepare(tmp_path / "data", tiny_target), tmp_path / "hs", tiny_llama_dir, method="eagle3")
+    model = dataclasses.asdict(Eagle3Config(draft_vocab_size=64, ttt_steps=2, **norms))  # as config.resolved.yaml has it
+    vocab = ["--draft-vocab-size", "64"]
+    extra = [flag for flag in trainer_flags(model) if flag not in vocab]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "peer"
+    run = subprocess.run(
+        [str(INTEROP_PYTHON), str(ROOT / "benchmarks/peer_trainer.py"), "--store", str(store), "--target", str(tiny_llama_dir)]
+        + ["--method", "eagle3", "--steps", "2", "--total-seq-len", "48", "--out", str(out), "--val-fraction", "0.3", *vocab]
+        + ["--extra", " ".join(extra)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from peer_trainer import decode_validation, last_checkpoint
+
+    checkpoint = last_checkpoint(out / "run")
+    config = json.loads((checkpoint / "config.json").read_text())
+    switches = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
+    assert {key: config[key] for key in switches} == {key: model[key] for key in switches}  # the drafter ours trains
+    drafter = load_drafter(checkpoint, target=tiny_target)
+    assert drafter.method == "eagle3" and drafter.config.ttt_steps == 2 and drafter.draft_vocab_size() == 64
+    assert all(getattr(drafter.config, key) == model[key] for key in switches)
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    assert torch.equal(drafter.state_dict()["fc.weight"].float(), saved["fc.weight"].float())
+    decoded = decode_validation(str(store), str(tiny_llama_dir), checkpoint, val_fraction=0.3, split_seed=0, prompts=2, tokens=8)
+    assert decoded["rounds"] > 0 and decoded["tokens"] == 16

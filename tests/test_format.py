@@ -53,9 +53,11 @@ def _outputs(model, batch):
         return hidden, model.lm_logits(hidden)
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "dflash2", "dspark"])
+@pytest.mark.parametrize("method", ["eagle3", "eagle3-3.1", "dflash", "dflash2", "dspark"])
 def test_round_trip_gives_equal_outputs(tmp_path, target, method):
-    model = _build(method, target)
+    """Eagle 3.1's variant (per-layer feature norms, normed output fed back) included: its norms are saved and read back."""
+    method, overrides = ("eagle3", {"fc_norm": True, "norm_output": True}) if method == "eagle3-3.1" else (method, {})
+    model = _build(method, target, **overrides)
     model.save_pretrained(tmp_path / "ckpt")
     loaded = METHODS.get(method).model_cls.from_pretrained(tmp_path / "ckpt", target=target)
     assert loaded.config == model.config
@@ -114,6 +116,19 @@ def test_eagle3_layout(tmp_path, target):
     # d2t offsets map draft ids to target ids; t2d marks the same ids.
     ids = torch.arange(40) + tensors["d2t"]
     assert torch.equal(torch.nonzero(tensors["t2d"]).flatten(), ids)
+    assert not any(cfg[flag] for flag in ("norm_before_fc", "fc_norm", "norm_output"))
+    # Eagle 3.1's norms under speculators' (and vLLM's) names, their switches in config.json
+    for flags, names in (
+        ({"fc_norm": True, "norm_output": True}, {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}),
+        ({"norm_before_fc": True}, {"input_norm.weight"}),
+    ):
+        _build("eagle3", target, **flags).save_pretrained(tmp_path / "e31")
+        cfg = json.loads((tmp_path / "e31/config.json").read_text())
+        assert {flag: cfg[flag] for flag in ("norm_before_fc", "fc_norm", "norm_output")} == {
+            flag: flags.get(flag, False) for flag in ("norm_before_fc", "fc_norm", "norm_output")
+        }
+        tensors = load_file(str(tmp_path / "e31/model.safetensors"))
+        assert names <= set(tensors) and not ({"input_norm.weight", "fc_norm.0.weight"} - names) & set(tensors)
 
 
 @pytest.mark.parametrize("method", ["dflash", "dflash2", "dspark"])
@@ -168,6 +183,8 @@ def test_config_errors():
         DSparkConfig(markov_head="lstm")
     with pytest.raises(SpecdraftError, match="num_layers must be 1"):
         METHODS.get("eagle3").config_cls(num_layers=2)
+    with pytest.raises(SpecdraftError, match="norm_before_fc and fc_norm are exclusive"):
+        METHODS.get("eagle3").config_cls(norm_before_fc=True, fc_norm=True)
     assert (
         default_gamma(16) == 7.0
         and default_gamma(10) == 5.0

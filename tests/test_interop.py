@@ -1,4 +1,5 @@
-"""Parity with the ``speculators`` 0.9.0 model classes, both directions, for all four families.
+"""Parity with the ``speculators`` 0.9.0 model classes, both directions, for all four families (EAGLE-3 also with
+Eagle 3.1's normalisations).
 
 speculators 0.9.0 pins transformers <= 5.19, so it lives in its own environment
 (``.venv-interop``, made by ``scripts/bootstrap.sh``); the speculators side runs there in one
@@ -35,6 +36,9 @@ DSPARK = {"block_size": BLOCK, "num_layers": 2, "markov_rank": 16, "markov_head"
 # case -> (method, our config overrides)
 CASES = {
     "eagle3": ("eagle3", {"draft_vocab_size": DRAFT_VOCAB, "ttt_steps": 3}),
+    # Eagle 3.1's normalisations: the paper's per-layer feature norms, and speculators' eagle3 defaults
+    "eagle3-fc-norm": ("eagle3", {"draft_vocab_size": DRAFT_VOCAB, "ttt_steps": 3, "fc_norm": True, "norm_output": True}),
+    "eagle3-norm-before-fc": ("eagle3", {"draft_vocab_size": DRAFT_VOCAB, "ttt_steps": 3, "norm_before_fc": True, "norm_output": True}),
     "dflash": ("dflash", {"block_size": BLOCK, "num_layers": 2}),
     "dspark": ("dspark", DSPARK),
     "dflash2": ("dflash2", {"block_size": BLOCK, "num_layers": 2, "selector_rank": 16, "selector_top_k": 8}),
@@ -108,7 +112,7 @@ def random_vocab(model, tgt):
     ids = torch.nonzero(t2d).flatten()
     model.load_vocab_mappings(t2d, ids - torch.arange(ids.numel()))
 
-def build(method, tgt, draft_vocab):
+def build(method, tgt, draft_vocab, flags):
     tlc = dict(vocab_size=tgt["vocab"], hidden_size=64, intermediate_size=128, num_attention_heads=2,
                num_key_value_heads=1, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6)
     verifier = VerifierConfig(name_or_path=tgt["path"], architectures=["LlamaForCausalLM"])
@@ -116,7 +120,7 @@ def build(method, tgt, draft_vocab):
         layer = LlamaConfig(num_hidden_layers=1, **tlc)
         layer._attn_implementation = "sdpa"
         cfg = Eagle3SpeculatorConfig(
-            transformer_layer_config=layer, draft_vocab_size=tgt["draft_vocab"], eagle_aux_hidden_state_layer_ids=tgt["eagle_ids"],
+            transformer_layer_config=layer, draft_vocab_size=tgt["draft_vocab"], eagle_aux_hidden_state_layer_ids=tgt["eagle_ids"], **flags,
             speculators_config=SpeculatorsConfig(algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
                                                  default_proposal_method="greedy", verifier=verifier))
         cls = SpeculatorModel.registry["eagle3"]
@@ -152,7 +156,7 @@ for spec in job["methods"].values():
     x = load_file(spec["inputs"])
     run = eagle3_logits if method == "eagle3" else block_logits
     save_file(run(load(spec["ours"]), x), spec["ours_out"])
-    theirs = build(method, job["target"], spec["draft_vocab"])
+    theirs = build(method, job["target"], spec["draft_vocab"], spec["flags"])
     theirs.save_pretrained(spec["theirs"])
     save_file(run(load(spec["theirs"]), x), spec["theirs_out"])
 print("ok")
@@ -218,6 +222,7 @@ def exchange(tmp_path_factory):
                 "ours_out": str(tmp / f"ours-{case}.out.safetensors"),
                 "theirs": str(tmp / f"theirs-{case}"),
                 "theirs_out": str(tmp / f"theirs-{case}.out.safetensors"),
+                "flags": {k: v for k, v in overrides.items() if k in ("norm_before_fc", "fc_norm", "norm_output")},
             }
         job["target"] = {
             "path": str(tmp / "target"),
@@ -268,5 +273,8 @@ def test_speculators_checkpoint_loads_here(exchange, case):
         assert model.draft_target_ids().tolist() != list(range(VOCAB - DRAFT_VOCAB, VOCAB))
     if method == "eagle3":
         assert model.config.layers == "input:2,input:4,input:5"
+        assert {k: getattr(model.config, k) for k in ("norm_before_fc", "fc_norm", "norm_output")} == {
+            k: CASES[case][1].get(k, False) for k in ("norm_before_fc", "fc_norm", "norm_output")
+        }
     else:
         assert model.config.layers == "output:1,output:2,output:3,output:4,output:5"

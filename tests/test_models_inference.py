@@ -22,8 +22,22 @@ def _build(method, target, **overrides):
     return spec.build(spec.config_cls(**overrides), target, counts=counts).eval()
 
 
-def test_eagle3_extend_and_speculate_match_ttt_unroll(target):
-    model = _build("eagle3", target, draft_vocab_size=VOCAB, ttt_steps=4)
+#: Eagle 3.1's normalisations: as the paper (per-layer norms, normed output fed back) and as speculators' eagle3 defaults
+EAGLE31 = {
+    "plain": {},
+    "fc_norm+norm_output": {"fc_norm": True, "norm_output": True},
+    "norm_before_fc+norm_output": {"norm_before_fc": True, "norm_output": True},
+}
+
+
+@pytest.mark.parametrize("variant", list(EAGLE31))
+def test_eagle3_extend_and_speculate_match_ttt_unroll(target, variant):
+    model = _build("eagle3", target, draft_vocab_size=VOCAB, ttt_steps=4, **EAGLE31[variant])
+    if variant != "plain":  # the norms start at gain 1: move them so that a norm applied in one path only shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.startswith(("input_norm", "fc_norm", "norm.")):
+                    p.add_(0.3 * torch.randn_like(p))
     batch = make_batch(target, "eagle3", count=1, length=16)
     with torch.no_grad():
         ttt = model.ttt_hidden(batch)

@@ -305,7 +305,15 @@ DRAFTERS = {  # case -> (method, config of a drafter with 3 draft tokens per rou
         "dflash",
         lambda: DFlashConfig(layers="output:1,output:3", num_layers=1, block_size=4, draft_vocab_coverage=1.0),
     ),
+    # Eagle 3.1's per-layer feature norms and fed-back output norm: trained, so vLLM accepts its drafts only where it
+    # applies both norms as specdraft does
+    "eagle3.1-draft-vocab": (
+        "eagle3",
+        lambda: Eagle3Config(layers="input:1,input:3,input:4", draft_vocab_coverage=1.0, ttt_steps=3, fc_norm=True, norm_output=True),
+    ),
 }
+#: the DRAFTERS cases trained on the served prompts' replies (the others are random)
+TRAINED = {"dflash-draft-vocab", "eagle3.1-draft-vocab"}
 #: (chat prompt, domain) pairs of the eval part of the serving test.
 EVAL_PROMPTS = [("Name three colours.", "a"), ("Count to five.", "b"), ("Say hi.", "b")]
 
@@ -382,12 +390,15 @@ def cli_server(drafter: Path, vllm_args: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("case", "via_cli"), [("eagle3", False), ("dflash", True), ("dflash-draft-vocab", False)])
+@pytest.mark.parametrize(
+    ("case", "via_cli"), [("eagle3", False), ("dflash", True), ("dflash-draft-vocab", False), ("eagle3.1-draft-vocab", False)]
+)
 def test_vllm_serves_drafter_with_target_greedy_outputs(case, via_cli, smollm2_dir, tmp_path):
     """A drafter written by specdraft: vLLM loads it, drafts every round, and greedy text is the target's.
     One case goes through the ``specdraft serve`` command, the others through the library. The eagle3 and dflash
-    drafters are random; the reduced-vocabulary one is trained on the served prompts' replies, so vLLM must map
-    its draft ids through d2t correctly for the drafts to be accepted as often as specdraft's runtime accepts them."""
+    drafters are random; the reduced-vocabulary ones are trained on the served prompts' replies, so vLLM must map
+    its draft ids through d2t (and apply Eagle 3.1's norms) correctly for the drafts to be accepted as often as
+    specdraft's runtime accepts them."""
     from specdraft.integrations.vllm.engine import complete
     from specdraft.integrations.vllm.metrics import read_spec_decode_metrics
     from specdraft.integrations.vllm.serve import ServeConfig, drafter_server, read_drafter_info
@@ -404,7 +415,7 @@ def test_vllm_serves_drafter_with_target_greedy_outputs(case, via_cli, smollm2_d
     ]
     assert all(len(set(e)) > 4 for e in expected)  # the check below is not about one repeated token
 
-    trained = case == "dflash-draft-vocab"
+    trained = case in TRAINED
     if trained:
         chats = [
             target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)

@@ -83,7 +83,19 @@ SHAPE_FLAGS = {
     "selector_rank": "--selector-rank",
     "selector_top_k": "--selector-top-k",
     "selector_weight": "--selector-loss-alpha",
+    "ttt_steps": "--ttt-steps",
+    "ttt_decay": "--ttt-step-loss-decay",
 }
+
+#: Our boolean model config fields -> the peer's switch of the same drafter part: ``--x`` on, ``--no-x`` off (its eagle3
+#: turns Eagle 3.1's norm_before_fc and norm_output on unless told), except ``ON_ONLY`` switches, off unless given.
+SWITCH_FLAGS = {
+    "norm_before_residual": "norm-before-residual",
+    "norm_before_fc": "norm-before-fc",
+    "fc_norm": "fc-norm",
+    "norm_output": "norm-output",
+}
+ON_ONLY = {"fc-norm"}
 
 
 #: Loss terms of our method configs (field names of the resolved recipe's ``model``; a method has the ones its config
@@ -98,13 +110,13 @@ LOSS_TERMS = {
 
 
 def peer_methods() -> list[str]:
-    """The registered methods compared with speculators' trainer (``benchmarks/peer_compare.py``): the block drafters
-    (the DFlash family, each block drafted in one parallel pass), which the peer trains as the ``--speculator-type`` of
-    the same name from the data ``export_speculators_data`` writes. Read from the method registry, so a family is
-    compared once its ``MethodSpec`` is registered, without being named here."""
+    """The registered methods compared with speculators' trainer (``benchmarks/peer_compare.py``): every decodable
+    family (the block drafters and EAGLE-3), which speculators 0.9.0 trains as the ``--speculator-type`` of the same
+    name from the data ``export_speculators_data`` writes. Read from the method registry, so a family is compared once
+    its ``MethodSpec`` is registered, without being named here."""
     from specdraft.models import METHODS
 
-    return [name for name in METHODS if METHODS.get(name).proposer == "block"]
+    return [name for name in METHODS if METHODS.get(name).proposer is not None]
 
 
 def loss_summary(model: dict, peer: dict | None = None) -> str:
@@ -116,11 +128,15 @@ def loss_summary(model: dict, peer: dict | None = None) -> str:
 
 
 def trainer_flags(model: dict, *, anchors_per_step: int | None = None) -> list[str]:
-    """The speculators trainer flags that give its drafter the shape of our resolved ``model`` config and, when
-    given, ``anchors_per_step`` blocks per step (it counts ``--max-anchors`` per packed row, ours per sample)."""
-    flags = [x for key, flag in SHAPE_FLAGS.items() if key in model for x in (flag, str(model[key]))]
+    """The speculators trainer flags that give its drafter the shape of our resolved ``model`` config (a field left
+    None, e.g. DFlash2's full vocabulary, leaves the peer's default) and, when given, ``anchors_per_step`` blocks per step
+    (it counts ``--max-anchors`` per packed row, ours per sample)."""
+    flags = [x for key, flag in SHAPE_FLAGS.items() if model.get(key) is not None for x in (flag, str(model[key]))]
     if anchors_per_step is not None:
         flags += ["--max-anchors", str(anchors_per_step)]
+    for key, switch in SWITCH_FLAGS.items():
+        if key in model and (model[key] or switch not in ON_ONLY):
+            flags.append(f"--{'' if model[key] else 'no-'}{switch}")
     return flags
 
 

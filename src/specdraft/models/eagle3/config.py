@@ -32,6 +32,12 @@ class Eagle3Config(DraftConfig):
     ttt_steps: int = config_field(7, help="training-time-test unroll steps (also the number of draft tokens per round)")
     ttt_decay: float = config_field(0.8, help="loss weight decay per unroll step: step j is weighted decay**j")
     norm_before_residual: bool = config_field(False, help="use the normed feature as the residual of the fused layer")
+    # Eagle 3.1 (speculators' eagle3 defaults are norm_before_fc + norm_output); vLLM serves all three
+    norm_before_fc: bool = config_field(False, help="one RMSNorm over the concatenated target features before fc (gpt-oss style)")
+    fc_norm: bool = config_field(False, help="an RMSNorm per target layer's feature before concatenation and fc (Eagle 3.1)")
+    norm_output: bool = config_field(
+        False, help="feed the normed output to the next unroll/draft step instead of the raw one (Eagle 3.1: less drift with depth)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,6 +47,10 @@ class Eagle3Config(DraftConfig):
             raise SpecdraftError(f"eagle3 config: ttt_steps must be >= 1, got {self.ttt_steps}")
         if not 0 < self.ttt_decay <= 1:
             raise SpecdraftError(f"eagle3 config: ttt_decay must be in (0, 1], got {self.ttt_decay}")
+        if self.norm_before_fc and self.fc_norm:
+            raise SpecdraftError(
+                "eagle3 config: norm_before_fc and fc_norm are exclusive (one norm of the concatenation, or one per layer)"
+            )
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise SpecdraftError(f"eagle3 config: draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         if self.draft_vocab_size is not None and self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:

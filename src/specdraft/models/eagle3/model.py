@@ -124,7 +124,10 @@ class Eagle3Drafter(SpeculatorsDrafter):
                 "when the drafter is built; use MethodSpec.build(config, target, counts=...)"
             )
         self.draft_vocab: int = c.draft_vocab_size
-        self.fc = nn.Linear(len(c.slots()) * d.hidden_size, d.hidden_size, bias=False)
+        width = len(c.slots()) * d.hidden_size
+        self.input_norm = RMSNorm(width, d.rms_norm_eps) if c.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(d.hidden_size, d.rms_norm_eps) for _ in c.slots()]) if c.fc_norm else None
+        self.fc = nn.Linear(width, d.hidden_size, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(c)])
         self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.lm_head = nn.Linear(d.hidden_size, self.draft_vocab, bias=False)
@@ -155,17 +158,14 @@ class Eagle3Drafter(SpeculatorsDrafter):
         return {
             "eagle_aux_hidden_state_layer_ids": aux_ids,
             "norm_before_residual": self.config.norm_before_residual,
-            "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
+            "norm_before_fc": self.config.norm_before_fc,
+            "fc_norm": self.config.fc_norm,
+            "norm_output": self.config.norm_output,
             "embed_requires_grad": False,
         }
 
     @classmethod
     def speculators_fields(cls, cfg: dict, *, where: str) -> dict:
-        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-            if cfg.get(flag):
-                raise SpecdraftError(f"{where}: EAGLE-3 option {flag}=true is not supported by specdraft")
         ids = cfg.get("eagle_aux_hidden_state_layer_ids")
         if not ids:
             raise SpecdraftError(f"{where}: eagle_aux_hidden_state_layer_ids is missing; cannot tell which target layers to read")
@@ -183,6 +183,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
             "draft_vocab_size": int(cfg.get("draft_vocab_size") or shape["vocab_size"]),
             "ttt_steps": int(steps),
             "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
+            **{flag: bool(cfg.get(flag, False)) for flag in ("norm_before_fc", "fc_norm", "norm_output")},
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -216,6 +217,20 @@ class Eagle3Drafter(SpeculatorsDrafter):
         cos, sin = self.rotary(positions, embeds.dtype)
         return self.layers[0](embeds, feature, cos, sin, past, mask, shard)
 
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target features [..., S, D] of S layers -> the step-0 feature [..., D]: fc of their concatenation, each
+        layer's features normed first with ``fc_norm``, the concatenation normed with ``norm_before_fc``."""
+        aux = aux.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            aux = torch.stack([norm(aux[..., i, :]) for i, norm in enumerate(self.fc_norm)], dim=-2)
+        flat = aux.flatten(-2)
+        return self.fc(flat if self.input_norm is None else self.input_norm(flat))
+
+    def next_feature(self, out: torch.Tensor) -> torch.Tensor:
+        """The feature the next unroll or draft step reads from this step's output: normed with ``norm_output``
+        (Eagle 3.1), else the raw output. The logits are ``lm_head(norm(out))`` either way."""
+        return self.norm(out) if self.config.norm_output else out
+
     def sequence_halo(self) -> int:
         """Rows after its own that a rank of a sequence-parallel group reads (``models/common/sequence.py``): step j at
         row t embeds token t+1+j, is scored against ``last_hidden`` at t+1+j and labelled with token t+2+j."""
@@ -229,7 +244,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
         positions = shard.own(batch.position_ids)
         rows = positions.shape[1]
         idx = torch.arange(rows, device=tokens.device)
-        feature = self.fc(shard.own(batch.aux_hidden).flatten(2).to(self.fc.weight.dtype))
+        feature = self.fuse(shard.own(batch.aux_hidden))
         past: KV | None = None
         outputs: list[torch.Tensor] = []
         for j in range(self.config.ttt_steps):
@@ -239,7 +254,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
             out, kv = self._layer(embeds, feature, positions + 1 + j, past, mask, shard)
             past = kv if past is None else (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
             outputs.append(out)
-            feature = out
+            feature = self.next_feature(out)
         return outputs
 
     def step_valid(self, batch: DrafterBatch, step: int) -> torch.Tensor:
@@ -300,7 +315,7 @@ class Eagle3Drafter(SpeculatorsDrafter):
         """Commit accepted positions. features [n, S, D] (target aux states at those positions),
         next_tokens [n] (the token after each), positions [n]. Returns output hidden [n, D]."""
         m, new = cache.length, features.shape[0]
-        feature = self.fc(features.flatten(1).to(self.fc.weight.dtype))[None]
+        feature = self.fuse(features)[None]
         mask = torch.cat([torch.ones(new, m, dtype=torch.bool), torch.ones(new, new, dtype=torch.bool).tril()], dim=1).to(feature.device)
         out, kv = self._layer(self.embed_tokens(next_tokens)[None], feature, positions[None] + 1, cache.kv, mask[None, None])
         cache.append(kv)
@@ -311,15 +326,15 @@ class Eagle3Drafter(SpeculatorsDrafter):
         self, cache: Eagle3Cache, draft_kv: Eagle3Cache, *, hidden: torch.Tensor, token: torch.Tensor, step: int, base_position: int
     ) -> torch.Tensor:
         """One chain step ``step`` >= 1 from the last committed position ``base_position``:
-        feature = the previous step's output ``hidden`` [D], input ``token`` = the previous draft.
-        Sees the committed cache plus this round's ``draft_kv`` (which it extends)."""
+        feature = the previous step's output ``hidden`` [D] (as ``next_feature`` gives it), input ``token`` = the
+        previous draft. Sees the committed cache plus this round's ``draft_kv`` (which it extends)."""
         past = cache.kv
         if draft_kv.kv is not None:
             past = (torch.cat([past[0], draft_kv.kv[0]], 2), torch.cat([past[1], draft_kv.kv[1]], 2)) if past else draft_kv.kv
         total = (0 if past is None else past[0].shape[2]) + 1
         mask = torch.ones(1, 1, 1, total, dtype=torch.bool, device=hidden.device)
         pos = torch.tensor([[base_position + 1 + step]], device=hidden.device)
-        out, kv = self._layer(self.embed_tokens(token.view(1, 1)), hidden.view(1, 1, -1), pos, past, mask)
+        out, kv = self._layer(self.embed_tokens(token.view(1, 1)), self.next_feature(hidden).view(1, 1, -1), pos, past, mask)
         draft_kv.append(kv)
         return out[0, 0]
 
