@@ -41,6 +41,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import reading_section
 from peer_compare import INTEROP_PYTHON, defaults, suite_eval_runs, train_ours, train_peer
 from peer_trainer import decode_validation
 
@@ -271,6 +272,7 @@ def main() -> None:
         help="report only the validation decodes earlier runs finished (list the rest): what a cut-short run leaves",
     )
     parser.add_argument("--train-only", action="store_true", help="stop after training every run")
+    parser.add_argument("--reading", type=Path, help="a Markdown file of what the table says, written under it as 'Reading'")
     args = parser.parse_args()
 
     from specdraft.hidden_states.dataset import HiddenStateDataset
@@ -387,17 +389,18 @@ def main() -> None:
             for run in trained:
                 run["suite_tau"] = {}
         runs += trained
-        write_results(results, {"protocol": protocol, "runs": runs, "summary": summarize(runs), "failures": failures, "settings": settings})
+        result = {"protocol": protocol, "runs": runs, "summary": summarize(runs), "failures": failures, "settings": settings}
+        write_results(results, result, args.reading)
 
 
-def write_results(results: Path, result: dict) -> None:
+def write_results(results: Path, result: dict, reading: Path | None = None) -> None:
     """JSON, Markdown and PNG of the runs so far (written after every seed, so a cut-short run leaves its finished seeds)."""
     seen = {trainer: sorted({r["train"]["tokens"] for r in result["runs"] if r["trainer"] == trainer}) for trainer in ("ours", "peer")}
     # ours count tokens exactly; the peer's are its step records' tokens/s x step time, rounded per step
     result["protocol"].update(equal_tokens=len(seen["ours"]) == 1, tokens_seen=seen)
     results.parent.mkdir(parents=True, exist_ok=True)
     results.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    results.with_suffix(".md").write_text(markdown(result))
+    results.with_suffix(".md").write_text("\n".join([markdown(result).rstrip(), "", *reading_section(reading)]).rstrip() + "\n")
     plot(result, results.with_suffix(".png"))
     print(markdown(result), flush=True)
 

@@ -389,3 +389,20 @@ def test_checkpoints_from_before_a_field_existed_load_with_its_default(saved, ta
     (saved / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpecdraftError, match="specdraft.config lacks anchor_sampling"):
         METHODS.get("dflash").model_cls.from_pretrained(saved, target=target)
+
+
+def test_eagle3_checkpoints_from_before_eagle31_load_without_its_norms(tmp_path, target):
+    """An EAGLE-3 checkpoint saved before the Eagle 3.1 switches existed has none of them in specdraft.config: it loads
+    with all three off (its architecture then), and config.json's own switches still have to agree."""
+    model = _build("eagle3", target)
+    model.save_pretrained(tmp_path / "e")
+    cfg = json.loads((tmp_path / "e/config.json").read_text())
+    for name in ("norm_before_fc", "fc_norm", "norm_output"):
+        del cfg["specdraft"]["config"][name]
+    (tmp_path / "e/config.json").write_text(json.dumps(cfg))
+    loaded = METHODS.get("eagle3").model_cls.from_pretrained(tmp_path / "e", target=target)
+    assert not (loaded.config.norm_before_fc or loaded.config.fc_norm or loaded.config.norm_output)
+    cfg["norm_output"] = True  # the speculators side says otherwise: refused, not decoded wrongly
+    (tmp_path / "e/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecdraftError, match="norm_output"):
+        METHODS.get("eagle3").model_cls.from_pretrained(tmp_path / "e", target=target)

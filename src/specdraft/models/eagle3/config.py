@@ -32,11 +32,18 @@ class Eagle3Config(DraftConfig):
     ttt_steps: int = config_field(7, help="training-time-test unroll steps (also the number of draft tokens per round)")
     ttt_decay: float = config_field(0.8, help="loss weight decay per unroll step: step j is weighted decay**j")
     norm_before_residual: bool = config_field(False, help="use the normed feature as the residual of the fused layer")
-    # Eagle 3.1 (speculators' eagle3 defaults are norm_before_fc + norm_output); vLLM serves all three
-    norm_before_fc: bool = config_field(False, help="one RMSNorm over the concatenated target features before fc (gpt-oss style)")
-    fc_norm: bool = config_field(False, help="an RMSNorm per target layer's feature before concatenation and fc (Eagle 3.1)")
+    # Eagle 3.1 (speculators' eagle3 defaults are norm_before_fc + norm_output); vLLM serves all three. Checkpoints from
+    # before they existed have none of these norms (added_later: absent reads as False, checked against config.json's own)
+    norm_before_fc: bool = config_field(
+        False, help="one RMSNorm over the concatenated target features before fc (gpt-oss style)", metadata={"added_later": True}
+    )
+    fc_norm: bool = config_field(
+        False, help="an RMSNorm per target layer's feature before concatenation and fc (Eagle 3.1)", metadata={"added_later": True}
+    )
     norm_output: bool = config_field(
-        False, help="feed the normed output to the next unroll/draft step instead of the raw one (Eagle 3.1: less drift with depth)"
+        False,
+        help="feed the normed output to the next unroll/draft step instead of the raw one (Eagle 3.1: less drift with depth)",
+        metadata={"added_later": True},
     )
 
     def __post_init__(self) -> None:
