@@ -269,7 +269,7 @@ def main() -> None:
     parser.add_argument(
         "--cached-only",
         action="store_true",
-        help="report only the validation decodes earlier runs finished (list the rest): what a cut-short run leaves",
+        help="report only the validation decodes and suite evals earlier runs finished (list the rest): what a cut-short run leaves",
     )
     parser.add_argument("--train-only", action="store_true", help="stop after training every run")
     parser.add_argument("--reading", type=Path, help="a Markdown file of what the table says, written under it as 'Reading'")
@@ -381,7 +381,10 @@ def main() -> None:
                 cached.write_text(json.dumps(decoded))
             run["val_tau"] = json.loads(cached.read_text())
             print(run["trainer"], run["method"], seed, "tau val", run["val_tau"]["tau"], flush=True)
-        if args.suite:
+        suite_done = (out / f"eval-seed{seed}" / "report.json").is_file()
+        if args.suite and args.cached_only and not suite_done:
+            failures.append({"seed": seed, "method": "all", "trainer": "both", "error": "suite not evaluated (--cached-only)"})
+        if args.suite and (suite_done or not args.cached_only):
             taus = suite_taus(args, {f"{r['trainer']}/{r['method']}": r["train"]["checkpoint"] for r in trained}, out / f"eval-seed{seed}")
             for run in trained:
                 run["suite_tau"] = taus[f"{run['trainer']}/{run['method']}"]

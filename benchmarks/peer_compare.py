@@ -51,6 +51,11 @@ ROOT = Path(__file__).resolve().parent.parent
 INTEROP_PYTHON = ROOT / ".venv-interop/bin/python"
 
 
+def log_beside(out: Path) -> Path:
+    """``OUT.log`` beside the run directory ``OUT``, whose name may hold a dot (a candidate such as ``eagle3.1``)."""
+    return out.parent / f"{out.name}.log"
+
+
 def run_logged(cmd: list[str], log: Path, threads: int, lock: str | None) -> float:
     """Run ``cmd`` with ``threads`` torch threads, output to ``log``; wall seconds. A failure names the log."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(threads)}
@@ -89,7 +94,7 @@ def train_ours(method: str, args: argparse.Namespace, out: Path) -> dict:
             str(args.threads),
             *shlex.split(args.ours_flags),
         ]
-        wall = run_logged(cmd, out.with_suffix(".log"), args.threads, args.lock)
+        wall = run_logged(cmd, log_beside(out), args.threads, args.lock)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("split") == "train"]
     tokens, seconds = sum(r["tokens"] for r in train), sum(r["seconds"] for r in train)
@@ -155,7 +160,7 @@ def train_peer(method: str, args: argparse.Namespace, out: Path, ours: dict) -> 
             "--extra",
             " ".join(flags),
         ]
-        wall = run_logged(cmd, out.with_suffix(".log"), args.threads, args.lock)
+        wall = run_logged(cmd, log_beside(out), args.threads, args.lock)
     facts = json.loads(summary.read_text())
     return {
         "checkpoint": str(last_checkpoint(out / "run")),
@@ -271,7 +276,7 @@ def suite_eval_runs(args: argparse.Namespace, drafters: list[str], out: Path) ->
             str(out),
             "--no-plots",
         ]
-        run_logged(cmd, out.with_suffix(".log"), args.threads, None)
+        run_logged(cmd, log_beside(out), args.threads, None)
     return {r["drafter"]: r for r in json.loads(report.read_text())["runs"]}
 
 
