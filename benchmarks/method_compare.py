@@ -348,8 +348,9 @@ def main() -> None:
                             "train": train_peer(method, peer_args, base / f"peer-{method}", ours),
                         }
                     )
-                    own = defaults(method, peer_args, base / f"ours-{method}", base / f"peer-{method}")
-                    settings.setdefault(method, [row for row in own if row[0] != "seed"])
+                    if method not in settings:  # one seed's settings stand for all (each call runs the peer's resolver)
+                        own = defaults(method, peer_args, base / f"ours-{method}", base / f"peer-{method}")
+                        settings[method] = [row for row in own if row[0] != "seed"]
                 except SystemExit as failed:  # the peer's failure is a result too (its log is named); ours go on
                     failures.append({"seed": seed, "method": method, "trainer": "peer", "error": str(failed)})
                     print(failures[-1], flush=True)
